@@ -1,0 +1,124 @@
+//! `driver=file`: a host file or block device.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::OpenOptionsExt;
+use std::sync::Arc;
+
+use vsd_engine::{IoOp, IoQueue, PoolQueue, ThreadPool, UringQueue};
+
+use super::{Filter, FilteredQueue, Route, out_of_bounds};
+use crate::options::OptionMap;
+use crate::{BlockNode, GraphError};
+
+/// How requests reach the file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Aio {
+    IoUring,
+    Threads,
+}
+
+pub(crate) struct FileNode {
+    name: String,
+    file: Arc<File>,
+    size: u64,
+    read_only: bool,
+    policy: FilePolicy,
+    /// Only for `aio=threads`: shared by all of the node's queues.
+    pool: Option<Arc<ThreadPool>>,
+}
+
+/// What the file driver answers without I/O.
+#[derive(Clone, Copy)]
+struct FilePolicy {
+    size: u64,
+    /// `cache.no-flush=on`: flushes succeed at once (cache=unsafe).
+    no_flush: bool,
+    /// `discard=unmap`: discards punch holes; otherwise they are ignored.
+    unmap: bool,
+}
+
+impl FileNode {
+    pub(crate) fn open(name: String, opts: &mut OptionMap) -> Result<Self, GraphError> {
+        let context = opts.context().to_string();
+        let filename = opts.require("filename")?;
+        let direct = opts.take_bool("cache.direct")?.unwrap_or(false);
+        let no_flush = opts.take_bool("cache.no-flush")?.unwrap_or(false);
+        let read_only = opts.take_bool("read-only")?.unwrap_or(false);
+        let aio = match opts.take_choice("aio", &["io_uring", "threads"])? {
+            Some("threads") => Aio::Threads,
+            _ => Aio::IoUring,
+        };
+        let unmap =
+            opts.take_choice("discard", &["ignore", "off", "unmap", "on"])?.is_some_and(|d| d == "unmap" || d == "on");
+
+        let host = |what: String, source: io::Error| GraphError::Host { context: context.clone(), what, source };
+        let mut open = File::options();
+        open.read(true).write(!read_only);
+        if direct {
+            open.custom_flags(libc::O_DIRECT);
+        }
+        let file = open.open(&filename).map_err(|e| {
+            let hint = if direct && e.raw_os_error() == Some(libc::EINVAL) {
+                " (the file system may not support cache.direct=on)"
+            } else {
+                ""
+            };
+            host(format!("cannot open '{filename}'{hint}"), e)
+        })?;
+        let size = vsd_sys::file_size(&file).map_err(|e| host(format!("cannot size '{filename}'"), e))?;
+        if aio == Aio::IoUring {
+            UringQueue::probe().map_err(|e| host("aio=io_uring".into(), e))?;
+        }
+        Ok(Self {
+            name,
+            file: Arc::new(file),
+            size,
+            read_only,
+            policy: FilePolicy { size, no_flush, unmap },
+            pool: (aio == Aio::Threads).then(ThreadPool::new),
+        })
+    }
+}
+
+impl Filter for FilePolicy {
+    fn route(&self, op: IoOp) -> Route {
+        if out_of_bounds(&op, self.size) {
+            return Route::Answer(libc::EIO);
+        }
+        match op {
+            IoOp::Flush if self.no_flush => Route::Answer(0),
+            IoOp::Discard { .. } if !self.unmap => Route::Answer(0),
+            IoOp::WriteZeroes { offset, len, may_unmap } => {
+                Route::Forward(IoOp::WriteZeroes { offset, len, may_unmap: may_unmap && self.unmap })
+            }
+            op => Route::Forward(op),
+        }
+    }
+}
+
+impl BlockNode for FileNode {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn driver(&self) -> &'static str {
+        "file"
+    }
+
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
+        let engine: Box<dyn IoQueue> = match &self.pool {
+            Some(pool) => Box::new(PoolQueue::new(pool.clone(), self.file.clone(), depth)?),
+            None => Box::new(UringQueue::new(self.file.clone(), depth)?),
+        };
+        Ok(Box::new(FilteredQueue::new(engine, self.policy, depth)))
+    }
+}

@@ -1,0 +1,110 @@
+//! The drivers a `--blockdev` can name.
+
+mod file;
+mod null;
+mod raw;
+
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+
+use vsd_engine::{Completion, IoOp, IoQueue};
+
+use crate::options::OptionMap;
+use crate::{BlockGraph, BlockNode, GraphError};
+
+pub(crate) fn open(
+    driver: &str,
+    name: String,
+    opts: &mut OptionMap,
+    graph: &BlockGraph,
+) -> Result<Arc<dyn BlockNode>, GraphError> {
+    match driver {
+        "file" => Ok(Arc::new(file::FileNode::open(name, opts)?)),
+        "raw" => Ok(Arc::new(raw::RawNode::open(name, opts, graph)?)),
+        "null-co" => Ok(Arc::new(null::NullNode::open(name, opts)?)),
+        _ => Err(GraphError::UnknownDriver { context: opts.context().into(), driver: driver.into() }),
+    }
+}
+
+/// What a filter decides for one request.
+pub(crate) enum Route {
+    /// Pass this (possibly rewritten) request down.
+    Forward(IoOp),
+    /// Complete it here with this errno (0: success without I/O).
+    Answer(i32),
+}
+
+/// A driver's per-request decision: rewrite, answer, or pass on.
+pub(crate) trait Filter: Send {
+    fn route(&self, op: IoOp) -> Route;
+}
+
+/// A queue that lets a [`Filter`] answer some requests itself and forwards
+/// the rest to the queue below, merging both kinds of completion.
+pub(crate) struct FilteredQueue<F> {
+    inner: Box<dyn IoQueue>,
+    filter: F,
+    answered: Vec<Completion>,
+}
+
+impl<F: Filter> FilteredQueue<F> {
+    pub(crate) fn new(inner: Box<dyn IoQueue>, filter: F, depth: u16) -> Self {
+        Self { inner, filter, answered: Vec::with_capacity(usize::from(depth)) }
+    }
+}
+
+impl<F: Filter> IoQueue for FilteredQueue<F> {
+    unsafe fn push(&mut self, tag: u32, op: IoOp) {
+        match self.filter.route(op) {
+            // SAFETY: the caller's guarantee for `op` covers the forwarded
+            // request, which names the same buffers.
+            Route::Forward(op) => unsafe { self.inner.push(tag, op) },
+            Route::Answer(errno) => self.answered.push(Completion { tag, errno }),
+        }
+    }
+
+    fn submit(&mut self) -> io::Result<()> {
+        self.inner.submit()
+    }
+
+    fn reap(&mut self, out: &mut Vec<Completion>) {
+        out.append(&mut self.answered);
+        self.inner.reap(out);
+    }
+
+    fn wait(&mut self) -> io::Result<()> {
+        if self.answered.is_empty() { self.inner.wait() } else { Ok(()) }
+    }
+
+    fn notify_fd(&self) -> Option<RawFd> {
+        self.inner.notify_fd()
+    }
+}
+
+/// The byte range a request touches, if it touches one.
+pub(crate) fn extent(op: &IoOp) -> Option<(u64, u64)> {
+    match *op {
+        IoOp::Read { offset, len, .. }
+        | IoOp::Write { offset, len, .. }
+        | IoOp::Discard { offset, len }
+        | IoOp::WriteZeroes { offset, len, .. } => Some((offset, len)),
+        IoOp::Flush => None,
+    }
+}
+
+/// `op` moved by `delta` bytes.
+pub(crate) fn shifted(op: IoOp, delta: u64) -> IoOp {
+    match op {
+        IoOp::Read { offset, len, iov } => IoOp::Read { offset: offset + delta, len, iov },
+        IoOp::Write { offset, len, iov, durable } => IoOp::Write { offset: offset + delta, len, iov, durable },
+        IoOp::Discard { offset, len } => IoOp::Discard { offset: offset + delta, len },
+        IoOp::WriteZeroes { offset, len, may_unmap } => IoOp::WriteZeroes { offset: offset + delta, len, may_unmap },
+        IoOp::Flush => IoOp::Flush,
+    }
+}
+
+/// EIO for a request outside the node: never let it reach the host.
+pub(crate) fn out_of_bounds(op: &IoOp, size: u64) -> bool {
+    extent(op).is_some_and(|(offset, len)| !vsd_engine::range_ok(offset, len, size))
+}

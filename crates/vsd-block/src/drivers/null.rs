@@ -1,0 +1,50 @@
+//! `driver=null-co`: a device that does no I/O, to measure everything else.
+
+use std::io;
+use std::time::Duration;
+
+use vsd_engine::{IoQueue, NullQueue};
+
+use crate::options::OptionMap;
+use crate::{BlockNode, GraphError};
+
+pub(crate) struct NullNode {
+    name: String,
+    size: u64,
+    read_zeroes: bool,
+    latency: Duration,
+    read_only: bool,
+}
+
+impl NullNode {
+    pub(crate) fn open(name: String, opts: &mut OptionMap) -> Result<Self, GraphError> {
+        // QEMU's defaults: 1 GiB, buffers left as they are, no latency.
+        let size = opts.take_size("size")?.unwrap_or(1 << 30);
+        let read_zeroes = opts.take_bool("read-zeroes")?.unwrap_or(false);
+        let latency = Duration::from_nanos(opts.take_u64("latency-ns")?.unwrap_or(0));
+        let read_only = opts.take_bool("read-only")?.unwrap_or(false);
+        Ok(Self { name, size, read_zeroes, latency, read_only })
+    }
+}
+
+impl BlockNode for NullNode {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn driver(&self) -> &'static str {
+        "null-co"
+    }
+
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
+        Ok(Box::new(NullQueue::new(depth, self.read_zeroes, self.latency)?))
+    }
+}

@@ -1,0 +1,76 @@
+//! `driver=raw`: the bytes of its child, optionally a window of them
+//! (`offset=`, `size=`).
+
+use std::io;
+use std::sync::Arc;
+
+use vsd_engine::{IoOp, IoQueue};
+
+use super::{Filter, FilteredQueue, Route, out_of_bounds, shifted};
+use crate::options::OptionMap;
+use crate::{BlockGraph, BlockNode, GraphError};
+
+pub(crate) struct RawNode {
+    name: String,
+    child: Arc<dyn BlockNode>,
+    window: Window,
+    read_only: bool,
+}
+
+#[derive(Clone, Copy)]
+struct Window {
+    offset: u64,
+    size: u64,
+}
+
+impl RawNode {
+    pub(crate) fn open(name: String, opts: &mut OptionMap, graph: &BlockGraph) -> Result<Self, GraphError> {
+        let context = opts.context().to_string();
+        let child_name = opts.require("file")?;
+        let child = graph
+            .get(&child_name)
+            .ok_or_else(|| GraphError::NoSuchNode { context: context.clone(), name: child_name })?;
+        let offset = opts.take_size("offset")?.unwrap_or(0);
+        let room = child.size().checked_sub(offset).ok_or_else(|| GraphError::Invalid {
+            context: context.clone(),
+            reason: format!("offset {offset} is past the end of '{}' ({} bytes)", child.name(), child.size()),
+        })?;
+        let size = opts.take_size("size")?.unwrap_or(room);
+        if size > room {
+            return Err(GraphError::Invalid {
+                context,
+                reason: format!("offset {offset} + size {size} exceed '{}' ({} bytes)", child.name(), child.size()),
+            });
+        }
+        let read_only = opts.take_bool("read-only")?.unwrap_or(false) || child.read_only();
+        Ok(Self { name, child, window: Window { offset, size }, read_only })
+    }
+}
+
+impl Filter for Window {
+    fn route(&self, op: IoOp) -> Route {
+        if out_of_bounds(&op, self.size) { Route::Answer(libc::EIO) } else { Route::Forward(shifted(op, self.offset)) }
+    }
+}
+
+impl BlockNode for RawNode {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn driver(&self) -> &'static str {
+        "raw"
+    }
+
+    fn size(&self) -> u64 {
+        self.window.size
+    }
+
+    fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
+        Ok(Box::new(FilteredQueue::new(self.child.open_queue(depth)?, self.window, depth)))
+    }
+}

@@ -1,0 +1,258 @@
+//! QEMU-style option strings: `key=value,key=value` (a doubled comma is a
+//! literal comma) or a JSON object, as `--blockdev` and `--export` take them.
+
+use std::fmt;
+
+/// A mistake in an option string; each names the option at fault.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum OptionError {
+    /// The text is neither `key=value,...` nor a JSON object.
+    #[error("{context}: {reason}")]
+    Syntax {
+        /// Which option string.
+        context: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A required key is absent.
+    #[error("{context}: parameter '{key}' is missing")]
+    Missing {
+        /// Which option string.
+        context: String,
+        /// The key.
+        key: String,
+    },
+    /// A value does not parse.
+    #[error("{context}: parameter '{key}' expects {expected}, not '{value}'")]
+    Invalid {
+        /// Which option string.
+        context: String,
+        /// The key.
+        key: String,
+        /// The value given.
+        value: String,
+        /// What was expected.
+        expected: String,
+    },
+    /// A key nobody asked for.
+    #[error("{context}: unknown parameter '{key}'")]
+    Unknown {
+        /// Which option string.
+        context: String,
+        /// The key.
+        key: String,
+    },
+}
+
+/// The parsed keys of one option string, consumed key by key.
+///
+/// Every `take_*` removes its key; [`OptionMap::finish`] then rejects any
+/// key left over, so a typo is an error rather than silently ignored.
+#[derive(Debug, Clone)]
+pub struct OptionMap {
+    context: String,
+    entries: Vec<(String, String)>,
+}
+
+impl OptionMap {
+    /// Parses `text`; `flag` (e.g. `--blockdev`) names it in errors.
+    pub fn parse(flag: &str, text: &str) -> Result<Self, OptionError> {
+        let syntax = |reason: String| OptionError::Syntax { context: format!("{flag} {text}"), reason };
+        let entries = if text.trim_start().starts_with('{') {
+            let value: serde_json::Value = serde_json::from_str(text).map_err(|e| syntax(e.to_string()))?;
+            let mut entries = Vec::new();
+            flatten_json("", &value, &mut entries).map_err(syntax)?;
+            entries
+        } else {
+            split_key_values(text).map_err(syntax)?
+        };
+        for (i, (key, _)) in entries.iter().enumerate() {
+            if entries[..i].iter().any(|(k, _)| k == key) {
+                return Err(syntax(format!("parameter '{key}' appears twice")));
+            }
+        }
+        let context = match entries.iter().find(|(k, _)| k == "node-name" || k == "id") {
+            Some((k, v)) => format!("{flag} {k}={v}"),
+            None => flag.to_string(),
+        };
+        Ok(Self { context, entries })
+    }
+
+    /// How errors name this option string, e.g. `--blockdev node-name=disk`.
+    pub fn context(&self) -> &str {
+        &self.context
+    }
+
+    /// Removes and returns `key`'s value.
+    pub fn take(&mut self, key: &str) -> Option<String> {
+        let at = self.entries.iter().position(|(k, _)| k == key)?;
+        Some(self.entries.remove(at).1)
+    }
+
+    /// Removes and returns `key`'s value, which must be present.
+    pub fn require(&mut self, key: &str) -> Result<String, OptionError> {
+        self.take(key).ok_or_else(|| OptionError::Missing { context: self.context.clone(), key: key.into() })
+    }
+
+    /// A boolean: on/off, true/false, yes/no.
+    pub fn take_bool(&mut self, key: &str) -> Result<Option<bool>, OptionError> {
+        self.take_parsed(key, "on or off", |v| match v {
+            "on" | "true" | "yes" => Some(true),
+            "off" | "false" | "no" => Some(false),
+            _ => None,
+        })
+    }
+
+    /// A byte count, with an optional k/M/G/T suffix (powers of 1024).
+    pub fn take_size(&mut self, key: &str) -> Result<Option<u64>, OptionError> {
+        self.take_parsed(key, "a size in bytes (suffixes k, M, G, T allowed)", parse_size)
+    }
+
+    /// A plain unsigned integer.
+    pub fn take_u64(&mut self, key: &str) -> Result<Option<u64>, OptionError> {
+        self.take_parsed(key, "an unsigned integer", |v| v.parse().ok())
+    }
+
+    /// One of `choices`.
+    pub fn take_choice(&mut self, key: &str, choices: &[&'static str]) -> Result<Option<&'static str>, OptionError> {
+        let expected = format!("one of {}", choices.join(", "));
+        self.take_parsed(key, &expected, |v| choices.iter().copied().find(|c| *c == v))
+    }
+
+    fn take_parsed<T>(
+        &mut self,
+        key: &str,
+        expected: &str,
+        parse: impl FnOnce(&str) -> Option<T>,
+    ) -> Result<Option<T>, OptionError> {
+        let Some(value) = self.take(key) else { return Ok(None) };
+        match parse(&value) {
+            Some(parsed) => Ok(Some(parsed)),
+            None => Err(self.invalid(key, &value, expected)),
+        }
+    }
+
+    /// An error for a value that parsed but is not acceptable.
+    pub fn invalid(&self, key: &str, value: impl fmt::Display, expected: &str) -> OptionError {
+        OptionError::Invalid {
+            context: self.context.clone(),
+            key: key.into(),
+            value: value.to_string(),
+            expected: expected.into(),
+        }
+    }
+
+    /// Fails if a key was not consumed.
+    pub fn finish(self) -> Result<(), OptionError> {
+        match self.entries.into_iter().next() {
+            Some((key, _)) => Err(OptionError::Unknown { context: self.context, key }),
+            None => Ok(()),
+        }
+    }
+}
+
+fn split_key_values(text: &str) -> Result<Vec<(String, String)>, String> {
+    let mut entries = Vec::new();
+    let mut chars = text.chars().peekable();
+    while chars.peek().is_some() {
+        let mut item = String::new();
+        while let Some(c) = chars.next() {
+            if c == ',' {
+                if chars.peek() == Some(&',') {
+                    chars.next();
+                } else {
+                    break;
+                }
+            }
+            item.push(c);
+        }
+        let Some((key, value)) = item.split_once('=') else {
+            return Err(format!("'{item}' is not of the form key=value"));
+        };
+        if key.is_empty() {
+            return Err(format!("'{item}' has an empty key"));
+        }
+        entries.push((key.to_string(), value.to_string()));
+    }
+    Ok(entries)
+}
+
+fn flatten_json(prefix: &str, value: &serde_json::Value, out: &mut Vec<(String, String)>) -> Result<(), String> {
+    use serde_json::Value;
+    let Value::Object(map) = value else {
+        return Err("the JSON form must be an object".into());
+    };
+    for (key, value) in map {
+        let key = if prefix.is_empty() { key.clone() } else { format!("{prefix}.{key}") };
+        match value {
+            Value::Object(_) => flatten_json(&key, value, out)?,
+            Value::String(s) => out.push((key, s.clone())),
+            Value::Bool(b) => out.push((key, if *b { "on" } else { "off" }.into())),
+            Value::Number(n) => out.push((key, n.to_string())),
+            Value::Null => out.push((key, "null".into())),
+            Value::Array(_) => return Err(format!("parameter '{key}': arrays are not supported")),
+        }
+    }
+    Ok(())
+}
+
+fn parse_size(text: &str) -> Option<u64> {
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (digits, suffix) = text.split_at(split);
+    let shift = match suffix {
+        "" | "b" | "B" => 0,
+        "k" | "K" => 10,
+        "M" | "m" => 20,
+        "G" | "g" => 30,
+        "T" | "t" => 40,
+        _ => return None,
+    };
+    digits.parse::<u64>().ok()?.checked_mul(1 << shift)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_values_with_escaped_commas() {
+        let mut o = OptionMap::parse("--blockdev", "driver=file,node-name=a,filename=/x,,y").unwrap();
+        assert_eq!(o.context(), "--blockdev node-name=a");
+        assert_eq!(o.take("filename").as_deref(), Some("/x,y"));
+        assert_eq!(o.require("driver").unwrap(), "file");
+        o.take("node-name");
+        o.finish().unwrap();
+    }
+
+    #[test]
+    fn json_form_flattens_to_dotted_keys() {
+        let mut o = OptionMap::parse("--blockdev", r#"{"driver":"file","cache":{"direct":true},"size":4096}"#).unwrap();
+        assert_eq!(o.take_bool("cache.direct").unwrap(), Some(true));
+        assert_eq!(o.take_size("size").unwrap(), Some(4096));
+    }
+
+    #[test]
+    fn leftover_keys_are_errors_naming_the_key() {
+        let mut o = OptionMap::parse("--export", "id=e,tpye=x").unwrap();
+        o.take("id");
+        let err = o.finish().unwrap_err();
+        assert_eq!(err.to_string(), "--export id=e: unknown parameter 'tpye'");
+    }
+
+    #[test]
+    fn bad_values_are_errors_naming_the_value() {
+        let mut o = OptionMap::parse("--blockdev", "node-name=n,cache.direct=maybe,size=12Q").unwrap();
+        let err = o.take_bool("cache.direct").unwrap_err();
+        assert!(err.to_string().contains("'maybe'"), "{err}");
+        assert!(o.take_size("size").is_err());
+    }
+
+    #[test]
+    fn sizes_and_syntax() {
+        assert_eq!(parse_size("1G"), Some(1 << 30));
+        assert_eq!(parse_size("512"), Some(512));
+        assert_eq!(parse_size("99999999999T"), None);
+        assert!(OptionMap::parse("--blockdev", "driver").is_err());
+        assert!(OptionMap::parse("--blockdev", "a=1,a=2").is_err());
+    }
+}

@@ -1,0 +1,300 @@
+//! I/O engines: how a block node's requests reach the host.
+//!
+//! ```text
+//!   export queue worker ──push/submit/reap──▶ dyn IoQueue
+//!                                              ├── UringQueue  (one io_uring per queue)
+//!                                              ├── PoolQueue   (shared worker threads)
+//!                                              └── NullQueue   (completes without I/O)
+//! ```
+//!
+//! An [`IoQueue`] belongs to exactly one thread (one virtqueue worker): it
+//! takes requests tagged with a small integer, submits them in batches and
+//! hands back completions. Tags are the caller's slot indices, so no engine
+//! allocates per request.
+
+#![deny(missing_docs)]
+
+mod null;
+mod pool;
+mod uring;
+
+use std::io;
+use std::os::fd::RawFd;
+
+pub use null::NullQueue;
+pub use pool::{PoolQueue, ThreadPool};
+pub use uring::UringQueue;
+
+/// One request, as an engine sees it: byte offsets into the target.
+#[derive(Clone, Copy, Debug)]
+pub enum IoOp {
+    /// Read `len` bytes at `offset` into the buffers of `iov`.
+    Read {
+        /// Byte offset.
+        offset: u64,
+        /// Total length of the buffers.
+        len: u64,
+        /// The scatter list.
+        iov: IoVecs,
+    },
+    /// Write `len` bytes at `offset` from the buffers of `iov`.
+    Write {
+        /// Byte offset.
+        offset: u64,
+        /// Total length of the buffers.
+        len: u64,
+        /// The gather list.
+        iov: IoVecs,
+        /// Complete only once the data is on stable storage (writethrough).
+        durable: bool,
+    },
+    /// Make every completed write durable.
+    Flush,
+    /// Drop the data of a range; reads of it may then return anything.
+    Discard {
+        /// Byte offset.
+        offset: u64,
+        /// Length in bytes.
+        len: u64,
+    },
+    /// Make a range read back as zeroes.
+    WriteZeroes {
+        /// Byte offset.
+        offset: u64,
+        /// Length in bytes.
+        len: u64,
+        /// The range may be deallocated rather than written.
+        may_unmap: bool,
+    },
+}
+
+/// A borrowed scatter/gather list: a pointer to `count` iovecs.
+///
+/// It is a raw pointer because the list outlives any borrow the caller
+/// could express: it must stay valid until the request completes.
+#[derive(Clone, Copy, Debug)]
+pub struct IoVecs {
+    ptr: *const libc::iovec,
+    count: usize,
+}
+
+impl IoVecs {
+    /// Wraps `count` iovecs at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` must point to `count` initialised iovecs, and they and the
+    /// buffers they name must stay valid until the request using them
+    /// completes.
+    pub unsafe fn new(ptr: *const libc::iovec, count: usize) -> Self {
+        Self { ptr, count }
+    }
+
+    /// The iovecs themselves.
+    pub fn as_slice(&self) -> &[libc::iovec] {
+        if self.count == 0 {
+            return &[];
+        }
+        // SAFETY: `new`'s contract: ptr names `count` live iovecs until the
+        // request completes, and requests never outlive their engine call.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.count) }
+    }
+
+    /// Fills the bytes from `start` to the end of the buffers with zeroes
+    /// (the tail of a read that hit the end of the file).
+    ///
+    /// # Safety
+    /// The buffers must be valid for writes and not accessed concurrently.
+    pub unsafe fn zero_from(&self, mut start: usize) {
+        for iov in self.as_slice() {
+            if start >= iov.iov_len {
+                start -= iov.iov_len;
+                continue;
+            }
+            // SAFETY: the caller guarantees the buffer is writable for
+            // iov_len bytes, and start < iov_len.
+            unsafe {
+                std::ptr::write_bytes(iov.iov_base.cast::<u8>().add(start), 0, iov.iov_len - start);
+            }
+            start = 0;
+        }
+    }
+}
+
+// SAFETY: IoVecs is only a description of buffers; the caller of
+// `IoVecs::new` guarantees they stay valid for the request's lifetime,
+// whichever thread performs it.
+unsafe impl Send for IoVecs {}
+
+/// The outcome of one request: `Ok` or the errno it failed with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Completion {
+    /// The tag the request was pushed with.
+    pub tag: u32,
+    /// 0 on success, else a positive errno.
+    pub errno: i32,
+}
+
+/// A per-thread channel to an I/O engine.
+///
+/// Contract: the owner pushes at most `depth` requests (the depth given when
+/// the queue was created) that have not been reaped yet, each with a tag
+/// below `depth` that is not in flight. Pushed requests may wait until
+/// [`IoQueue::submit`]; completions are collected with [`IoQueue::reap`].
+/// Dropping a queue waits for the requests in flight.
+pub trait IoQueue: Send {
+    /// Queues one request.
+    ///
+    /// # Safety
+    /// For reads and writes, the buffers `op` names must stay valid until
+    /// the completion with `tag` has been reaped (see [`IoVecs::new`]).
+    unsafe fn push(&mut self, tag: u32, op: IoOp);
+
+    /// Hands every pushed request to the engine, with one system call at most.
+    fn submit(&mut self) -> io::Result<()>;
+
+    /// Appends the completions that are ready to `out` without blocking.
+    fn reap(&mut self, out: &mut Vec<Completion>);
+
+    /// Blocks until at least one completion may be ready.
+    fn wait(&mut self) -> io::Result<()>;
+
+    /// A descriptor that becomes readable when completions may be ready, if
+    /// the engine completes asynchronously. The owner reads it (8 bytes) to
+    /// re-arm it.
+    fn notify_fd(&self) -> Option<RawFd>;
+}
+
+/// Whether `[offset, offset + len)` lies inside a target of `size` bytes.
+pub fn range_ok(offset: u64, len: u64, size: u64) -> bool {
+    offset.checked_add(len).is_some_and(|end| end <= size)
+}
+
+/// Runs one request synchronously on `fd`: the thread pool's worker body,
+/// and the fallback chain for zeroing that io_uring cannot express alone.
+fn run_sync(fd: std::os::fd::BorrowedFd<'_>, op: IoOp) -> io::Result<()> {
+    use vsd_sys::falloc;
+    match op {
+        IoOp::Read { offset, len, iov } => {
+            let done = transfer(iov, len, |done, rest| {
+                // SAFETY: IoOp's contract: the buffers stay valid and
+                // writable until this request completes.
+                unsafe { vsd_sys::preadv2(fd, rest, offset + done, 0) }
+            })?;
+            // SAFETY: as above; the tail past the end of file reads as zeroes.
+            unsafe { iov.zero_from(done as usize) };
+            Ok(())
+        }
+        IoOp::Write { offset, len, iov, durable } => {
+            let flags = if durable { libc::RWF_DSYNC } else { 0 };
+            let done = transfer(iov, len, |done, rest| {
+                // SAFETY: IoOp's contract: the buffers stay valid until this
+                // request completes.
+                unsafe { vsd_sys::pwritev2(fd, rest, offset + done, flags) }
+            })?;
+            if done < len { Err(io::Error::from_raw_os_error(libc::ENOSPC)) } else { Ok(()) }
+        }
+        IoOp::Flush => vsd_sys::fdatasync(fd),
+        IoOp::Discard { offset, len } => vsd_sys::fallocate(fd, falloc::PUNCH_HOLE, offset, len),
+        IoOp::WriteZeroes { offset, len, may_unmap } => zero_range(fd, offset, len, may_unmap),
+    }
+}
+
+/// Zeroes a range the cheapest way the file system allows, falling back
+/// as QEMU's file driver does: ZERO_RANGE, then PUNCH_HOLE (re-allocated if
+/// unmapping is not allowed), then writing zeroes.
+fn zero_range(fd: std::os::fd::BorrowedFd<'_>, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
+    use vsd_sys::falloc;
+    let unsupported = |e: &io::Error| e.raw_os_error() == Some(libc::EOPNOTSUPP);
+    match vsd_sys::fallocate(fd, falloc::ZERO_RANGE, offset, len) {
+        Err(e) if unsupported(&e) => {}
+        other => return other,
+    }
+    match vsd_sys::fallocate(fd, falloc::PUNCH_HOLE, offset, len) {
+        Ok(()) if may_unmap => return Ok(()),
+        Ok(()) => return vsd_sys::fallocate(fd, falloc::ALLOCATE, offset, len),
+        Err(e) if unsupported(&e) => {}
+        Err(e) => return Err(e),
+    }
+    write_zeroes_slowly(fd, offset, len)
+}
+
+fn write_zeroes_slowly(fd: std::os::fd::BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
+    const CHUNK: usize = 1 << 20;
+    let zeroes = vec![0u8; CHUNK.min(len as usize)];
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(CHUNK as u64) as usize;
+        let iov = [libc::iovec { iov_base: zeroes.as_ptr() as *mut _, iov_len: n }];
+        // SAFETY: iov names `zeroes`, a live buffer of at least n bytes.
+        let written = unsafe { vsd_sys::pwritev2(fd, &iov, offset + done, 0) }?;
+        if written == 0 {
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        done += written as u64;
+    }
+    Ok(())
+}
+
+/// Repeats a vectored transfer until `len` bytes moved or the file ended
+/// (a 0-byte transfer); returns the bytes moved.
+fn transfer(iov: IoVecs, len: u64, mut step: impl FnMut(u64, &[libc::iovec]) -> io::Result<usize>) -> io::Result<u64> {
+    let mut done = 0u64;
+    // The remaining list is only built after a short transfer, which is rare.
+    let mut rest: Option<Vec<libc::iovec>> = None;
+    while done < len {
+        let list = rest.as_deref().unwrap_or(iov.as_slice());
+        match step(done, list) {
+            Ok(0) => break,
+            Ok(n) => {
+                done += n as u64;
+                if done < len {
+                    rest = Some(skip_bytes(iov.as_slice(), done as usize));
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}
+
+/// The part of `iov` that follows its first `skip` bytes.
+fn skip_bytes(iov: &[libc::iovec], mut skip: usize) -> Vec<libc::iovec> {
+    let mut out = Vec::with_capacity(iov.len());
+    for v in iov {
+        if skip >= v.iov_len {
+            skip -= v.iov_len;
+            continue;
+        }
+        out.push(libc::iovec { iov_base: v.iov_base.wrapping_byte_add(skip), iov_len: v.iov_len - skip });
+        skip = 0;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn range_check_catches_overflow_and_end() {
+        assert!(range_ok(0, 4096, 4096));
+        assert!(!range_ok(1, 4096, 4096));
+        assert!(!range_ok(u64::MAX, 2, u64::MAX));
+        assert!(range_ok(4096, 0, 4096));
+    }
+
+    #[test]
+    fn skip_bytes_splits_inside_a_buffer() {
+        let mut a = [0u8; 10];
+        let mut b = [0u8; 6];
+        let iov = [
+            libc::iovec { iov_base: a.as_mut_ptr().cast(), iov_len: 10 },
+            libc::iovec { iov_base: b.as_mut_ptr().cast(), iov_len: 6 },
+        ];
+        let rest = skip_bytes(&iov, 12);
+        assert_eq!(rest.len(), 1);
+        assert_eq!(rest[0].iov_len, 4);
+        assert_eq!(rest[0].iov_base, b.as_mut_ptr().wrapping_add(2).cast());
+    }
+}

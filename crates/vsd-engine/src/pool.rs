@@ -1,0 +1,190 @@
+//! The thread-pool engine (`aio=threads`): blocking system calls on a
+//! shared pool of threads, for hosts where io_uring is unavailable.
+//!
+//! Unlike io_uring, this engine takes a lock per batch and wakes a thread
+//! per request: that is the price of blocking calls, as in QEMU's pool.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+
+use crate::{Completion, IoOp, IoQueue, run_sync};
+
+/// Threads are started on demand up to this many, as QEMU's pool does.
+const MAX_THREADS: usize = 64;
+
+struct Job {
+    file: Arc<File>,
+    tag: u32,
+    op: IoOp,
+    done: Arc<Done>,
+}
+
+/// Where a queue's finished jobs go.
+struct Done {
+    list: Mutex<Vec<Completion>>,
+    ready: Condvar,
+    notify: EventFd,
+}
+
+#[derive(Default)]
+struct Jobs {
+    waiting: VecDeque<Job>,
+    threads: usize,
+    idle: usize,
+    shutdown: bool,
+}
+
+#[derive(Default)]
+struct Shared {
+    jobs: Mutex<Jobs>,
+    wake: Condvar,
+}
+
+/// A pool of threads shared by all queues of one node.
+#[derive(Default)]
+pub struct ThreadPool {
+    shared: Arc<Shared>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panicking job cannot leave these lists inconsistent: each update is
+    // a single push or pop.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl ThreadPool {
+    /// An empty pool; threads start with the first jobs.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    fn enqueue(&self, batch: &mut Vec<Job>) {
+        let mut jobs = lock(&self.shared.jobs);
+        let wanted = batch.len().saturating_sub(jobs.idle);
+        jobs.waiting.extend(batch.drain(..));
+        for _ in 0..wanted {
+            if jobs.threads >= MAX_THREADS {
+                break;
+            }
+            let shared = self.shared.clone();
+            match std::thread::Builder::new().name("vsd-pool".into()).spawn(move || work(&shared)) {
+                Ok(_) => jobs.threads += 1,
+                Err(e) => log::warn!("cannot start a pool thread: {e}"),
+            }
+        }
+        drop(jobs);
+        self.shared.wake.notify_all();
+    }
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        lock(&self.shared.jobs).shutdown = true;
+        self.shared.wake.notify_all();
+    }
+}
+
+fn work(shared: &Shared) {
+    loop {
+        let job = {
+            let mut jobs = lock(&shared.jobs);
+            loop {
+                if let Some(job) = jobs.waiting.pop_front() {
+                    break job;
+                }
+                if jobs.shutdown {
+                    jobs.threads -= 1;
+                    return;
+                }
+                jobs.idle += 1;
+                jobs = shared.wake.wait(jobs).unwrap_or_else(PoisonError::into_inner);
+                jobs.idle -= 1;
+            }
+        };
+        let errno = match run_sync(job.file.as_fd(), job.op) {
+            Ok(()) => 0,
+            Err(e) => e.raw_os_error().unwrap_or(libc::EIO),
+        };
+        lock(&job.done.list).push(Completion { tag: job.tag, errno });
+        job.done.ready.notify_one();
+        if let Err(e) = job.done.notify.write(1) {
+            log::warn!("cannot signal a completion: {e}");
+        }
+    }
+}
+
+/// One queue's channel to a [`ThreadPool`].
+pub struct PoolQueue {
+    pool: Arc<ThreadPool>,
+    file: Arc<File>,
+    done: Arc<Done>,
+    batch: Vec<Job>,
+    in_flight: usize,
+    depth: usize,
+}
+
+impl PoolQueue {
+    /// A queue for at most `depth` requests in flight on `file`.
+    pub fn new(pool: Arc<ThreadPool>, file: Arc<File>, depth: u16) -> io::Result<Self> {
+        let depth = usize::from(depth.max(1));
+        let done = Arc::new(Done {
+            list: Mutex::new(Vec::with_capacity(depth)),
+            ready: Condvar::new(),
+            notify: EventFd::new(EFD_NONBLOCK)?,
+        });
+        Ok(Self { pool, file, done, batch: Vec::with_capacity(depth), in_flight: 0, depth })
+    }
+}
+
+impl IoQueue for PoolQueue {
+    unsafe fn push(&mut self, tag: u32, op: IoOp) {
+        assert!(self.in_flight < self.depth, "more requests than the queue depth");
+        self.in_flight += 1;
+        let (file, done) = (self.file.clone(), self.done.clone());
+        self.batch.push(Job { file, tag, op, done });
+    }
+
+    fn submit(&mut self) -> io::Result<()> {
+        if !self.batch.is_empty() {
+            self.pool.enqueue(&mut self.batch);
+        }
+        Ok(())
+    }
+
+    fn reap(&mut self, out: &mut Vec<Completion>) {
+        let mut list = lock(&self.done.list);
+        self.in_flight -= list.len();
+        out.append(&mut list);
+    }
+
+    fn wait(&mut self) -> io::Result<()> {
+        self.submit()?;
+        let list = lock(&self.done.list);
+        if self.in_flight > 0 && list.is_empty() {
+            drop(self.done.ready.wait(list).unwrap_or_else(PoisonError::into_inner));
+        }
+        Ok(())
+    }
+
+    fn notify_fd(&self) -> Option<RawFd> {
+        Some(self.done.notify.as_raw_fd())
+    }
+}
+
+impl Drop for PoolQueue {
+    fn drop(&mut self) {
+        let mut sink = Vec::new();
+        while self.in_flight > 0 {
+            if self.wait().is_err() {
+                break;
+            }
+            self.reap(&mut sink);
+            sink.clear();
+        }
+    }
+}

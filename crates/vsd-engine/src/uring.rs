@@ -1,0 +1,202 @@
+//! The io_uring engine: one ring per queue, owned by the queue's thread.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
+
+use io_uring::{IoUring, opcode, squeue, types};
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+use vsd_sys::falloc;
+
+use crate::{Completion, IoOp, IoQueue};
+
+/// The file is registered as fixed file 0, which saves the kernel a file
+/// table lookup and reference count per request.
+const FILE: types::Fixed = types::Fixed(0);
+
+/// Where a request is in its life; zeroing may take several steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Step {
+    Idle,
+    Main,
+    /// ZERO_RANGE was unsupported; the range is being punched.
+    PunchHole,
+    /// The punched range is being allocated again (unmapping not allowed).
+    Reallocate,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct InFlight {
+    op: IoOp,
+    step: Step,
+}
+
+/// A queue on its own io_uring, with completions signalled on an eventfd.
+pub struct UringQueue {
+    ring: IoUring,
+    _file: Arc<File>,
+    notify: EventFd,
+    requests: Vec<InFlight>,
+    in_flight: usize,
+    queued: usize,
+}
+
+impl UringQueue {
+    /// A queue for at most `depth` requests in flight on `file`.
+    ///
+    /// Call it from the thread that will use the queue: the ring is set up
+    /// for a single submitter.
+    pub fn new(file: Arc<File>, depth: u16) -> io::Result<Self> {
+        let entries = u32::from(depth.max(1)).next_power_of_two();
+        let ring = IoUring::builder().setup_single_issuer().setup_coop_taskrun().setup_submit_all().build(entries)?;
+        ring.submitter().register_files(&[file.as_raw_fd()])?;
+        let notify = EventFd::new(EFD_NONBLOCK)?;
+        ring.submitter().register_eventfd(notify.as_raw_fd())?;
+        let idle = InFlight { op: IoOp::Flush, step: Step::Idle };
+        Ok(Self { ring, _file: file, notify, requests: vec![idle; usize::from(depth.max(1))], in_flight: 0, queued: 0 })
+    }
+
+    /// Checks that io_uring can be used here, for a clear error at startup
+    /// rather than at the first request.
+    pub fn probe() -> io::Result<()> {
+        IoUring::new(2).map(drop).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("io_uring is unavailable ({e}); is kernel.io_uring_disabled set? aio=threads works without it"),
+            )
+        })
+    }
+
+    fn sqe(op: IoOp, step: Step) -> squeue::Entry {
+        match (op, step) {
+            (IoOp::Read { offset, iov, .. }, _) => {
+                let v = iov.as_slice();
+                opcode::Readv::new(FILE, v.as_ptr(), v.len() as u32).offset(offset).build()
+            }
+            (IoOp::Write { offset, iov, durable, .. }, _) => {
+                let v = iov.as_slice();
+                let flags = if durable { libc::RWF_DSYNC } else { 0 };
+                opcode::Writev::new(FILE, v.as_ptr(), v.len() as u32).offset(offset).rw_flags(flags).build()
+            }
+            (IoOp::Flush, _) => opcode::Fsync::new(FILE).flags(types::FsyncFlags::DATASYNC).build(),
+            (IoOp::Discard { offset, len }, _) => fallocate(offset, len, falloc::PUNCH_HOLE),
+            (IoOp::WriteZeroes { offset, len, .. }, Step::PunchHole) => fallocate(offset, len, falloc::PUNCH_HOLE),
+            (IoOp::WriteZeroes { offset, len, .. }, Step::Reallocate) => fallocate(offset, len, falloc::ALLOCATE),
+            (IoOp::WriteZeroes { offset, len, .. }, _) => fallocate(offset, len, falloc::ZERO_RANGE),
+        }
+    }
+
+    fn queue_sqe(&mut self, tag: u32, step: Step) {
+        let req = &mut self.requests[tag as usize];
+        req.step = step;
+        let sqe = Self::sqe(req.op, step).user_data(u64::from(tag));
+        // The ring has at least `depth` entries and at most `depth` requests
+        // are in flight, but a multi-step request may queue its next step
+        // while others wait: make room rather than fail.
+        if self.ring.submission().is_full() {
+            if let Err(e) = self.ring.submit() {
+                log::warn!("io_uring submit failed: {e}");
+            }
+            self.queued = 0;
+        }
+        // SAFETY: the SQE points at the request's iovecs, which IoQueue's
+        // contract keeps alive until this tag's completion is reaped, and
+        // the ring has room (checked above).
+        let pushed = unsafe { self.ring.submission().push(&sqe) };
+        debug_assert!(pushed.is_ok(), "submission queue full after submit");
+        self.queued += 1;
+    }
+
+    /// Turns one CQE into a completion, or into the request's next step.
+    fn complete(&mut self, tag: u32, result: i32) -> Option<Completion> {
+        let req = self.requests[tag as usize];
+        let errno = if result < 0 { -result } else { 0 };
+        let next = match (req.op, req.step) {
+            (IoOp::WriteZeroes { .. }, Step::Main) if errno == libc::EOPNOTSUPP => Some(Step::PunchHole),
+            (IoOp::WriteZeroes { may_unmap: false, .. }, Step::PunchHole) if errno == 0 => Some(Step::Reallocate),
+            _ => None,
+        };
+        if let Some(step) = next {
+            self.queue_sqe(tag, step);
+            return None;
+        }
+        self.requests[tag as usize].step = Step::Idle;
+        self.in_flight -= 1;
+        let errno = match req.op {
+            IoOp::Read { len, iov, .. } if result >= 0 && (result as u64) < len => {
+                // A read past the end of the file returns zeroes, as QEMU's
+                // file driver does.
+                // SAFETY: IoQueue's contract keeps the buffers valid until
+                // this completion is handed back, which happens next.
+                unsafe { iov.zero_from(result as usize) };
+                0
+            }
+            IoOp::Write { len, .. } if result >= 0 && (result as u64) < len => libc::ENOSPC,
+            // Discarding is advisory, as in QEMU: a file system that cannot
+            // punch holes keeps the data and the request succeeds.
+            IoOp::Discard { .. } if errno == libc::EOPNOTSUPP => 0,
+            _ => errno,
+        };
+        Some(Completion { tag, errno })
+    }
+}
+
+fn fallocate(offset: u64, len: u64, mode: i32) -> squeue::Entry {
+    opcode::Fallocate::new(FILE, len).offset(offset).mode(mode).build()
+}
+
+impl IoQueue for UringQueue {
+    unsafe fn push(&mut self, tag: u32, op: IoOp) {
+        assert!(self.in_flight < self.requests.len(), "more requests than the queue depth");
+        self.requests[tag as usize] = InFlight { op, step: Step::Main };
+        self.in_flight += 1;
+        self.queue_sqe(tag, Step::Main);
+    }
+
+    fn submit(&mut self) -> io::Result<()> {
+        if self.queued == 0 {
+            return Ok(());
+        }
+        self.queued = 0;
+        self.ring.submit().map(drop)
+    }
+
+    fn reap(&mut self, out: &mut Vec<Completion>) {
+        loop {
+            let cqe = {
+                let mut cq = self.ring.completion();
+                cq.sync();
+                cq.next()
+            };
+            let Some(cqe) = cqe else { break };
+            if let Some(done) = self.complete(cqe.user_data() as u32, cqe.result()) {
+                out.push(done);
+            }
+        }
+    }
+
+    fn wait(&mut self) -> io::Result<()> {
+        self.queued = 0;
+        self.ring.submit_and_wait(1).map(drop)
+    }
+
+    fn notify_fd(&self) -> Option<RawFd> {
+        Some(self.notify.as_raw_fd())
+    }
+}
+
+impl Drop for UringQueue {
+    fn drop(&mut self) {
+        // The kernel may still write into buffers of requests in flight:
+        // wait for them before the owner frees those buffers.
+        let mut sink = Vec::new();
+        while self.in_flight > 0 {
+            if self.wait().is_err() {
+                break;
+            }
+            self.reap(&mut sink);
+            sink.clear();
+        }
+    }
+}

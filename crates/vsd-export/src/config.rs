@@ -1,0 +1,96 @@
+//! `--export type=vhost-user-blk,...` options.
+
+use std::path::PathBuf;
+
+use vsd_block::options::{OptionError, OptionMap};
+
+/// The largest queue a front-end may set up.
+pub const MAX_QUEUE_SIZE: u16 = 1024;
+/// Queues an export may offer.
+pub const MAX_QUEUES: u16 = 64;
+
+/// A vhost-user-blk export, as configured.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportConfig {
+    /// `id=`: the export's name.
+    pub id: String,
+    /// `node-name=`: the block node it serves.
+    pub node_name: String,
+    /// `addr.path=`: the listening socket.
+    pub socket: PathBuf,
+    /// `writable=`: whether the guest may write (default off, as in QEMU).
+    pub writable: bool,
+    /// `writethrough=`: every write is durable before it completes, and the
+    /// guest sees no volatile write cache.
+    pub writethrough: bool,
+    /// `num-queues=`: virtqueues offered (default 1).
+    pub num_queues: u16,
+    /// `logical-block-size=`: 512 or 4096.
+    pub logical_block_size: u32,
+    /// `serial=`: what GET_ID answers (at most 20 bytes are sent).
+    pub serial: String,
+}
+
+impl ExportConfig {
+    /// Reads the options of one `--export`.
+    pub fn from_options(opts: &mut OptionMap) -> Result<Self, OptionError> {
+        let kind = opts.require("type")?;
+        if kind != "vhost-user-blk" {
+            return Err(opts.invalid("type", kind, "vhost-user-blk"));
+        }
+        let id = opts.require("id")?;
+        let node_name = opts.require("node-name")?;
+        let addr_type = opts.require("addr.type")?;
+        if addr_type != "unix" {
+            return Err(opts.invalid("addr.type", addr_type, "unix"));
+        }
+        let socket = PathBuf::from(opts.require("addr.path")?);
+        let writable = opts.take_bool("writable")?.unwrap_or(false);
+        let writethrough = opts.take_bool("writethrough")?.unwrap_or(false);
+        let num_queues = match opts.take_u64("num-queues")?.unwrap_or(1) {
+            n @ 1..=64 => n as u16,
+            n => return Err(opts.invalid("num-queues", n, &format!("a number from 1 to {MAX_QUEUES}"))),
+        };
+        let logical_block_size = match opts.take_size("logical-block-size")?.unwrap_or(512) {
+            n @ (512 | 4096) => n as u32,
+            n => return Err(opts.invalid("logical-block-size", n, "512 or 4096")),
+        };
+        let serial = opts.take("serial").unwrap_or_default();
+        Ok(Self { id, node_name, socket, writable, writethrough, num_queues, logical_block_size, serial })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<ExportConfig, OptionError> {
+        let mut opts = OptionMap::parse("--export", text)?;
+        let config = ExportConfig::from_options(&mut opts)?;
+        opts.finish()?;
+        Ok(config)
+    }
+
+    #[test]
+    fn qsd_style_options() {
+        let c = parse(
+            "type=vhost-user-blk,id=e0,node-name=n,addr.type=unix,addr.path=/tmp/s,writable=on,num-queues=4,serial=abc",
+        )
+        .unwrap();
+        assert_eq!(c.num_queues, 4);
+        assert!(c.writable && !c.writethrough);
+        assert_eq!(c.serial, "abc");
+        assert_eq!(c.logical_block_size, 512);
+    }
+
+    #[test]
+    fn bad_values_name_the_parameter() {
+        let err = parse("type=vhost-user-blk,id=e,node-name=n,addr.type=unix,addr.path=/s,num-queues=0").unwrap_err();
+        assert!(err.to_string().contains("num-queues"), "{err}");
+        let err = parse("type=nbd,id=e,node-name=n").unwrap_err();
+        assert!(err.to_string().contains("'nbd'"), "{err}");
+        let err = parse("type=vhost-user-blk,id=e,node-name=n,addr.type=unix,addr.path=/s,logical-block-size=1000")
+            .unwrap_err();
+        assert!(err.to_string().contains("logical-block-size"), "{err}");
+    }
+}

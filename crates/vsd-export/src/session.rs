@@ -1,0 +1,389 @@
+//! One front-end connection: the vhost-user messages that set up memory and
+//! rings, and the queue workers they start and stop.
+//!
+//! This is written on the `vhost` crate directly rather than on
+//! `vhost-user-backend`, whose daemon keeps every vring behind a lock taken
+//! on the request path and does not wait for requests in flight when the
+//! front-end stops a ring (GET_VRING_BASE). Here a worker owns its queue
+//! outright, and stopping it waits for its I/O to finish, so the index
+//! handed back never covers a request still being served.
+
+use std::fs::File;
+use std::io;
+use std::sync::Arc;
+
+use vhost::VhostUserMemoryRegionBase;
+use vhost::vhost_user::message::{
+    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserConfigFlags, VhostUserInflight, VhostUserLog,
+    VhostUserMemoryRegion, VhostUserProtocolFeatures, VhostUserShMemConfig, VhostUserSharedMsg,
+    VhostUserSingleMemoryRegion, VhostUserVirtioFeatures, VhostUserVringAddrFlags, VhostUserVringState,
+};
+use vhost::vhost_user::{Error as ProtocolError, GpuBackend, Result as ProtocolResult, VhostUserBackendReqHandlerMut};
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+use virtio_queue::QueueT;
+use vm_memory::mmap::MmapRegion;
+use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap, GuestRegionMmap};
+
+use crate::config::MAX_QUEUE_SIZE;
+use crate::device::BlkDevice;
+use crate::worker::{QueueRun, Worker, build_queue};
+
+/// Memory slots offered with CONFIGURE_MEM_SLOTS (the common vhost limit).
+const MAX_MEM_SLOTS: u64 = 509;
+
+/// How the front-end's addresses map to guest physical addresses.
+struct Mapping {
+    front_end_addr: u64,
+    size: u64,
+    guest_addr: u64,
+}
+
+/// One virtqueue as the front-end set it up.
+#[derive(Default)]
+struct Vring {
+    size: u16,
+    /// Descriptor table, available ring, used ring (guest addresses).
+    rings: Option<[u64; 3]>,
+    next_avail: u16,
+    kick: Option<File>,
+    call: Option<File>,
+    enabled: bool,
+    worker: Option<Worker>,
+}
+
+/// The state of one connection.
+pub(crate) struct Session {
+    device: Arc<BlkDevice>,
+    acked_features: u64,
+    acked_protocol_features: u64,
+    mem: GuestMemoryAtomic<GuestMemoryMmap>,
+    mappings: Vec<Mapping>,
+    vrings: Vec<Vring>,
+}
+
+fn invalid(reason: &str) -> ProtocolError {
+    ProtocolError::ReqHandlerError(io::Error::new(io::ErrorKind::InvalidInput, reason.to_string()))
+}
+
+impl Session {
+    pub(crate) fn new(device: Arc<BlkDevice>) -> Self {
+        let queues = usize::from(device.config.num_queues);
+        Self {
+            device,
+            acked_features: 0,
+            acked_protocol_features: 0,
+            mem: GuestMemoryAtomic::new(GuestMemoryMmap::new()),
+            mappings: Vec::new(),
+            vrings: (0..queues).map(|_| Vring::default()).collect(),
+        }
+    }
+
+    fn vring(&mut self, index: u32) -> ProtocolResult<&mut Vring> {
+        self.vrings.get_mut(index as usize).ok_or(ProtocolError::InvalidParam)
+    }
+
+    /// Stops a ring's worker, keeping where it got to.
+    fn pause(&mut self, index: u32) -> ProtocolResult<()> {
+        let vring = self.vring(index)?;
+        if let Some(run) = vring.worker.take().and_then(Worker::stop) {
+            vring.next_avail = run.queue.next_avail();
+            vring.kick = Some(run.kick);
+            vring.call = run.call;
+        }
+        Ok(())
+    }
+
+    /// Starts a ring's worker if the front-end has given it all it needs.
+    fn resume(&mut self, index: u32) -> ProtocolResult<()> {
+        let event_idx = self.acked_features & (1 << VIRTIO_RING_F_EVENT_IDX) != 0;
+        let mem = self.mem.memory();
+        let device = self.device.clone();
+        let atomic = self.mem.clone();
+        let vring = self.vring(index)?;
+        let ready = vring.enabled && vring.kick.is_some() && vring.rings.is_some() && vring.worker.is_none();
+        let (Some(rings), true) = (vring.rings, ready) else { return Ok(()) };
+        let queue = build_queue(vring.size, rings, vring.next_avail, event_idx, &mem)
+            .map_err(|e| ProtocolError::ReqHandlerError(io::Error::other(format!("vring {index}: {e}"))))?;
+        let (Some(kick), call) = (vring.kick.take(), vring.call.take()) else { return Ok(()) };
+        let run = QueueRun { index: index as u16, queue, kick, call };
+        let worker = Worker::start(run, atomic, device).map_err(ProtocolError::ReqHandlerError)?;
+        self.vring(index)?.worker = Some(worker);
+        Ok(())
+    }
+
+    /// Applies a change to a ring with its worker stopped, then restarts it.
+    fn reconfigure(&mut self, index: u32, change: impl FnOnce(&mut Vring) -> ProtocolResult<()>) -> ProtocolResult<()> {
+        self.pause(index)?;
+        change(self.vring(index)?)?;
+        self.resume(index)
+    }
+
+    fn stop_all(&mut self) {
+        for index in 0..self.vrings.len() as u32 {
+            let _ = self.pause(index);
+        }
+    }
+
+    fn to_guest_addr(&self, front_end_addr: u64) -> ProtocolResult<u64> {
+        self.mappings
+            .iter()
+            .find(|m| front_end_addr.wrapping_sub(m.front_end_addr) < m.size)
+            .map(|m| front_end_addr - m.front_end_addr + m.guest_addr)
+            .ok_or_else(|| invalid("ring address outside guest memory"))
+    }
+
+    fn map_region(mapping: MmapRegion, guest_addr: u64) -> ProtocolResult<Arc<GuestRegionMmap>> {
+        GuestRegionMmap::new(mapping, GuestAddress(guest_addr))
+            .map(Arc::new)
+            .ok_or_else(|| invalid("memory region overflows the guest address space"))
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.stop_all();
+    }
+}
+
+impl VhostUserBackendReqHandlerMut for Session {
+    fn set_owner(&mut self) -> ProtocolResult<()> {
+        Ok(())
+    }
+
+    fn reset_owner(&mut self) -> ProtocolResult<()> {
+        self.stop_all();
+        let device = self.device.clone();
+        *self = Session::new(device);
+        Ok(())
+    }
+
+    fn reset_device(&mut self) -> ProtocolResult<()> {
+        self.reset_owner()
+    }
+
+    fn get_features(&mut self) -> ProtocolResult<u64> {
+        Ok(self.device.features())
+    }
+
+    fn set_features(&mut self, features: u64) -> ProtocolResult<()> {
+        if features & !self.device.features() != 0 {
+            return Err(ProtocolError::InvalidParam);
+        }
+        self.stop_all();
+        self.acked_features = features;
+        // Without PROTOCOL_FEATURES rings start enabled (vhost-user spec,
+        // "Ring states").
+        let start_enabled = features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() == 0;
+        for index in 0..self.vrings.len() as u32 {
+            if start_enabled {
+                self.vring(index)?.enabled = true;
+            }
+            self.resume(index)?;
+        }
+        Ok(())
+    }
+
+    fn set_mem_table(
+        &mut self,
+        regions: &[VhostUserMemoryRegion],
+        files: Vec<File>,
+        postcopy: Option<bool>,
+    ) -> ProtocolResult<Option<Vec<VhostUserMemoryRegionBase>>> {
+        if postcopy.is_some() {
+            return Err(ProtocolError::InvalidOperation("postcopy is not supported"));
+        }
+        let mut mapped = Vec::with_capacity(regions.len());
+        let mut mappings = Vec::with_capacity(regions.len());
+        for (region, file) in regions.iter().zip(files) {
+            mapped.push(Self::map_region(region.mmap_region(file)?, region.guest_phys_addr)?);
+            mappings.push(Mapping {
+                front_end_addr: region.user_addr,
+                size: region.memory_size,
+                guest_addr: region.guest_phys_addr,
+            });
+        }
+        let memory = GuestMemoryMmap::from_arc_regions(mapped).map_err(|e| invalid(&e.to_string()))?;
+        // Workers load the new table at their next batch; requests in flight
+        // keep the old mappings alive until they complete.
+        self.mem.lock().map_err(|_| invalid("memory lock poisoned"))?.replace(memory);
+        self.mappings = mappings;
+        Ok(None)
+    }
+
+    fn set_vring_num(&mut self, index: u32, num: u32) -> ProtocolResult<()> {
+        if num == 0 || num > u32::from(MAX_QUEUE_SIZE) || !num.is_power_of_two() {
+            return Err(invalid("queue size must be a power of two up to 1024"));
+        }
+        self.reconfigure(index, |v| {
+            v.size = num as u16;
+            Ok(())
+        })
+    }
+
+    fn set_vring_addr(
+        &mut self,
+        index: u32,
+        _flags: VhostUserVringAddrFlags,
+        descriptor: u64,
+        used: u64,
+        available: u64,
+        _log: u64,
+    ) -> ProtocolResult<()> {
+        let rings = [self.to_guest_addr(descriptor)?, self.to_guest_addr(available)?, self.to_guest_addr(used)?];
+        self.reconfigure(index, |v| {
+            v.rings = Some(rings);
+            Ok(())
+        })
+    }
+
+    fn set_vring_base(&mut self, index: u32, base: u32) -> ProtocolResult<()> {
+        self.reconfigure(index, |v| {
+            v.next_avail = base as u16;
+            Ok(())
+        })
+    }
+
+    fn get_vring_base(&mut self, index: u32) -> ProtocolResult<VhostUserVringState> {
+        // Stopping waits for the requests in flight, so the index returned
+        // covers only requests whose completions have been published.
+        self.pause(index)?;
+        let vring = self.vring(index)?;
+        // The ring is stopped until the next SET_VRING_KICK.
+        vring.kick = None;
+        Ok(VhostUserVringState::new(index, u32::from(vring.next_avail)))
+    }
+
+    fn set_vring_kick(&mut self, index: u8, fd: Option<File>) -> ProtocolResult<()> {
+        self.reconfigure(u32::from(index), |v| {
+            v.kick = fd;
+            Ok(())
+        })
+    }
+
+    fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> ProtocolResult<()> {
+        self.reconfigure(u32::from(index), |v| {
+            v.call = fd;
+            Ok(())
+        })
+    }
+
+    fn set_vring_err(&mut self, index: u8, _fd: Option<File>) -> ProtocolResult<()> {
+        self.vring(u32::from(index)).map(drop)
+    }
+
+    fn get_protocol_features(&mut self) -> ProtocolResult<VhostUserProtocolFeatures> {
+        Ok(VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)
+    }
+
+    fn set_protocol_features(&mut self, features: u64) -> ProtocolResult<()> {
+        self.acked_protocol_features = features;
+        Ok(())
+    }
+
+    fn get_queue_num(&mut self) -> ProtocolResult<u64> {
+        Ok(self.vrings.len() as u64)
+    }
+
+    fn set_vring_enable(&mut self, index: u32, enable: bool) -> ProtocolResult<()> {
+        self.reconfigure(index, |v| {
+            v.enabled = enable;
+            Ok(())
+        })
+    }
+
+    fn get_config(&mut self, offset: u32, size: u32, _flags: VhostUserConfigFlags) -> ProtocolResult<Vec<u8>> {
+        let space = self.device.config_space();
+        let start = offset as usize;
+        let end = start.checked_add(size as usize).ok_or(ProtocolError::InvalidParam)?;
+        // Front-ends built against newer headers may ask for more than this
+        // device defines: the rest reads as zeroes.
+        let mut out = vec![0u8; size as usize];
+        if start < space.len() {
+            let n = end.min(space.len()) - start;
+            out[..n].copy_from_slice(&space[start..start + n]);
+        }
+        Ok(out)
+    }
+
+    fn set_config(&mut self, offset: u32, buf: &[u8], _flags: VhostUserConfigFlags) -> ProtocolResult<()> {
+        if self.device.write_config(offset, buf) { Ok(()) } else { Err(invalid("only the wce byte is writable")) }
+    }
+
+    fn set_gpu_socket(&mut self, _gpu_backend: GpuBackend) -> ProtocolResult<()> {
+        Err(ProtocolError::InvalidOperation("not a GPU device"))
+    }
+
+    fn get_shared_object(&mut self, _uuid: VhostUserSharedMsg) -> ProtocolResult<File> {
+        Err(ProtocolError::InvalidOperation("shared objects are not supported"))
+    }
+
+    fn get_inflight_fd(&mut self, _inflight: &VhostUserInflight) -> ProtocolResult<(VhostUserInflight, File)> {
+        Err(ProtocolError::InvalidOperation("INFLIGHT_SHMFD is not supported yet"))
+    }
+
+    fn set_inflight_fd(&mut self, _inflight: &VhostUserInflight, _file: File) -> ProtocolResult<()> {
+        Err(ProtocolError::InvalidOperation("INFLIGHT_SHMFD is not supported yet"))
+    }
+
+    fn get_max_mem_slots(&mut self) -> ProtocolResult<u64> {
+        Ok(MAX_MEM_SLOTS)
+    }
+
+    fn add_mem_region(
+        &mut self,
+        region: &VhostUserSingleMemoryRegion,
+        fd: File,
+        postcopy: Option<bool>,
+    ) -> ProtocolResult<Option<VhostUserMemoryRegionBase>> {
+        if postcopy.is_some() {
+            return Err(ProtocolError::InvalidOperation("postcopy is not supported"));
+        }
+        if self.mappings.len() as u64 >= MAX_MEM_SLOTS {
+            return Err(invalid("too many memory regions"));
+        }
+        let mapped = Self::map_region(region.mmap_region(fd)?, region.guest_phys_addr)?;
+        let memory = self.mem.memory().insert_region(mapped).map_err(|e| invalid(&e.to_string()))?;
+        self.mem.lock().map_err(|_| invalid("memory lock poisoned"))?.replace(memory);
+        self.mappings.push(Mapping {
+            front_end_addr: region.user_addr,
+            size: region.memory_size,
+            guest_addr: region.guest_phys_addr,
+        });
+        Ok(None)
+    }
+
+    fn remove_mem_region(&mut self, region: &VhostUserSingleMemoryRegion) -> ProtocolResult<()> {
+        let (memory, _) = self
+            .mem
+            .memory()
+            .remove_region(GuestAddress(region.guest_phys_addr), region.memory_size)
+            .map_err(|e| invalid(&e.to_string()))?;
+        self.mem.lock().map_err(|_| invalid("memory lock poisoned"))?.replace(memory);
+        self.mappings.retain(|m| m.guest_addr != region.guest_phys_addr);
+        Ok(())
+    }
+
+    fn set_device_state_fd(
+        &mut self,
+        _direction: VhostTransferStateDirection,
+        _phase: VhostTransferStatePhase,
+        _fd: File,
+    ) -> ProtocolResult<Option<File>> {
+        Err(ProtocolError::InvalidOperation("device state transfer is not supported"))
+    }
+
+    fn check_device_state(&mut self) -> ProtocolResult<()> {
+        Err(ProtocolError::InvalidOperation("device state transfer is not supported"))
+    }
+
+    fn get_shmem_config(&mut self) -> ProtocolResult<VhostUserShMemConfig> {
+        Err(ProtocolError::InvalidOperation("shared memory regions are not supported"))
+    }
+
+    fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> ProtocolResult<()> {
+        Err(ProtocolError::InvalidOperation("dirty logging is not supported"))
+    }
+}

@@ -1,0 +1,403 @@
+//! A queue worker: one thread per virtqueue, owning the queue, its I/O
+//! channel and its request slots, so the request path takes no lock.
+//!
+//! Per wake-up: drain the available ring (with notifications off, EVENT_IDX
+//! style), push every request to the engine, submit the batch with one
+//! call, reap what completed, publish the used entries, and signal the
+//! guest once if it asked to be told.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use virtio_queue::{DescriptorChain, Queue, QueueT};
+use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+use vsd_block::{Completion, IoOp, IoQueue, IoVecs};
+
+use crate::device::BlkDevice;
+use crate::request::{self, Action, MAX_IOVECS, NoStatus, status};
+
+type Memory = GuestMemoryMmap;
+
+const TOKEN_KICK: u64 = 0;
+const TOKEN_IO: u64 = 1;
+const TOKEN_STOP: u64 = 2;
+
+/// What a worker needs to run a queue, and hands back when it stops.
+pub(crate) struct QueueRun {
+    pub(crate) index: u16,
+    pub(crate) queue: Queue,
+    pub(crate) kick: File,
+    pub(crate) call: Option<File>,
+}
+
+/// A running worker thread.
+pub(crate) struct Worker {
+    stop: Arc<EventFd>,
+    thread: JoinHandle<QueueRun>,
+}
+
+impl Worker {
+    /// Starts a thread serving `run`. The block node's queue is opened on
+    /// that thread; an error doing so is returned here.
+    pub(crate) fn start(run: QueueRun, mem: GuestMemoryAtomic<Memory>, device: Arc<BlkDevice>) -> io::Result<Self> {
+        let stop = Arc::new(EventFd::new(EFD_NONBLOCK)?);
+        let (ready_tx, ready_rx) = mpsc::sync_channel(1);
+        let stop_fd = stop.clone();
+        let name = format!("vsd-{}-q{}", device.config.id, run.index);
+        let thread = std::thread::Builder::new().name(name).spawn(move || {
+            match QueueWorker::new(run, mem, device, stop_fd) {
+                Ok(mut worker) => {
+                    let _ = ready_tx.send(Ok(()));
+                    worker.run();
+                    worker.into_run()
+                }
+                Err((run, e)) => {
+                    let _ = ready_tx.send(Err(e));
+                    run
+                }
+            }
+        })?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => Ok(Self { stop, thread }),
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                Err(e)
+            }
+            Err(_) => Err(io::Error::other("queue worker died while starting")),
+        }
+    }
+
+    /// Stops the worker after the requests in flight complete, and returns
+    /// the queue with its indexes where the worker left them.
+    pub(crate) fn stop(self) -> Option<QueueRun> {
+        if let Err(e) = self.stop.write(1) {
+            log::error!("cannot stop a queue worker: {e}");
+        }
+        self.thread.join().ok()
+    }
+}
+
+/// Per-request state, kept from pop to completion.
+struct Slot {
+    head: u16,
+    status: GuestAddress,
+    used_len: u32,
+    /// Keeps the guest memory the request points into mapped until it
+    /// completes, even if the front-end replaces the memory table meanwhile.
+    mem: Option<Arc<Memory>>,
+}
+
+struct QueueWorker {
+    run: QueueRun,
+    mem: GuestMemoryAtomic<Memory>,
+    device: Arc<BlkDevice>,
+    io: Box<dyn IoQueue>,
+    epoll: Epoll,
+    /// Watched through `epoll`; held so the descriptor stays open.
+    _stop: Arc<EventFd>,
+    slots: Vec<Slot>,
+    /// One iovec array per slot, allocated once.
+    iovecs: Vec<[libc::iovec; MAX_IOVECS]>,
+    free: Vec<u16>,
+    completions: Vec<Completion>,
+    /// Used entries published since the guest was last signalled.
+    unsignalled: bool,
+    /// The guest broke the ring; stop taking requests from it.
+    broken: bool,
+}
+
+// SAFETY: the raw pointers in `iovecs` point into guest memory that the
+// slots keep mapped; they are only used by the thread that owns the worker.
+unsafe impl Send for QueueWorker {}
+
+impl QueueWorker {
+    fn new(
+        run: QueueRun,
+        mem: GuestMemoryAtomic<Memory>,
+        device: Arc<BlkDevice>,
+        stop: Arc<EventFd>,
+    ) -> Result<Self, (QueueRun, io::Error)> {
+        let depth = run.queue.size();
+        let setup = || -> io::Result<(Box<dyn IoQueue>, Epoll)> {
+            let io = device.node.open_queue(depth)?;
+            let epoll = Epoll::new()?;
+            let watch = |fd: RawFd, token| epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, token));
+            watch(run.kick.as_raw_fd(), TOKEN_KICK)?;
+            watch(stop.as_raw_fd(), TOKEN_STOP)?;
+            if let Some(fd) = io.notify_fd() {
+                watch(fd, TOKEN_IO)?;
+            }
+            Ok((io, epoll))
+        };
+        let (io, epoll) = match setup() {
+            Ok(parts) => parts,
+            Err(e) => return Err((run, e)),
+        };
+        let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
+        let depth = usize::from(depth);
+        Ok(Self {
+            slots: (0..depth).map(|_| Slot { head: 0, status: GuestAddress(0), used_len: 0, mem: None }).collect(),
+            iovecs: vec![[empty; MAX_IOVECS]; depth],
+            free: (0..depth as u16).rev().collect(),
+            completions: Vec::with_capacity(depth),
+            run,
+            mem,
+            device,
+            io,
+            epoll,
+            _stop: stop,
+            unsignalled: false,
+            broken: false,
+        })
+    }
+
+    fn into_run(self) -> QueueRun {
+        self.run
+    }
+
+    fn in_flight(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+
+    fn run(&mut self) {
+        let mut events = [EpollEvent::default(); 4];
+        // The guest may have queued requests before this thread listened.
+        let mut kicked = true;
+        let mut stopping = false;
+        loop {
+            let mem = self.mem.memory().into_inner();
+            if kicked && !stopping {
+                kicked = self.take_requests(&mem);
+            }
+            if let Err(e) = self.io.submit() {
+                log::error!("queue {}: submitting I/O failed: {e}", self.run.index);
+            }
+            self.complete_requests(&mem);
+            if self.unsignalled {
+                self.signal_guest(&mem);
+            }
+            if stopping {
+                if self.in_flight() == 0 {
+                    return;
+                }
+                if let Err(e) = self.io.wait() {
+                    log::error!("queue {}: waiting for I/O failed: {e}", self.run.index);
+                }
+                continue;
+            }
+            if kicked && !self.free.is_empty() {
+                // Requests were left waiting for a slot and completions have
+                // just freed some: take them now. With no slot free, sleep
+                // until the engine completes something.
+                continue;
+            }
+            let n = match self.epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    log::error!("queue {}: epoll failed: {e}", self.run.index);
+                    stopping = true;
+                    continue;
+                }
+            };
+            for event in &events[..n] {
+                match event.data() {
+                    TOKEN_KICK => {
+                        drain(self.run.kick.as_fd());
+                        kicked = true;
+                    }
+                    TOKEN_IO => {
+                        if let Some(fd) = self.io.notify_fd() {
+                            // SAFETY: the fd belongs to `self.io`, alive here.
+                            drain(unsafe { BorrowedFd::borrow_raw(fd) });
+                        }
+                    }
+                    _ => stopping = true,
+                }
+            }
+        }
+    }
+
+    /// Takes requests until the ring is empty or the slots run out.
+    /// Returns whether requests are left waiting for a free slot.
+    fn take_requests(&mut self, mem: &Arc<Memory>) -> bool {
+        if self.broken {
+            return false;
+        }
+        loop {
+            if let Err(e) = self.run.queue.disable_notification(&**mem) {
+                return self.mark_broken(e);
+            }
+            while !self.free.is_empty() {
+                let Some(chain) = self.run.queue.pop_descriptor_chain(&**mem) else { break };
+                self.start_request(chain, mem);
+            }
+            if self.free.is_empty() {
+                return true;
+            }
+            // An empty pop with requests announced means the ring itself is
+            // bad (an available index too far ahead, a head out of range).
+            match self.run.queue.avail_idx(&**mem, Ordering::Acquire) {
+                Ok(avail) if avail.0 != self.run.queue.next_avail() => {
+                    return self.mark_broken(virtio_queue::Error::InvalidAvailRingIndex);
+                }
+                Ok(_) => {}
+                Err(e) => return self.mark_broken(e),
+            }
+            match self.run.queue.enable_notification(&**mem) {
+                Ok(true) => continue,
+                Ok(false) => return false,
+                Err(e) => return self.mark_broken(e),
+            }
+        }
+    }
+
+    fn mark_broken(&mut self, error: virtio_queue::Error) -> bool {
+        log::error!(
+            "export '{}' queue {}: the guest broke the ring ({error}); no more requests are taken from it",
+            self.device.config.id,
+            self.run.index
+        );
+        self.broken = true;
+        false
+    }
+
+    fn start_request(&mut self, chain: DescriptorChain<&Memory>, mem: &Arc<Memory>) {
+        let head = chain.head_index();
+        let Some(tag) = self.free.pop() else { return };
+        let iov = &mut self.iovecs[usize::from(tag)];
+        let request = match request::parse(chain, &**mem, &self.device.limits, iov) {
+            Ok(request) => request,
+            Err(NoStatus) => {
+                log::debug!("queue {}: chain {head} has no status byte", self.run.index);
+                self.free.push(tag);
+                self.publish(mem, head, 0);
+                return;
+            }
+        };
+        // SAFETY: `parse` filled `iovcnt` iovecs of this slot's array, which
+        // lives as long as the worker; the slot holds the guest memory they
+        // point into until the request completes.
+        let data = unsafe { IoVecs::new(iov.as_ptr(), request.iovcnt) };
+        let (op, data_len) = match request.action {
+            Action::Read { offset, len } => (IoOp::Read { offset, len, iov: data }, len as u32),
+            Action::Write { offset, len } => {
+                (IoOp::Write { offset, len, iov: data, durable: !self.device.writeback() }, 0)
+            }
+            Action::Flush => (IoOp::Flush, 0),
+            Action::Discard { offset, len } => (IoOp::Discard { offset, len }, 0),
+            Action::WriteZeroes { offset, len, unmap } => (IoOp::WriteZeroes { offset, len, may_unmap: unmap }, 0),
+            Action::GetId => {
+                // SAFETY: the iovecs were just mapped by `parse` for this
+                // GET_ID request and `mem` keeps them mapped.
+                let written = unsafe { request::write_id(&iov[..request.iovcnt], &self.device.id) };
+                self.free.push(tag);
+                self.finish(mem, head, request.status, status::OK, written as u32 + 1);
+                return;
+            }
+            Action::Done(code) => {
+                self.free.push(tag);
+                self.finish(mem, head, request.status, code, 1);
+                return;
+            }
+        };
+        let slot = &mut self.slots[usize::from(tag)];
+        *slot = Slot { head, status: request.status, used_len: data_len + 1, mem: Some(mem.clone()) };
+        // SAFETY: the buffers live in guest memory kept mapped by the slot,
+        // and the iovec array is the slot's own; both outlive the request,
+        // which completes before the slot is reused or the worker drops.
+        unsafe { self.io.push(u32::from(tag), op) };
+    }
+
+    fn complete_requests(&mut self, mem: &Arc<Memory>) {
+        self.io.reap(&mut self.completions);
+        let mut completions = std::mem::take(&mut self.completions);
+        for done in completions.drain(..) {
+            let slot = &mut self.slots[done.tag as usize];
+            let held = slot.mem.take();
+            let (head, status_addr) = (slot.head, slot.status);
+            let (code, used_len) = if done.errno == 0 { (status::OK, slot.used_len) } else { (status::IOERR, 1) };
+            if done.errno != 0 {
+                log::debug!(
+                    "queue {}: request {head} failed: {}",
+                    self.run.index,
+                    io::Error::from_raw_os_error(done.errno)
+                );
+            }
+            self.finish(held.as_ref().unwrap_or(mem), head, status_addr, code, used_len);
+            self.free.push(done.tag as u16);
+        }
+        self.completions = completions;
+    }
+
+    /// Writes the status byte and returns the chain to the guest.
+    fn finish(&mut self, mem: &Arc<Memory>, head: u16, status_addr: GuestAddress, code: u8, used_len: u32) {
+        if let Err(e) = mem.write_obj(code, status_addr) {
+            log::warn!("queue {}: cannot write status of request {head}: {e}", self.run.index);
+        }
+        self.publish(mem, head, used_len);
+    }
+
+    fn publish(&mut self, mem: &Arc<Memory>, head: u16, used_len: u32) {
+        match self.run.queue.add_used(&**mem, head, used_len) {
+            Ok(()) => self.unsignalled = true,
+            Err(e) => {
+                self.mark_broken(e);
+            }
+        }
+    }
+
+    fn signal_guest(&mut self, mem: &Arc<Memory>) {
+        self.unsignalled = false;
+        let wanted = self.run.queue.needs_notification(&**mem).unwrap_or(true);
+        if let (true, Some(call)) = (wanted, &self.run.call)
+            && let Err(e) = vsd_sys::signal_counter(call.as_fd())
+        {
+            log::warn!("queue {}: cannot signal the guest: {e}", self.run.index);
+        }
+    }
+}
+
+fn drain(fd: BorrowedFd<'_>) {
+    if let Err(e) = vsd_sys::read_counter(fd) {
+        log::warn!("cannot read an event counter: {e}");
+    }
+}
+
+/// Builds a ready queue from the front-end's ring setup.
+pub(crate) fn build_queue(
+    size: u16,
+    rings: [u64; 3],
+    next_avail: u16,
+    event_idx: bool,
+    mem: &Memory,
+) -> Result<Queue, virtio_queue::Error> {
+    let mut queue = Queue::new(crate::config::MAX_QUEUE_SIZE)?;
+    queue.set_size(size);
+    let [desc, avail, used] = rings;
+    let split = |a: u64| (Some(a as u32), Some((a >> 32) as u32));
+    let (lo, hi) = split(desc);
+    queue.set_desc_table_address(lo, hi);
+    let (lo, hi) = split(avail);
+    queue.set_avail_ring_address(lo, hi);
+    let (lo, hi) = split(used);
+    queue.set_used_ring_address(lo, hi);
+    queue.set_event_idx(event_idx);
+    queue.set_next_avail(next_avail);
+    queue.set_ready(true);
+    if !queue.is_valid(mem) {
+        return Err(virtio_queue::Error::QueueNotReady);
+    }
+    // The used index in guest memory is the truth after a reconnect: the
+    // previous back-end may have published entries this one never saw.
+    let used_idx = queue.used_idx(mem, Ordering::Acquire)?;
+    queue.set_next_used(used_idx.0);
+    Ok(queue)
+}

@@ -1,0 +1,199 @@
+//! Thin wrappers around the Linux system calls vsd makes directly.
+//!
+//! Every call returns `io::Result`, so callers never look at `errno`
+//! themselves, and every `unsafe` block of that kind lives here.
+
+#![deny(missing_docs)]
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+
+/// `fallocate(2)` modes used by the engines.
+pub mod falloc {
+    /// Allocate the range (a plain `fallocate`).
+    pub const ALLOCATE: i32 = 0;
+    /// Deallocate the range; reads return zeroes afterwards.
+    pub const PUNCH_HOLE: i32 = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+    /// Zero the range, keeping it allocated.
+    pub const ZERO_RANGE: i32 = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
+}
+
+fn check(ret: libc::c_long) -> io::Result<usize> {
+    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(ret as usize) }
+}
+
+/// `fallocate(2)` on `fd`; `mode` is one of [`falloc`].
+pub fn fallocate(fd: BorrowedFd<'_>, mode: i32, offset: u64, len: u64) -> io::Result<()> {
+    let (offset, len) = (to_off(offset)?, to_off(len)?);
+    // SAFETY: fallocate reads no memory of ours; fd is a live borrowed descriptor.
+    let ret = unsafe { libc::fallocate(fd.as_raw_fd(), mode, offset, len) };
+    check(ret.into()).map(drop)
+}
+
+/// `fdatasync(2)`.
+pub fn fdatasync(fd: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: fdatasync reads no memory of ours; fd is a live borrowed descriptor.
+    let ret = unsafe { libc::fdatasync(fd.as_raw_fd()) };
+    check(ret.into()).map(drop)
+}
+
+/// `preadv2(2)`: reads into the buffers `iov` names.
+///
+/// # Safety
+/// Every iovec must describe memory that is valid for writes of its length
+/// and that nothing else accesses during the call.
+pub unsafe fn preadv2(fd: BorrowedFd<'_>, iov: &[libc::iovec], offset: u64, flags: i32) -> io::Result<usize> {
+    let offset = to_off(offset)?;
+    // SAFETY: the caller guarantees the buffers are writable; the iovec
+    // array itself is a live slice.
+    let ret = unsafe { libc::preadv2(fd.as_raw_fd(), iov.as_ptr(), iov_count(iov)?, offset, flags) };
+    check(ret as libc::c_long)
+}
+
+/// `pwritev2(2)`: writes the buffers `iov` names; `flags` may hold `RWF_DSYNC`.
+///
+/// # Safety
+/// Every iovec must describe memory that is valid for reads of its length.
+pub unsafe fn pwritev2(fd: BorrowedFd<'_>, iov: &[libc::iovec], offset: u64, flags: i32) -> io::Result<usize> {
+    let offset = to_off(offset)?;
+    // SAFETY: the caller guarantees the buffers are readable; the iovec
+    // array itself is a live slice.
+    let ret = unsafe { libc::pwritev2(fd.as_raw_fd(), iov.as_ptr(), iov_count(iov)?, offset, flags) };
+    check(ret as libc::c_long)
+}
+
+/// Reads and resets an eventfd or timerfd counter; 0 if it was not set
+/// (when the descriptor is non-blocking).
+pub fn read_counter(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    let mut value: u64 = 0;
+    // SAFETY: read writes at most 8 bytes into `value`, a live local.
+    let ret = unsafe { libc::read(fd.as_raw_fd(), (&raw mut value).cast(), 8) };
+    match check(ret as libc::c_long) {
+        Ok(_) => Ok(value),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
+        Err(e) => Err(e),
+    }
+}
+
+/// Adds 1 to an eventfd counter, waking whoever waits on it.
+pub fn signal_counter(fd: BorrowedFd<'_>) -> io::Result<()> {
+    let one: u64 = 1;
+    // SAFETY: write reads 8 bytes from `one`, a live local.
+    let ret = unsafe { libc::write(fd.as_raw_fd(), (&raw const one).cast(), 8) };
+    check(ret as libc::c_long).map(drop)
+}
+
+/// The size in bytes of a regular file or a block device.
+pub fn file_size(file: &File) -> io::Result<u64> {
+    let meta = file.metadata()?;
+    if !std::os::unix::fs::FileTypeExt::is_block_device(&meta.file_type()) {
+        return Ok(meta.len());
+    }
+    let mut size: u64 = 0;
+    // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points
+    // at a live local.
+    let ret = unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut size) };
+    check(ret.into())?;
+    Ok(size)
+}
+
+/// `_IOR(0x12, 114, size_t)`: the size of a block device in bytes.
+const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+
+/// Pins the calling thread to `cpus`.
+pub fn set_thread_affinity(cpus: &[usize]) -> io::Result<()> {
+    // SAFETY: an all-zero cpu_set_t is a valid empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for &cpu in cpus {
+        if cpu >= libc::CPU_SETSIZE as usize {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "cpu number too large"));
+        }
+        // SAFETY: cpu is below CPU_SETSIZE, checked above.
+        unsafe { libc::CPU_SET(cpu, &mut set) };
+    }
+    // SAFETY: set is a live, initialised cpu_set_t of the size passed.
+    let ret = unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) };
+    check(ret.into()).map(drop)
+}
+
+/// Blocks SIGINT and SIGTERM in the calling thread and the threads it
+/// starts afterwards, so that [`wait_for_termination`] receives them.
+pub fn block_termination_signals() -> io::Result<()> {
+    let set = termination_set();
+    // SAFETY: `set` is an initialised signal set; the old mask is not wanted.
+    let ret = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+    if ret != 0 {
+        return Err(io::Error::from_raw_os_error(ret));
+    }
+    Ok(())
+}
+
+/// Waits for SIGINT or SIGTERM (blocked beforehand) and returns it.
+pub fn wait_for_termination() -> io::Result<i32> {
+    let set = termination_set();
+    let mut signal = 0;
+    // SAFETY: both pointers name live locals.
+    let ret = unsafe { libc::sigwait(&set, &mut signal) };
+    if ret != 0 {
+        return Err(io::Error::from_raw_os_error(ret));
+    }
+    Ok(signal)
+}
+
+fn termination_set() -> libc::sigset_t {
+    // SAFETY: sigemptyset initialises the zeroed set; sigaddset adds valid
+    // signal numbers to it.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        set
+    }
+}
+
+fn to_off(value: u64) -> io::Result<libc::off_t> {
+    libc::off_t::try_from(value).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+}
+
+fn iov_count(iov: &[libc::iovec]) -> io::Result<libc::c_int> {
+    libc::c_int::try_from(iov.len()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn punch_hole_reads_back_zeroes() {
+        let mut file = tempfile();
+        file.write_all(&[0xaa; 8192]).unwrap();
+        fallocate(file.as_fd(), falloc::PUNCH_HOLE, 0, 4096).unwrap();
+        let mut buf = [0xffu8; 8192];
+        let iov = [libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() }];
+        // SAFETY: iov names `buf`, a live local array.
+        let n = unsafe { preadv2(file.as_fd(), &iov, 0, 0) }.unwrap();
+        assert_eq!(n, 8192);
+        assert!(buf[..4096].iter().all(|&b| b == 0));
+        assert!(buf[4096..].iter().all(|&b| b == 0xaa));
+        assert_eq!(file_size(&file).unwrap(), 8192);
+    }
+
+    #[test]
+    fn negative_offsets_are_refused() {
+        let file = tempfile();
+        let err = fallocate(file.as_fd(), falloc::ALLOCATE, u64::MAX, 1).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EINVAL));
+    }
+
+    fn tempfile() -> File {
+        let path =
+            std::env::temp_dir().join(format!("vsd-sys-{}-{:?}", std::process::id(), std::thread::current().id()));
+        let file = File::options().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        file
+    }
+}

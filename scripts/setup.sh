@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Installs what vsd's demo, tests and benchmarks need on a fresh Debian bookworm
+# machine: QEMU 10 and qemu-storage-daemon from bookworm-backports, fio,
+# busybox-static and a Debian kernel for the test guest.
+#
+# bookworm-backports is added by reusing the URIs of the machine's existing
+# Debian source, so no mirror is hard-coded here.
+set -euo pipefail
+
+need_root() { if [ "$(id -u)" -ne 0 ]; then exec sudo -E "$0" "$@"; fi; }
+need_root "$@"
+
+have_all() {
+    command -v qemu-system-x86_64 >/dev/null && command -v qemu-storage-daemon >/dev/null &&
+        command -v fio >/dev/null && [ -x /bin/busybox ] &&
+        ls /boot/vmlinuz-* >/dev/null 2>&1 &&
+        qemu-system-x86_64 --version | grep -qE 'version (9|[1-9][0-9])\.'
+}
+if have_all; then exit 0; fi
+
+export DEBIAN_FRONTEND=noninteractive
+backports=/etc/apt/sources.list.d/vsd-backports.sources
+if [ ! -e "$backports" ]; then
+    uris=$(grep -h '^URIs:' /etc/apt/sources.list.d/*.sources 2>/dev/null |
+        grep -v security | head -n 1 | sed 's/^URIs:[[:space:]]*//')
+    if [ -z "$uris" ]; then
+        uris=$(grep -hE '^deb[[:space:]]' /etc/apt/sources.list 2>/dev/null |
+            grep -v security | head -n 1 | awk '{print $2}')
+    fi
+    [ -n "$uris" ] || { echo "setup: no Debian source found to derive bookworm-backports from" >&2; exit 1; }
+    cat >"$backports" <<SRC
+Types: deb
+URIs: $uris
+Suites: bookworm-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+fi
+
+apt-get update -qq
+apt-get install -y -qq -t bookworm-backports qemu-system-x86 qemu-utils >/dev/null
+apt-get install -y -qq fio busybox-static linux-image-amd64 xz-utils cpio socat >/dev/null
+have_all || { echo "setup: packages installed but a tool is still missing" >&2; exit 1; }
