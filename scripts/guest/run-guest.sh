@@ -34,6 +34,8 @@
 #   discard_max_bytes, write_zeroes_max_bytes   0 when not offered
 # verify job only:
 #   fio_numjobs, fio_bytes_per_job, fio_ioengine
+#   fio_expected_bytes                     numjobs * bytes_per_job: what each
+#                                          pass must write/read in total
 #   fio_write_status                       exit status of the randwrite pass
 #                                          (fio verifies each job's blocks
 #                                          after writing them)
@@ -51,10 +53,14 @@
 #                                          to its end
 # A guest that cannot run its job prints "VSD-GUEST fatal=<why>" instead.
 #
-# Exit status: 0 when "done" appeared and (verify job) both fio statuses are
-# 0; 1 when the guest ran but the job failed; 124 when QEMU was killed at the
-# timeout; 2 for usage or setup errors. On failure the console tail goes to
-# stderr.
+# Exit status:
+#   0    "done" appeared and, for the verify job, both fio statuses are 0 and
+#        fio_write_write_bytes, fio_write_read_bytes and fio_verify_read_bytes
+#        all equal fio_expected_bytes
+#   1    the guest ran but the job failed (or a fatal line appeared)
+#   124  QEMU was killed at the timeout
+#   2    usage or setup error
+# On failure the reason and the console tail go to stderr.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -179,6 +185,15 @@ elif [ "$job" = verify ] && [ "$(fact fio_write_status)" != 0 ]; then
     why="fio write+verify pass failed (status $(fact fio_write_status))"
 elif [ "$job" = verify ] && [ "$(fact fio_verify_status)" != 0 ]; then
     why="fio read-back verify pass failed (status $(fact fio_verify_status))"
+elif [ "$job" = verify ]; then
+    # fio can exit 0 having done less I/O than asked; hold it to the amount.
+    want=$(fact fio_expected_bytes)
+    for k in fio_write_write_bytes fio_write_read_bytes fio_verify_read_bytes; do
+        if [ "$(fact "$k")" != "$want" ]; then
+            why="$k=$(fact "$k"), expected $want"
+            break
+        fi
+    done
 fi
 
 if [ -n "$why" ]; then

@@ -315,3 +315,239 @@ pub unsafe fn write_id(iov: &[libc::iovec], id: &[u8]) -> usize {
     }
     done
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+    use vm_memory::GuestMemoryMmap;
+
+    const MEM_SIZE: u64 = 0x10_0000;
+    const R: u16 = 0;
+    const W: u16 = VRING_DESC_F_WRITE as u16;
+
+    fn memory() -> GuestMemoryMmap {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)]).unwrap()
+    }
+
+    fn limits() -> Limits {
+        Limits {
+            capacity: 1 << 20,
+            block_size: 512,
+            writable: true,
+            max_discard_sectors: 128,
+            max_write_zeroes_sectors: 128,
+        }
+    }
+
+    fn header(mem: &GuestMemoryMmap, at: u64, kind: u32, sector: u64) {
+        mem.write_obj(kind.to_le(), GuestAddress(at)).unwrap();
+        mem.write_obj(sector.to_le(), GuestAddress(at + 8)).unwrap();
+    }
+
+    /// A chain of (addr, len, flags); NEXT is set on all but the last.
+    fn chain(parts: &[(u64, u32, u16)]) -> Vec<Descriptor> {
+        let n = parts.len();
+        parts
+            .iter()
+            .enumerate()
+            .map(|(i, &(addr, len, flags))| {
+                let next = if i + 1 < n { VRING_DESC_F_NEXT as u16 } else { 0 };
+                Descriptor::new(addr, len, flags | next, (i + 1) as u16)
+            })
+            .collect()
+    }
+
+    fn parse_with(descs: Vec<Descriptor>, mem: &GuestMemoryMmap, limits: &Limits) -> Result<Request, NoStatus> {
+        let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOVECS];
+        parse(descs.into_iter(), mem, limits, &mut iov)
+    }
+
+    fn status_of(descs: Vec<Descriptor>, mem: &GuestMemoryMmap, limits: &Limits) -> Option<u8> {
+        match parse_with(descs, mem, limits).expect("a status byte").action {
+            Action::Done(code) => Some(code),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn read_request() {
+        let mem = memory();
+        header(&mem, 0x1000, VIRTIO_BLK_T_IN, 8);
+        let req = parse_with(chain(&[(0x1000, 16, R), (0x2000, 4096, W), (0x3000, 1, W)]), &mem, &limits()).unwrap();
+        assert_eq!(req.action, Action::Read { offset: 4096, len: 4096 });
+        assert_eq!(req.iovcnt, 1);
+        assert_eq!(req.status, GuestAddress(0x3000));
+    }
+
+    #[test]
+    fn any_layout_header_split_and_data_merged_with_status() {
+        let mem = memory();
+        header(&mem, 0x1000, VIRTIO_BLK_T_OUT, 2);
+        // Header in two pieces, then data in the same descriptor as its tail;
+        // status is the last byte of a writable buffer.
+        let descs = chain(&[(0x1000, 10, R), (0x100a, 6 + 512, R), (0x3000, 1, W)]);
+        let req = parse_with(descs, &mem, &limits()).unwrap();
+        assert_eq!(req.action, Action::Write { offset: 1024, len: 512 });
+        let mem2 = memory();
+        header(&mem2, 0x1000, VIRTIO_BLK_T_IN, 0);
+        let req = parse_with(chain(&[(0x1000, 16, R), (0x2000, 513, W)]), &mem2, &limits()).unwrap();
+        assert_eq!(req.action, Action::Read { offset: 0, len: 512 });
+        assert_eq!(req.status, GuestAddress(0x2200));
+    }
+
+    #[test]
+    fn missing_or_read_only_status_cannot_be_answered() {
+        let mem = memory();
+        header(&mem, 0x1000, VIRTIO_BLK_T_IN, 0);
+        // No writable descriptor at all.
+        assert_eq!(parse_with(chain(&[(0x1000, 16, R), (0x2000, 512, R)]), &mem, &limits()), Err(NoStatus));
+        // Status descriptor not device-writable.
+        assert_eq!(
+            parse_with(chain(&[(0x1000, 16, R), (0x2000, 512, W), (0x3000, 1, R)]), &mem, &limits()),
+            Err(NoStatus)
+        );
+        // Zero-length status descriptor.
+        assert_eq!(parse_with(chain(&[(0x1000, 16, R), (0x3000, 0, W)]), &mem, &limits()), Err(NoStatus));
+        // Status byte outside guest memory.
+        assert_eq!(parse_with(chain(&[(0x1000, 16, R), (MEM_SIZE, 1, W)]), &mem, &limits()), Err(NoStatus));
+        // Status address that overflows.
+        assert_eq!(parse_with(chain(&[(0x1000, 16, R), (u64::MAX, 2, W)]), &mem, &limits()), Err(NoStatus));
+        // An empty chain.
+        assert_eq!(parse_with(Vec::new(), &mem, &limits()), Err(NoStatus));
+    }
+
+    #[test]
+    fn truncated_chain_is_not_trusted() {
+        let mem = memory();
+        header(&mem, 0x1000, VIRTIO_BLK_T_IN, 0);
+        // The walk stopped (loop, bad index...) on a descriptor that still
+        // points onwards: its last byte is not a status byte.
+        let mut descs = chain(&[(0x1000, 16, R), (0x3000, 1, W)]);
+        descs[1] = Descriptor::new(0x3000, 1, W | VRING_DESC_F_NEXT as u16, 5);
+        assert_eq!(parse_with(descs, &mem, &limits()), Err(NoStatus));
+    }
+
+    #[test]
+    fn out_of_range_and_overflowing_sectors_fail() {
+        let mem = memory();
+        let io = |sector: u64, len: u32| {
+            header(&mem, 0x1000, VIRTIO_BLK_T_IN, sector);
+            status_of(chain(&[(0x1000, 16, R), (0x2000, len, W), (0x3000, 1, W)]), &mem, &limits())
+        };
+        assert_eq!(io(2047, 512), None, "last sector is fine");
+        assert_eq!(io(2048, 512), Some(status::IOERR), "first sector past the end");
+        assert_eq!(io(2047, 1024), Some(status::IOERR), "straddles the end");
+        assert_eq!(io(u64::MAX / 256, 512), Some(status::IOERR), "sector * 512 overflows");
+        assert_eq!(io(u64::MAX / 512, 512), Some(status::IOERR), "offset + len overflows");
+        assert_eq!(io(0, 100), Some(status::IOERR), "not a whole number of blocks");
+        assert_eq!(io(0, 0xF_0000), None, "a large request inside the disk");
+        assert_eq!(io(512, 0xF_0000), Some(status::IOERR), "a large request past the end");
+    }
+
+    #[test]
+    fn data_outside_guest_memory_fails() {
+        let mem = memory();
+        header(&mem, 0x1000, VIRTIO_BLK_T_IN, 0);
+        let descs = chain(&[(0x1000, 16, R), (MEM_SIZE - 256, 512, W), (0x3000, 1, W)]);
+        assert_eq!(status_of(descs, &mem, &limits()), Some(status::IOERR));
+        header(&mem, 0x1000, VIRTIO_BLK_T_OUT, 0);
+        let descs = chain(&[(0x1000, 16, R), (0xdead_0000_0000, 512, R), (0x3000, 1, W)]);
+        assert_eq!(status_of(descs, &mem, &limits()), Some(status::IOERR));
+        // A header that is not in guest memory.
+        let descs = chain(&[(MEM_SIZE + 0x1000, 16, R), (0x3000, 1, W)]);
+        assert_eq!(status_of(descs, &mem, &limits()), Some(status::IOERR));
+    }
+
+    #[test]
+    fn wrong_directions_and_shapes_fail() {
+        let mem = memory();
+        header(&mem, 0x1000, VIRTIO_BLK_T_IN, 0);
+        // Readable after writable.
+        let descs = chain(&[(0x1000, 16, R), (0x2000, 512, W), (0x4000, 512, R), (0x3000, 1, W)]);
+        assert_eq!(status_of(descs, &mem, &limits()), Some(status::IOERR));
+        // A header shorter than 16 bytes.
+        assert_eq!(status_of(chain(&[(0x1000, 8, R), (0x3000, 1, W)]), &mem, &limits()), Some(status::IOERR));
+        // More descriptors than seg_max allows.
+        let mut parts = vec![(0x1000, 16, R)];
+        parts.extend((0..MAX_DESCRIPTORS as u64).map(|i| (0x8000 + i * 512, 512, W)));
+        parts.push((0x3000, 1, W));
+        assert_eq!(status_of(chain(&parts), &mem, &limits()), Some(status::IOERR));
+    }
+
+    #[test]
+    fn writes_to_a_read_only_export_fail() {
+        let mem = memory();
+        let ro = Limits { writable: false, ..limits() };
+        for kind in [VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_WRITE_ZEROES] {
+            header(&mem, 0x1000, kind, 0);
+            let descs = chain(&[(0x1000, 16, R), (0x2000, 512, R), (0x3000, 1, W)]);
+            assert_eq!(status_of(descs, &mem, &ro), Some(status::IOERR), "type {kind}");
+        }
+        header(&mem, 0x1000, VIRTIO_BLK_T_FLUSH, 0);
+        let req = parse_with(chain(&[(0x1000, 16, R), (0x3000, 1, W)]), &mem, &ro).unwrap();
+        assert_eq!(req.action, Action::Flush, "flush is fine on a read-only export");
+    }
+
+    #[test]
+    fn unknown_types_and_flags_are_unsupported() {
+        let mem = memory();
+        header(&mem, 0x1000, 0x4242, 0);
+        assert_eq!(status_of(chain(&[(0x1000, 16, R), (0x3000, 1, W)]), &mem, &limits()), Some(status::UNSUPP));
+
+        let segment = |sector: u64, sectors: u32, flags: u32| {
+            mem.write_obj(sector.to_le(), GuestAddress(0x2000)).unwrap();
+            mem.write_obj(sectors.to_le(), GuestAddress(0x2008)).unwrap();
+            mem.write_obj(flags.to_le(), GuestAddress(0x200c)).unwrap();
+        };
+        let request = |kind| {
+            header(&mem, 0x1000, kind, 0);
+            parse_with(chain(&[(0x1000, 16, R), (0x2000, 16, R), (0x3000, 1, W)]), &mem, &limits()).unwrap().action
+        };
+        segment(8, 8, 0);
+        assert_eq!(request(VIRTIO_BLK_T_DISCARD), Action::Discard { offset: 4096, len: 4096 });
+        segment(8, 8, VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP);
+        assert_eq!(request(VIRTIO_BLK_T_DISCARD), Action::Done(status::UNSUPP), "unmap flag on discard");
+        assert_eq!(request(VIRTIO_BLK_T_WRITE_ZEROES), Action::WriteZeroes { offset: 4096, len: 4096, unmap: true });
+        segment(8, 8, 0x80);
+        assert_eq!(request(VIRTIO_BLK_T_WRITE_ZEROES), Action::Done(status::UNSUPP), "unknown flag");
+        segment(0, 129, 0);
+        assert_eq!(request(VIRTIO_BLK_T_DISCARD), Action::Done(status::IOERR), "over max_discard_sectors");
+        segment(2040, 16, 0);
+        assert_eq!(request(VIRTIO_BLK_T_WRITE_ZEROES), Action::Done(status::IOERR), "past the end");
+        // Two segments while max_discard_seg is 1.
+        header(&mem, 0x1000, VIRTIO_BLK_T_DISCARD, 0);
+        let descs = chain(&[(0x1000, 16, R), (0x2000, 32, R), (0x3000, 1, W)]);
+        assert_eq!(status_of(descs, &mem, &limits()), Some(status::UNSUPP));
+    }
+
+    #[test]
+    fn large_blocks_need_aligned_requests() {
+        let mem = memory();
+        let big = Limits { block_size: 4096, ..limits() };
+        header(&mem, 0x1000, VIRTIO_BLK_T_IN, 1);
+        let descs = chain(&[(0x1000, 16, R), (0x2000, 4096, W), (0x3000, 1, W)]);
+        assert_eq!(status_of(descs, &mem, &big), Some(status::IOERR));
+        header(&mem, 0x1000, VIRTIO_BLK_T_IN, 8);
+        let descs = chain(&[(0x1000, 16, R), (0x2000, 4096, W), (0x3000, 1, W)]);
+        assert_eq!(status_of(descs, &mem, &big), None);
+    }
+
+    #[test]
+    fn get_id_pads_and_truncates_the_serial() {
+        assert_eq!(&id_bytes("abc")[..4], b"abc\0");
+        assert_eq!(&id_bytes("0123456789abcdefghijXYZ"), b"0123456789abcdefghij");
+        let mem = memory();
+        header(&mem, 0x1000, VIRTIO_BLK_T_GET_ID, 0);
+        let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOVECS];
+        let descs = chain(&[(0x1000, 16, R), (0x2000, 20, W), (0x3000, 1, W)]);
+        let req = parse(descs.into_iter(), &mem, &limits(), &mut iov).unwrap();
+        assert_eq!(req.action, Action::GetId);
+        // SAFETY: parse just mapped these iovecs into `mem`, alive here.
+        let n = unsafe { write_id(&iov[..req.iovcnt], &id_bytes("serial-1")) };
+        assert_eq!(n, 20);
+        let mut back = [0u8; 8];
+        mem.read_slice(&mut back, GuestAddress(0x2000)).unwrap();
+        assert_eq!(&back, b"serial-1");
+    }
+}

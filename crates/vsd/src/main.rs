@@ -56,9 +56,6 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<()> {
-    if cli.export.is_empty() {
-        anyhow::bail!("nothing to serve: give at least one --export");
-    }
     // Before any thread starts, so all of them inherit the mask and the
     // signals reach the sigwait below.
     vsd_sys::block_termination_signals().context("blocking signals")?;
@@ -66,6 +63,9 @@ fn run(cli: Cli) -> Result<()> {
     let mut graph = BlockGraph::new();
     for text in &cli.blockdev {
         graph.add(OptionMap::parse("--blockdev", text)?)?;
+    }
+    if cli.export.is_empty() {
+        anyhow::bail!("nothing to serve: give at least one --export");
     }
     // Files this run created; removed on exit, or at once if startup fails.
     let mut created = Created::default();

@@ -257,10 +257,15 @@ fn measure_cpu(timeline: &Timeline, finished: &Receiver<()>) -> Result<Option<Du
     Ok(Some(after.saturating_sub(before)))
 }
 
-/// Sleeps until `deadline`; returns false early if a job finished first.
+/// Sleeps until `deadline`; returns false if a job finished before it
+/// (a job finishing just after it, while this thread was not yet scheduled,
+/// does not count).
 fn sleep_until(deadline: Instant, finished: &Receiver<()>) -> bool {
     let timeout = deadline.saturating_duration_since(Instant::now());
-    matches!(finished.recv_timeout(timeout), Err(RecvTimeoutError::Timeout))
+    match finished.recv_timeout(timeout) {
+        Err(RecvTimeoutError::Timeout) => true,
+        Ok(()) | Err(RecvTimeoutError::Disconnected) => Instant::now() >= deadline,
+    }
 }
 
 fn join_jobs(handles: Vec<thread::JoinHandle<Result<JobStats, BenchError>>>) -> Result<Vec<JobStats>, BenchError> {

@@ -1,0 +1,160 @@
+//! Test harness: a scratch directory, and the real `vsd` binary run as a
+//! child process the way users run it.
+
+#![allow(dead_code)] // each test binary uses part of the harness
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use vsd_bench::{Client, ClientOptions};
+
+pub const VSD: &str = env!("CARGO_BIN_EXE_vsd");
+
+/// A directory removed when the test ends.
+pub struct Scratch(pub PathBuf);
+
+impl Scratch {
+    pub fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("vsd-test-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+
+    /// A raw image of `size` bytes, all zero.
+    pub fn image(&self, name: &str, size: u64) -> PathBuf {
+        let path = self.path(name);
+        std::fs::File::create(&path).unwrap().set_len(size).unwrap();
+        path
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A running daemon (vsd or qemu-storage-daemon), stopped on drop.
+pub struct Daemon {
+    child: Child,
+    pub socket: PathBuf,
+}
+
+impl Daemon {
+    /// Starts vsd with these arguments and waits until its pidfile says the
+    /// exports accept connections.
+    pub fn vsd(dir: &Scratch, args: &[String]) -> Self {
+        Self::start(VSD, dir, args)
+    }
+
+    /// Starts qemu-storage-daemon the same way.
+    pub fn qsd(dir: &Scratch, args: &[String]) -> Self {
+        Self::start("qemu-storage-daemon", dir, args)
+    }
+
+    fn start(program: &str, dir: &Scratch, args: &[String]) -> Self {
+        let pidfile = dir.path(&format!("{}.pid", Path::new(program).file_name().unwrap().to_string_lossy()));
+        let _ = std::fs::remove_file(&pidfile);
+        let socket = args
+            .iter()
+            .find_map(|a| a.split(',').find_map(|kv| kv.strip_prefix("addr.path=")))
+            .map(PathBuf::from)
+            .expect("an export with addr.path");
+        let mut child = Command::new(program)
+            .args(args)
+            .arg("--pidfile")
+            .arg(&pidfile)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run {program}: {e}"));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !pidfile.exists() {
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!("{program} exited during startup: {status}");
+            }
+            assert!(Instant::now() < deadline, "{program} did not become ready");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Self { child, socket }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
+    pub fn connect(&self, opts: ClientOptions) -> Client {
+        Client::connect(&self.socket, opts).unwrap_or_else(|e| panic!("connect to {}: {e}", self.socket.display()))
+    }
+
+    /// Stops the daemon with SIGTERM and returns its exit status.
+    pub fn stop(mut self) -> std::process::ExitStatus {
+        self.terminate()
+    }
+
+    fn terminate(&mut self) -> std::process::ExitStatus {
+        // SAFETY: kill() with a pid we spawned and have not reaped.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                return self.child.wait().unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if self.is_running() {
+            self.terminate();
+        }
+    }
+}
+
+/// `--blockdev` + `--export` arguments serving `image` as raw on `socket`.
+pub fn file_export(image: &Path, socket: &Path, file_opts: &str, export_opts: &str) -> Vec<String> {
+    vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=file0,filename={}{file_opts}", image.display()),
+        "--blockdev".into(),
+        "driver=raw,node-name=disk0,file=file0".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=exp0,node-name=disk0,addr.type=unix,addr.path={}{export_opts}",
+            socket.display()
+        ),
+    ]
+}
+
+/// A deterministic pattern, different for each `seed`.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// Runs a command to completion, failing the test if it cannot start.
+pub fn run(program: &str, args: &[&str]) -> Output {
+    Command::new(program).args(args).output().unwrap_or_else(|e| panic!("cannot run {program}: {e}"))
+}
