@@ -12,10 +12,10 @@
 # prefers.
 #
 # Both choices are about TCG speed, where every guest instruction is slow:
-# - the initramfs is left uncompressed: gzip or zstd made the guest boot take
-#   8-10 s longer, copying a raw cpio is cheap;
+# - the initramfs is left uncompressed: gzip or zstd made each boot 8-11 s
+#   slower, copying a raw cpio is cheap;
 # - QEMU loads a PVH vmlinux straight into guest memory, while a bzImage first
-#   xz-decompresses itself inside the guest (about 5 s).
+#   xz-decompresses itself inside the guest (several seconds).
 #
 # Idempotent: a fingerprint of every input is kept in OUTDIR/inputs.txt and
 # nothing is rebuilt while it matches. Concurrent callers serialise on a lock
@@ -65,7 +65,7 @@ while IFS= read -r line; do
     mod_deps[$name]=${line#*:}
 done <"$moddir/modules.dep"
 
-# Names in modules.dep use underscores even when the file uses dashes.
+# Modules are keyed by file name (virtio_blk), the name insmod is given.
 mod_order=()
 add_module() {
     local name=$1 dep dname

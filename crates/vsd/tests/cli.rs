@@ -47,9 +47,25 @@ fn mistakes_name_their_culprit() {
         (file_export(&image, &sock, "", ",logical-block-size=1000"), "logical-block-size"),
         (strings(&["--blockdev", "driver=qcow9,node-name=x"]), "qcow9"),
         (strings(&["--blockdev", "driver=raw,node-name=r,file=nope"]), "nope"),
-        (strings(&["--blockdev", "driver=null-co,node-name=n", "--export", "type=vhost-user-blk,id=e,node-name=m,addr.type=unix,addr.path=/tmp/x"]), "'m'"),
+        (
+            strings(&[
+                "--blockdev",
+                "driver=null-co,node-name=n",
+                "--export",
+                "type=vhost-user-blk,id=e,node-name=m,addr.type=unix,addr.path=/tmp/x",
+            ]),
+            "'m'",
+        ),
         (strings(&["--blockdev", "driver=null-co,node-name=n", "--blockdev", "driver=null-co,node-name=n"]), "'n'"),
-        (strings(&["--blockdev", "driver=null-co,node-name=n,size=1M", "--blockdev", "driver=raw,node-name=r,file=n,offset=2M"]), "offset"),
+        (
+            strings(&[
+                "--blockdev",
+                "driver=null-co,node-name=n,size=1M",
+                "--blockdev",
+                "driver=raw,node-name=r,file=n,offset=2M",
+            ]),
+            "offset",
+        ),
         (strings(&["--blockdev", "driver=null-co,node-name=n"]), "--export"),
     ];
     for (args, culprit) in cases {

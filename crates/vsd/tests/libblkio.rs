@@ -148,7 +148,10 @@ fn a_writable_export_of_a_read_only_node_is_refused() {
     let image = dir.image("disk.img", MIB);
     let out = common::run(
         common::VSD,
-        &file_export(&image, &dir.path("s.sock"), ",read-only=on", ",writable=on").iter().map(String::as_str).collect::<Vec<_>>(),
+        &file_export(&image, &dir.path("s.sock"), ",read-only=on", ",writable=on")
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
     );
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("read-only"));
