@@ -15,7 +15,7 @@
 # - the initramfs is left uncompressed: gzip or zstd made each boot 8-11 s
 #   slower, copying a raw cpio is cheap;
 # - QEMU loads a PVH vmlinux straight into guest memory, while a bzImage first
-#   xz-decompresses itself inside the guest (several seconds).
+#   xz-decompresses itself inside the guest (4-5 s per boot).
 #
 # Idempotent: a fingerprint of every input is kept in OUTDIR/inputs.txt and
 # nothing is rebuilt while it matches. Concurrent callers serialise on a lock
