@@ -105,6 +105,7 @@ impl Session {
         let queue = build_queue(vring.size, rings, vring.next_avail, event_idx, &mem)
             .map_err(|e| ProtocolError::ReqHandlerError(io::Error::other(format!("vring {index}: {e}"))))?;
         let (Some(kick), call) = (vring.kick.take(), vring.call.take()) else { return Ok(()) };
+        log::debug!("vring {index}: start, size {} next_avail {} rings {rings:x?}", vring.size, vring.next_avail);
         let run = QueueRun { index: index as u16, queue, kick, call };
         let worker = Worker::start(run, atomic, device).map_err(ProtocolError::ReqHandlerError)?;
         self.vring(index)?.worker = Some(worker);
@@ -248,6 +249,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         // covers only requests whose completions have been published.
         self.pause(index)?;
         let vring = self.vring(index)?;
+        log::debug!("vring {index}: stopped at {}", vring.next_avail);
         // The ring is stopped until the next SET_VRING_KICK.
         vring.kick = None;
         Ok(VhostUserVringState::new(index, u32::from(vring.next_avail)))
@@ -288,6 +290,7 @@ impl VhostUserBackendReqHandlerMut for Session {
     }
 
     fn set_vring_enable(&mut self, index: u32, enable: bool) -> ProtocolResult<()> {
+        log::debug!("vring {index}: enable {enable}");
         self.reconfigure(index, |v| {
             v.enabled = enable;
             Ok(())
@@ -341,6 +344,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         if postcopy.is_some() {
             return Err(ProtocolError::InvalidOperation("postcopy is not supported"));
         }
+        log::debug!("add region gpa {:#x} size {:#x}", { region.guest_phys_addr }, { region.memory_size });
         if self.mappings.len() as u64 >= MAX_MEM_SLOTS {
             return Err(invalid("too many memory regions"));
         }
@@ -356,6 +360,7 @@ impl VhostUserBackendReqHandlerMut for Session {
     }
 
     fn remove_mem_region(&mut self, region: &VhostUserSingleMemoryRegion) -> ProtocolResult<()> {
+        log::debug!("remove region gpa {:#x} size {:#x}", { region.guest_phys_addr }, { region.memory_size });
         let (memory, _) = self
             .mem
             .memory()

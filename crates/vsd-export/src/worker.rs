@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
-use virtio_queue::{DescriptorChain, Queue, QueueT};
+use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
@@ -231,25 +231,29 @@ impl QueueWorker {
         if self.broken {
             return false;
         }
+        // Rounds in a row where the ring announced requests but yielded none:
+        // once is a race with the guest adding more, twice is a ring entry
+        // that cannot be read.
+        let mut fruitless = 0;
         loop {
             if let Err(e) = self.run.queue.disable_notification(&**mem) {
                 return self.mark_broken(e);
             }
+            let mut taken = 0;
             while !self.free.is_empty() {
-                let Some(chain) = self.run.queue.pop_descriptor_chain(&**mem) else { break };
-                self.start_request(chain, mem);
+                match pop(&mut self.run.queue, mem) {
+                    Ok(Some(chain)) => self.start_request(chain, mem),
+                    Ok(None) => break,
+                    Err(e) => return self.mark_broken(e),
+                }
+                taken += 1;
             }
             if self.free.is_empty() {
                 return true;
             }
-            // An empty pop with requests announced means the ring itself is
-            // bad (an available index too far ahead, a head out of range).
-            match self.run.queue.avail_idx(&**mem, Ordering::Acquire) {
-                Ok(avail) if avail.0 != self.run.queue.next_avail() => {
-                    return self.mark_broken(virtio_queue::Error::InvalidAvailRingIndex);
-                }
-                Ok(_) => {}
-                Err(e) => return self.mark_broken(e),
+            fruitless = if taken == 0 { fruitless + 1 } else { 0 };
+            if fruitless > 2 {
+                return self.mark_broken(virtio_queue::Error::InvalidAvailRingIndex);
             }
             match self.run.queue.enable_notification(&**mem) {
                 Ok(true) => continue,
@@ -363,6 +367,12 @@ impl QueueWorker {
             log::warn!("queue {}: cannot signal the guest: {e}", self.run.index);
         }
     }
+}
+
+/// The next request of the ring, telling an empty ring (`None`) from a
+/// broken one (an available index too far ahead of ours).
+fn pop<'m>(queue: &mut Queue, mem: &'m Memory) -> Result<Option<DescriptorChain<&'m Memory>>, virtio_queue::Error> {
+    Ok(queue.iter(mem)?.next())
 }
 
 fn drain(fd: BorrowedFd<'_>) {
