@@ -21,7 +21,7 @@ mod worker;
 use std::io;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use vhost::vhost_user::BackendReqHandler;
@@ -100,11 +100,6 @@ impl VhostUserBlkExport {
     pub fn config(&self) -> &ExportConfig {
         &self.config
     }
-
-    /// Removes the socket file (at shutdown).
-    pub fn remove_socket(&self) {
-        let _ = std::fs::remove_file(&self.config.socket);
-    }
 }
 
 /// Creates the listening socket, replacing only a stale socket file.
@@ -161,11 +156,4 @@ fn serve_connection(stream: UnixStream, device: Arc<BlkDevice>) {
     // Dropping the session stops its workers after their requests complete.
     drop(handler);
     drop(session);
-}
-
-/// Removes a socket path left behind, if it is a socket.
-pub fn remove_stale_socket(path: &Path) {
-    if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
-        let _ = std::fs::remove_file(path);
-    }
 }

@@ -110,7 +110,7 @@ struct Region<'a> {
 
 impl<'a> Region<'a> {
     fn len(&self) -> u64 {
-        self.spans.iter().map(|s| s.len).sum::<u64>() - self.skip
+        self.spans.iter().map(|s| s.len).sum::<u64>().saturating_sub(self.skip)
     }
 
     fn after(self, bytes: u64) -> Self {

@@ -231,9 +231,9 @@ impl QueueWorker {
         if self.broken {
             return false;
         }
-        // Rounds in a row where the ring announced requests but yielded none:
-        // once is a race with the guest adding more, twice is a ring entry
-        // that cannot be read.
+        // Rounds in a row where the ring announced requests but yielded none.
+        // Once or twice is a race with the guest adding more; a third time
+        // means an entry that cannot be read.
         let mut fruitless = 0;
         loop {
             if let Err(e) = self.run.queue.disable_notification(&**mem) {
