@@ -39,29 +39,6 @@ fn timeval_to_duration(tv: libc::timeval) -> Duration {
     Duration::new(secs, micros.saturating_mul(1000))
 }
 
-/// Pins the calling thread to CPU `cpu` (`sched_setaffinity`).
-pub(crate) fn pin_current_thread(cpu: usize) -> io::Result<()> {
-    let max_cpus = 8 * std::mem::size_of::<libc::cpu_set_t>();
-    if cpu >= max_cpus {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("CPU {cpu} is beyond the {max_cpus} CPUs a cpu_set_t can hold"),
-        ));
-    }
-    // SAFETY: cpu_set_t is a plain bit array for which all-zeroes is the
-    // empty set.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `cpu` was checked to be within the bit array.
-    unsafe { libc::CPU_SET(cpu, &mut set) };
-    // SAFETY: `set` is a valid cpu_set_t of the size passed; pid 0 means the
-    // calling thread.
-    let ret = unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) };
-    if ret != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,7 +19,7 @@ mod pool;
 mod uring;
 
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, BorrowedFd};
 
 pub use null::NullQueue;
 pub use pool::{PoolQueue, ThreadPool};
@@ -161,7 +161,15 @@ pub trait IoQueue: Send {
     /// A descriptor that becomes readable when completions may be ready, if
     /// the engine completes asynchronously. The owner reads it (8 bytes) to
     /// re-arm it.
-    fn notify_fd(&self) -> Option<RawFd>;
+    fn notify_fd(&self) -> Option<BorrowedFd<'_>>;
+}
+
+/// Borrows the descriptor of an owner that keeps it open (vmm-sys-util's
+/// EventFd and TimerFd implement `AsRawFd` but not `AsFd`).
+fn borrow_fd<T: AsRawFd>(owner: &T) -> BorrowedFd<'_> {
+    // SAFETY: the owner holds the descriptor open for as long as it lives,
+    // and the borrow cannot outlive the owner.
+    unsafe { BorrowedFd::borrow_raw(owner.as_raw_fd()) }
 }
 
 /// Whether `[offset, offset + len)` lies inside a target of `size` bytes.

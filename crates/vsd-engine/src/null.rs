@@ -3,7 +3,7 @@
 
 use std::collections::VecDeque;
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
 
 use vmm_sys_util::timerfd::TimerFd;
@@ -93,7 +93,7 @@ impl IoQueue for NullQueue {
         Ok(())
     }
 
-    fn notify_fd(&self) -> Option<RawFd> {
-        self.timer.as_ref().map(|t| t.as_raw_fd())
+    fn notify_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.timer.as_ref().map(crate::borrow_fd)
     }
 }

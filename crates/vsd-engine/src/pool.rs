@@ -7,7 +7,7 @@
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
@@ -171,8 +171,8 @@ impl IoQueue for PoolQueue {
         Ok(())
     }
 
-    fn notify_fd(&self) -> Option<RawFd> {
-        Some(self.done.notify.as_raw_fd())
+    fn notify_fd(&self) -> Option<BorrowedFd<'_>> {
+        Some(crate::borrow_fd(&self.done.notify))
     }
 }
 

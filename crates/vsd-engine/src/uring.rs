@@ -2,7 +2,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::Arc;
 
 use io_uring::{IoUring, opcode, squeue, types};
@@ -181,8 +181,8 @@ impl IoQueue for UringQueue {
         self.ring.submit_and_wait(1).map(drop)
     }
 
-    fn notify_fd(&self) -> Option<RawFd> {
-        Some(self.notify.as_raw_fd())
+    fn notify_fd(&self) -> Option<BorrowedFd<'_>> {
+        Some(crate::borrow_fd(&self.notify))
     }
 }
 

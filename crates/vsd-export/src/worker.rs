@@ -132,7 +132,7 @@ impl QueueWorker {
             watch(run.kick.as_raw_fd(), TOKEN_KICK)?;
             watch(stop.as_raw_fd(), TOKEN_STOP)?;
             if let Some(fd) = io.notify_fd() {
-                watch(fd, TOKEN_IO)?;
+                watch(fd.as_raw_fd(), TOKEN_IO)?;
             }
             Ok((io, epoll))
         };
@@ -215,8 +215,7 @@ impl QueueWorker {
                     }
                     TOKEN_IO => {
                         if let Some(fd) = self.io.notify_fd() {
-                            // SAFETY: the fd belongs to `self.io`, alive here.
-                            drain(unsafe { BorrowedFd::borrow_raw(fd) });
+                            drain(fd);
                         }
                     }
                     _ => stopping = true,

@@ -220,8 +220,9 @@ fn spawn_jobs(
 
 /// Body of a job thread: pin, wait for the common start, run.
 fn job_thread(job: usize, cpu: Option<usize>, setup: JobSetup, gate: &StartGate) -> Result<JobStats, BenchError> {
-    let pinned =
-        cpu.map_or(Ok(()), |cpu| sys::pin_current_thread(cpu).map_err(|source| BenchError::Pin { job, cpu, source }));
+    let pinned = cpu.map_or(Ok(()), |cpu| {
+        vsd_sys::set_thread_affinity(&[cpu]).map_err(|source| BenchError::Pin { job, cpu, source })
+    });
     // Both waits happen even if pinning failed so the main thread never
     // blocks forever: first "ready", then "timeline published".
     gate.barrier.wait();

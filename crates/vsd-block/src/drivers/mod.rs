@@ -5,7 +5,7 @@ mod null;
 mod raw;
 
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
 use vsd_engine::{Completion, IoOp, IoQueue};
@@ -77,7 +77,7 @@ impl<F: Filter> IoQueue for FilteredQueue<F> {
         if self.answered.is_empty() { self.inner.wait() } else { Ok(()) }
     }
 
-    fn notify_fd(&self) -> Option<RawFd> {
+    fn notify_fd(&self) -> Option<BorrowedFd<'_>> {
         self.inner.notify_fd()
     }
 }
