@@ -32,6 +32,11 @@ pub trait BlockNode: Send + Sync {
     fn size(&self) -> u64;
     /// Whether writes are refused.
     fn read_only(&self) -> bool;
+    /// The host file behind the node, if it is a `file` node (format
+    /// drivers resolve relative backing file names against it).
+    fn filename(&self) -> Option<&str> {
+        None
+    }
     /// Opens a channel for one thread with at most `depth` requests in
     /// flight. Call it from that thread: engines may bind to their creator.
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>>;
@@ -44,7 +49,7 @@ pub enum GraphError {
     #[error(transparent)]
     Options(#[from] OptionError),
     /// `driver=` names no driver vsd has.
-    #[error("{context}: unknown driver '{driver}' (vsd has file, raw, null-co)")]
+    #[error("{context}: unknown driver '{driver}' (vsd has file, raw, qcow2, null-co)")]
     UnknownDriver {
         /// Which option string.
         context: String,

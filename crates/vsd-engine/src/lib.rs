@@ -120,6 +120,13 @@ impl IoVecs {
     }
 }
 
+impl Default for IoVecs {
+    /// No buffers, for requests that carry no data.
+    fn default() -> Self {
+        Self { ptr: std::ptr::null(), count: 0 }
+    }
+}
+
 // SAFETY: IoVecs is only a description of buffers; the caller of
 // `IoVecs::new` guarantees they stay valid for the request's lifetime,
 // whichever thread performs it.
@@ -159,9 +166,20 @@ pub trait IoQueue: Send {
     fn wait(&mut self) -> io::Result<()>;
 
     /// A descriptor that becomes readable when completions may be ready, if
-    /// the engine completes asynchronously. The owner reads it (8 bytes) to
-    /// re-arm it.
+    /// the engine completes asynchronously. [`IoQueue::rearm`] makes it
+    /// unreadable again.
     fn notify_fd(&self) -> Option<BorrowedFd<'_>>;
+
+    /// Consumes the readiness of [`IoQueue::notify_fd`] after it woke the
+    /// owner. By default it reads the descriptor's 8-byte counter (an
+    /// eventfd or timerfd); queues stacked on other queues re-arm those.
+    fn rearm(&mut self) {
+        if let Some(fd) = self.notify_fd()
+            && let Err(e) = vsd_sys::read_counter(fd)
+        {
+            log::warn!("cannot read an I/O completion counter: {e}");
+        }
+    }
 }
 
 /// Borrows the descriptor of an owner that keeps it open (vmm-sys-util's

@@ -213,11 +213,7 @@ impl QueueWorker {
                         drain(self.run.kick.as_fd());
                         kicked = true;
                     }
-                    TOKEN_IO => {
-                        if let Some(fd) = self.io.notify_fd() {
-                            drain(fd);
-                        }
-                    }
+                    TOKEN_IO => self.io.rearm(),
                     _ => stopping = true,
                 }
             }

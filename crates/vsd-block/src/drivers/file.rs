@@ -20,6 +20,7 @@ enum Aio {
 
 pub(crate) struct FileNode {
     name: String,
+    filename: String,
     file: Arc<File>,
     size: u64,
     read_only: bool,
@@ -29,9 +30,12 @@ pub(crate) struct FileNode {
 }
 
 /// What the file driver answers without I/O.
+///
+/// Requests past the end of the file are allowed, as in QEMU's file
+/// driver: format drivers grow their file. The nodes and exports above
+/// check guest requests against their own size.
 #[derive(Clone, Copy)]
 struct FilePolicy {
-    size: u64,
     /// `cache.no-flush=on`: flushes succeed at once (cache=unsafe).
     no_flush: bool,
     /// `discard=unmap`: discards punch holes; otherwise they are ignored.
@@ -72,10 +76,11 @@ impl FileNode {
         }
         Ok(Self {
             name,
+            filename,
             file: Arc::new(file),
             size,
             read_only,
-            policy: FilePolicy { size, no_flush, unmap },
+            policy: FilePolicy { no_flush, unmap },
             pool: (aio == Aio::Threads).then(ThreadPool::new),
         })
     }
@@ -83,8 +88,8 @@ impl FileNode {
 
 impl Filter for FilePolicy {
     fn route(&self, op: IoOp) -> Route {
-        if out_of_bounds(&op, self.size) {
-            return Route::Answer(libc::EIO);
+        if out_of_bounds(&op, i64::MAX as u64) {
+            return Route::Answer(libc::EINVAL);
         }
         match op {
             IoOp::Flush if self.no_flush => Route::Answer(0),
@@ -104,6 +109,10 @@ impl BlockNode for FileNode {
 
     fn driver(&self) -> &'static str {
         "file"
+    }
+
+    fn filename(&self) -> Option<&str> {
+        Some(&self.filename)
     }
 
     fn size(&self) -> u64 {

@@ -1,7 +1,9 @@
 //! The drivers a `--blockdev` can name.
 
+mod child;
 mod file;
 mod null;
+mod qcow2;
 mod raw;
 
 use std::io;
@@ -22,6 +24,7 @@ pub(crate) fn open(
     match driver {
         "file" => Ok(Arc::new(file::FileNode::open(name, opts)?)),
         "raw" => Ok(Arc::new(raw::RawNode::open(name, opts, graph)?)),
+        "qcow2" => Ok(Arc::new(qcow2::Qcow2Node::open(name, opts, graph)?)),
         "null-co" => Ok(Arc::new(null::NullNode::open(name, opts)?)),
         _ => Err(GraphError::UnknownDriver { context: opts.context().into(), driver: driver.into() }),
     }
@@ -79,6 +82,10 @@ impl<F: Filter> IoQueue for FilteredQueue<F> {
 
     fn notify_fd(&self) -> Option<BorrowedFd<'_>> {
         self.inner.notify_fd()
+    }
+
+    fn rearm(&mut self) {
+        self.inner.rearm()
     }
 }
 

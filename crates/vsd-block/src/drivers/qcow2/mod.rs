@@ -1,0 +1,253 @@
+//! `driver=qcow2`: the qcow2 format on top of a `file` child, with its
+//! backing chain and external data file opened from the header as QEMU
+//! does, or given as nodes.
+
+mod queue;
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use vsd_qcow2::buf::AlignedBuf;
+use vsd_qcow2::{FormatError, Image, SyncIo};
+
+use super::child::ChildQueue;
+use super::file::FileNode;
+use crate::options::OptionMap;
+use crate::{BlockGraph, BlockNode, GraphError, IoQueue};
+use queue::Qcow2Queue;
+
+/// Backing chains deeper than this are refused (QEMU has no fixed limit,
+/// but a chain this long is a loop or a mistake).
+const MAX_CHAIN: usize = 256;
+
+pub(crate) struct Qcow2Node {
+    name: String,
+    image: Arc<Image>,
+    file: Arc<dyn BlockNode>,
+    data: Option<Arc<dyn BlockNode>>,
+    backing: Option<Arc<dyn BlockNode>>,
+}
+
+/// Where the backing file comes from.
+enum Backing {
+    /// The header's backing file name and format.
+    FromHeader,
+    /// `backing=null`: none, even if the header names one.
+    Null,
+    /// `backing=NODE`.
+    Node(Arc<dyn BlockNode>),
+}
+
+/// Runtime options, also used for implicitly opened backing images.
+#[derive(Clone, Default)]
+struct Settings {
+    read_only: bool,
+    l2_cache_bytes: Option<u64>,
+    discard_no_unref: bool,
+    pass_discard: bool,
+}
+
+impl Qcow2Node {
+    pub(crate) fn open(name: String, opts: &mut OptionMap, graph: &BlockGraph) -> Result<Self, GraphError> {
+        let context = opts.context().to_string();
+        let node =
+            |name: String| graph.get(&name).ok_or_else(|| GraphError::NoSuchNode { context: context.clone(), name });
+        let file = node(opts.require("file")?)?;
+        let backing = match opts.take("backing") {
+            None => Backing::FromHeader,
+            Some(b) if b == "null" => Backing::Null,
+            Some(b) => Backing::Node(node(b)?),
+        };
+        let data_file = opts.take("data-file").map(node).transpose()?;
+        let settings = Settings {
+            read_only: opts.take_bool("read-only")?.unwrap_or(false) || file.read_only(),
+            l2_cache_bytes: opts.take_size("l2-cache-size")?,
+            discard_no_unref: opts.take_bool("discard-no-unref")?.unwrap_or(false),
+            pass_discard: opts.take_bool("pass-discard-request")?.unwrap_or(true),
+        };
+        // Accepted for QEMU compatibility, with nothing to tune: refcount
+        // blocks are written through and kept whole, cache entries are
+        // never dirty, and refcounts are never deferred (so the dirty bit
+        // is never needed).
+        opts.take_size("refcount-cache-size")?;
+        opts.take_u64("cache-clean-interval")?;
+        opts.take_bool("lazy-refcounts")?;
+        Self::build(name, &context, file, backing, data_file, &settings, &mut Vec::new())
+    }
+
+    /// Opens the image on `file`; `chain` holds the files of the images
+    /// above it, to catch loops.
+    fn build(
+        name: String,
+        context: &str,
+        file: Arc<dyn BlockNode>,
+        backing: Backing,
+        data_file: Option<Arc<dyn BlockNode>>,
+        settings: &Settings,
+        chain: &mut Vec<PathBuf>,
+    ) -> Result<Self, GraphError> {
+        let invalid = |reason: String| GraphError::Invalid { context: context.to_string(), reason };
+        let host = |what: String, source: io::Error| GraphError::Host { context: context.to_string(), what, source };
+        let path = file.filename().map(|f| std::fs::canonicalize(f).unwrap_or_else(|_| PathBuf::from(f)));
+        if let Some(path) = &path {
+            if chain.contains(path) {
+                return Err(invalid(format!("the backing chain loops back to '{}'", path.display())));
+            }
+            if chain.len() >= MAX_CHAIN {
+                return Err(invalid(format!("backing chain deeper than {MAX_CHAIN} images")));
+            }
+            chain.push(path.clone());
+        }
+
+        let mut io = ChildQueue::open(&*file, 1, u64::MAX).map_err(|e| host("cannot open a queue".into(), e))?;
+        let has_backing = match &backing {
+            Backing::FromHeader => None,
+            Backing::Null => Some(false),
+            Backing::Node(_) => Some(true),
+        };
+        let options = vsd_qcow2::Options {
+            writable: !settings.read_only,
+            l2_cache_bytes: settings.l2_cache_bytes,
+            discard_no_unref: settings.discard_no_unref,
+            pass_discard: settings.pass_discard,
+            has_backing,
+        };
+        let image = Image::open(&mut io, file.size(), options).map_err(|e| match e {
+            FormatError::Io(e) => host("cannot read the image".into(), e),
+            e => invalid(e.to_string()),
+        })?;
+        drop(io);
+        let header = image.header().clone();
+
+        let backing = match backing {
+            Backing::Null => None,
+            Backing::Node(node) => Some(node),
+            Backing::FromHeader => match &header.backing_file {
+                None => None,
+                Some(name) => {
+                    let path = resolve(path.as_deref(), name).map_err(invalid)?;
+                    Some(
+                        open_backing(&path, header.backing_format.as_deref(), settings, chain)
+                            .map_err(|e| invalid(format!("cannot open backing file '{}': {e}", path.display())))?,
+                    )
+                }
+            },
+        };
+
+        let data = match (header.has_data_file(), data_file, &header.data_file) {
+            (false, Some(_), _) => {
+                return Err(invalid("data-file given, but the image has no external data file".into()));
+            }
+            (false, None, _) => None,
+            (true, Some(node), _) => Some(node),
+            (true, None, Some(name)) => {
+                let path = resolve(path.as_deref(), name).map_err(invalid)?;
+                Some(
+                    open_file(&path, settings.read_only)
+                        .map_err(|e| invalid(format!("cannot open external data file '{}': {e}", path.display())))?,
+                )
+            }
+            (true, None, None) => {
+                return Err(invalid("the image needs an external data file and names none: give data-file=".into()));
+            }
+        };
+        Ok(Self { name, image: Arc::new(image), file, data, backing })
+    }
+}
+
+/// A header's file name, relative to the directory of the image naming it.
+fn resolve(image: Option<&Path>, name: &str) -> Result<PathBuf, String> {
+    if name.starts_with("json:") || name.contains("://") {
+        return Err(format!("'{name}' is not a plain file name (vsd opens only local files from a header)"));
+    }
+    let name = Path::new(name);
+    if name.is_absolute() {
+        return Ok(name.to_path_buf());
+    }
+    match image.and_then(Path::parent) {
+        Some(dir) => Ok(dir.join(name)),
+        None => Err(format!("cannot resolve '{}': the image is not a named file", name.display())),
+    }
+}
+
+/// An implicit `file` node (QEMU names these after the file).
+fn open_file(path: &Path, read_only: bool) -> Result<Arc<dyn BlockNode>, GraphError> {
+    let filename = path.to_str().ok_or_else(|| GraphError::Invalid {
+        context: path.display().to_string(),
+        reason: "the file name is not UTF-8".into(),
+    })?;
+    let text = format!("driver=file,filename={},read-only={}", filename.replace(',', ",,"), read_only);
+    let mut opts = OptionMap::parse("--blockdev", &text)?;
+    let node = FileNode::open(format!("#{filename}"), &mut opts)?;
+    opts.finish()?;
+    Ok(Arc::new(node))
+}
+
+/// Opens a backing file named by a header, read-only, probing its format
+/// if the header does not say it.
+fn open_backing(
+    path: &Path,
+    format: Option<&str>,
+    settings: &Settings,
+    chain: &mut Vec<PathBuf>,
+) -> Result<Arc<dyn BlockNode>, GraphError> {
+    let file = open_file(path, true)?;
+    let format = match format {
+        Some(f) => f.to_string(),
+        None => probe(&*file).map_err(|e| GraphError::Host {
+            context: path.display().to_string(),
+            what: "cannot probe the format".into(),
+            source: e,
+        })?,
+    };
+    match format.as_str() {
+        "raw" | "file" => Ok(file),
+        "qcow2" => {
+            let settings = Settings { read_only: true, ..settings.clone() };
+            let context = path.display().to_string();
+            let name = format!("#{context}-qcow2");
+            Ok(Arc::new(Qcow2Node::build(name, &context, file, Backing::FromHeader, None, &settings, chain)?))
+        }
+        other => Err(GraphError::Invalid {
+            context: path.display().to_string(),
+            reason: format!("backing format '{other}' is not supported (vsd has raw and qcow2)"),
+        }),
+    }
+}
+
+/// "qcow2" if the node starts with the qcow2 magic, else "raw".
+fn probe(node: &dyn BlockNode) -> io::Result<String> {
+    let mut io = ChildQueue::open(node, 1, node.size())?;
+    let mut head = AlignedBuf::zeroed(4096);
+    io.read_at(&mut head, 0)?;
+    Ok(if head.starts_with(b"QFI\xfb") { "qcow2" } else { "raw" }.into())
+}
+
+impl BlockNode for Qcow2Node {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn driver(&self) -> &'static str {
+        "qcow2"
+    }
+
+    fn size(&self) -> u64 {
+        self.image.size()
+    }
+
+    fn read_only(&self) -> bool {
+        !self.image.writable()
+    }
+
+    fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
+        // Requests split at cluster boundaries need more child tags than
+        // the guest has requests; beyond these, children wait in line.
+        let child_depth = depth.saturating_mul(2).clamp(8, u16::MAX - 1);
+        let file = ChildQueue::open(&*self.file, child_depth, u64::MAX)?;
+        let data = self.data.as_ref().map(|d| ChildQueue::open(&**d, child_depth, u64::MAX)).transpose()?;
+        let backing = self.backing.as_ref().map(|b| ChildQueue::open(&**b, child_depth, b.size())).transpose()?;
+        Ok(Box::new(Qcow2Queue::new(self.image.clone(), file, data, backing, depth, child_depth)?))
+    }
+}

@@ -1,0 +1,420 @@
+//! The image header and its extensions (qcow2 spec, "Header" and "Header
+//! extensions"): parsed once at open, validated before anything else is
+//! trusted, and changed afterwards only field by field in place.
+
+use crate::FormatError;
+
+const MAGIC: u32 = 0x5146_49fb; // "QFI\xfb"
+const V2_HEADER_LEN: u32 = 72;
+const V3_MIN_HEADER_LEN: u32 = 104;
+
+/// Byte offsets of the fields vsd rewrites in place.
+pub mod field {
+    /// `refcount_table_offset` (u64) followed by `refcount_table_clusters`
+    /// (u32): one 12-byte write moves the refcount table atomically.
+    pub const REFCOUNT_TABLE: u64 = 48;
+    /// `incompatible_features` (u64).
+    pub const INCOMPATIBLE: u64 = 72;
+    /// `autoclear_features` (u64).
+    pub const AUTOCLEAR: u64 = 88;
+}
+
+/// `incompatible_features` bits.
+pub mod incompatible {
+    /// Refcounts may be stale (lazy refcounts after a crash).
+    pub const DIRTY: u64 = 1 << 0;
+    /// QEMU found the metadata corrupt and stopped writing.
+    pub const CORRUPT: u64 = 1 << 1;
+    /// Guest data lives in an external data file.
+    pub const DATA_FILE: u64 = 1 << 2;
+    /// The compression type field is meaningful.
+    pub const COMPRESSION_TYPE: u64 = 1 << 3;
+    /// L2 entries carry subcluster bitmaps.
+    pub const EXTENDED_L2: u64 = 1 << 4;
+    /// Every bit vsd understands.
+    pub const KNOWN: u64 = DIRTY | CORRUPT | DATA_FILE | COMPRESSION_TYPE | EXTENDED_L2;
+}
+
+/// `compatible_features` bits.
+pub mod compatible {
+    /// Refcount updates may be delayed; the dirty bit covers them.
+    pub const LAZY_REFCOUNTS: u64 = 1 << 0;
+}
+
+/// `autoclear_features` bits.
+pub mod autoclear {
+    /// The bitmaps extension is consistent.
+    pub const BITMAPS: u64 = 1 << 0;
+    /// The external data file is a valid raw image on its own.
+    pub const DATA_FILE_RAW: u64 = 1 << 1;
+    /// Every bit vsd keeps consistent when it writes.
+    pub const KEPT: u64 = DATA_FILE_RAW;
+}
+
+mod extension {
+    pub const END: u32 = 0;
+    pub const BACKING_FORMAT: u32 = 0xe279_2aca;
+    pub const FEATURE_TABLE: u32 = 0x6803_f857;
+    pub const BITMAPS: u32 = 0x2385_2875;
+    pub const ENCRYPTION: u32 = 0x0537_be77;
+    pub const DATA_FILE: u32 = 0x4441_5441;
+}
+
+/// How compressed clusters are encoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Compression {
+    /// Raw deflate (no zlib header), window of 4 KiB.
+    Zlib,
+    /// A zstd frame.
+    Zstd,
+}
+
+/// The parts of the header vsd needs, checked for sanity.
+#[derive(Clone, Debug)]
+pub struct Header {
+    /// 2 or 3.
+    pub version: u32,
+    /// log2 of the cluster size, 9 to 21.
+    pub cluster_bits: u32,
+    /// The virtual disk size in bytes.
+    pub size: u64,
+    /// Entries in the active L1 table.
+    pub l1_size: u32,
+    /// Where the active L1 table is.
+    pub l1_offset: u64,
+    /// Where the refcount table is.
+    pub refcount_table_offset: u64,
+    /// Its length in clusters.
+    pub refcount_table_clusters: u32,
+    /// log2 of the refcount width in bits, 0 to 6.
+    pub refcount_order: u32,
+    /// Internal snapshots.
+    pub nb_snapshots: u32,
+    /// Where the snapshot table is.
+    pub snapshots_offset: u64,
+    /// `incompatible_features`.
+    pub incompatible: u64,
+    /// `compatible_features`.
+    pub compatible: u64,
+    /// `autoclear_features`.
+    pub autoclear: u64,
+    /// How compressed clusters are encoded.
+    pub compression: Compression,
+    /// The backing file named in the header, if any.
+    pub backing_file: Option<String>,
+    /// Its format, from the backing format extension.
+    pub backing_format: Option<String>,
+    /// The external data file's name, if the image has one.
+    pub data_file: Option<String>,
+    /// The bitmaps extension is present.
+    pub has_bitmaps: bool,
+}
+
+impl Header {
+    /// Parses and validates the header in `buf`: the image's first cluster,
+    /// or at least its first 4 KiB when the cluster size is not known yet.
+    /// `file_len` is the length of the image file, to catch tables that
+    /// point past its end.
+    pub fn parse(buf: &[u8], file_len: u64) -> Result<Self, FormatError> {
+        let bad = |what: String| Err(FormatError::Header(what));
+        if buf.len() < V2_HEADER_LEN as usize || be32(buf, 0) != MAGIC {
+            return bad("not a qcow2 image (no QFI\\xfb magic)".into());
+        }
+        let version = be32(buf, 4);
+        if version != 2 && version != 3 {
+            return bad(format!("qcow2 version {version} is not supported (only 2 and 3)"));
+        }
+        let cluster_bits = be32(buf, 20);
+        if !(9..=21).contains(&cluster_bits) {
+            return bad(format!("cluster_bits {cluster_bits} is outside 9..=21"));
+        }
+        let cluster_size = 1u64 << cluster_bits;
+        if (buf.len() as u64) < cluster_size.min(4096) {
+            return bad("header buffer shorter than the first cluster".into());
+        }
+        let crypt_method = be32(buf, 32);
+        if crypt_method != 0 {
+            return Err(FormatError::Unsupported(format!("encrypted image (crypt_method {crypt_method})")));
+        }
+
+        let (incompatible, compatible, autoclear, refcount_order, header_len, compression_byte) = if version == 3 {
+            let header_len = be32(buf, 100);
+            if header_len < V3_MIN_HEADER_LEN || !header_len.is_multiple_of(8) || u64::from(header_len) > cluster_size {
+                return bad(format!("header_length {header_len} is invalid"));
+            }
+            let compression = if header_len > V3_MIN_HEADER_LEN { buf[104] } else { 0 };
+            (be64(buf, 72), be64(buf, 80), be64(buf, 88), be32(buf, 96), header_len, compression)
+        } else {
+            (0, 0, 0, 4, V2_HEADER_LEN, 0)
+        };
+        if refcount_order > 6 {
+            return bad(format!("refcount_order {refcount_order} is outside 0..=6"));
+        }
+
+        let mut header = Header {
+            version,
+            cluster_bits,
+            size: be64(buf, 24),
+            l1_size: be32(buf, 36),
+            l1_offset: be64(buf, 40),
+            refcount_table_offset: be64(buf, 48),
+            refcount_table_clusters: be32(buf, 56),
+            refcount_order,
+            nb_snapshots: be32(buf, 60),
+            snapshots_offset: be64(buf, 64),
+            incompatible,
+            compatible,
+            autoclear,
+            compression: Compression::Zlib,
+            backing_file: None,
+            backing_format: None,
+            data_file: None,
+            has_bitmaps: false,
+        };
+        let feature_names = header.read_extensions(buf, header_len as usize)?;
+
+        let unknown = incompatible & !incompatible::KNOWN;
+        if unknown != 0 {
+            let names: Vec<String> = (0..64)
+                .filter(|bit| unknown & (1 << bit) != 0)
+                .map(|bit| match feature_names.iter().find(|(b, _)| *b == bit) {
+                    Some((_, name)) => format!("bit {bit} ({name})"),
+                    None => format!("bit {bit}"),
+                })
+                .collect();
+            return Err(FormatError::Unsupported(format!("unknown incompatible features: {}", names.join(", "))));
+        }
+        if incompatible & incompatible::CORRUPT != 0 {
+            return Err(FormatError::Corrupt(
+                "the image is marked corrupt; repair it with 'qemu-img check -r all'".into(),
+            ));
+        }
+        header.compression = match (incompatible & incompatible::COMPRESSION_TYPE != 0, compression_byte) {
+            (_, 0) => Compression::Zlib,
+            (true, 1) => Compression::Zstd,
+            (false, 1) => return bad("compression type zstd without the compression type feature bit".into()),
+            (_, other) => return Err(FormatError::Unsupported(format!("compression type {other}"))),
+        };
+        if header.extended_l2() && cluster_bits < 14 {
+            return bad(format!("extended L2 entries need clusters of 16 KiB or more, not {cluster_size}"));
+        }
+        if header.data_file.is_some() && !header.has_data_file() {
+            return bad("an external data file name without the external data file feature bit".into());
+        }
+        if autoclear & autoclear::DATA_FILE_RAW != 0 && !header.has_data_file() {
+            return bad("data_file_raw without an external data file".into());
+        }
+        header.check_tables(file_len)?;
+        Ok(header)
+    }
+
+    /// Reads the extensions after the fixed header; returns the feature
+    /// name table (bit, name) of incompatible features, for error messages.
+    fn read_extensions(&mut self, buf: &[u8], mut at: usize) -> Result<Vec<(u32, String)>, FormatError> {
+        let end_of_header = buf.len().min(1 << self.cluster_bits);
+        let mut names = Vec::new();
+        loop {
+            if at + 8 > end_of_header {
+                return Err(FormatError::Header("header extensions run past the first cluster".into()));
+            }
+            let (kind, len) = (be32(buf, at), be32(buf, at + 4) as usize);
+            let data_at = at + 8;
+            let Some(data) = buf.get(data_at..data_at + len).filter(|_| data_at + len <= end_of_header) else {
+                return Err(FormatError::Header(format!("header extension {kind:#x} runs past the first cluster")));
+            };
+            match kind {
+                extension::END => break,
+                extension::BACKING_FORMAT => self.backing_format = Some(text(data, "backing format")?),
+                extension::DATA_FILE => self.data_file = Some(text(data, "external data file name")?),
+                extension::BITMAPS => self.has_bitmaps = true,
+                extension::ENCRYPTION => {
+                    return Err(FormatError::Unsupported("encrypted image (full disk encryption header)".into()));
+                }
+                extension::FEATURE_TABLE => {
+                    for entry in data.chunks_exact(48) {
+                        if entry[0] == 0 {
+                            let name = String::from_utf8_lossy(&entry[2..]).trim_end_matches('\0').to_string();
+                            names.push((u32::from(entry[1]), name));
+                        }
+                    }
+                }
+                _ => {} // unknown extensions are ignored, as the spec says
+            }
+            at = data_at + len.next_multiple_of(8);
+        }
+
+        let backing_offset = be64(buf, 8);
+        let backing_len = be32(buf, 16) as usize;
+        if backing_offset != 0 {
+            let start = backing_offset as usize;
+            if backing_len > 1023 || start.checked_add(backing_len).is_none_or(|e| e > end_of_header) {
+                return Err(FormatError::Header("the backing file name lies outside the first cluster".into()));
+            }
+            self.backing_file = Some(text(&buf[start..start + backing_len], "backing file name")?);
+        }
+        Ok(names)
+    }
+
+    /// Every table the header names must be cluster aligned and inside
+    /// sane limits, so later arithmetic cannot overflow.
+    fn check_tables(&self, file_len: u64) -> Result<(), FormatError> {
+        let cs = self.cluster_size();
+        let aligned = |name: &str, offset: u64| {
+            if !offset.is_multiple_of(cs) {
+                Err(FormatError::Header(format!("{name} offset {offset:#x} is not cluster aligned")))
+            } else {
+                Ok(())
+            }
+        };
+        // QEMU's limits: 32 MiB of L1 table, 8 MiB of refcount table, and
+        // images of at most 2^61 bytes so offsets fit the L2 entry format.
+        if self.size > (1 << 61) {
+            return Err(FormatError::Header(format!("virtual size {} is too large", self.size)));
+        }
+        if u64::from(self.l1_size) * 8 > 32 << 20 {
+            return Err(FormatError::Header(format!("L1 table of {} entries is too large", self.l1_size)));
+        }
+        if u64::from(self.l1_size) < self.l1_entries_needed() {
+            return Err(FormatError::Header(format!(
+                "L1 table of {} entries is too small for {} bytes",
+                self.l1_size, self.size
+            )));
+        }
+        aligned("L1 table", self.l1_offset)?;
+        if self.l1_size > 0 && self.l1_offset == 0 {
+            return Err(FormatError::Header("L1 table at offset 0 (over the header)".into()));
+        }
+        if u64::from(self.refcount_table_clusters) * cs > 8 << 20 {
+            return Err(FormatError::Header("refcount table larger than 8 MiB".into()));
+        }
+        if self.refcount_table_clusters == 0 || self.refcount_table_offset == 0 {
+            return Err(FormatError::Header("no refcount table".into()));
+        }
+        aligned("refcount table", self.refcount_table_offset)?;
+        if self.nb_snapshots > 0 {
+            aligned("snapshot table", self.snapshots_offset)?;
+        }
+        let past_end = |name: &str, offset: u64, len: u64| {
+            if offset.saturating_add(len) > file_len {
+                Err(FormatError::Corrupt(format!("{name} at {offset:#x} lies past the end of the image file")))
+            } else {
+                Ok(())
+            }
+        };
+        past_end("L1 table", self.l1_offset, u64::from(self.l1_size) * 8)?;
+        past_end("refcount table", self.refcount_table_offset, u64::from(self.refcount_table_clusters) * cs)
+    }
+
+    /// Bytes per cluster.
+    pub fn cluster_size(&self) -> u64 {
+        1 << self.cluster_bits
+    }
+
+    /// L2 entries carry subcluster bitmaps.
+    pub fn extended_l2(&self) -> bool {
+        self.incompatible & incompatible::EXTENDED_L2 != 0
+    }
+
+    /// Guest data lives in an external data file.
+    pub fn has_data_file(&self) -> bool {
+        self.incompatible & incompatible::DATA_FILE != 0
+    }
+
+    /// Refcounts may be stale and must be rebuilt before writing.
+    pub fn dirty(&self) -> bool {
+        self.incompatible & incompatible::DIRTY != 0
+    }
+
+    /// Bytes per L2 entry.
+    pub fn l2_entry_size(&self) -> u64 {
+        if self.extended_l2() { 16 } else { 8 }
+    }
+
+    /// Guest clusters one L2 table maps.
+    pub fn l2_entries(&self) -> u64 {
+        self.cluster_size() / self.l2_entry_size()
+    }
+
+    /// L1 entries needed to map the whole virtual disk.
+    pub fn l1_entries_needed(&self) -> u64 {
+        self.size.div_ceil(self.cluster_size()).div_ceil(self.l2_entries())
+    }
+}
+
+fn be32(buf: &[u8], at: usize) -> u32 {
+    u32::from_be_bytes(buf[at..at + 4].try_into().unwrap())
+}
+
+fn be64(buf: &[u8], at: usize) -> u64 {
+    u64::from_be_bytes(buf[at..at + 8].try_into().unwrap())
+}
+
+fn text(data: &[u8], what: &str) -> Result<String, FormatError> {
+    String::from_utf8(data.to_vec()).map_err(|_| FormatError::Header(format!("the {what} is not UTF-8")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A minimal valid v3 header with 64 KiB clusters for a 1 GiB disk.
+    fn v3() -> Vec<u8> {
+        let mut b = vec![0u8; 65536];
+        b[0..4].copy_from_slice(&MAGIC.to_be_bytes());
+        b[4..8].copy_from_slice(&3u32.to_be_bytes());
+        b[20..24].copy_from_slice(&16u32.to_be_bytes());
+        b[24..32].copy_from_slice(&(1u64 << 30).to_be_bytes());
+        b[36..40].copy_from_slice(&2u32.to_be_bytes());
+        b[40..48].copy_from_slice(&0x30000u64.to_be_bytes());
+        b[48..56].copy_from_slice(&0x10000u64.to_be_bytes());
+        b[56..60].copy_from_slice(&1u32.to_be_bytes());
+        b[96..100].copy_from_slice(&4u32.to_be_bytes());
+        b[100..104].copy_from_slice(&112u32.to_be_bytes());
+        b
+    }
+
+    #[test]
+    fn parses_a_plain_v3_header() {
+        let h = Header::parse(&v3(), 1 << 20).unwrap();
+        assert_eq!((h.version, h.cluster_size(), h.size, h.l1_size), (3, 65536, 1 << 30, 2));
+        assert_eq!(h.l2_entries(), 8192);
+        assert!(h.backing_file.is_none() && !h.extended_l2());
+    }
+
+    #[test]
+    fn refuses_unknown_incompatible_bits_by_name() {
+        let mut b = v3();
+        b[72..80].copy_from_slice(&(1u64 << 9).to_be_bytes());
+        // A feature name table naming bit 9.
+        b[112..116].copy_from_slice(&extension::FEATURE_TABLE.to_be_bytes());
+        b[116..120].copy_from_slice(&48u32.to_be_bytes());
+        b[120] = 0;
+        b[121] = 9;
+        b[122..126].copy_from_slice(b"warp");
+        let err = Header::parse(&b, 1 << 20).unwrap_err().to_string();
+        assert!(err.contains("bit 9 (warp)"), "{err}");
+    }
+
+    #[test]
+    fn refuses_encryption_and_bad_geometry() {
+        let mut b = v3();
+        b[32..36].copy_from_slice(&1u32.to_be_bytes());
+        assert!(Header::parse(&b, 1 << 20).unwrap_err().to_string().contains("encrypted"));
+        let mut b = v3();
+        b[20..24].copy_from_slice(&30u32.to_be_bytes());
+        assert!(Header::parse(&b, 1 << 20).unwrap_err().to_string().contains("cluster_bits"));
+        let mut b = v3();
+        b[36..40].copy_from_slice(&1u32.to_be_bytes());
+        assert!(Header::parse(&b, 1 << 20).unwrap_err().to_string().contains("too small"));
+        let b = v3();
+        assert!(Header::parse(&b, 0x20000).unwrap_err().to_string().contains("past the end"));
+    }
+
+    #[test]
+    fn an_extension_running_past_the_cluster_is_refused() {
+        let mut b = v3();
+        b[112..116].copy_from_slice(&extension::BACKING_FORMAT.to_be_bytes());
+        b[116..120].copy_from_slice(&u32::MAX.to_be_bytes());
+        assert!(Header::parse(&b, 1 << 20).is_err());
+    }
+}

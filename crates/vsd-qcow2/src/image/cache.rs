@@ -1,0 +1,153 @@
+//! The L2 table cache: tables of atomics that readers consult under a
+//! read lock held only for the lookup, and that the metadata mutex's holder
+//! updates in place.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+use crate::buf::AlignedBuf;
+use crate::entry::{COMPRESSED, EntryError, L2Entry, Layout, OFFSET_MASK};
+
+/// One L2 table as in memory: raw entries (and bitmaps, for extended L2)
+/// in host byte order.
+pub(super) struct L2Table {
+    /// Where the table is in the image file.
+    pub(super) offset: u64,
+    words: Box<[AtomicU64]>,
+    /// Entries whose data cluster overlaps the image's metadata, found when
+    /// the table was loaded: never followed, never written through.
+    bad: Box<[u64]>,
+    stamp: AtomicU64,
+}
+
+impl L2Table {
+    /// Parses a table read from disk. `is_metadata(host)` says whether a
+    /// data cluster offset is a metadata cluster (None: data lives in an
+    /// external file, where nothing can overlap).
+    pub(super) fn parse(offset: u64, raw: &[u8], layout: &Layout, is_metadata: Option<&dyn Fn(u64) -> bool>) -> Self {
+        let words: Box<[AtomicU64]> =
+            raw.chunks_exact(8).map(|w| AtomicU64::new(u64::from_be_bytes(w.try_into().unwrap()))).collect();
+        let stride = if layout.extended { 2 } else { 1 };
+        let entries = words.len() / stride;
+        let mut bad = vec![0u64; entries.div_ceil(64)].into_boxed_slice();
+        if let Some(is_metadata) = is_metadata {
+            for i in 0..entries {
+                let e = words[i * stride].load(Ordering::Relaxed);
+                let host = e & OFFSET_MASK;
+                if e & COMPRESSED == 0 && host != 0 && is_metadata(host) {
+                    bad[i / 64] |= 1 << (i % 64);
+                }
+            }
+        }
+        Self { offset, words, bad, stamp: AtomicU64::new(0) }
+    }
+
+    /// A table of unallocated entries at `offset`.
+    pub(super) fn empty(offset: u64, cluster_size: u64) -> Self {
+        let words = (0..cluster_size / 8).map(|_| AtomicU64::new(0)).collect::<Box<[_]>>();
+        let bad = vec![0u64; words.len().div_ceil(64)].into_boxed_slice();
+        Self { offset, words, bad, stamp: AtomicU64::new(0) }
+    }
+
+    /// A copy of this table to be written at `offset` (copy-on-write of a
+    /// table shared with a snapshot).
+    pub(super) fn copy_to(&self, offset: u64) -> Self {
+        let words = self.words.iter().map(|w| AtomicU64::new(w.load(Ordering::Relaxed))).collect();
+        Self { offset, words, bad: self.bad.clone(), stamp: AtomicU64::new(0) }
+    }
+
+    /// Decodes entry `index`.
+    pub(super) fn decode(&self, layout: &Layout, index: usize) -> Result<L2Entry, EntryError> {
+        let stride = if layout.extended { 2 } else { 1 };
+        let entry = self.words[index * stride].load(Ordering::Acquire);
+        if self.bad[index / 64] & (1 << (index % 64)) != 0 {
+            return Err(EntryError::Metadata(entry));
+        }
+        let bitmap = if layout.extended { self.words[index * stride + 1].load(Ordering::Acquire) } else { 0 };
+        layout.decode(entry, bitmap)
+    }
+
+    /// Replaces entry `index` in memory; returns the byte range of the
+    /// table that changed.
+    pub(super) fn set(&self, layout: &Layout, index: usize, e: &L2Entry) -> std::ops::Range<usize> {
+        let (entry, bitmap) = layout.encode(e);
+        if layout.extended {
+            // The bitmap first: a reader that sees the new entry word also
+            // sees the bitmap that goes with it.
+            self.words[index * 2 + 1].store(bitmap, Ordering::Release);
+            self.words[index * 2].store(entry, Ordering::Release);
+            index * 16..index * 16 + 16
+        } else {
+            self.words[index].store(entry, Ordering::Release);
+            index * 8..index * 8 + 8
+        }
+    }
+
+    /// The on-disk bytes of `range` (aligned to 512-byte sectors by the
+    /// caller).
+    pub(super) fn bytes(&self, range: std::ops::Range<usize>) -> AlignedBuf {
+        let mut out = AlignedBuf::zeroed(range.len());
+        for (chunk, word) in out.chunks_exact_mut(8).zip(&self.words[range.start / 8..range.end / 8]) {
+            chunk.copy_from_slice(&word.load(Ordering::Relaxed).to_be_bytes());
+        }
+        out
+    }
+
+    /// Its size in bytes.
+    pub(super) fn len(&self) -> usize {
+        self.words.len() * 8
+    }
+}
+
+/// Cached L2 tables by offset, with approximate LRU eviction.
+pub(super) struct L2Cache {
+    tables: RwLock<HashMap<u64, Arc<L2Table>>>,
+    capacity: usize,
+    /// Advanced on every insertion; lookups stamp tables with it, so the
+    /// hit path writes no shared counter.
+    clock: AtomicU64,
+}
+
+impl L2Cache {
+    /// A cache of at most `capacity` tables (at least 2).
+    pub(super) fn new(capacity: usize) -> Self {
+        Self { tables: RwLock::default(), capacity: capacity.max(2), clock: AtomicU64::new(1) }
+    }
+
+    /// Runs `f` on the table at `offset`, if cached.
+    pub(super) fn with<R>(&self, offset: u64, f: impl FnOnce(&L2Table) -> R) -> Option<R> {
+        let tables = self.tables.read().unwrap_or_else(|e| e.into_inner());
+        let table = tables.get(&offset)?;
+        let now = self.clock.load(Ordering::Relaxed);
+        if table.stamp.load(Ordering::Relaxed) != now {
+            table.stamp.store(now, Ordering::Relaxed);
+        }
+        Some(f(table))
+    }
+
+    /// The table at `offset`, if cached.
+    pub(super) fn get(&self, offset: u64) -> Option<Arc<L2Table>> {
+        let tables = self.tables.read().unwrap_or_else(|e| e.into_inner());
+        tables.get(&offset).cloned()
+    }
+
+    /// Adds a table, evicting the least recently used one if full.
+    pub(super) fn insert(&self, table: Arc<L2Table>) {
+        let now = self.clock.fetch_add(1, Ordering::Relaxed) + 1;
+        table.stamp.store(now, Ordering::Relaxed);
+        let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
+        tables.insert(table.offset, table);
+        if tables.len() > self.capacity {
+            let oldest = tables.iter().min_by_key(|(_, t)| t.stamp.load(Ordering::Relaxed)).map(|(&off, _)| off);
+            if let Some(off) = oldest {
+                tables.remove(&off);
+            }
+        }
+    }
+
+    /// Forgets the table at `offset` (it moved).
+    pub(super) fn remove(&self, offset: u64) {
+        self.tables.write().unwrap_or_else(|e| e.into_inner()).remove(&offset);
+    }
+}

@@ -1,0 +1,279 @@
+//! An open image: the header, the active L1 table, the L2 cache, and the
+//! metadata state that allocation changes.
+
+mod cache;
+mod open;
+mod refcounts;
+mod write;
+
+use std::collections::BTreeSet;
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cache::{L2Cache, L2Table};
+use refcounts::Refcounts;
+
+use crate::SyncIo;
+use crate::buf::AlignedBuf;
+use crate::entry::{self, Layout, Subcluster};
+use crate::header::{Compression, Header};
+
+/// How the image is used, from the `--blockdev` options.
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    /// Requests that change the image are allowed.
+    pub writable: bool,
+    /// Bytes of L2 tables to cache; by default enough for the whole disk,
+    /// up to 32 MiB (256 GiB of disk with 64 KiB clusters).
+    pub l2_cache_bytes: Option<u64>,
+    /// Guest discards mark clusters zero but keep them allocated.
+    pub discard_no_unref: bool,
+    /// Clusters freed by discards are discarded in the file too.
+    pub pass_discard: bool,
+    /// Whether unallocated clusters read from a backing file rather than as
+    /// zeroes; None: as the header says.
+    pub has_backing: Option<bool>,
+}
+
+/// What a range of the guest disk reads as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mapping {
+    /// Data at this offset of the data file; `in_place` if writes may go
+    /// there directly.
+    Data {
+        /// Host byte offset of the range's first byte.
+        host: u64,
+        /// The cluster is referenced once and holds data for the whole range.
+        in_place: bool,
+    },
+    /// Zeroes.
+    Zero,
+    /// Not allocated in this image: the backing file's bytes, or zeroes.
+    Unallocated,
+    /// Inside a compressed cluster stored at `host`, `len` bytes long.
+    Compressed {
+        /// Host byte offset of the compressed data.
+        host: u64,
+        /// Bytes to read from there.
+        len: u64,
+    },
+    /// The metadata for this range is corrupt: fail the request.
+    Invalid,
+}
+
+/// A run of guest bytes with one mapping.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Extent {
+    /// What the run reads as.
+    pub mapping: Mapping,
+    /// Its length in bytes.
+    pub len: u64,
+}
+
+/// The files an operation may touch. Reads of the backing file past its
+/// end must return zeroes.
+pub struct ImageIo<'a> {
+    /// The image file itself: metadata, and data without a data file.
+    pub meta: &'a mut dyn SyncIo,
+    /// The external data file, if the image has one.
+    pub data: Option<&'a mut dyn SyncIo>,
+    /// The backing file, if any.
+    pub backing: Option<&'a mut dyn SyncIo>,
+}
+
+impl ImageIo<'_> {
+    fn data(&mut self) -> &mut dyn SyncIo {
+        match self.data.as_deref_mut() {
+            Some(data) => data,
+            None => &mut *self.meta,
+        }
+    }
+
+    /// Reads guest bytes the image does not allocate: the backing file's,
+    /// or zeroes.
+    fn read_below(&mut self, buf: &mut [u8], guest_offset: u64) -> io::Result<()> {
+        match self.backing.as_deref_mut() {
+            Some(backing) => backing.read_at(buf, guest_offset),
+            None => {
+                buf.fill(0);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// An open qcow2 image, shared by every queue that serves it.
+pub struct Image {
+    header: Header,
+    layout: Layout,
+    opts: Options,
+    has_backing: bool,
+    l1: Box<[AtomicU64]>,
+    l2: L2Cache,
+    meta: Mutex<Meta>,
+}
+
+/// Everything allocation changes, behind the metadata mutex.
+struct Meta {
+    refcounts: Refcounts,
+    /// Cluster indices holding metadata; L2 entries pointing there are
+    /// refused rather than followed.
+    metadata: BTreeSet<u64>,
+    /// The start of the header as on disk, rewritten when fields change.
+    header_chunk: AlignedBuf,
+}
+
+impl Image {
+    /// The parsed header.
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    /// The virtual disk size.
+    pub fn size(&self) -> u64 {
+        self.header.size
+    }
+
+    /// Bytes per cluster.
+    pub fn cluster_size(&self) -> u64 {
+        self.header.cluster_size()
+    }
+
+    /// How compressed clusters are encoded.
+    pub fn compression(&self) -> Compression {
+        self.header.compression
+    }
+
+    /// Whether requests may change the image.
+    pub fn writable(&self) -> bool {
+        self.opts.writable
+    }
+
+    fn l2_bits(&self) -> u32 {
+        self.header.l2_entries().trailing_zeros()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Meta> {
+        // A panic under the lock aborts the process (panic=abort), so a
+        // poisoned lock cannot be observed in release builds.
+        self.meta.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The mapping of the guest bytes from `offset`, for at most `len`
+    /// bytes; the returned extent is never empty.
+    pub fn map(&self, io: &mut dyn SyncIo, offset: u64, len: u64) -> io::Result<Extent> {
+        let span_bits = self.header.cluster_bits + self.l2_bits();
+        let l1_index = offset >> span_bits;
+        let limit = offset + len.min(((l1_index + 1) << span_bits) - offset);
+
+        let l2_offset = match entry::l1(self.l1[l1_index as usize].load(Ordering::Acquire), self.cluster_size()) {
+            Ok(Some((l2_offset, _))) => l2_offset,
+            Ok(None) => return Ok(Extent { mapping: Mapping::Unallocated, len: limit - offset }),
+            Err(e) => return Ok(self.invalid(e, offset, limit)),
+        };
+        let walk = |table: &L2Table| self.walk(table, offset, limit);
+        match self.l2.with(l2_offset, walk) {
+            Some(extent) => Ok(extent),
+            None => Ok(walk(&*self.load_l2(&mut self.lock(), io, l2_offset)?)),
+        }
+    }
+
+    /// Walks `table` from `offset` to `limit` (both within it), merging
+    /// subclusters that map the same way.
+    fn walk(&self, table: &L2Table, offset: u64, limit: u64) -> Extent {
+        let cb = self.header.cluster_bits;
+        let scb = self.layout.subcluster_bits();
+        let mut first: Option<Mapping> = None;
+        let mut pos = offset;
+        while pos < limit {
+            let index = ((pos >> cb) & (self.header.l2_entries() - 1)) as usize;
+            let e = match table.decode(&self.layout, index) {
+                Ok(e) => e,
+                Err(e) if first.is_none() => return self.invalid(e, offset, (pos | (self.cluster_size() - 1)) + 1),
+                Err(_) => break,
+            };
+            let sc = ((pos >> scb) & u64::from(self.layout.subclusters() - 1)) as u32;
+            let (mapping, next) = match e.subcluster(sc, scb) {
+                Subcluster::Compressed => {
+                    let (host, len) = e.compressed.expect("compressed subclusters come from compressed entries");
+                    (Mapping::Compressed { host, len }, ((pos >> cb) + 1) << cb)
+                }
+                state => {
+                    let within = pos & ((1 << scb) - 1);
+                    let mapping = match state {
+                        Subcluster::Data(host) => Mapping::Data { host: host + within, in_place: e.copied },
+                        Subcluster::Zero => Mapping::Zero,
+                        _ => Mapping::Unallocated,
+                    };
+                    (mapping, ((pos >> scb) + 1) << scb)
+                }
+            };
+            match first {
+                None => first = Some(mapping),
+                Some(f) if continues(f, mapping, pos - offset) => {}
+                Some(_) => break,
+            }
+            pos = next;
+            if matches!(mapping, Mapping::Compressed { .. }) {
+                break;
+            }
+        }
+        Extent { mapping: first.expect("the loop runs at least once"), len: pos.min(limit) - offset }
+    }
+
+    fn invalid(&self, e: impl std::fmt::Display, offset: u64, end: u64) -> Extent {
+        log::error!("qcow2: guest offset {offset:#x}: {e}");
+        Extent { mapping: Mapping::Invalid, len: end - offset }
+    }
+
+    /// Reads and decompresses the compressed cluster at `host` into `out`
+    /// (one whole cluster).
+    pub fn read_compressed(&self, io: &mut dyn SyncIo, host: u64, len: u64, out: &mut [u8]) -> io::Result<()> {
+        let start = host & !511;
+        let end = (host + len).next_multiple_of(512);
+        let mut raw = AlignedBuf::zeroed((end - start) as usize);
+        io.read_at(&mut raw, start)?;
+        let input = &raw[(host - start) as usize..(host - start + len) as usize];
+        if crate::compress::decompress_cluster(self.compression(), input, out) {
+            Ok(())
+        } else {
+            log::error!("qcow2: compressed cluster at {host:#x} does not decompress");
+            Err(io::Error::from_raw_os_error(libc::EIO))
+        }
+    }
+
+    /// Makes every completed write durable: data first, then metadata.
+    pub fn flush(&self, io: &mut ImageIo) -> io::Result<()> {
+        if let Some(data) = io.data.as_deref_mut() {
+            data.flush()?;
+        }
+        io.meta.flush()
+    }
+
+    /// The L2 table at `l2_offset`, loaded into the cache if needed. Loads
+    /// happen under the metadata mutex so that a table being changed is
+    /// never reloaded from stale disk contents.
+    fn load_l2(&self, meta: &mut Meta, io: &mut dyn SyncIo, l2_offset: u64) -> io::Result<Arc<L2Table>> {
+        if let Some(table) = self.l2.get(l2_offset) {
+            return Ok(table);
+        }
+        let mut raw = AlignedBuf::zeroed(self.cluster_size() as usize);
+        io.read_at(&mut raw, l2_offset)?;
+        let cb = self.header.cluster_bits;
+        let is_metadata = |host: u64| meta.metadata.contains(&(host >> cb));
+        let check: Option<&dyn Fn(u64) -> bool> = if self.layout.data_file { None } else { Some(&is_metadata) };
+        let table = Arc::new(L2Table::parse(l2_offset, &raw, &self.layout, check));
+        self.l2.insert(table.clone());
+        Ok(table)
+    }
+}
+
+/// Whether `next`, found `delta` bytes after the start of `first`, extends it.
+fn continues(first: Mapping, next: Mapping, delta: u64) -> bool {
+    match (first, next) {
+        (Mapping::Data { host: a, in_place: x }, Mapping::Data { host: b, in_place: y }) => b == a + delta && x == y,
+        (Mapping::Zero, Mapping::Zero) | (Mapping::Unallocated, Mapping::Unallocated) => true,
+        _ => false,
+    }
+}

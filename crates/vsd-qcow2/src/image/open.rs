@@ -1,0 +1,176 @@
+//! Opening an image: header, tables, and a map of every metadata cluster,
+//! checked before the first guest request.
+
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+use std::sync::atomic::AtomicU64;
+
+use super::cache::L2Cache;
+use super::refcounts::Refcounts;
+use super::{Image, Meta, Options};
+use crate::buf::AlignedBuf;
+use crate::entry::{self, Layout};
+use crate::header::{Header, autoclear, field};
+use crate::refcount::Width;
+use crate::{FormatError, SyncIo};
+
+/// QEMU's limit on internal snapshots.
+const MAX_SNAPSHOTS: u32 = 65536;
+/// Default L2 cache: 32 MiB of tables at most.
+const DEFAULT_L2_CACHE_BYTES: u64 = 32 << 20;
+
+impl Image {
+    /// Opens the image whose file is `io`, `file_len` bytes long.
+    pub fn open(io: &mut dyn SyncIo, file_len: u64, opts: Options) -> Result<Self, FormatError> {
+        let header_buf = read_header(io)?;
+        let header = Header::parse(&header_buf, file_len)?;
+        let cs = header.cluster_size();
+        let layout = Layout {
+            cluster_bits: header.cluster_bits,
+            extended: header.extended_l2(),
+            data_file: header.has_data_file(),
+        };
+
+        let l1_raw = read_table(io, header.l1_offset, u64::from(header.l1_size))?;
+        let rt_raw = read_table(io, header.refcount_table_offset, u64::from(header.refcount_table_clusters) * cs / 8)?;
+        for (i, &block) in rt_raw.iter().enumerate() {
+            if block % cs != 0 || block >= file_len {
+                return Err(FormatError::Corrupt(format!("refcount table entry {i} ({block:#x}) is invalid")));
+            }
+        }
+
+        let mut metadata = BTreeSet::from([0]);
+        let mut add = |offset: u64, len: u64| metadata.extend(offset / cs..(offset + len).div_ceil(cs));
+        add(header.l1_offset, u64::from(header.l1_size) * 8);
+        add(header.refcount_table_offset, u64::from(header.refcount_table_clusters) * cs);
+        rt_raw.iter().filter(|&&b| b != 0).for_each(|&b| add(b, cs));
+        let snapshot_l1s = read_snapshots(io, &header, &mut add)?;
+        let non_l2 = metadata.clone();
+        for (name, table) in std::iter::once(("active", &l1_raw)).chain(snapshot_l1s.iter().map(|t| ("snapshot", t))) {
+            for (i, &e) in table.iter().enumerate() {
+                let l2 = match entry::l1(e, cs) {
+                    Ok(Some((l2, _))) => l2,
+                    Ok(None) => continue,
+                    Err(err) => return Err(FormatError::Corrupt(format!("{name} L1 entry {i}: {err}"))),
+                };
+                if l2 >= file_len || non_l2.contains(&(l2 / cs)) {
+                    return Err(FormatError::Corrupt(format!(
+                        "{name} L1 entry {i} points to {l2:#x}, past the end of the file or into other metadata"
+                    )));
+                }
+                metadata.insert(l2 / cs);
+            }
+        }
+
+        let mut header_chunk = AlignedBuf::zeroed(cs.min(4096) as usize);
+        let chunk_len = header_chunk.len();
+        header_chunk.copy_from_slice(&header_buf[..chunk_len]);
+        let mut meta = Meta {
+            refcounts: Refcounts::new(
+                rt_raw,
+                header.refcount_table_offset,
+                Width::new(header.refcount_order),
+                header.cluster_bits,
+                file_len,
+            ),
+            metadata,
+            header_chunk,
+        };
+        if opts.writable {
+            prepare_for_writing(io, &header, &mut meta)?;
+        }
+
+        let cache_bytes = opts.l2_cache_bytes.unwrap_or(DEFAULT_L2_CACHE_BYTES.min(header.l1_entries_needed() * cs));
+        Ok(Image {
+            l2: L2Cache::new((cache_bytes / cs) as usize),
+            l1: l1_raw.into_iter().map(AtomicU64::new).collect(),
+            layout,
+            has_backing: opts.has_backing.unwrap_or(header.backing_file.is_some()),
+            opts,
+            header,
+            meta: Mutex::new(meta),
+        })
+    }
+}
+
+/// The header's cluster (at least 4 KiB, zero-filled past the file's end).
+fn read_header(io: &mut dyn SyncIo) -> Result<AlignedBuf, FormatError> {
+    let mut first = AlignedBuf::zeroed(4096);
+    io.read_at(&mut first, 0)?;
+    let cluster_bits = u32::from_be_bytes(first[20..24].try_into().unwrap());
+    if !(13..=21).contains(&cluster_bits) {
+        return Ok(first); // 4 KiB or smaller clusters, or a header parse will refuse
+    }
+    let mut whole = AlignedBuf::zeroed(1 << cluster_bits);
+    io.read_at(&mut whole, 0)?;
+    Ok(whole)
+}
+
+/// Reads `entries` big-endian u64s at `offset`.
+fn read_table(io: &mut dyn SyncIo, offset: u64, entries: u64) -> Result<Vec<u64>, FormatError> {
+    let mut raw = AlignedBuf::zeroed((entries * 8).next_multiple_of(512) as usize);
+    io.read_at(&mut raw, offset)?;
+    Ok(raw.chunks_exact(8).take(entries as usize).map(|w| u64::from_be_bytes(w.try_into().unwrap())).collect())
+}
+
+/// Reads `len` bytes at an unaligned `offset`.
+fn read_bytes(io: &mut dyn SyncIo, offset: u64, len: u64) -> Result<Vec<u8>, FormatError> {
+    let start = offset & !511;
+    let end = (offset + len).next_multiple_of(512);
+    let mut raw = AlignedBuf::zeroed((end - start) as usize);
+    io.read_at(&mut raw, start)?;
+    Ok(raw[(offset - start) as usize..(offset - start + len) as usize].to_vec())
+}
+
+/// Walks the snapshot table, recording its clusters and each snapshot's
+/// L1 table with `add`; returns the snapshots' L1 tables.
+fn read_snapshots(
+    io: &mut dyn SyncIo,
+    header: &Header,
+    add: &mut impl FnMut(u64, u64),
+) -> Result<Vec<Vec<u64>>, FormatError> {
+    if header.nb_snapshots > MAX_SNAPSHOTS {
+        return Err(FormatError::Corrupt(format!("{} snapshots (at most {MAX_SNAPSHOTS})", header.nb_snapshots)));
+    }
+    let cs = header.cluster_size();
+    let mut at = header.snapshots_offset;
+    let mut tables = Vec::new();
+    for i in 0..header.nb_snapshots {
+        let fixed = read_bytes(io, at, 40)?;
+        let be32 = |o: usize| u32::from_be_bytes(fixed[o..o + 4].try_into().unwrap());
+        let l1_offset = u64::from_be_bytes(fixed[0..8].try_into().unwrap());
+        let l1_size = be32(8);
+        let id_len = u64::from(u16::from_be_bytes([fixed[12], fixed[13]]));
+        let name_len = u64::from(u16::from_be_bytes([fixed[14], fixed[15]]));
+        let extra_len = u64::from(be32(36));
+        if l1_offset % cs != 0 || u64::from(l1_size) * 8 > 32 << 20 || extra_len > 1024 {
+            return Err(FormatError::Corrupt(format!("snapshot {i} has an invalid L1 table or extra data")));
+        }
+        at = (at + 40 + extra_len + id_len + name_len).next_multiple_of(8);
+        add(l1_offset, u64::from(l1_size) * 8);
+        tables.push(read_table(io, l1_offset, u64::from(l1_size))?);
+    }
+    if header.nb_snapshots > 0 {
+        add(header.snapshots_offset, at - header.snapshots_offset);
+    }
+    Ok(tables)
+}
+
+/// What QEMU does before writing to an image: refuse stale refcounts and
+/// clear the autoclear bits of features vsd does not keep up to date.
+fn prepare_for_writing(io: &mut dyn SyncIo, header: &Header, meta: &mut Meta) -> Result<(), FormatError> {
+    if header.dirty() {
+        return Err(FormatError::Unsupported(
+            "the dirty bit is set (lazy refcounts after a crash) and vsd cannot rebuild refcounts yet; \
+             run 'qemu-img check -r all' or open the image read-only"
+                .into(),
+        ));
+    }
+    let kept = header.autoclear & autoclear::KEPT;
+    if kept != header.autoclear {
+        let at = field::AUTOCLEAR as usize;
+        meta.header_chunk[at..at + 8].copy_from_slice(&kept.to_be_bytes());
+        io.write_at(&meta.header_chunk, 0)?;
+    }
+    Ok(())
+}

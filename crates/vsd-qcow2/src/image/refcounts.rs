@@ -1,0 +1,238 @@
+//! Refcounts and cluster allocation.
+//!
+//! Every change is written through at once, in an order that keeps the
+//! image consistent if the process dies between two writes: a new refcount
+//! block is written before the table entry naming it, a new refcount table
+//! before the header names it, and a cluster's refcount before any table
+//! points at the cluster.
+
+use std::collections::HashMap;
+use std::io;
+
+use super::Meta;
+use crate::SyncIo;
+use crate::buf::AlignedBuf;
+use crate::header::field;
+use crate::refcount::Width;
+
+/// The refcount table and the blocks read so far.
+pub(super) struct Refcounts {
+    /// Refcount block offsets (0: no block yet).
+    pub(super) table: Vec<u64>,
+    pub(super) table_offset: u64,
+    blocks: HashMap<u64, AlignedBuf>,
+    width: Width,
+    cluster_bits: u32,
+    /// Allocation scans from here; it never moves back, so clusters freed
+    /// while the image is open are not reused (see the crate docs).
+    hint: u64,
+    /// Clusters up to here may hold something (the file's initial length).
+    file_end: u64,
+}
+
+impl Refcounts {
+    pub(super) fn new(table: Vec<u64>, table_offset: u64, width: Width, cluster_bits: u32, file_len: u64) -> Self {
+        let file_end = file_len.div_ceil(1 << cluster_bits);
+        Self { table, table_offset, blocks: HashMap::new(), width, cluster_bits, hint: 0, file_end }
+    }
+
+    fn cluster_size(&self) -> u64 {
+        1 << self.cluster_bits
+    }
+
+    /// Refcount entries per block.
+    fn per_block(&self) -> u64 {
+        self.width.entries(self.cluster_size())
+    }
+
+    /// The bytes written for one metadata update: a 4 KiB page, or the
+    /// whole cluster if smaller, so O_DIRECT alignment always holds.
+    fn chunk(&self) -> usize {
+        self.cluster_size().min(4096) as usize
+    }
+
+    fn block(&mut self, io: &mut dyn SyncIo, index: u64) -> io::Result<Option<&mut AlignedBuf>> {
+        let Some(&offset) = self.table.get(index as usize).filter(|&&o| o != 0) else {
+            return Ok(None);
+        };
+        if !self.blocks.contains_key(&index) {
+            let mut buf = AlignedBuf::zeroed(self.cluster_size() as usize);
+            io.read_at(&mut buf, offset)?;
+            self.blocks.insert(index, buf);
+        }
+        Ok(self.blocks.get_mut(&index))
+    }
+
+    /// The refcount of `cluster` (0 where no block covers it).
+    pub(super) fn get(&mut self, io: &mut dyn SyncIo, cluster: u64) -> io::Result<u64> {
+        let (index, slot) = (cluster / self.per_block(), cluster % self.per_block());
+        let width = self.width;
+        Ok(self.block(io, index)?.map_or(0, |block| width.get(block, slot)))
+    }
+
+    /// Sets the refcount of `cluster`, whose block must exist, and writes
+    /// the chunk of the block that holds it.
+    fn set(&mut self, io: &mut dyn SyncIo, cluster: u64, value: u64) -> io::Result<()> {
+        let (index, slot) = (cluster / self.per_block(), cluster % self.per_block());
+        let (width, chunk) = (self.width, self.chunk());
+        let offset = self.table[index as usize];
+        let block = self.block(io, index)?.expect("callers cover the cluster with a block first");
+        width.set(block, slot, value);
+        let start = width.byte_range(slot).start / chunk * chunk;
+        io.write_at(&block[start..start + chunk], offset + start as u64)
+    }
+
+    /// Writes table entry `index` (already set in memory).
+    fn write_table_entry(&self, io: &mut dyn SyncIo, index: u64) -> io::Result<()> {
+        let chunk = self.chunk();
+        let start = (index as usize * 8) / chunk * chunk;
+        let mut buf = AlignedBuf::zeroed(chunk);
+        for (i, out) in buf.chunks_exact_mut(8).enumerate() {
+            out.copy_from_slice(&self.table.get(start / 8 + i).copied().unwrap_or(0).to_be_bytes());
+        }
+        io.write_at(&buf, self.table_offset + start as u64)
+    }
+}
+
+impl Meta {
+    /// Allocates `n` contiguous clusters with refcount 1; returns the first
+    /// one's byte offset.
+    pub(super) fn alloc(&mut self, io: &mut dyn SyncIo, n: u64) -> io::Result<u64> {
+        loop {
+            let start = self.free_run(io, n)?;
+            if self.cover(io, start, n)? {
+                continue; // new metadata may sit inside the run: look again
+            }
+            for cluster in start..start + n {
+                self.refcounts.set(io, cluster, 1)?;
+            }
+            let rc = &mut self.refcounts;
+            rc.hint = start + n;
+            rc.file_end = rc.file_end.max(start + n);
+            return Ok(start << rc.cluster_bits);
+        }
+    }
+
+    /// The first run of `n` free clusters from the hint.
+    fn free_run(&mut self, io: &mut dyn SyncIo, n: u64) -> io::Result<u64> {
+        let rc = &mut self.refcounts;
+        let (mut start, mut cluster) = (rc.hint.max(1), rc.hint.max(1));
+        while cluster < start + n {
+            if rc.get(io, cluster)? != 0 {
+                start = cluster + 1;
+            }
+            cluster += 1;
+        }
+        Ok(start)
+    }
+
+    /// Makes sure refcount blocks cover `n` clusters from `start`; returns
+    /// whether it had to allocate metadata to do so.
+    fn cover(&mut self, io: &mut dyn SyncIo, start: u64, n: u64) -> io::Result<bool> {
+        let per_block = self.refcounts.per_block();
+        for index in start / per_block..=(start + n - 1) / per_block {
+            if index as usize >= self.refcounts.table.len() {
+                self.grow_table(io, index)?;
+                return Ok(true);
+            }
+            if self.refcounts.table[index as usize] == 0 {
+                self.add_block(io, index)?;
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Creates refcount block `index` in the first cluster it covers (free,
+    /// since no block counted it), counting itself.
+    fn add_block(&mut self, io: &mut dyn SyncIo, index: u64) -> io::Result<()> {
+        let rc = &mut self.refcounts;
+        let cluster = index * rc.per_block();
+        let offset = cluster << rc.cluster_bits;
+        let mut block = AlignedBuf::zeroed(rc.cluster_size() as usize);
+        rc.width.set(&mut block, 0, 1);
+        io.write_at(&block, offset)?;
+        rc.blocks.insert(index, block);
+        rc.table[index as usize] = offset;
+        rc.write_table_entry(io, index)?;
+        rc.file_end = rc.file_end.max(cluster + 1);
+        self.metadata.insert(cluster);
+        Ok(())
+    }
+
+    /// Moves the refcount table to the end of the image, grown to have an
+    /// entry `index`, together with new blocks that cover the new table and
+    /// themselves (the fixed point QEMU's refcount area also computes).
+    fn grow_table(&mut self, io: &mut dyn SyncIo, index: u64) -> io::Result<()> {
+        let rc = &mut self.refcounts;
+        let (cs, per_block, old_len) = (rc.cluster_size(), rc.per_block(), rc.table.len() as u64);
+        let area = rc.file_end.max(old_len * per_block);
+        // Entries E; new blocks B = E - old_len at `area`, then the table.
+        let mut entries = (index + 1).max(old_len * 2);
+        let (blocks, table_clusters) = loop {
+            let table_clusters = (entries * 8).div_ceil(cs);
+            let blocks = entries - old_len;
+            let needed = (area + blocks + table_clusters).div_ceil(per_block);
+            if needed <= entries {
+                break (blocks, table_clusters);
+            }
+            entries = needed;
+        };
+        let area_end = area + blocks + table_clusters;
+
+        let mut table = rc.table.clone();
+        for k in 0..blocks {
+            let first = (old_len + k) * per_block;
+            let mut block = AlignedBuf::zeroed(cs as usize);
+            for cluster in area.max(first)..area_end.min(first + per_block) {
+                rc.width.set(&mut block, cluster - first, 1);
+            }
+            let offset = (area + k) << rc.cluster_bits;
+            io.write_at(&block, offset)?;
+            rc.blocks.insert(old_len + k, block);
+            table.push(offset);
+        }
+        let table_offset = (area + blocks) << rc.cluster_bits;
+        let mut raw = AlignedBuf::zeroed((table_clusters * cs) as usize);
+        for (out, entry) in raw.chunks_exact_mut(8).zip(&table) {
+            out.copy_from_slice(&entry.to_be_bytes());
+        }
+        io.write_at(&raw, table_offset)?;
+
+        // Switch the header over in one write, then free the old table.
+        let old_offset = rc.table_offset;
+        let old_clusters = (old_len * 8).div_ceil(cs);
+        let at = field::REFCOUNT_TABLE as usize;
+        self.header_chunk[at..at + 8].copy_from_slice(&table_offset.to_be_bytes());
+        self.header_chunk[at + 8..at + 12].copy_from_slice(&(table_clusters as u32).to_be_bytes());
+        io.write_at(&self.header_chunk, 0)?;
+        let rc = &mut self.refcounts;
+        rc.table = table;
+        rc.table_offset = table_offset;
+        rc.file_end = rc.file_end.max(area_end);
+        self.metadata.extend(area..area_end);
+        for cluster in 0..old_clusters {
+            self.decref(io, (old_offset >> self.refcounts.cluster_bits) + cluster, false)?;
+        }
+        Ok(())
+    }
+
+    /// Drops one reference to `cluster`; once free, it is discarded in the
+    /// file if `discard` says so.
+    pub(super) fn decref(&mut self, io: &mut dyn SyncIo, cluster: u64, discard: bool) -> io::Result<()> {
+        let count = self.refcounts.get(io, cluster)?;
+        if count == 0 {
+            log::error!("qcow2: refcount of cluster {cluster} would drop below zero");
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        self.refcounts.set(io, cluster, count - 1)?;
+        if count == 1 {
+            self.metadata.remove(&cluster);
+            if discard {
+                let cs = self.refcounts.cluster_size();
+                let _ = io.discard(cluster * cs, cs);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,339 @@
+//! Requests that change metadata: allocating writes (with copy-on-write
+//! from the backing file, compressed clusters and snapshot-shared
+//! clusters), write-zeroes and discard. All run under the metadata mutex.
+
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use super::cache::L2Table;
+use super::{Image, ImageIo, Meta};
+use crate::buf::AlignedBuf;
+use crate::entry::{self, COPIED, L2Entry, Subcluster};
+
+/// Copies the request's bytes from offset `at` (relative to the range
+/// given) into a buffer.
+pub type Fill<'a> = &'a mut dyn FnMut(u64, &mut [u8]);
+
+fn eio(e: impl std::fmt::Display) -> io::Error {
+    log::error!("qcow2: {e}");
+    io::Error::from_raw_os_error(libc::EIO)
+}
+
+impl Image {
+    fn check_writable(&self) -> io::Result<()> {
+        if self.opts.writable { Ok(()) } else { Err(io::Error::from_raw_os_error(libc::EROFS)) }
+    }
+
+    /// Writes `len` guest bytes at `offset`, allocating clusters as needed.
+    /// `fill` supplies the bytes. For ranges that [`Image::map`] reports as
+    /// in-place data, writing to the host directly is cheaper.
+    pub fn write(&self, io: &mut ImageIo, offset: u64, len: u64, fill: Fill) -> io::Result<()> {
+        self.check_writable()?;
+        let mut meta = self.lock();
+        self.for_each_cluster(offset, len, |image, cluster, within, n| {
+            let base = cluster + within - offset;
+            image.write_in_cluster(&mut meta, io, cluster, within, n, &mut |at, buf| fill(base + at, buf))
+        })
+    }
+
+    /// Makes a range read as zeroes, with metadata where it can and by
+    /// writing zeroes where it cannot (partial subclusters, version 2
+    /// images, raw external data files).
+    pub fn write_zeroes(&self, io: &mut ImageIo, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
+        self.check_writable()?;
+        let zeroes: Fill = &mut |_, buf| buf.fill(0);
+        let raw_data_file = self.header.autoclear & crate::header::autoclear::DATA_FILE_RAW != 0;
+        if (self.header.version < 3 && !self.layout.extended) || raw_data_file {
+            return self.write(io, offset, len, zeroes);
+        }
+        let unit = 1u64 << self.layout.subcluster_bits();
+        let end = offset + len;
+        let head_end = offset.next_multiple_of(unit).min(end);
+        let tail_start = if end == self.size() { end } else { (end & !(unit - 1)).max(head_end) };
+        if head_end > offset {
+            self.write(io, offset, head_end - offset, zeroes)?;
+        }
+        if tail_start > head_end {
+            let mut meta = self.lock();
+            self.for_each_cluster(head_end, tail_start - head_end, |image, cluster, within, n| {
+                image.zero_in_cluster(&mut meta, io, cluster, within, n, may_unmap)
+            })?;
+        }
+        if end > tail_start { self.write(io, tail_start, end - tail_start, zeroes) } else { Ok(()) }
+    }
+
+    /// Discards the whole clusters of a range as QEMU does for a guest
+    /// discard: they read as zeroes afterwards (or, in version 2 images
+    /// without a backing file, become unallocated) and, unless
+    /// `discard-no-unref` is set, are freed.
+    pub fn discard(&self, io: &mut ImageIo, offset: u64, len: u64) -> io::Result<()> {
+        self.check_writable()?;
+        let cs = self.cluster_size();
+        let start = offset.next_multiple_of(cs);
+        let end = if offset + len == self.size() { offset + len } else { (offset + len) & !(cs - 1) };
+        if end <= start {
+            return Ok(());
+        }
+        let mut meta = self.lock();
+        self.for_each_cluster(start, end - start, |image, cluster, _, _| image.discard_cluster(&mut meta, io, cluster))
+    }
+
+    /// Calls `f(self, cluster, offset within it, length)` for each cluster
+    /// of a range.
+    fn for_each_cluster(
+        &self,
+        offset: u64,
+        len: u64,
+        mut f: impl FnMut(&Self, u64, u64, u64) -> io::Result<()>,
+    ) -> io::Result<()> {
+        let cs = self.cluster_size();
+        let mut pos = offset;
+        while pos < offset + len {
+            let cluster = pos & !(cs - 1);
+            let end = (cluster + cs).min(offset + len);
+            f(self, cluster, pos - cluster, end - pos)?;
+            pos = end;
+        }
+        Ok(())
+    }
+
+    /// Subclusters `within..within + n` of a cluster, as a bitmask.
+    fn touched(&self, within: u64, n: u64) -> u32 {
+        let scb = self.layout.subcluster_bits();
+        let (first, last) = (within >> scb, (within + n - 1) >> scb);
+        let bits = (last - first + 1) as u32;
+        (if bits == 32 { u32::MAX } else { (1 << bits) - 1 }) << first
+    }
+
+    fn all_subclusters(&self) -> u32 {
+        if self.layout.extended { u32::MAX } else { 1 }
+    }
+
+    fn write_in_cluster(
+        &self,
+        meta: &mut Meta,
+        io: &mut ImageIo,
+        cluster: u64,
+        within: u64,
+        n: u64,
+        fill: Fill,
+    ) -> io::Result<()> {
+        let (table, index) = self.l2_for_write(meta, io, cluster)?;
+        let old = table.decode(&self.layout, index).map_err(eio)?;
+        let touched = self.touched(within, n);
+        match old.host {
+            Some(host) if old.copied => {
+                self.write_subclusters(io, &old, cluster, within, n, fill)?;
+                let new = L2Entry { alloc: old.alloc | touched, zero: old.zero & !touched, ..old };
+                if new != old {
+                    self.set_l2(io, &table, index, &new)?;
+                }
+                debug_assert_eq!(new.host, Some(host));
+                Ok(())
+            }
+            _ => {
+                let host = if self.layout.data_file { cluster } else { meta.alloc(io.meta, 1)? };
+                let mut buf = AlignedBuf::zeroed(self.cluster_size() as usize);
+                self.read_cluster(io, &old, cluster, &mut buf, (within, n))?;
+                fill(0, &mut buf[within as usize..(within + n) as usize]);
+                io.data().write_at(&buf, host)?;
+                let (alloc, zero) = match old.compressed {
+                    Some(_) => (self.all_subclusters(), 0),
+                    None => (old.alloc | touched, old.zero & !touched),
+                };
+                let new = L2Entry { host: Some(host), copied: true, compressed: None, alloc, zero };
+                self.set_l2(io, &table, index, &new)?;
+                self.release(meta, io, &old)
+            }
+        }
+    }
+
+    /// Writes into a cluster this image owns: allocated subclusters in
+    /// place, the others whole, with their old contents around the data.
+    fn write_subclusters(
+        &self,
+        io: &mut ImageIo,
+        old: &L2Entry,
+        cluster: u64,
+        within: u64,
+        n: u64,
+        fill: Fill,
+    ) -> io::Result<()> {
+        let scb = self.layout.subcluster_bits();
+        let scs = 1u64 << scb;
+        let host = old.host.expect("owned clusters have a host offset");
+        for sc in (within >> scb)..=((within + n - 1) >> scb) {
+            let start = sc << scb;
+            let (lo, hi) = (within.max(start), (within + n).min(start + scs));
+            if let Subcluster::Data(at) = old.subcluster(sc as u32, scb) {
+                let mut buf = AlignedBuf::zeroed((hi - lo) as usize);
+                fill(lo - within, &mut buf);
+                io.data().write_at(&buf, at + (lo - start))?;
+                continue;
+            }
+            let mut buf = AlignedBuf::zeroed(scs as usize);
+            if (lo, hi) != (start, start + scs) && old.subcluster(sc as u32, scb) == Subcluster::Unallocated {
+                io.read_below(&mut buf, cluster + start)?;
+            }
+            fill(lo - within, &mut buf[(lo - start) as usize..(hi - start) as usize]);
+            io.data().write_at(&buf, host + start)?;
+        }
+        Ok(())
+    }
+
+    /// What a cluster reads as, into `buf`, except the subclusters wholly
+    /// inside `skip` (they are about to be overwritten).
+    fn read_cluster(
+        &self,
+        io: &mut ImageIo,
+        e: &L2Entry,
+        cluster: u64,
+        buf: &mut [u8],
+        skip: (u64, u64),
+    ) -> io::Result<()> {
+        if let Some((host, len)) = e.compressed {
+            return self.read_compressed(io.meta, host, len, buf);
+        }
+        let scb = self.layout.subcluster_bits();
+        let scs = 1u64 << scb;
+        for sc in 0..self.layout.subclusters() {
+            let start = u64::from(sc) << scb;
+            if start >= skip.0 && start + scs <= skip.0 + skip.1 {
+                continue;
+            }
+            let part = &mut buf[start as usize..(start + scs) as usize];
+            match e.subcluster(sc, scb) {
+                Subcluster::Data(host) => io.data().read_at(part, host)?,
+                Subcluster::Unallocated => io.read_below(part, cluster + start)?,
+                Subcluster::Zero | Subcluster::Compressed => part.fill(0),
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops the references an entry held, after the table stopped naming
+    /// them.
+    fn release(&self, meta: &mut Meta, io: &mut ImageIo, old: &L2Entry) -> io::Result<()> {
+        let cb = self.header.cluster_bits;
+        let discard = self.opts.pass_discard;
+        if let Some((host, len)) = old.compressed {
+            for cluster in (host >> cb)..=((host + len - 1) >> cb) {
+                meta.decref(io.meta, cluster, discard)?;
+            }
+        } else if let Some(host) = old.host
+            && !self.layout.data_file
+        {
+            meta.decref(io.meta, host >> cb, discard)?;
+        }
+        Ok(())
+    }
+
+    fn zero_in_cluster(
+        &self,
+        meta: &mut Meta,
+        io: &mut ImageIo,
+        cluster: u64,
+        within: u64,
+        n: u64,
+        may_unmap: bool,
+    ) -> io::Result<()> {
+        let (table, index) = self.l2_for_write(meta, io, cluster)?;
+        let old = table.decode(&self.layout, index).map_err(eio)?;
+        let touched = self.touched(within, n);
+        let whole = touched == self.all_subclusters();
+        let owned = old.host.is_some() && old.copied;
+        let new = if whole && (may_unmap || !owned) {
+            L2Entry { zero: touched, ..L2Entry::UNALLOCATED }
+        } else if old.compressed.is_some() {
+            // Part of a compressed cluster: decompress it into a cluster of
+            // its own, zeroes included.
+            drop(table);
+            return self.write_in_cluster(meta, io, cluster, within, n, &mut |_, buf| buf.fill(0));
+        } else {
+            // Keep the allocation (or the other subclusters' state).
+            L2Entry { alloc: old.alloc & !touched, zero: old.zero | touched, ..old }
+        };
+        if new != old {
+            self.set_l2(io, &table, index, &new)?;
+        }
+        if new.host != old.host || new.compressed != old.compressed { self.release(meta, io, &old) } else { Ok(()) }
+    }
+
+    fn discard_cluster(&self, meta: &mut Meta, io: &mut ImageIo, cluster: u64) -> io::Result<()> {
+        let (table, index) = self.l2_for_write(meta, io, cluster)?;
+        let old = table.decode(&self.layout, index).map_err(eio)?;
+        let keep = self.opts.discard_no_unref && self.header.version >= 3 && old.compressed.is_none();
+        let allocated = old.host.is_some() || old.compressed.is_some();
+        let new = if (self.has_backing || allocated) && (self.header.version >= 3 || self.layout.extended) {
+            let (host, copied) = if keep { (old.host, old.copied) } else { (None, false) };
+            L2Entry { host, copied, compressed: None, alloc: 0, zero: self.all_subclusters() }
+        } else {
+            L2Entry::UNALLOCATED
+        };
+        if new != old {
+            self.set_l2(io, &table, index, &new)?;
+        }
+        match old.host {
+            Some(host) if keep => {
+                if self.opts.pass_discard {
+                    let _ = io.data().discard(host, self.cluster_size());
+                }
+                Ok(())
+            }
+            _ => self.release(meta, io, &old),
+        }
+    }
+
+    /// The L2 table mapping guest `cluster`, allocated or copied so that it
+    /// may be changed, and the cluster's index in it.
+    fn l2_for_write(&self, meta: &mut Meta, io: &mut ImageIo, cluster: u64) -> io::Result<(Arc<L2Table>, usize)> {
+        let cs = self.cluster_size();
+        let span_bits = self.header.cluster_bits + self.l2_bits();
+        let l1_index = (cluster >> span_bits) as usize;
+        let index = ((cluster >> self.header.cluster_bits) & (self.header.l2_entries() - 1)) as usize;
+        let l1_entry = self.l1[l1_index].load(Ordering::Acquire);
+        let table = match entry::l1(l1_entry, cs).map_err(eio)? {
+            Some((offset, true)) => return Ok((self.load_l2(meta, io.meta, offset)?, index)),
+            Some((offset, false)) => {
+                // Shared with a snapshot: copy it, then drop our reference.
+                let old = self.load_l2(meta, io.meta, offset)?;
+                let new_offset = meta.alloc(io.meta, 1)?;
+                Arc::new(old.copy_to(new_offset))
+            }
+            None => Arc::new(L2Table::empty(meta.alloc(io.meta, 1)?, cs)),
+        };
+        meta.metadata.insert(table.offset / cs);
+        io.meta.write_at(&table.bytes(0..table.len()), table.offset)?;
+        self.l2.insert(table.clone());
+        self.set_l1(io, l1_index, table.offset | COPIED)?;
+        if let Ok(Some((old_offset, _))) = entry::l1(l1_entry, cs) {
+            self.l2.remove(old_offset);
+            meta.decref(io.meta, old_offset / cs, false)?;
+        }
+        Ok((table, index))
+    }
+
+    /// The page (or cluster, if smaller) that holds a metadata byte range.
+    fn chunk_of(&self, range: std::ops::Range<usize>) -> std::ops::Range<usize> {
+        let chunk = self.cluster_size().min(4096) as usize;
+        let start = range.start / chunk * chunk;
+        start..start + chunk
+    }
+
+    fn set_l2(&self, io: &mut ImageIo, table: &L2Table, index: usize, e: &L2Entry) -> io::Result<()> {
+        let chunk = self.chunk_of(table.set(&self.layout, index, e));
+        io.meta.write_at(&table.bytes(chunk.clone()), table.offset + chunk.start as u64)
+    }
+
+    fn set_l1(&self, io: &mut ImageIo, index: usize, value: u64) -> io::Result<()> {
+        self.l1[index].store(value, Ordering::Release);
+        let chunk = self.chunk_of(index * 8..index * 8 + 8);
+        let mut buf = AlignedBuf::zeroed(chunk.len());
+        for (out, i) in buf.chunks_exact_mut(8).zip(chunk.start / 8..) {
+            let word = self.l1.get(i).map_or(0, |w| w.load(Ordering::Relaxed));
+            out.copy_from_slice(&word.to_be_bytes());
+        }
+        io.meta.write_at(&buf, self.header.l1_offset + chunk.start as u64)
+    }
+}
