@@ -3,6 +3,7 @@
 
 mod cache;
 mod open;
+mod rebuild;
 mod refcounts;
 mod write;
 

@@ -6,6 +6,7 @@ use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
 
 use super::cache::L2Cache;
+use super::rebuild::rebuild;
 use super::refcounts::Refcounts;
 use super::{Image, Meta, Options};
 use crate::buf::AlignedBuf;
@@ -32,19 +33,34 @@ impl Image {
         };
 
         let l1_raw = read_table(io, header.l1_offset, u64::from(header.l1_size))?;
-        let rt_raw = read_table(io, header.refcount_table_offset, u64::from(header.refcount_table_clusters) * cs / 8)?;
+        // Header, L1 tables and snapshot table: everything but refcounts
+        // and L2 tables.
+        let mut structures = vec![(0, cs), (header.l1_offset, u64::from(header.l1_size) * 8)];
+        let snapshot_l1s = read_snapshots(io, &header, &mut structures)?;
+
+        let mut header_chunk = AlignedBuf::zeroed(cs.min(4096) as usize);
+        let chunk_len = header_chunk.len();
+        header_chunk.copy_from_slice(&header_buf[..chunk_len]);
+        let (rt_raw, rt_offset, file_len) = if opts.writable && header.dirty() {
+            let l1s: Vec<&[u64]> = std::iter::once(&l1_raw).chain(&snapshot_l1s).map(Vec::as_slice).collect();
+            let new = rebuild(io, &header, &layout, &structures, &l1s, file_len, &mut header_chunk)?;
+            let end = new.table_offset + (new.table.len() as u64 * 8).next_multiple_of(cs);
+            (new.table, new.table_offset, end)
+        } else {
+            let clusters = u64::from(header.refcount_table_clusters);
+            (read_table(io, header.refcount_table_offset, clusters * cs / 8)?, header.refcount_table_offset, file_len)
+        };
         for (i, &block) in rt_raw.iter().enumerate() {
             if block % cs != 0 || block >= file_len {
                 return Err(FormatError::Corrupt(format!("refcount table entry {i} ({block:#x}) is invalid")));
             }
         }
 
-        let mut metadata = BTreeSet::from([0]);
+        let mut metadata = BTreeSet::new();
         let mut add = |offset: u64, len: u64| metadata.extend(offset / cs..(offset + len).div_ceil(cs));
-        add(header.l1_offset, u64::from(header.l1_size) * 8);
-        add(header.refcount_table_offset, u64::from(header.refcount_table_clusters) * cs);
+        structures.iter().for_each(|&(offset, len)| add(offset, len));
+        add(rt_offset, (rt_raw.len() as u64 * 8).max(1));
         rt_raw.iter().filter(|&&b| b != 0).for_each(|&b| add(b, cs));
-        let snapshot_l1s = read_snapshots(io, &header, &mut add)?;
         let non_l2 = metadata.clone();
         for (name, table) in std::iter::once(("active", &l1_raw)).chain(snapshot_l1s.iter().map(|t| ("snapshot", t))) {
             for (i, &e) in table.iter().enumerate() {
@@ -62,13 +78,10 @@ impl Image {
             }
         }
 
-        let mut header_chunk = AlignedBuf::zeroed(cs.min(4096) as usize);
-        let chunk_len = header_chunk.len();
-        header_chunk.copy_from_slice(&header_buf[..chunk_len]);
         let mut meta = Meta {
             refcounts: Refcounts::new(
                 rt_raw,
-                header.refcount_table_offset,
+                rt_offset,
                 Width::new(header.refcount_order),
                 header.cluster_bits,
                 file_len,
@@ -122,12 +135,12 @@ fn read_bytes(io: &mut dyn SyncIo, offset: u64, len: u64) -> Result<Vec<u8>, For
     Ok(raw[(offset - start) as usize..(offset - start + len) as usize].to_vec())
 }
 
-/// Walks the snapshot table, recording its clusters and each snapshot's
-/// L1 table with `add`; returns the snapshots' L1 tables.
+/// Walks the snapshot table, adding its byte range and each snapshot's
+/// L1 table to `structures`; returns the snapshots' L1 tables.
 fn read_snapshots(
     io: &mut dyn SyncIo,
     header: &Header,
-    add: &mut impl FnMut(u64, u64),
+    structures: &mut Vec<(u64, u64)>,
 ) -> Result<Vec<Vec<u64>>, FormatError> {
     if header.nb_snapshots > MAX_SNAPSHOTS {
         return Err(FormatError::Corrupt(format!("{} snapshots (at most {MAX_SNAPSHOTS})", header.nb_snapshots)));
@@ -147,25 +160,18 @@ fn read_snapshots(
             return Err(FormatError::Corrupt(format!("snapshot {i} has an invalid L1 table or extra data")));
         }
         at = (at + 40 + extra_len + id_len + name_len).next_multiple_of(8);
-        add(l1_offset, u64::from(l1_size) * 8);
+        structures.push((l1_offset, u64::from(l1_size) * 8));
         tables.push(read_table(io, l1_offset, u64::from(l1_size))?);
     }
     if header.nb_snapshots > 0 {
-        add(header.snapshots_offset, at - header.snapshots_offset);
+        structures.push((header.snapshots_offset, at - header.snapshots_offset));
     }
     Ok(tables)
 }
 
-/// What QEMU does before writing to an image: refuse stale refcounts and
-/// clear the autoclear bits of features vsd does not keep up to date.
+/// What QEMU does before writing to an image: clear the autoclear bits
+/// of features vsd does not keep up to date.
 fn prepare_for_writing(io: &mut dyn SyncIo, header: &Header, meta: &mut Meta) -> Result<(), FormatError> {
-    if header.dirty() {
-        return Err(FormatError::Unsupported(
-            "the dirty bit is set (lazy refcounts after a crash) and vsd cannot rebuild refcounts yet; \
-             run 'qemu-img check -r all' or open the image read-only"
-                .into(),
-        ));
-    }
     let kept = header.autoclear & autoclear::KEPT;
     if kept != header.autoclear {
         let at = field::AUTOCLEAR as usize;

@@ -1,0 +1,825 @@
+//! qcow2 interop with QEMU, both directions.
+//!
+//! * Images made by qemu-img and filled by qemu-io (every version, cluster
+//!   size, refcount width, extended L2 entries, compression, backing
+//!   chains, external data files, preallocation, internal snapshots) read
+//!   through vsd exactly as `qemu-img convert -O raw` reads them.
+//! * Images written through vsd by a seeded workload on two queues pass
+//!   `qemu-img check` and `qemu-img compare` equal to a raw reference that
+//!   received the same writes; snapshots stay intact.
+//! * An image grown by vsd far past its first L2 table and refcount table
+//!   stays readable and writable by QEMU, and the other way round.
+//!
+//! Every QEMU tool runs in the image's directory, so relative backing and
+//! data file names resolve the same way for QEMU and vsd.
+
+mod common;
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::Path;
+use std::process::{Command, ExitStatus};
+
+use common::{Daemon, Scratch, pattern};
+use vsd_bench::{ClientOptions, Queue};
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+/// The largest read or write the export takes in one segment.
+const CHUNK: u64 = MIB;
+/// The image each builder leaves in its directory (the top of any chain).
+const IMG: &str = "img.qcow2";
+/// The raw reference each write test keeps next to the image.
+const REFERENCE: &str = "ref.raw";
+
+// ---------------------------------------------------------------------------
+// QEMU tools
+
+/// Runs a QEMU tool in `dir`; returns its status and stdout + stderr.
+fn tool(dir: &Scratch, program: &str, args: &[&str]) -> (ExitStatus, String) {
+    let out = Command::new(program)
+        .args(args)
+        .current_dir(&dir.0)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {program}: {e}"));
+    (out.status, format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+fn qemu_img(dir: &Scratch, args: &[&str]) -> String {
+    let (status, text) = tool(dir, "qemu-img", args);
+    assert!(status.success(), "`qemu-img {}` failed ({status}): {text}", args.join(" "));
+    text
+}
+
+/// Runs `commands` on `image` in one qemu-io process.
+fn qemu_io(dir: &Scratch, format: &str, image: &str, commands: &[String]) {
+    let mut args = vec!["-f", format];
+    for command in commands {
+        args.extend(["-c", command.as_str()]);
+    }
+    args.push(image);
+    let (status, text) = tool(dir, "qemu-io", &args);
+    assert!(
+        status.success() && !text.contains("failed") && !text.contains("rror"),
+        "qemu-io on {image} ({status}): {text}\ncommands: {commands:#?}"
+    );
+}
+
+/// `qemu-img create -f qcow2 [-o OPTS] [-b BACKING -F FMT] NAME [SIZE]`.
+fn create(dir: &Scratch, name: &str, opts: &str, backing: Option<(&str, &str)>, size: Option<u64>) {
+    let size = size.map(|s| s.to_string());
+    let mut args = vec!["create", "-q", "-f", "qcow2"];
+    if !opts.is_empty() {
+        args.extend(["-o", opts]);
+    }
+    if let Some((file, format)) = backing {
+        args.extend(["-b", file, "-F", format]);
+    }
+    args.push(name);
+    args.extend(size.as_deref());
+    qemu_img(dir, &args);
+}
+
+/// The number after `"key":` in `qemu-img --output=json` text.
+fn json_u64(text: &str, key: &str) -> Option<u64> {
+    let at = text.find(&format!("\"{key}\":"))? + key.len() + 3;
+    let digits: String = text[at..].trim_start().chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+/// `qemu-img check` must exit 0 and report no corruption, leak or check
+/// error. Returns the JSON report.
+fn assert_check_clean(dir: &Scratch, what: &str) -> String {
+    let (status, text) = tool(dir, "qemu-img", &["check", "--output=json", IMG]);
+    let count = |key| json_u64(&text, key).unwrap_or(0);
+    if !status.success() || count("corruptions") > 0 || count("leaks") > 0 || count("check-errors") > 0 {
+        let (_, human) = tool(dir, "qemu-img", &["check", IMG]);
+        panic!("{what}: qemu-img check {IMG} exited with {status}:\n{text}\n{human}");
+    }
+    text
+}
+
+/// `qemu-img compare -f qcow2 -F raw IMG reference` must say identical.
+fn assert_compare_identical(dir: &Scratch, reference: &str, what: &str) {
+    let (status, text) = tool(dir, "qemu-img", &["compare", "-f", "qcow2", "-F", "raw", IMG, reference]);
+    assert!(
+        status.success() && text.contains("Images are identical"),
+        "{what}: qemu-img compare -f qcow2 -F raw {IMG} {reference} exited with {status}: {text}"
+    );
+}
+
+/// A big-endian header field of the image file.
+fn header_u32(dir: &Scratch, offset: u64) -> u32 {
+    let mut word = [0u8; 4];
+    File::open(dir.path(IMG)).unwrap().read_exact_at(&mut word, offset).unwrap();
+    u32::from_be_bytes(word)
+}
+
+// ---------------------------------------------------------------------------
+// Data
+
+/// A small deterministic generator (xorshift64).
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Self((seed.wrapping_mul(0x2545_f491_4f6c_dd1d) ^ 0x9e37_79b9_7f4a_7c15) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    /// A multiple of 512 in `min..=max` (both multiples of 512).
+    fn sectors(&mut self, min: u64, max: u64) -> u64 {
+        min + self.below((max - min) / 512 + 1) * 512
+    }
+}
+
+/// Bytes zlib and zstd shrink several times, different for each `seed`:
+/// runs of a few letters.
+fn compressible(seed: u64, len: usize) -> Vec<u8> {
+    let mut rng = Rng::new(seed);
+    let mut out = Vec::with_capacity(len + 16);
+    while out.len() < len {
+        let x = rng.next();
+        out.extend(std::iter::repeat_n(b'a' + (x & 3) as u8, 1 + (x >> 8) as usize % 16));
+    }
+    out.truncate(len);
+    out
+}
+
+/// `n` scattered qemu-io commands over a disk of `size` bytes: writes of
+/// one byte value or of a pattern file that does not repeat at sector
+/// boundaries, zero writes with and without unmap, and discards.
+fn io_script(dir: &Scratch, size: u64, seed: u64, n: usize) -> Vec<String> {
+    let mut rng = Rng::new(seed);
+    (0..n)
+        .map(|i| {
+            let kind = rng.below(100);
+            let max = if kind < 65 { 256 * KIB } else { MIB };
+            let len = rng.sectors(512, max.min(size));
+            let off = rng.below((size - len) / 512 + 1) * 512;
+            match kind {
+                0..45 => format!("write -q -P 0x{:02x} {off} {len}", 1 + rng.below(255)),
+                45..65 => {
+                    let file = format!("pat-{seed}-{i}.bin");
+                    std::fs::write(dir.path(&file), pattern(seed * 1000 + i as u64, 4099 + i)).unwrap();
+                    format!("write -q -s {file} {off} {len}")
+                }
+                65..75 => format!("write -q -z {off} {len}"),
+                75..85 => format!("write -q -z -u {off} {len}"),
+                _ => format!("discard -q {off} {len}"),
+            }
+        })
+        .collect()
+}
+
+/// Describes where `got` (read through vsd) and `want` differ, if they do;
+/// `base` is the disk offset of their first byte.
+fn describe_diff(got: &[u8], want: &[u8], base: u64) -> Option<String> {
+    let same = |(a, b): (&u8, &u8)| a == b;
+    let first = got.iter().zip(want).position(|p| !same(p))?;
+    let last = got.iter().zip(want).rposition(|p| !same(p)).unwrap();
+    let count = got.iter().zip(want).filter(|&p| !same(p)).count();
+    let show = |b: &[u8]| format!("{:02x?}", &b[first..(first + 16).min(b.len())]);
+    Some(format!(
+        "{count} bytes differ between {:#x} and {:#x}; at {:#x} vsd read {} but expected {}",
+        base + first as u64,
+        base + last as u64,
+        base + first as u64,
+        show(got),
+        show(want)
+    ))
+}
+
+// ---------------------------------------------------------------------------
+// vsd
+
+/// vsd serving `IMG` of `dir` on `dir/vsd.sock`.
+fn vsd_args(dir: &Scratch, writable: bool, direct: bool, queues: usize) -> Vec<String> {
+    let mut file = format!("driver=file,node-name=f0,filename={}", dir.path(IMG).display());
+    let mut qcow2 = "driver=qcow2,node-name=q0,file=f0".to_string();
+    let mut export = format!(
+        "type=vhost-user-blk,id=e0,node-name=q0,addr.type=unix,addr.path={},num-queues={queues}",
+        dir.path("vsd.sock").display()
+    );
+    if direct {
+        file.push_str(",cache.direct=on");
+    }
+    if writable {
+        file.push_str(",discard=unmap");
+        export.push_str(",writable=on");
+    } else {
+        file.push_str(",read-only=on");
+        qcow2.push_str(",read-only=on");
+    }
+    vec!["--blockdev".into(), file, "--blockdev".into(), qcow2, "--export".into(), export]
+}
+
+/// Reads the whole disk in 1 MiB requests and compares it with `expected`.
+fn assert_disk_equals(queue: &mut Queue, expected: &Path, what: &str) {
+    let file = File::open(expected).unwrap();
+    let size = file.metadata().unwrap().len();
+    let mut got = vec![0u8; CHUNK as usize];
+    let mut want = vec![0u8; CHUNK as usize];
+    let mut offset = 0;
+    while offset < size {
+        let n = CHUNK.min(size - offset) as usize;
+        queue
+            .read_at(offset, &mut got[..n])
+            .unwrap_or_else(|e| panic!("{what}: read of {n} bytes at {offset:#x}: {e}"));
+        file.read_exact_at(&mut want[..n], offset).unwrap();
+        if let Some(diff) = describe_diff(&got[..n], &want[..n], offset) {
+            panic!("{what}: vsd and {} differ: {diff}", expected.display());
+        }
+        offset += n as u64;
+    }
+}
+
+/// Connects to `daemon` and compares its whole disk with `expected`.
+fn assert_served_equals(daemon: &Daemon, read_only: bool, expected: &Path, what: &str) {
+    let mut client = daemon.connect(ClientOptions { read_only, ..Default::default() });
+    let size = std::fs::metadata(expected).unwrap().len();
+    assert_eq!(client.capacity().unwrap(), size, "{what}: capacity");
+    assert_disk_equals(&mut client.take_queue(0).unwrap(), expected, what);
+}
+
+/// Serves `IMG` read-only and compares every byte with
+/// `qemu-img convert -O raw`; vsd must not change the image file.
+fn assert_reads_like_qemu(dir: &Scratch, direct: bool, what: &str) {
+    qemu_img(dir, &["convert", "-O", "raw", IMG, "expected.raw"]);
+    let before = std::fs::read(dir.path(IMG)).unwrap();
+    let daemon = Daemon::vsd(dir, &vsd_args(dir, false, direct, 1));
+    assert_served_equals(&daemon, true, &dir.path("expected.raw"), what);
+    let status = daemon.stop();
+    assert!(status.success(), "{what}: vsd exited with {status}");
+    assert!(std::fs::read(dir.path(IMG)).unwrap() == before, "{what}: vsd changed an image it served read-only");
+}
+
+/// Runs every case, then fails naming each case that failed (their panic
+/// messages are printed as they happen).
+fn run_cases(cases: Vec<(String, Box<dyn FnOnce() + '_>)>) {
+    let failed: Vec<String> = cases
+        .into_iter()
+        .filter_map(|(name, case)| catch_unwind(AssertUnwindSafe(case)).is_err().then_some(name))
+        .collect();
+    assert!(failed.is_empty(), "failed image kinds: {failed:?}");
+}
+
+/// One read-interop case per `(kind, builder)`: builds `IMG` in a fresh
+/// directory and compares vsd's reads with QEMU's. Every other case opens
+/// the file with O_DIRECT.
+fn read_cases(family: &str, kinds: Vec<(String, Builder)>) {
+    let cases = kinds
+        .into_iter()
+        .enumerate()
+        .map(|(i, (kind, build))| {
+            let direct = i % 2 == 1;
+            let name = format!("{kind}{}", if direct { " (cache.direct=on)" } else { "" });
+            let case: Box<dyn FnOnce()> = Box::new(move || {
+                let dir = Scratch::new(&format!("q2r-{family}-{i}"));
+                build(&dir);
+                assert_reads_like_qemu(&dir, direct, &format!("read {kind}, direct={direct}"));
+            });
+            (name, case)
+        })
+        .collect();
+    run_cases(cases);
+}
+
+// ---------------------------------------------------------------------------
+// Image recipes: each leaves `IMG` (and whatever it needs) in `dir`.
+
+/// A new image with these creation options, filled by qemu-io.
+fn filled(dir: &Scratch, opts: &str, size: u64, seed: u64) {
+    create(dir, IMG, opts, None, Some(size));
+    qemu_io(dir, "qcow2", IMG, &io_script(dir, size, seed, 40));
+}
+
+/// Extended L2 entries: 4 KiB writes at odd offsets that start and end
+/// inside subclusters, zero writes of single subclusters, then the random
+/// script.
+fn extended_l2(dir: &Scratch, cluster: u64, size: u64) {
+    create(dir, IMG, &format!("extended_l2=on,cluster_size={cluster}"), None, Some(size));
+    let sub = cluster / 32;
+    let clusters = size / cluster;
+    let mut commands = Vec::new();
+    for k in 0..12u64 {
+        let base = (k * 7 % clusters) * cluster;
+        let odd = (2 * k + 1) * 4 * KIB + 512 * (k % 3);
+        commands.push(format!("write -q -P 0x{:02x} {} 4096", 0x40 + k, base + odd % (cluster - 4 * KIB)));
+        commands.push(format!("write -q -z {} {sub}", base + (k * 5 % 32) * sub));
+        // A zero subcluster in a cluster nothing else touched yet.
+        commands.push(format!("write -q -z {} {sub}", (k * 7 + 3) % clusters * cluster + (k % 32) * sub));
+    }
+    commands.extend(io_script(dir, size, cluster + 1, 30));
+    qemu_io(dir, "qcow2", IMG, &commands);
+}
+
+/// `qemu-img convert -c` of a raw file with compressible, incompressible
+/// and zero clusters, then qemu-io changing some compressed clusters
+/// (partial overwrite, zero write, discard, a compressed rewrite).
+fn compressed(dir: &Scratch, compression: &str) {
+    let cs = 64 * KIB;
+    let size = 16 * MIB;
+    let mut src = vec![0u8; size as usize];
+    for (c, cluster) in src.chunks_mut(cs as usize).enumerate() {
+        let c = c as u64;
+        match c % 8 {
+            1 => {}
+            2 => cluster.copy_from_slice(&pattern(c, cs as usize)),
+            4 => cluster[..cs as usize / 2].copy_from_slice(&compressible(c, cs as usize / 2)),
+            _ => cluster.copy_from_slice(&compressible(c, cs as usize)),
+        }
+    }
+    std::fs::write(dir.path("src.raw"), &src).unwrap();
+    let opts = format!("compression_type={compression}");
+    qemu_img(dir, &["convert", "-c", "-f", "raw", "-O", "qcow2", "-o", &opts, "src.raw", IMG]);
+    let report = qemu_img(dir, &["check", "--output=json", IMG]);
+    assert!(json_u64(&report, "compressed-clusters").unwrap_or(0) > 100, "nothing compressed: {report}");
+    let mut commands = vec![
+        format!("write -q -P 0x61 {} 4096", 3 * cs + 1024),
+        format!("write -q -z {} 8192", 5 * cs + 4096),
+        format!("discard -q {} {}", 6 * cs, cs),
+        format!("write -q -c -P 0x62 {} {}", 9 * cs, cs),
+        format!("write -q -c -P 0x63 {} {}", 17 * cs, 2 * cs),
+    ];
+    commands.extend(io_script(dir, size, 31, 16));
+    qemu_io(dir, "qcow2", IMG, &commands);
+}
+
+/// raw base <- v2 4 KiB mid <- v3 64 KiB top <- extended-L2 `IMG`, each
+/// layer written by qemu-io; relative backing names.
+fn chain(dir: &Scratch) {
+    let size = 16 * MIB;
+    std::fs::write(dir.path("base.raw"), pattern(41, size as usize)).unwrap();
+    create(dir, "mid.qcow2", "compat=0.10,cluster_size=4096", Some(("base.raw", "raw")), None);
+    qemu_io(dir, "qcow2", "mid.qcow2", &io_script(dir, size, 42, 30));
+    create(dir, "top.qcow2", "cluster_size=65536", Some(("mid.qcow2", "qcow2")), None);
+    qemu_io(dir, "qcow2", "top.qcow2", &io_script(dir, size, 43, 30));
+    create(dir, IMG, "extended_l2=on", Some(("top.qcow2", "qcow2")), None);
+    let mut commands = io_script(dir, size, 44, 30);
+    commands.push(format!("write -q -P 0x55 {} 4096", 5 * MIB + 2048 + 512));
+    commands.push(format!("write -q -z {} {}", 7 * MIB + 2048, 2048));
+    qemu_io(dir, "qcow2", IMG, &commands);
+}
+
+/// A 24 MiB image over an 8 MiB + 1536 byte raw backing file: reads past
+/// the backing file's end, and writes straddling it.
+fn grown_over_backing(dir: &Scratch) {
+    let size = 24 * MIB;
+    std::fs::write(dir.path("base.raw"), pattern(51, (8 * MIB + 1536) as usize)).unwrap();
+    create(dir, IMG, "", Some(("base.raw", "raw")), Some(size));
+    let mut commands = io_script(dir, size, 52, 30);
+    commands.push(format!("write -q -P 0x71 {} {}", 8 * MIB - 6 * KIB, 12 * KIB));
+    commands.push(format!("write -q -P 0x72 {} 512", 8 * MIB + 64 * KIB + 1024));
+    commands.push(format!("write -q -P 0x73 {} 512", 8 * MIB - 64 * KIB + 512));
+    qemu_io(dir, "qcow2", IMG, &commands);
+}
+
+/// A v3 64 KiB image over a patterned raw backing file of the same size.
+fn over_raw_backing(dir: &Scratch) {
+    let size = 16 * MIB;
+    std::fs::write(dir.path("base.raw"), pattern(61, size as usize)).unwrap();
+    create(dir, IMG, "", Some(("base.raw", "raw")), None);
+    qemu_io(dir, "qcow2", IMG, &io_script(dir, size, 62, 30));
+}
+
+/// An external data file `d.raw`, optionally a raw image itself.
+fn data_file(dir: &Scratch, raw: bool) {
+    let opts = if raw { "data_file=d.raw,data_file_raw=on" } else { "data_file=d.raw" };
+    filled(dir, opts, 16 * MIB, 71);
+}
+
+/// Writes, snapshot s1, writes, snapshot s2, writes; optionally s2 deleted
+/// again (leaving free clusters between used ones).
+fn snapshots(dir: &Scratch, delete_s2: bool) {
+    let size = 16 * MIB;
+    create(dir, IMG, "", None, Some(size));
+    qemu_io(dir, "qcow2", IMG, &io_script(dir, size, 81, 30));
+    qemu_img(dir, &["snapshot", "-c", "s1", IMG]);
+    qemu_io(dir, "qcow2", IMG, &io_script(dir, size, 82, 30));
+    qemu_img(dir, &["snapshot", "-c", "s2", IMG]);
+    qemu_io(dir, "qcow2", IMG, &io_script(dir, size, 83, 30));
+    if delete_s2 {
+        qemu_img(dir, &["snapshot", "-d", "s2", IMG]);
+    }
+}
+
+type Builder = Box<dyn Fn(&Scratch)>;
+
+// ---------------------------------------------------------------------------
+// 1. QEMU writes, vsd reads
+
+#[test]
+fn reads_match_qemu_for_each_version_and_cluster_size() {
+    let mut kinds: Vec<(String, Builder)> = Vec::new();
+    for compat in ["0.10", "1.1"] {
+        for cluster in [512, 4096, 65536, 2 * MIB] {
+            let size = if cluster == 2 * MIB { 32 * MIB } else { 16 * MIB };
+            let opts = format!("compat={compat},cluster_size={cluster}");
+            kinds.push((opts.clone(), Box::new(move |dir: &Scratch| filled(dir, &opts, size, cluster + 3))));
+        }
+    }
+    read_cases("version", kinds);
+}
+
+#[test]
+fn reads_match_qemu_for_each_refcount_width() {
+    let mut kinds: Vec<(String, Builder)> = Vec::new();
+    for bits in [1, 8, 16, 64] {
+        for cluster in [512, 4096] {
+            let opts = format!("refcount_bits={bits},cluster_size={cluster}");
+            kinds.push((opts.clone(), Box::new(move |dir: &Scratch| filled(dir, &opts, 8 * MIB, bits + cluster))));
+        }
+    }
+    read_cases("refcount", kinds);
+}
+
+#[test]
+fn reads_match_qemu_with_extended_l2_entries() {
+    let kinds: Vec<(String, Builder)> = vec![
+        ("extended_l2=on,cluster_size=64k".into(), Box::new(|dir: &Scratch| extended_l2(dir, 64 * KIB, 16 * MIB))),
+        ("extended_l2=on,cluster_size=2M".into(), Box::new(|dir: &Scratch| extended_l2(dir, 2 * MIB, 32 * MIB))),
+    ];
+    read_cases("extl2", kinds);
+}
+
+#[test]
+fn reads_match_qemu_for_compressed_images() {
+    let kinds: Vec<(String, Builder)> = vec![
+        ("compressed zlib".into(), Box::new(|dir: &Scratch| compressed(dir, "zlib"))),
+        ("compressed zstd".into(), Box::new(|dir: &Scratch| compressed(dir, "zstd"))),
+    ];
+    read_cases("compressed", kinds);
+}
+
+#[test]
+fn reads_match_qemu_through_backing_chains() {
+    let kinds: Vec<(String, Builder)> = vec![
+        ("chain raw <- v2 4k <- v3 64k <- extended L2".into(), Box::new(chain)),
+        ("24M image over an 8M+1536 raw backing file".into(), Box::new(grown_over_backing)),
+        ("v3 over raw backing".into(), Box::new(over_raw_backing)),
+    ];
+    read_cases("chain", kinds);
+}
+
+#[test]
+fn reads_match_qemu_with_external_data_files() {
+    let kinds: Vec<(String, Builder)> = vec![
+        ("data_file=d.raw".into(), Box::new(|dir: &Scratch| data_file(dir, false))),
+        ("data_file=d.raw,data_file_raw=on".into(), Box::new(|dir: &Scratch| data_file(dir, true))),
+    ];
+    read_cases("datafile", kinds);
+}
+
+#[test]
+fn reads_match_qemu_for_each_preallocation_mode() {
+    let kinds = ["off", "metadata", "falloc", "full"]
+        .into_iter()
+        .map(|mode| {
+            let build: Builder =
+                Box::new(move |dir: &Scratch| filled(dir, &format!("preallocation={mode}"), 16 * MIB, 91));
+            (format!("preallocation={mode}"), build)
+        })
+        .collect();
+    read_cases("prealloc", kinds);
+}
+
+#[test]
+fn reads_match_qemu_with_internal_snapshots() {
+    let kinds: Vec<(String, Builder)> = vec![
+        ("snapshots s1, s2".into(), Box::new(|dir: &Scratch| snapshots(dir, false))),
+        ("snapshots s1, s2, s2 deleted".into(), Box::new(|dir: &Scratch| snapshots(dir, true))),
+    ];
+    read_cases("snapshots", kinds);
+}
+
+// ---------------------------------------------------------------------------
+// 2. vsd writes, QEMU checks
+
+/// A seeded mix of requests over one range of the disk.
+#[derive(Clone, Copy)]
+struct Workload {
+    seed: u64,
+    ops: usize,
+    cluster: u64,
+    /// Discards allowed (they read back as zeroes over whole clusters).
+    discard: bool,
+    /// Bytes written sequentially from the start of the range first.
+    sequential: u64,
+}
+
+/// Applies `w` to `queue` over `base..base + len` and the same changes to
+/// `reference`; reads back through vsd now and then.
+fn drive(queue: &mut Queue, reference: &File, base: u64, len: u64, w: Workload, what: &str) {
+    let mut rng = Rng::new(w.seed);
+    let zeroes = vec![0u8; CHUNK as usize];
+    let zero_ref = |off: u64, n: u64| {
+        let mut at = off;
+        while at < off + n {
+            let k = (off + n - at).min(CHUNK);
+            reference.write_all_at(&zeroes[..k as usize], at).unwrap();
+            at += k;
+        }
+    };
+    let mut log: Vec<(String, u64, u64)> = Vec::new();
+    // Panics naming the request and the earlier ones that covered `at`.
+    let fail = |log: &[(String, u64, u64)], op: String, at: u64, e: String| {
+        let near: Vec<_> = log.iter().filter(|(_, o, n)| *o <= at && at < o + n).map(|(s, _, _)| s).collect();
+        panic!("{what}: {op}: {e}\n  earlier requests covering {at:#x}: {near:?}")
+    };
+
+    let mut at = base;
+    while at < base + w.sequential.min(len) {
+        let n = (256 * KIB).min(base + w.sequential.min(len) - at);
+        let data = pattern(w.seed ^ at, n as usize);
+        let op = format!("write {at:#x}+{n:#x}");
+        queue.write_at(at, &data).unwrap_or_else(|e| fail(&log, op.clone(), at, e.to_string()));
+        reference.write_all_at(&data, at).unwrap();
+        log.push((op, at, n));
+        at += n;
+    }
+
+    let random_range = |rng: &mut Rng, max: u64| {
+        let n = rng.sectors(512, max.min(len));
+        (base + rng.below((len - n) / 512 + 1) * 512, n)
+    };
+    for i in 0..w.ops {
+        let kind = rng.below(100);
+        let (off, n, op) = match kind {
+            // Writes, a third of them across a cluster boundary.
+            0..52 => {
+                let (mut off, n) = random_range(&mut rng, 256 * KIB);
+                let n = n.max(4 * KIB);
+                if rng.below(3) == 0 && len / w.cluster >= 2 {
+                    let boundary = base + (1 + rng.below(len / w.cluster - 1)) * w.cluster;
+                    off = boundary.saturating_sub(rng.sectors(512, n - 512));
+                }
+                let off = off.clamp(base, base + len - n);
+                let data = pattern(w.seed * 100_003 + i as u64, n as usize);
+                let op = format!("write {off:#x}+{n:#x}");
+                queue.write_at(off, &data).unwrap_or_else(|e| fail(&log, op.clone(), off, e.to_string()));
+                reference.write_all_at(&data, off).unwrap();
+                (off, n, op)
+            }
+            52..64 => {
+                let (off, n) = random_range(&mut rng, 256 * KIB);
+                let mut got = vec![0u8; n as usize];
+                let mut want = vec![0u8; n as usize];
+                let op = format!("read {off:#x}+{n:#x}");
+                queue.read_at(off, &mut got).unwrap_or_else(|e| fail(&log, op.clone(), off, e.to_string()));
+                reference.read_exact_at(&mut want, off).unwrap();
+                if let Some(diff) = describe_diff(&got, &want, off) {
+                    let at = off + got.iter().zip(&want).position(|(a, b)| a != b).unwrap() as u64;
+                    fail(&log, op, at, diff);
+                }
+                continue;
+            }
+            64..84 => {
+                let (off, n) = random_range(&mut rng, 512 * KIB);
+                let no_unmap = kind < 74;
+                let op = format!("write_zeroes {off:#x}+{n:#x} no_unmap={no_unmap}");
+                queue.write_zeroes(off, n, no_unmap).unwrap_or_else(|e| fail(&log, op.clone(), off, e.to_string()));
+                zero_ref(off, n);
+                (off, n, op)
+            }
+            84..96 if w.discard => {
+                let (off, n) = if rng.below(2) == 0 {
+                    let clusters = len / w.cluster;
+                    let k = 1 + rng.below(8.min(clusters));
+                    (base + rng.below(clusters - k + 1) * w.cluster, k * w.cluster)
+                } else {
+                    random_range(&mut rng, 512 * KIB)
+                };
+                let op = format!("discard {off:#x}+{n:#x}");
+                queue.discard(off, n).unwrap_or_else(|e| fail(&log, op.clone(), off, e.to_string()));
+                // Whole clusters read as zeroes afterwards, partial ones keep their data.
+                let (start, end) = (off.next_multiple_of(w.cluster), (off + n) / w.cluster * w.cluster);
+                if end > start {
+                    zero_ref(start, end - start);
+                }
+                (off, n, op)
+            }
+            _ => {
+                queue.flush().unwrap_or_else(|e| fail(&log, "flush".into(), base, e.to_string()));
+                continue;
+            }
+        };
+        log.push((op, off, n));
+    }
+    queue.flush().unwrap_or_else(|e| fail(&log, "final flush".into(), base, e.to_string()));
+}
+
+/// Runs `w` on two queues from two threads, each on its own half of the
+/// disk, against the daemon and the raw `reference` file.
+fn run_workload(daemon: &Daemon, reference: &Path, w: Workload, what: &str) {
+    let size = std::fs::metadata(reference).unwrap().len();
+    let mut client = daemon.connect(ClientOptions { num_queues: 2, ..Default::default() });
+    assert_eq!(client.capacity().unwrap(), size, "{what}: capacity");
+    let half = size / 2;
+    assert_eq!(half % w.cluster, 0);
+    let threads: Vec<_> = client
+        .take_queues()
+        .into_iter()
+        .enumerate()
+        .map(|(q, mut queue)| {
+            let file = OpenOptions::new().read(true).write(true).open(reference).unwrap();
+            let what = format!("{what}, queue {q}");
+            let w = Workload { seed: w.seed * 2 + q as u64, ..w };
+            std::thread::spawn(move || drive(&mut queue, &file, q as u64 * half, half, w, &what))
+        })
+        .collect();
+    assert_eq!(threads.len(), 2);
+    let failed = threads.into_iter().map(|t| t.join()).filter(Result::is_err).count();
+    assert_eq!(failed, 0, "{what}: {failed} queue(s) failed, see above");
+}
+
+/// What a write case checks beyond `qemu-img check` and `compare`.
+#[derive(Clone, Copy, Default)]
+struct Extra {
+    /// An internal snapshot that must read the same before and after.
+    snapshot: Option<&'static str>,
+    /// The raw external data file, which must equal the reference.
+    raw_data_file: Option<&'static str>,
+}
+
+/// Builds an image, runs the workload through vsd and on a raw copy of
+/// the image's contents, then has QEMU check and compare the two, and
+/// reads everything back through a restarted vsd.
+fn vsd_writes_qemu_checks(
+    name: &str,
+    cluster: u64,
+    discard: bool,
+    direct: bool,
+    extra: Extra,
+    build: impl FnOnce(&Scratch),
+) {
+    let what = format!("{name} (cache.direct={})", if direct { "on" } else { "off" });
+    let dir = Scratch::new(&format!("q2w-{name}"));
+    build(&dir);
+    assert_check_clean(&dir, &format!("{what}: as made by QEMU"));
+    qemu_img(&dir, &["convert", "-O", "raw", IMG, REFERENCE]);
+    let snapshot_before = extra.snapshot.map(|s| {
+        let out = format!("{s}-before.raw");
+        qemu_img(&dir, &["convert", "-l", &format!("snapshot.name={s}"), "-O", "raw", IMG, &out]);
+        out
+    });
+
+    let daemon = Daemon::vsd(&dir, &vsd_args(&dir, true, direct, 2));
+    let workload = Workload { seed: cluster ^ name.len() as u64, ops: 160, cluster, discard, sequential: 0 };
+    run_workload(&daemon, &dir.path(REFERENCE), workload, &what);
+    let status = daemon.stop();
+    assert!(status.success(), "{what}: vsd exited with {status}");
+
+    assert_check_clean(&dir, &format!("{what}: after vsd wrote"));
+    assert_compare_identical(&dir, REFERENCE, &format!("{what}: after vsd wrote"));
+    if let (Some(s), Some(before)) = (extra.snapshot, snapshot_before) {
+        let after = format!("{s}-after.raw");
+        qemu_img(&dir, &["convert", "-l", &format!("snapshot.name={s}"), "-O", "raw", IMG, &after]);
+        let (before, after) = (std::fs::read(dir.path(&before)).unwrap(), std::fs::read(dir.path(&after)).unwrap());
+        if let Some(diff) = describe_diff(&after, &before, 0) {
+            panic!("{what}: snapshot {s} changed while vsd wrote the active layer: {diff}");
+        }
+    }
+    if let Some(data) = extra.raw_data_file {
+        let (got, want) = (std::fs::read(dir.path(data)).unwrap(), std::fs::read(dir.path(REFERENCE)).unwrap());
+        assert_eq!(got.len(), want.len(), "{what}: size of the raw data file {data}");
+        if let Some(diff) = describe_diff(&got, &want, 0) {
+            panic!("{what}: the raw external data file {data} (data_file_raw=on) is not the disk's contents: {diff}");
+        }
+    }
+
+    let daemon = Daemon::vsd(&dir, &vsd_args(&dir, true, direct, 2));
+    assert_served_equals(&daemon, false, &dir.path(REFERENCE), &format!("{what}: read back after a restart"));
+    let status = daemon.stop();
+    assert!(status.success(), "{what}: vsd exited with {status} after the read-back");
+    assert_check_clean(&dir, &format!("{what}: after the restart"));
+}
+
+#[test]
+fn vsd_writes_v3_64k() {
+    vsd_writes_qemu_checks("v3-64k", 64 * KIB, true, false, Extra::default(), |dir| {
+        filled(dir, "compat=1.1,cluster_size=65536", 16 * MIB, 101)
+    });
+}
+
+#[test]
+fn vsd_writes_v2() {
+    vsd_writes_qemu_checks("v2-64k", 64 * KIB, true, true, Extra::default(), |dir| {
+        filled(dir, "compat=0.10", 16 * MIB, 102)
+    });
+}
+
+#[test]
+fn vsd_writes_512_byte_clusters() {
+    vsd_writes_qemu_checks("v3-512", 512, true, false, Extra::default(), |dir| {
+        filled(dir, "cluster_size=512", 8 * MIB, 103)
+    });
+}
+
+#[test]
+fn vsd_writes_extended_l2() {
+    vsd_writes_qemu_checks("extl2-64k", 64 * KIB, true, true, Extra::default(), |dir| {
+        extended_l2(dir, 64 * KIB, 16 * MIB)
+    });
+}
+
+#[test]
+fn vsd_writes_over_compressed_clusters() {
+    for compression in ["zlib", "zstd"] {
+        vsd_writes_qemu_checks(&format!("compressed-{compression}"), 64 * KIB, true, false, Extra::default(), |dir| {
+            compressed(dir, compression)
+        });
+    }
+}
+
+#[test]
+fn vsd_writes_over_a_raw_backing_file() {
+    vsd_writes_qemu_checks("backing", 64 * KIB, true, false, Extra::default(), over_raw_backing);
+}
+
+#[test]
+fn vsd_writes_with_an_external_data_file() {
+    vsd_writes_qemu_checks("datafile", 64 * KIB, true, true, Extra::default(), |dir| data_file(dir, false));
+}
+
+#[test]
+fn vsd_writes_with_a_raw_external_data_file() {
+    let extra = Extra { raw_data_file: Some("d.raw"), ..Extra::default() };
+    vsd_writes_qemu_checks("datafile-raw", 64 * KIB, true, false, extra, |dir| data_file(dir, true));
+}
+
+#[test]
+fn vsd_writes_keep_internal_snapshots() {
+    let extra = Extra { snapshot: Some("s1"), ..Extra::default() };
+    vsd_writes_qemu_checks("snapshot", 64 * KIB, true, true, extra, |dir| snapshots(dir, true));
+}
+
+#[test]
+fn vsd_writes_with_1_bit_refcounts() {
+    vsd_writes_qemu_checks("refcount1", 4 * KIB, true, false, Extra::default(), |dir| {
+        filled(dir, "refcount_bits=1,cluster_size=4096", 16 * MIB, 104)
+    });
+}
+
+// ---------------------------------------------------------------------------
+// 3. Growth, both ways
+
+/// A 1 GiB disk with 512-byte clusters: each L2 table maps 32 KiB and each
+/// refcount block 128 KiB of file, so vsd's writes allocate hundreds of L2
+/// tables and outgrow the one-cluster refcount table. QEMU then checks,
+/// compares and writes more; vsd reads all of it back and writes again.
+#[test]
+fn growth_past_the_first_l2_and_refcount_tables_both_ways() {
+    let what = "1 GiB, 512-byte clusters";
+    let dir = Scratch::new("q2-growth");
+    let size = 1 << 30;
+    create(&dir, IMG, "cluster_size=512", None, Some(size));
+    qemu_io(&dir, "qcow2", IMG, &io_script(&dir, size, 111, 12));
+    let refcount_table_clusters = header_u32(&dir, 56);
+    assert_eq!(refcount_table_clusters, 1, "qemu-img made a bigger refcount table than expected");
+    qemu_img(&dir, &["convert", "-O", "raw", IMG, REFERENCE]);
+
+    // vsd writes: 4 MiB sequentially at the start of each half, then
+    // scattered requests over the whole disk.
+    let workload = Workload { seed: 112, ops: 150, cluster: 512, discard: true, sequential: 4 * MIB };
+    let daemon = Daemon::vsd(&dir, &vsd_args(&dir, true, false, 2));
+    run_workload(&daemon, &dir.path(REFERENCE), workload, &format!("{what}: vsd writes"));
+    assert!(daemon.stop().success());
+    let report = assert_check_clean(&dir, &format!("{what}: after vsd grew the image"));
+    assert_compare_identical(&dir, REFERENCE, &format!("{what}: after vsd grew the image"));
+    let file_len = std::fs::metadata(dir.path(IMG)).unwrap().len();
+    assert!(
+        header_u32(&dir, 56) > 1 && file_len > 8 * MIB,
+        "the refcount table did not grow (file is {file_len} bytes): {report}"
+    );
+
+    // QEMU writes to the vsd-grown image, and the same to the reference
+    // (a discard of whole 512-byte clusters reads as zeroes: a zero write
+    // on the raw file).
+    let commands = io_script(&dir, size, 113, 40);
+    qemu_io(&dir, "qcow2", IMG, &commands);
+    let raw_commands: Vec<String> = commands.iter().map(|c| c.replace("discard -q", "write -q -z")).collect();
+    qemu_io(&dir, "raw", REFERENCE, &raw_commands);
+    assert_check_clean(&dir, &format!("{what}: after QEMU wrote to the vsd-grown image"));
+    assert_compare_identical(&dir, REFERENCE, &format!("{what}: after QEMU wrote to the vsd-grown image"));
+
+    // vsd reads all of it, then writes again.
+    let daemon = Daemon::vsd(&dir, &vsd_args(&dir, true, false, 2));
+    assert_served_equals(&daemon, false, &dir.path(REFERENCE), &format!("{what}: vsd reads after QEMU wrote"));
+    let workload = Workload { seed: 114, ops: 120, sequential: 0, ..workload };
+    run_workload(&daemon, &dir.path(REFERENCE), workload, &format!("{what}: vsd writes again"));
+    assert!(daemon.stop().success());
+    assert_check_clean(&dir, &format!("{what}: after vsd wrote again"));
+    assert_compare_identical(&dir, REFERENCE, &format!("{what}: after vsd wrote again"));
+}
