@@ -87,3 +87,50 @@ fn guest_sees_writethrough_and_read_only() {
     assert_eq!(facts["logical_block_size"], "4096");
     assert_eq!(facts["capacity_bytes"], (32 * MIB).to_string());
 }
+
+/// The guest's fio verify on a qcow2 image over a raw backing file: every
+/// write allocates clusters and copies the backing data around it, on two
+/// queues at once; QEMU's tools then find the image clean and equal to
+/// what the guest sees.
+#[test]
+fn linux_guest_runs_fio_verify_on_qcow2_over_a_backing_file() {
+    let dir = Scratch::new("guest-qcow2");
+    let base = dir.image("base.raw", 128 * MIB);
+    std::fs::write(&base, common::pattern(7, 128 * MIB as usize)).unwrap();
+    let image = dir.path("top.qcow2");
+    let out = common::run(
+        "qemu-img",
+        &["create", "-f", "qcow2", "-b", "base.raw", "-F", "raw", image.to_str().unwrap(), "128M"],
+    );
+    assert!(out.status.success(), "{out:?}");
+    let socket = dir.path("vsd.sock");
+    let args = vec![
+        "--blockdev".to_string(),
+        format!("driver=file,node-name=f0,filename={}", image.display()),
+        "--blockdev".into(),
+        "driver=qcow2,node-name=q0,file=f0".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=e0,node-name=q0,addr.type=unix,addr.path={},writable=on,num-queues=2",
+            socket.display()
+        ),
+    ];
+    let daemon = Daemon::vsd(&dir, &args);
+    let facts = boot(&dir, &socket, &["--queues", "2", "--size", "48M", "--bs", "4k"]);
+    assert_eq!(facts["fio_write_status"], "0");
+    assert_eq!(facts["fio_verify_status"], "0");
+    assert_eq!(facts["fio_verify_read_bytes"], facts["fio_expected_bytes"]);
+    assert_eq!(daemon.stop().code(), Some(0));
+
+    let check = common::run("qemu-img", &["check", image.to_str().unwrap()]);
+    let report = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success() && report.contains("No errors were found"), "{report}");
+    // Past what fio wrote, the backing file still shows through.
+    let tail = dir.path("tail.raw");
+    let out = common::run("qemu-img", &["convert", "-O", "raw", image.to_str().unwrap(), tail.to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+    let converted = std::fs::read(&tail).unwrap();
+    let original = std::fs::read(&base).unwrap();
+    assert!(converted[64 * MIB as usize..] == original[64 * MIB as usize..], "backing data beyond fio's range");
+    assert!(converted[..48 * MIB as usize] != original[..48 * MIB as usize], "fio's writes landed in the overlay");
+}

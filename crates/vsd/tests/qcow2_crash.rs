@@ -73,7 +73,7 @@ fn workload(queue: &mut vsd_bench::Queue, half: u64, seed: u64, journal: &Mutex<
         }
         journal.lock().unwrap().pending.push((next, len, next ^ seed));
         next += len as u64;
-        if rng.next() % 4 == 0 {
+        if rng.next().is_multiple_of(4) {
             if queue.flush().is_err() {
                 return;
             }

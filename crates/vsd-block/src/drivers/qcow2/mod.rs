@@ -177,7 +177,7 @@ fn open_file(path: &Path, read_only: bool) -> Result<Arc<dyn BlockNode>, GraphEr
         context: path.display().to_string(),
         reason: "the file name is not UTF-8".into(),
     })?;
-    let text = format!("driver=file,filename={},read-only={}", filename.replace(',', ",,"), read_only);
+    let text = format!("filename={},read-only={}", filename.replace(',', ",,"), read_only);
     let mut opts = OptionMap::parse("--blockdev", &text)?;
     let node = FileNode::open(format!("#{filename}"), &mut opts)?;
     opts.finish()?;
