@@ -18,60 +18,22 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VSD = os.path.join(ROOT, "target/release/vsd")
-BENCH = os.path.join(ROOT, "target/release/vsd-bench")
-TICK_US = 1e6 / os.sysconf("SC_CLK_TCK")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import QSD, VSD, serve_and_bench  # noqa: E402
+
 IMAGE_SIZE = 1 << 30
 
 
 def blockdev_args(backend, image):
     if backend == "null-co":
-        return ["--blockdev", f"driver=null-co,node-name=disk0,size={IMAGE_SIZE}"]
-    return [
-        "--blockdev", f"driver=file,node-name=file0,filename={image},aio=io_uring",
-        "--blockdev", "driver=raw,node-name=disk0,file=file0",
-    ]
-
-
-def cpu_ticks(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime, stime
+        return [f"driver=null-co,node-name=disk0,size={IMAGE_SIZE}"]
+    return [f"driver=file,node-name=file0,filename={image},aio=io_uring", "driver=raw,node-name=disk0,file=file0"]
 
 
 def run_daemon(program, backend, image, depth, seconds, workdir):
-    sock = os.path.join(workdir, "bench.sock")
-    pidfile = os.path.join(workdir, "bench.pid")
-    for path in (sock, pidfile):
-        if os.path.exists(path):
-            os.unlink(path)
-    args = ["taskset", "-c", "0", program, *blockdev_args(backend, image),
-            "--export", f"type=vhost-user-blk,id=e0,node-name=disk0,addr.type=unix,addr.path={sock},writable=on",
-            "--pidfile", pidfile]
-    daemon = subprocess.Popen(args)
-    try:
-        deadline = time.time() + 10
-        while not os.path.exists(pidfile):
-            if daemon.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"{program} did not start")
-            time.sleep(0.01)
-        before = cpu_ticks(daemon.pid)
-        out = subprocess.run(
-            ["taskset", "-c", "1", BENCH, "--socket", sock, "--rw", "randread", "--bs", "4k",
-             "--iodepth", str(depth), "--seconds", str(seconds), "--ramp-seconds", "1", "--json"],
-            check=True, capture_output=True, text=True, timeout=seconds + 60).stdout
-        after = cpu_ticks(daemon.pid)
-    finally:
-        daemon.terminate()
-        daemon.wait()
-    res = json.loads(out)["results"]
-    # The ramp second is not in `ios`, but its CPU is: count it in.
-    ios_with_ramp = res["ios"] * (seconds + 1) / seconds
-    return {"iops": res["iops"], "p50_us": res["lat_us"]["p50"], "p99_us": res["lat_us"]["p99"],
-            "cpu_us_per_io": (after - before) * TICK_US / ios_with_ramp}
+    bench = ["--rw", "randread", "--bs", "4k", "--iodepth", str(depth)]
+    return serve_and_bench(program, blockdev_args(backend, image), bench, seconds, workdir)
 
 
 def run_fio(image, depth, seconds):
@@ -97,7 +59,7 @@ def main():
     # Real data, not a hole: reads of a sparse tmpfs file skip the page cache.
     subprocess.run(["dd", "if=/dev/urandom", f"of={image}", "bs=1M", f"count={IMAGE_SIZE >> 20}", "status=none"],
                    check=True)
-    daemons = {"vsd": VSD, "qsd": "qemu-storage-daemon"}
+    daemons = {"vsd": VSD, "qsd": QSD}
     configs = [(backend, depth) for backend in ("null-co", "file-tmpfs") for depth in (32, 1)]
     rows = {}
     out = open(opts.out, "a") if opts.out else None

@@ -32,10 +32,16 @@ impl L2Table {
         let entries = words.len() / stride;
         let mut bad = vec![0u64; entries.div_ceil(64)].into_boxed_slice();
         if let Some(is_metadata) = is_metadata {
+            let cluster_size = 1u64 << layout.cluster_bits;
             for i in 0..entries {
                 let e = words[i * stride].load(Ordering::Relaxed);
-                let host = e & OFFSET_MASK;
-                if e & COMPRESSED == 0 && host != 0 && is_metadata(host) {
+                let (start, len) = if e & COMPRESSED != 0 {
+                    layout.decode(e, 0).ok().and_then(|d| d.compressed).unwrap_or((0, 0))
+                } else {
+                    (e & OFFSET_MASK, cluster_size)
+                };
+                let mut clusters = (start / cluster_size..(start + len).div_ceil(cluster_size)).filter(|_| start != 0);
+                if clusters.any(|c| is_metadata(c * cluster_size)) {
                     bad[i / 64] |= 1 << (i % 64);
                 }
             }

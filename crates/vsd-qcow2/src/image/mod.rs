@@ -3,16 +3,17 @@
 
 mod cache;
 mod open;
+mod overlap;
 mod rebuild;
 mod refcounts;
 mod write;
 
-use std::collections::BTreeSet;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cache::{L2Cache, L2Table};
+use overlap::MetadataMap;
 use refcounts::Refcounts;
 
 use crate::SyncIo;
@@ -112,15 +113,17 @@ pub struct Image {
     has_backing: bool,
     l1: Box<[AtomicU64]>,
     l2: L2Cache,
+    /// Clusters holding metadata: L2 entries pointing there are refused,
+    /// and data writes never land there.
+    metadata: Arc<MetadataMap>,
     meta: Mutex<Meta>,
 }
 
 /// Everything allocation changes, behind the metadata mutex.
 struct Meta {
     refcounts: Refcounts,
-    /// Cluster indices holding metadata; L2 entries pointing there are
-    /// refused rather than followed.
-    metadata: BTreeSet<u64>,
+    /// Clusters holding metadata (shared with [`Image`]).
+    metadata: Arc<MetadataMap>,
     /// The start of the header as on disk, rewritten when fields change.
     header_chunk: AlignedBuf,
 }
@@ -244,6 +247,12 @@ impl Image {
         }
     }
 
+    /// Whether a data write to `[host, host + len)` of the image file would
+    /// land on metadata (a corrupt entry): such writes must fail.
+    pub fn write_hits_metadata(&self, host: u64, len: u64) -> bool {
+        !self.layout.data_file && self.metadata.overlaps(host, len, self.header.cluster_bits)
+    }
+
     /// Makes every completed write durable: data first, then metadata.
     pub fn flush(&self, io: &mut ImageIo) -> io::Result<()> {
         if let Some(data) = io.data.as_deref_mut() {
@@ -255,14 +264,14 @@ impl Image {
     /// The L2 table at `l2_offset`, loaded into the cache if needed. Loads
     /// happen under the metadata mutex so that a table being changed is
     /// never reloaded from stale disk contents.
-    fn load_l2(&self, meta: &mut Meta, io: &mut dyn SyncIo, l2_offset: u64) -> io::Result<Arc<L2Table>> {
+    fn load_l2(&self, _meta: &mut Meta, io: &mut dyn SyncIo, l2_offset: u64) -> io::Result<Arc<L2Table>> {
         if let Some(table) = self.l2.get(l2_offset) {
             return Ok(table);
         }
         let mut raw = AlignedBuf::zeroed(self.cluster_size() as usize);
         io.read_at(&mut raw, l2_offset)?;
         let cb = self.header.cluster_bits;
-        let is_metadata = |host: u64| meta.metadata.contains(&(host >> cb));
+        let is_metadata = |host: u64| self.metadata.contains(host >> cb);
         let check: Option<&dyn Fn(u64) -> bool> = if self.layout.data_file { None } else { Some(&is_metadata) };
         let table = Arc::new(L2Table::parse(l2_offset, &raw, &self.layout, check));
         self.l2.insert(table.clone());

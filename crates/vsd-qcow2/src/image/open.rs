@@ -2,10 +2,11 @@
 //! checked before the first guest request.
 
 use std::collections::BTreeSet;
-use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
 
 use super::cache::L2Cache;
+use super::overlap::MetadataMap;
 use super::rebuild::rebuild;
 use super::refcounts::Refcounts;
 use super::{Image, Meta, Options};
@@ -36,7 +37,7 @@ impl Image {
         // Header, L1 tables and snapshot table: everything but refcounts
         // and L2 tables.
         let mut structures = vec![(0, cs), (header.l1_offset, u64::from(header.l1_size) * 8)];
-        let snapshot_l1s = read_snapshots(io, &header, &mut structures)?;
+        let snapshot_l1s = read_snapshots(io, &header, file_len, &mut structures)?;
 
         let mut header_chunk = AlignedBuf::zeroed(cs.min(4096) as usize);
         let chunk_len = header_chunk.len();
@@ -78,6 +79,7 @@ impl Image {
             }
         }
 
+        let metadata = Arc::new(MetadataMap::new(metadata));
         let mut meta = Meta {
             refcounts: Refcounts::new(
                 rt_raw,
@@ -86,7 +88,7 @@ impl Image {
                 header.cluster_bits,
                 file_len,
             ),
-            metadata,
+            metadata: metadata.clone(),
             header_chunk,
         };
         if opts.writable {
@@ -101,6 +103,7 @@ impl Image {
             has_backing: opts.has_backing.unwrap_or(header.backing_file.is_some()),
             opts,
             header,
+            metadata,
             meta: Mutex::new(meta),
         })
     }
@@ -140,6 +143,7 @@ fn read_bytes(io: &mut dyn SyncIo, offset: u64, len: u64) -> Result<Vec<u8>, For
 fn read_snapshots(
     io: &mut dyn SyncIo,
     header: &Header,
+    file_len: u64,
     structures: &mut Vec<(u64, u64)>,
 ) -> Result<Vec<Vec<u64>>, FormatError> {
     if header.nb_snapshots > MAX_SNAPSHOTS {
@@ -156,8 +160,14 @@ fn read_snapshots(
         let id_len = u64::from(u16::from_be_bytes([fixed[12], fixed[13]]));
         let name_len = u64::from(u16::from_be_bytes([fixed[14], fixed[15]]));
         let extra_len = u64::from(be32(36));
-        if l1_offset % cs != 0 || u64::from(l1_size) * 8 > 32 << 20 || extra_len > 1024 {
-            return Err(FormatError::Corrupt(format!("snapshot {i} has an invalid L1 table or extra data")));
+        let l1_len = u64::from(l1_size) * 8;
+        if !l1_offset.is_multiple_of(cs) || l1_len > 32 << 20 || l1_offset.saturating_add(l1_len) > file_len {
+            return Err(FormatError::Corrupt(format!(
+                "snapshot {i}: L1 table at {l1_offset:#x} ({l1_size} entries) is unaligned, too large or past the end of the file"
+            )));
+        }
+        if extra_len > 1024 || at.saturating_add(40 + extra_len + id_len + name_len) > file_len {
+            return Err(FormatError::Corrupt(format!("snapshot {i}: the snapshot table entry is invalid")));
         }
         at = (at + 40 + extra_len + id_len + name_len).next_multiple_of(8);
         structures.push((l1_offset, u64::from(l1_size) * 8));

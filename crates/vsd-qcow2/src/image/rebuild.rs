@@ -34,7 +34,7 @@ pub(super) fn rebuild(
     let mut bump = |cluster: u64| -> Result<(), FormatError> {
         let i = cluster as usize;
         if i >= counts.len() {
-            counts.resize(i + 1, 0);
+            return Err(corrupt(format!("a table references cluster {cluster}, past the end of the file")));
         }
         counts[i] += 1;
         if counts[i] > width.max() {

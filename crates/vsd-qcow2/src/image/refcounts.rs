@@ -118,7 +118,9 @@ impl Meta {
         let rc = &mut self.refcounts;
         let (mut start, mut cluster) = (rc.hint.max(1), rc.hint.max(1));
         while cluster < start + n {
-            if rc.get(io, cluster)? != 0 {
+            // A metadata cluster with refcount 0 is corruption: never
+            // hand it out.
+            if rc.get(io, cluster)? != 0 || self.metadata.contains(cluster) {
                 start = cluster + 1;
             }
             cluster += 1;
@@ -210,7 +212,7 @@ impl Meta {
         rc.table = table;
         rc.table_offset = table_offset;
         rc.file_end = rc.file_end.max(area_end);
-        self.metadata.extend(area..area_end);
+        (area..area_end).for_each(|c| self.metadata.insert(c));
         for cluster in 0..old_clusters {
             self.decref(io, (old_offset >> self.refcounts.cluster_bits) + cluster, false)?;
         }
@@ -227,7 +229,7 @@ impl Meta {
         }
         self.refcounts.set(io, cluster, count - 1)?;
         if count == 1 {
-            self.metadata.remove(&cluster);
+            self.metadata.remove(cluster);
             if discard {
                 let cs = self.refcounts.cluster_size();
                 let _ = io.discard(cluster * cs, cs);

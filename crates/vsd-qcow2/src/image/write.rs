@@ -123,6 +123,10 @@ impl Image {
         let old = table.decode(&self.layout, index).map_err(eio)?;
         let touched = self.touched(within, n);
         match old.host {
+            Some(host) if old.copied && self.write_hits_metadata(host, self.cluster_size()) => {
+                log::error!("qcow2: guest cluster {cluster:#x} maps onto metadata at {host:#x}");
+                Err(io::Error::from_raw_os_error(libc::EIO))
+            }
             Some(host) if old.copied => {
                 self.write_subclusters(io, &old, cluster, within, n, fill)?;
                 let new = L2Entry { alloc: old.alloc | touched, zero: old.zero & !touched, ..old };
@@ -133,9 +137,11 @@ impl Image {
                 Ok(())
             }
             _ => {
-                let host = if self.layout.data_file { cluster } else { meta.alloc(io.meta, 1)? };
+                // Read what is there before allocating, so a damaged source
+                // fails the write without leaking a cluster.
                 let mut buf = AlignedBuf::zeroed(self.cluster_size() as usize);
                 self.read_cluster(io, &old, cluster, &mut buf, (within, n))?;
+                let host = if self.layout.data_file { cluster } else { meta.alloc(io.meta, 1)? };
                 fill(0, &mut buf[within as usize..(within + n) as usize]);
                 io.data().write_at(&buf, host)?;
                 let (alloc, zero) = match old.compressed {

@@ -127,10 +127,9 @@ impl Qcow2Node {
                 None => None,
                 Some(name) => {
                     let path = resolve(path.as_deref(), name).map_err(invalid)?;
-                    Some(
-                        open_backing(&path, header.backing_format.as_deref(), settings, chain)
-                            .map_err(|e| invalid(format!("cannot open backing file '{}': {e}", path.display())))?,
-                    )
+                    Some(open_backing(&path, header.backing_format.as_deref(), settings, chain).map_err(|e| {
+                        invalid(format!("cannot open backing file '{}': {}", path.display(), error_chain(&e)))
+                    })?)
                 }
             },
         };
@@ -143,10 +142,9 @@ impl Qcow2Node {
             (true, Some(node), _) => Some(node),
             (true, None, Some(name)) => {
                 let path = resolve(path.as_deref(), name).map_err(invalid)?;
-                Some(
-                    open_file(&path, settings.read_only)
-                        .map_err(|e| invalid(format!("cannot open external data file '{}': {e}", path.display())))?,
-                )
+                Some(open_file(&path, settings.read_only).map_err(|e| {
+                    invalid(format!("cannot open external data file '{}': {}", path.display(), error_chain(&e)))
+                })?)
             }
             (true, None, None) => {
                 return Err(invalid("the image needs an external data file and names none: give data-file=".into()));
@@ -154,6 +152,17 @@ impl Qcow2Node {
         };
         Ok(Self { name, image: Arc::new(image), file, data, backing })
     }
+}
+
+/// An error and its sources, as one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text = format!("{text}: {s}");
+        source = s.source();
+    }
+    text
 }
 
 /// A header's file name, relative to the directory of the image naming it.

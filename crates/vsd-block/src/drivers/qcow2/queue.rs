@@ -227,6 +227,10 @@ impl Qcow2Queue {
         while pos < len {
             match self.image.map(&mut self.file, offset + pos, len - pos) {
                 Ok(e) => match e.mapping {
+                    Mapping::Data { host, in_place: true } if self.image.write_hits_metadata(host, e.len) => {
+                        log::error!("qcow2: guest offset {:#x} maps onto metadata at {host:#x}", offset + pos);
+                        return self.fail(tag, libc::EIO);
+                    }
                     Mapping::Data { host, in_place: true } => self.extents.push((host, pos, e.len)),
                     Mapping::Invalid => return self.fail(tag, libc::EIO),
                     _ => break,

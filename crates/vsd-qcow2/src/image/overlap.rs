@@ -1,0 +1,49 @@
+//! Which clusters of the image file hold metadata, readable without the
+//! metadata mutex: data writes are checked against it (QEMU's overlap
+//! check), so a corrupt table entry can never send guest data over a
+//! table, and the allocator never hands such a cluster out.
+
+use std::sync::RwLock;
+
+/// A bitmap of metadata clusters, growing with the image.
+#[derive(Default)]
+pub(super) struct MetadataMap {
+    bits: RwLock<Vec<u64>>,
+}
+
+impl MetadataMap {
+    pub(super) fn new(clusters: impl IntoIterator<Item = u64>) -> Self {
+        let map = Self::default();
+        clusters.into_iter().for_each(|c| map.insert(c));
+        map
+    }
+
+    pub(super) fn insert(&self, cluster: u64) {
+        let mut bits = self.bits.write().unwrap_or_else(|e| e.into_inner());
+        let word = (cluster / 64) as usize;
+        if word >= bits.len() {
+            bits.resize(word + 1, 0);
+        }
+        bits[word] |= 1 << (cluster % 64);
+    }
+
+    pub(super) fn remove(&self, cluster: u64) {
+        let mut bits = self.bits.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(word) = bits.get_mut((cluster / 64) as usize) {
+            *word &= !(1 << (cluster % 64));
+        }
+    }
+
+    pub(super) fn contains(&self, cluster: u64) -> bool {
+        let bits = self.bits.read().unwrap_or_else(|e| e.into_inner());
+        bits.get((cluster / 64) as usize).is_some_and(|w| w & (1 << (cluster % 64)) != 0)
+    }
+
+    /// Whether any cluster of the byte range `[offset, offset + len)` holds
+    /// metadata.
+    pub(super) fn overlaps(&self, offset: u64, len: u64, cluster_bits: u32) -> bool {
+        let bits = self.bits.read().unwrap_or_else(|e| e.into_inner());
+        let last = (offset + len.max(1) - 1) >> cluster_bits;
+        ((offset >> cluster_bits)..=last).any(|c| bits.get((c / 64) as usize).is_some_and(|w| w & (1 << (c % 64)) != 0))
+    }
+}

@@ -1,0 +1,56 @@
+"""Shared by the benchmark scripts: serve a block graph with vsd or
+qemu-storage-daemon pinned to CPU 0, drive it with vsd-bench pinned to
+CPU 1, and report IOPS, latency and daemon CPU per I/O."""
+
+import json
+import os
+import subprocess
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VSD = os.path.join(ROOT, "target/release/vsd")
+BENCH = os.path.join(ROOT, "target/release/vsd-bench")
+QSD = "qemu-storage-daemon"
+TICK_US = 1e6 / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_ticks(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime
+
+
+def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk0"):
+    """Runs `program` with `blockdevs` (a list of --blockdev values) and an
+    export of `node`, then vsd-bench with `bench_args` for `seconds`."""
+    sock = os.path.join(workdir, "bench.sock")
+    pidfile = os.path.join(workdir, "bench.pid")
+    for path in (sock, pidfile):
+        if os.path.exists(path):
+            os.unlink(path)
+    args = ["taskset", "-c", "0", program]
+    for blockdev in blockdevs:
+        args += ["--blockdev", blockdev]
+    args += ["--export", f"type=vhost-user-blk,id=e0,node-name={node},addr.type=unix,addr.path={sock},writable=on",
+             "--pidfile", pidfile]
+    daemon = subprocess.Popen(args)
+    try:
+        deadline = time.time() + 10
+        while not os.path.exists(pidfile):
+            if daemon.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"{program} did not start")
+            time.sleep(0.01)
+        before = cpu_ticks(daemon.pid)
+        out = subprocess.run(
+            ["taskset", "-c", "1", BENCH, "--socket", sock, *bench_args,
+             "--seconds", str(seconds), "--ramp-seconds", "1", "--json"],
+            check=True, capture_output=True, text=True, timeout=seconds + 60).stdout
+        after = cpu_ticks(daemon.pid)
+    finally:
+        daemon.terminate()
+        daemon.wait()
+    res = json.loads(out)["results"]
+    # The ramp second is not in `ios`, but its CPU is: count it in.
+    ios_with_ramp = max(res["ios"], 1) * (seconds + 1) / seconds
+    return {"iops": res["iops"], "bw_mib_s": res["bw_mib_s"], "p50_us": res["lat_us"]["p50"],
+            "p99_us": res["lat_us"]["p99"], "cpu_us_per_io": (after - before) * TICK_US / ios_with_ramp}
