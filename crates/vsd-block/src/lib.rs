@@ -37,6 +37,11 @@ pub trait BlockNode: Send + Sync {
     fn filename(&self) -> Option<&str> {
         None
     }
+    /// Writes back whatever the node keeps in memory (a format's metadata),
+    /// when the daemon stops. Call it once no queue has requests in flight.
+    fn close(&self) -> io::Result<()> {
+        Ok(())
+    }
     /// Opens a channel for one thread with at most `depth` requests in
     /// flight. Call it from that thread: engines may bind to their creator.
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>>;

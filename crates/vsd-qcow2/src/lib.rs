@@ -18,9 +18,13 @@
 //! Reads and in-place writes of allocated clusters only take the L2 cache's
 //! read lock for a lookup, never a lock held across I/O. Everything that
 //! changes metadata runs under one mutex, synchronously, through
-//! [`SyncIo`]; metadata is written through (refcount block, then data,
-//! then L2 entry, then L1 entry), so a killed daemon leaves at worst leaked
-//! clusters, never a table pointing at an unreferenced cluster.
+//! [`SyncIo`]. Changed refcounts and table entries stay in memory until a
+//! flush (a guest FLUSH, a writethrough write, or the daemon stopping),
+//! which writes them in dependency order with a file flush between steps:
+//! data and refcount increments, L2 tables, L1 entries, then refcount
+//! decrements. A crash or power loss at any point leaves at worst leaked
+//! clusters, never a table pointing at an unreferenced cluster; what was
+//! flushed survives.
 //!
 //! Clusters freed by discard are not reused until the image is reopened: a
 //! write in flight on another queue may still target them.

@@ -86,6 +86,12 @@ fn run(cli: Cli) -> Result<()> {
     }
     let signal = vsd_sys::wait_for_termination().context("waiting for signals")?;
     log::info!("signal {signal}: shutting down");
+    // Cached metadata (qcow2) reaches the image before the process ends.
+    for node in graph.nodes() {
+        if let Err(e) = node.close() {
+            log::error!("node '{}': writing back cached state failed: {e}", node.name());
+        }
+    }
     Ok(())
 }
 

@@ -172,3 +172,27 @@ fn kill_9_never_corrupts_and_keeps_flushed_writes() {
     // the test proves nothing.
     assert!(total_checked >= ITERATIONS, "only {total_checked} flushed writes were checked");
 }
+
+/// Without any guest flush, a clean stop (SIGTERM) still writes the cached
+/// metadata back: QEMU's tools find the image clean and the data there.
+#[test]
+fn sigterm_writes_back_metadata_the_guest_never_flushed() {
+    let dir = Scratch::new("qcow2-sigterm");
+    let image = dir.path("t.qcow2");
+    let out = run("qemu-img", &["create", "-f", "qcow2", image.to_str().unwrap(), "16M"]);
+    assert!(out.status.success(), "{out:?}");
+    let daemon = serve(&dir, &image, true);
+    let mut client = daemon.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    queue.write_at(MIB, &pattern(3, 256 * 1024)).unwrap();
+    drop(queue);
+    drop(client);
+    assert_eq!(daemon.stop().code(), Some(0));
+    let report = qemu_img_check(&image);
+    assert_eq!(json_count(&report, "corruptions") + json_count(&report, "leaks"), 0, "{report}");
+    let copy = dir.path("t.raw");
+    let out = run("qemu-img", &["convert", "-O", "raw", image.to_str().unwrap(), copy.to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+    let raw = std::fs::read(&copy).unwrap();
+    assert!(raw[MIB as usize..MIB as usize + 256 * 1024] == pattern(3, 256 * 1024)[..], "data lost at stop");
+}

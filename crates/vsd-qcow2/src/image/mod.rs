@@ -8,8 +8,9 @@ mod rebuild;
 mod refcounts;
 mod write;
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cache::{L2Cache, L2Table};
@@ -117,11 +118,20 @@ pub struct Image {
     /// and data writes never land there.
     metadata: Arc<MetadataMap>,
     meta: Mutex<Meta>,
+    /// Some metadata change is not on disk yet: a flush must write it.
+    dirty: AtomicBool,
 }
 
 /// Everything allocation changes, behind the metadata mutex.
 struct Meta {
     refcounts: Refcounts,
+    /// L2 table chunks changed in memory only: table offset -> (table,
+    /// chunk offsets). Dirty tables are found here even once evicted.
+    dirty_l2: BTreeMap<u64, (Arc<L2Table>, BTreeSet<usize>)>,
+    /// L1 table chunks changed in memory only.
+    dirty_l1: BTreeSet<usize>,
+    /// References to drop after the next table writes: (cluster, discard).
+    decrements: Vec<(u64, bool)>,
     /// Clusters holding metadata (shared with [`Image`]).
     metadata: Arc<MetadataMap>,
     /// The start of the header as on disk, rewritten when fields change.
@@ -253,20 +263,63 @@ impl Image {
         !self.layout.data_file && self.metadata.overlaps(host, len, self.header.cluster_bits)
     }
 
-    /// Makes every completed write durable: data first, then metadata.
+    /// Whether metadata changed since the last flush: then a flush must go
+    /// through [`Image::flush`] rather than straight to the files.
+    pub fn metadata_dirty(&self) -> bool {
+        self.dirty.load(Ordering::Acquire)
+    }
+
+    fn note_dirty(&self, meta: &Meta) {
+        let dirty = meta.refcounts.is_dirty() || !meta.dirty_l2.is_empty() || !meta.dirty_l1.is_empty();
+        self.dirty.store(dirty || !meta.decrements.is_empty(), Ordering::Release);
+    }
+
+    /// Makes every completed write durable, metadata included, in an order
+    /// that leaves a consistent image wherever a crash or power loss cuts
+    /// it: data and refcount increments, then L2 tables, then L1 entries
+    /// (each step durable before the next starts), then refcount
+    /// decrements (a lost decrement is a leak, never a corruption).
     pub fn flush(&self, io: &mut ImageIo) -> io::Result<()> {
         if let Some(data) = io.data.as_deref_mut() {
             data.flush()?;
         }
-        io.meta.flush()
+        let mut meta = self.lock();
+        if !self.metadata_dirty() {
+            drop(meta);
+            return io.meta.flush();
+        }
+        meta.refcounts.write_dirty(io.meta)?;
+        io.meta.flush()?;
+        for (table, chunks) in meta.dirty_l2.values() {
+            for &start in chunks {
+                let len = self.chunk_of(start..start + 8).len();
+                io.meta.write_at(&table.bytes(start..start + len), table.offset + start as u64)?;
+            }
+        }
+        meta.dirty_l2.clear();
+        if !meta.dirty_l1.is_empty() {
+            io.meta.flush()?;
+            for &start in &meta.dirty_l1 {
+                io.meta.write_at(&self.l1_chunk(start), self.header.l1_offset + start as u64)?;
+            }
+            meta.dirty_l1.clear();
+        }
+        io.meta.flush()?;
+        meta.apply_decrements(io.meta)?;
+        self.note_dirty(&meta);
+        Ok(())
     }
 
     /// The L2 table at `l2_offset`, loaded into the cache if needed. Loads
     /// happen under the metadata mutex so that a table being changed is
     /// never reloaded from stale disk contents.
-    fn load_l2(&self, _meta: &mut Meta, io: &mut dyn SyncIo, l2_offset: u64) -> io::Result<Arc<L2Table>> {
+    fn load_l2(&self, meta: &mut Meta, io: &mut dyn SyncIo, l2_offset: u64) -> io::Result<Arc<L2Table>> {
         if let Some(table) = self.l2.get(l2_offset) {
             return Ok(table);
+        }
+        if let Some((table, _)) = meta.dirty_l2.get(&l2_offset) {
+            self.l2.insert(table.clone());
+            return Ok(table.clone());
         }
         let mut raw = AlignedBuf::zeroed(self.cluster_size() as usize);
         io.read_at(&mut raw, l2_offset)?;

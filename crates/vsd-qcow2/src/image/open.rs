@@ -90,6 +90,9 @@ impl Image {
             ),
             metadata: metadata.clone(),
             header_chunk,
+            dirty_l2: Default::default(),
+            dirty_l1: Default::default(),
+            decrements: Vec::new(),
         };
         if opts.writable {
             prepare_for_writing(io, &header, &mut meta)?;
@@ -105,6 +108,7 @@ impl Image {
             header,
             metadata,
             meta: Mutex::new(meta),
+            dirty: Default::default(),
         })
     }
 }

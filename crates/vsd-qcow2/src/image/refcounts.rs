@@ -1,12 +1,15 @@
 //! Refcounts and cluster allocation.
 //!
-//! Every change is written through at once, in an order that keeps the
-//! image consistent if the process dies between two writes: a new refcount
-//! block is written before the table entry naming it, a new refcount table
-//! before the header names it, and a cluster's refcount before any table
-//! points at the cluster.
+//! Refcount changes stay in memory until [`Image::flush`] writes them
+//! (increments before the tables that use the clusters, decrements after
+//! the tables that stopped using them). Structural changes are written at
+//! once, each made durable before anything points at it: a new refcount
+//! block before the table entry naming it, a new refcount table before the
+//! header names it.
+//!
+//! [`Image::flush`]: super::Image::flush
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::io;
 
 use super::Meta;
@@ -28,12 +31,23 @@ pub(super) struct Refcounts {
     hint: u64,
     /// Clusters up to here may hold something (the file's initial length).
     file_end: u64,
+    /// Chunks of blocks changed in memory only: (block index, byte offset).
+    dirty: BTreeSet<(u64, usize)>,
 }
 
 impl Refcounts {
     pub(super) fn new(table: Vec<u64>, table_offset: u64, width: Width, cluster_bits: u32, file_len: u64) -> Self {
         let file_end = file_len.div_ceil(1 << cluster_bits);
-        Self { table, table_offset, blocks: HashMap::new(), width, cluster_bits, hint: 0, file_end }
+        Self {
+            table,
+            table_offset,
+            blocks: HashMap::new(),
+            width,
+            cluster_bits,
+            hint: 0,
+            file_end,
+            dirty: BTreeSet::new(),
+        }
     }
 
     fn cluster_size(&self) -> u64 {
@@ -70,16 +84,29 @@ impl Refcounts {
         Ok(self.block(io, index)?.map_or(0, |block| width.get(block, slot)))
     }
 
-    /// Sets the refcount of `cluster`, whose block must exist, and writes
-    /// the chunk of the block that holds it.
+    /// Sets the refcount of `cluster`, whose block must exist, in memory.
     fn set(&mut self, io: &mut dyn SyncIo, cluster: u64, value: u64) -> io::Result<()> {
         let (index, slot) = (cluster / self.per_block(), cluster % self.per_block());
         let (width, chunk) = (self.width, self.chunk());
-        let offset = self.table[index as usize];
         let block = self.block(io, index)?.expect("callers cover the cluster with a block first");
         width.set(block, slot, value);
-        let start = width.byte_range(slot).start / chunk * chunk;
-        io.write_at(&block[start..start + chunk], offset + start as u64)
+        self.dirty.insert((index, width.byte_range(slot).start / chunk * chunk));
+        Ok(())
+    }
+
+    /// Writes every chunk changed in memory.
+    pub(super) fn write_dirty(&mut self, io: &mut dyn SyncIo) -> io::Result<()> {
+        let chunk = self.chunk();
+        for &(index, start) in &self.dirty {
+            let block = &self.blocks[&index];
+            io.write_at(&block[start..start + chunk], self.table[index as usize] + start as u64)?;
+        }
+        self.dirty.clear();
+        Ok(())
+    }
+
+    pub(super) fn is_dirty(&self) -> bool {
+        !self.dirty.is_empty()
     }
 
     /// Writes table entry `index` (already set in memory).
@@ -154,6 +181,7 @@ impl Meta {
         let mut block = AlignedBuf::zeroed(rc.cluster_size() as usize);
         rc.width.set(&mut block, 0, 1);
         io.write_at(&block, offset)?;
+        io.flush()?;
         rc.blocks.insert(index, block);
         rc.table[index as usize] = offset;
         rc.write_table_entry(io, index)?;
@@ -200,6 +228,7 @@ impl Meta {
             out.copy_from_slice(&entry.to_be_bytes());
         }
         io.write_at(&raw, table_offset)?;
+        io.flush()?;
 
         // Switch the header over in one write, then free the old table.
         let old_offset = rc.table_offset;
@@ -214,14 +243,27 @@ impl Meta {
         rc.file_end = rc.file_end.max(area_end);
         (area..area_end).for_each(|c| self.metadata.insert(c));
         for cluster in 0..old_clusters {
-            self.decref(io, (old_offset >> self.refcounts.cluster_bits) + cluster, false)?;
+            self.decref((old_offset >> self.refcounts.cluster_bits) + cluster, false);
         }
         Ok(())
     }
 
-    /// Drops one reference to `cluster`; once free, it is discarded in the
-    /// file if `discard` says so.
-    pub(super) fn decref(&mut self, io: &mut dyn SyncIo, cluster: u64, discard: bool) -> io::Result<()> {
+    /// Drops one reference to `cluster` once the tables that stopped
+    /// naming it are durable (at the next flush); once free, the cluster is
+    /// discarded in the file if `discard` says so.
+    pub(super) fn decref(&mut self, cluster: u64, discard: bool) {
+        self.decrements.push((cluster, discard));
+    }
+
+    /// Applies the decrements queued by [`Meta::decref`].
+    pub(super) fn apply_decrements(&mut self, io: &mut dyn SyncIo) -> io::Result<()> {
+        for (cluster, discard) in std::mem::take(&mut self.decrements) {
+            self.decrement(io, cluster, discard)?;
+        }
+        self.refcounts.write_dirty(io)
+    }
+
+    fn decrement(&mut self, io: &mut dyn SyncIo, cluster: u64, discard: bool) -> io::Result<()> {
         let count = self.refcounts.get(io, cluster)?;
         if count == 0 {
             log::error!("qcow2: refcount of cluster {cluster} would drop below zero");

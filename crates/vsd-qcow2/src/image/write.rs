@@ -2,6 +2,7 @@
 //! from the backing file, compressed clusters and snapshot-shared
 //! clusters), write-zeroes and discard. All run under the metadata mutex.
 
+use std::collections::BTreeSet;
 use std::io;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -31,10 +32,12 @@ impl Image {
     pub fn write(&self, io: &mut ImageIo, offset: u64, len: u64, fill: Fill) -> io::Result<()> {
         self.check_writable()?;
         let mut meta = self.lock();
-        self.for_each_cluster(offset, len, |image, cluster, within, n| {
+        let result = self.for_each_cluster(offset, len, |image, cluster, within, n| {
             let base = cluster + within - offset;
             image.write_in_cluster(&mut meta, io, cluster, within, n, &mut |at, buf| fill(base + at, buf))
-        })
+        });
+        self.note_dirty(&meta);
+        result
     }
 
     /// Makes a range read as zeroes, with metadata where it can and by
@@ -56,9 +59,11 @@ impl Image {
         }
         if tail_start > head_end {
             let mut meta = self.lock();
-            self.for_each_cluster(head_end, tail_start - head_end, |image, cluster, within, n| {
+            let result = self.for_each_cluster(head_end, tail_start - head_end, |image, cluster, within, n| {
                 image.zero_in_cluster(&mut meta, io, cluster, within, n, may_unmap)
-            })?;
+            });
+            self.note_dirty(&meta);
+            result?;
         }
         if end > tail_start { self.write(io, tail_start, end - tail_start, zeroes) } else { Ok(()) }
     }
@@ -76,7 +81,10 @@ impl Image {
             return Ok(());
         }
         let mut meta = self.lock();
-        self.for_each_cluster(start, end - start, |image, cluster, _, _| image.discard_cluster(&mut meta, io, cluster))
+        let result = self
+            .for_each_cluster(start, end - start, |image, cluster, _, _| image.discard_cluster(&mut meta, io, cluster));
+        self.note_dirty(&meta);
+        result
     }
 
     /// Calls `f(self, cluster, offset within it, length)` for each cluster
@@ -131,7 +139,7 @@ impl Image {
                 self.write_subclusters(io, &old, cluster, within, n, fill)?;
                 let new = L2Entry { alloc: old.alloc | touched, zero: old.zero & !touched, ..old };
                 if new != old {
-                    self.set_l2(io, &table, index, &new)?;
+                    self.set_l2(meta, &table, index, &new);
                 }
                 debug_assert_eq!(new.host, Some(host));
                 Ok(())
@@ -149,8 +157,9 @@ impl Image {
                     None => (old.alloc | touched, old.zero & !touched),
                 };
                 let new = L2Entry { host: Some(host), copied: true, compressed: None, alloc, zero };
-                self.set_l2(io, &table, index, &new)?;
-                self.release(meta, io, &old)
+                self.set_l2(meta, &table, index, &new);
+                self.release(meta, &old);
+                Ok(())
             }
         }
     }
@@ -220,19 +229,18 @@ impl Image {
 
     /// Drops the references an entry held, after the table stopped naming
     /// them.
-    fn release(&self, meta: &mut Meta, io: &mut ImageIo, old: &L2Entry) -> io::Result<()> {
+    fn release(&self, meta: &mut Meta, old: &L2Entry) {
         let cb = self.header.cluster_bits;
         let discard = self.opts.pass_discard;
         if let Some((host, len)) = old.compressed {
             for cluster in (host >> cb)..=((host + len - 1) >> cb) {
-                meta.decref(io.meta, cluster, discard)?;
+                meta.decref(cluster, discard);
             }
         } else if let Some(host) = old.host
             && !self.layout.data_file
         {
-            meta.decref(io.meta, host >> cb, discard)?;
+            meta.decref(host >> cb, discard);
         }
-        Ok(())
     }
 
     fn zero_in_cluster(
@@ -261,9 +269,12 @@ impl Image {
             L2Entry { alloc: old.alloc & !touched, zero: old.zero | touched, ..old }
         };
         if new != old {
-            self.set_l2(io, &table, index, &new)?;
+            self.set_l2(meta, &table, index, &new);
         }
-        if new.host != old.host || new.compressed != old.compressed { self.release(meta, io, &old) } else { Ok(()) }
+        if new.host != old.host || new.compressed != old.compressed {
+            self.release(meta, &old);
+        }
+        Ok(())
     }
 
     fn discard_cluster(&self, meta: &mut Meta, io: &mut ImageIo, cluster: u64) -> io::Result<()> {
@@ -278,7 +289,7 @@ impl Image {
             L2Entry::UNALLOCATED
         };
         if new != old {
-            self.set_l2(io, &table, index, &new)?;
+            self.set_l2(meta, &table, index, &new);
         }
         match old.host {
             Some(host) if keep => {
@@ -287,7 +298,10 @@ impl Image {
                 }
                 Ok(())
             }
-            _ => self.release(meta, io, &old),
+            _ => {
+                self.release(meta, &old);
+                Ok(())
+            }
         }
     }
 
@@ -312,34 +326,40 @@ impl Image {
         meta.metadata.insert(table.offset / cs);
         io.meta.write_at(&table.bytes(0..table.len()), table.offset)?;
         self.l2.insert(table.clone());
-        self.set_l1(io, l1_index, table.offset | COPIED)?;
+        self.set_l1(meta, l1_index, table.offset | COPIED);
         if let Ok(Some((old_offset, _))) = entry::l1(l1_entry, cs) {
             self.l2.remove(old_offset);
-            meta.decref(io.meta, old_offset / cs, false)?;
+            meta.decref(old_offset / cs, false);
         }
         Ok((table, index))
     }
 
     /// The page (or cluster, if smaller) that holds a metadata byte range.
-    fn chunk_of(&self, range: std::ops::Range<usize>) -> std::ops::Range<usize> {
+    pub(super) fn chunk_of(&self, range: std::ops::Range<usize>) -> std::ops::Range<usize> {
         let chunk = self.cluster_size().min(4096) as usize;
         let start = range.start / chunk * chunk;
         start..start + chunk
     }
 
-    fn set_l2(&self, io: &mut ImageIo, table: &L2Table, index: usize, e: &L2Entry) -> io::Result<()> {
+    /// Changes an L2 entry in memory; the next flush writes it.
+    fn set_l2(&self, meta: &mut Meta, table: &Arc<L2Table>, index: usize, e: &L2Entry) {
         let chunk = self.chunk_of(table.set(&self.layout, index, e));
-        io.meta.write_at(&table.bytes(chunk.clone()), table.offset + chunk.start as u64)
+        meta.dirty_l2.entry(table.offset).or_insert_with(|| (table.clone(), BTreeSet::new())).1.insert(chunk.start);
     }
 
-    fn set_l1(&self, io: &mut ImageIo, index: usize, value: u64) -> io::Result<()> {
+    /// Changes an L1 entry in memory; the next flush writes it.
+    fn set_l1(&self, meta: &mut Meta, index: usize, value: u64) {
         self.l1[index].store(value, Ordering::Release);
-        let chunk = self.chunk_of(index * 8..index * 8 + 8);
-        let mut buf = AlignedBuf::zeroed(chunk.len());
-        for (out, i) in buf.chunks_exact_mut(8).zip(chunk.start / 8..) {
+        meta.dirty_l1.insert(self.chunk_of(index * 8..index * 8 + 8).start);
+    }
+
+    /// The on-disk bytes of the L1 table chunk starting at `start`.
+    pub(super) fn l1_chunk(&self, start: usize) -> AlignedBuf {
+        let mut buf = AlignedBuf::zeroed(self.chunk_of(start..start + 8).len());
+        for (out, i) in buf.chunks_exact_mut(8).zip(start / 8..) {
             let word = self.l1.get(i).map_or(0, |w| w.load(Ordering::Relaxed));
             out.copy_from_slice(&word.to_be_bytes());
         }
-        io.meta.write_at(&buf, self.header.l1_offset + chunk.start as u64)
+        buf
     }
 }

@@ -250,6 +250,17 @@ impl BlockNode for Qcow2Node {
         !self.image.writable()
     }
 
+    fn close(&self) -> io::Result<()> {
+        if !self.image.writable() {
+            return Ok(());
+        }
+        let mut file = ChildQueue::open(&*self.file, 1, u64::MAX)?;
+        let mut data = self.data.as_ref().map(|d| ChildQueue::open(&**d, 1, u64::MAX)).transpose()?;
+        let mut io =
+            vsd_qcow2::ImageIo { meta: &mut file, data: data.as_mut().map(|d| d as &mut dyn SyncIo), backing: None };
+        self.image.flush(&mut io)
+    }
+
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
         // Requests split at cluster boundaries need more child tags than
         // the guest has requests; beyond these, children wait in line.

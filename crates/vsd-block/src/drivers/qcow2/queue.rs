@@ -285,6 +285,11 @@ impl IoQueue for Qcow2Queue {
             match op {
                 IoOp::Read { offset, len, iov } => self.read(tag, offset, len, iov),
                 IoOp::Write { offset, len, iov, durable } => self.write(tag, offset, len, iov, durable),
+                IoOp::Flush if self.image.metadata_dirty() => {
+                    if let Err(e) = self.with_io(|image, io| image.flush(io)) {
+                        self.fail_with(tag, &e);
+                    }
+                }
                 IoOp::Flush => {
                     let none = IoVecs::default();
                     self.issue(tag, Target::File, IoOp::Flush, none, None);
