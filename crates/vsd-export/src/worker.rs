@@ -234,8 +234,19 @@ impl QueueWorker {
             if let Err(e) = self.run.queue.disable_notification(&**mem) {
                 return self.mark_broken(e);
             }
+            // The memory map is read after the available index: a front-end
+            // adds a region (and waits for our ack) before it publishes
+            // requests using it, so this map covers every entry up to
+            // `avail`. Entries past it wait for the next round.
+            let avail = match self.run.queue.avail_idx(&**mem, Ordering::Acquire) {
+                Ok(avail) => avail,
+                Err(e) => return self.mark_broken(e),
+            };
+            let mem = &self.mem.memory().into_inner();
+            let mut announced = (avail - std::num::Wrapping(self.run.queue.next_avail())).0;
             let mut taken = 0;
-            while !self.free.is_empty() {
+            while !self.free.is_empty() && announced > 0 {
+                announced -= 1;
                 match pop(&mut self.run.queue, mem) {
                     Ok(Some(chain)) => self.start_request(chain, mem),
                     Ok(None) => break,

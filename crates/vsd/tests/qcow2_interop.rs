@@ -61,7 +61,7 @@ fn qemu_io(dir: &Scratch, format: &str, image: &str, commands: &[String]) {
     args.push(image);
     let (status, text) = tool(dir, "qemu-io", &args);
     assert!(
-        status.success() && !text.contains("failed") && !text.contains("rror"),
+        status.success() && !text.contains("failed") && !text.to_lowercase().contains("error"),
         "qemu-io on {image} ({status}): {text}\ncommands: {commands:#?}"
     );
 }
@@ -183,9 +183,9 @@ fn io_script(dir: &Scratch, size: u64, seed: u64, n: usize) -> Vec<String> {
         .collect()
 }
 
-/// Describes where `got` (read through vsd) and `want` differ, if they do;
-/// `base` is the disk offset of their first byte.
-fn describe_diff(got: &[u8], want: &[u8], base: u64) -> Option<String> {
+/// Describes where `got` (from `names.0`) and `want` (from `names.1`)
+/// differ, if they do; `base` is the disk offset of their first byte.
+fn describe_diff(got: &[u8], want: &[u8], base: u64, names: (&str, &str)) -> Option<String> {
     if got == want {
         return None;
     }
@@ -195,11 +195,13 @@ fn describe_diff(got: &[u8], want: &[u8], base: u64) -> Option<String> {
     let count = got.iter().zip(want).filter(|&p| !same(p)).count();
     let show = |b: &[u8]| format!("{:02x?}", &b[first..(first + 16).min(b.len())]);
     Some(format!(
-        "{count} bytes differ between {:#x} and {:#x}; at {:#x} vsd read {} but expected {}",
+        "{count} bytes differ between {:#x} and {:#x}; at {:#x} {} has {} where {} has {}",
         base + first as u64,
         base + last as u64,
         base + first as u64,
+        names.0,
         show(got),
+        names.1,
         show(want)
     ))
 }
@@ -241,8 +243,8 @@ fn assert_disk_equals(queue: &mut Queue, expected: &Path, what: &str) {
             .read_at(offset, &mut got[..n])
             .unwrap_or_else(|e| panic!("{what}: read of {n} bytes at {offset:#x}: {e}"));
         file.read_exact_at(&mut want[..n], offset).unwrap();
-        if let Some(diff) = describe_diff(&got[..n], &want[..n], offset) {
-            panic!("{what}: vsd and {} differ: {diff}", expected.display());
+        if let Some(diff) = describe_diff(&got[..n], &want[..n], offset, ("vsd", &expected.display().to_string())) {
+            panic!("{what}: {diff}");
         }
         offset += n as u64;
     }
@@ -321,7 +323,7 @@ fn extended_l2(dir: &Scratch, cluster: u64, size: u64) {
         let odd = (2 * k + 1) * 4 * KIB + 512 * (k % 3);
         commands.push(format!("write -q -P 0x{:02x} {} 4096", 0x40 + k, base + odd % (cluster - 4 * KIB)));
         commands.push(format!("write -q -z {} {sub}", base + (k * 5 % 32) * sub));
-        // A zero subcluster in a cluster nothing else touched yet.
+        // One zero subcluster elsewhere, often in an otherwise unallocated cluster.
         commands.push(format!("write -q -z {} {sub}", (k * 7 + 3) % clusters * cluster + (k % 32) * sub));
     }
     commands.extend(io_script(dir, size, cluster + 1, 30));
@@ -585,7 +587,7 @@ fn drive(queue: &mut Queue, reference: &File, base: u64, len: u64, w: Workload, 
                 let op = format!("read {off:#x}+{n:#x}");
                 queue.read_at(off, &mut got).unwrap_or_else(|e| fail(&log, op.clone(), off, e.to_string()));
                 reference.read_exact_at(&mut want, off).unwrap();
-                if let Some(diff) = describe_diff(&got, &want, off) {
+                if let Some(diff) = describe_diff(&got, &want, off, ("vsd", "the reference")) {
                     let at = off + got.iter().zip(&want).position(|(a, b)| a != b).unwrap() as u64;
                     fail(&log, op, at, diff);
                 }
@@ -693,14 +695,14 @@ fn vsd_writes_qemu_checks(
         let after = format!("{s}-after.raw");
         qemu_img(&dir, &["convert", "-l", &format!("snapshot.name={s}"), "-O", "raw", IMG, &after]);
         let (before, after) = (std::fs::read(dir.path(&before)).unwrap(), std::fs::read(dir.path(&after)).unwrap());
-        if let Some(diff) = describe_diff(&after, &before, 0) {
+        if let Some(diff) = describe_diff(&after, &before, 0, ("the snapshot now", "the snapshot before")) {
             panic!("{what}: snapshot {s} changed while vsd wrote the active layer: {diff}");
         }
     }
     if let Some(data) = extra.raw_data_file {
         let (got, want) = (std::fs::read(dir.path(data)).unwrap(), std::fs::read(dir.path(REFERENCE)).unwrap());
         assert_eq!(got.len(), want.len(), "{what}: size of the raw data file {data}");
-        if let Some(diff) = describe_diff(&got, &want, 0) {
+        if let Some(diff) = describe_diff(&got, &want, 0, (data, "the reference")) {
             panic!("{what}: the raw external data file {data} (data_file_raw=on) is not the disk's contents: {diff}");
         }
     }
@@ -741,9 +743,24 @@ fn vsd_writes_extended_l2() {
 }
 
 #[test]
+fn vsd_writes_extended_l2_2m_clusters() {
+    vsd_writes_qemu_checks("extl2-2M", 2 * MIB, true, false, Extra::default(), |dir| {
+        extended_l2(dir, 2 * MIB, 32 * MIB)
+    });
+}
+
+#[test]
+fn vsd_writes_preallocated_metadata() {
+    vsd_writes_qemu_checks("prealloc-metadata", 64 * KIB, true, true, Extra::default(), |dir| {
+        filled(dir, "preallocation=metadata", 16 * MIB, 105)
+    });
+}
+
+#[test]
 fn vsd_writes_over_compressed_clusters() {
     for compression in ["zlib", "zstd"] {
-        vsd_writes_qemu_checks(&format!("compressed-{compression}"), 64 * KIB, true, false, Extra::default(), |dir| {
+        let direct = compression == "zstd";
+        vsd_writes_qemu_checks(&format!("compressed-{compression}"), 64 * KIB, true, direct, Extra::default(), |dir| {
             compressed(dir, compression)
         });
     }
@@ -752,6 +769,31 @@ fn vsd_writes_over_compressed_clusters() {
 #[test]
 fn vsd_writes_over_a_raw_backing_file() {
     vsd_writes_qemu_checks("backing", 64 * KIB, true, false, Extra::default(), over_raw_backing);
+}
+
+/// The extended-L2 top of a four-deep chain: copy-on-write reads from
+/// every layer below.
+#[test]
+fn vsd_writes_over_a_backing_chain() {
+    vsd_writes_qemu_checks("chain", 64 * KIB, true, true, Extra::default(), chain);
+}
+
+/// Writes straddling the end of a backing file smaller than the disk.
+#[test]
+fn vsd_writes_over_a_smaller_backing_file() {
+    vsd_writes_qemu_checks("grown-backing", 64 * KIB, true, false, Extra::default(), grown_over_backing);
+}
+
+/// Version 2 over a backing file: no discards (they would reveal the
+/// backing file's data).
+#[test]
+fn vsd_writes_v2_over_a_raw_backing_file() {
+    vsd_writes_qemu_checks("v2-backing", 4 * KIB, false, true, Extra::default(), |dir| {
+        let size = 16 * MIB;
+        std::fs::write(dir.path("base.raw"), pattern(63, size as usize)).unwrap();
+        create(dir, IMG, "compat=0.10,cluster_size=4096", Some(("base.raw", "raw")), None);
+        qemu_io(dir, "qcow2", IMG, &io_script(dir, size, 64, 30));
+    });
 }
 
 #[test]
@@ -763,6 +805,32 @@ fn vsd_writes_with_an_external_data_file() {
 fn vsd_writes_with_a_raw_external_data_file() {
     let extra = Extra { raw_data_file: Some("d.raw"), ..Extra::default() };
     vsd_writes_qemu_checks("datafile-raw", 64 * KIB, true, false, extra, |dir| data_file(dir, true));
+}
+
+/// The smallest case of the above: with `data_file_raw=on` the data file
+/// must stay a raw image of the disk (qcow2 spec, autoclear bit 1), so
+/// `qemu-img compare` of the image against its own data file must find
+/// them identical after a discard, as it does after QEMU's discard.
+#[test]
+fn discard_keeps_a_raw_external_data_file_raw() {
+    let dir = Scratch::new("q2-rawdiscard");
+    let commands = ["write -q -P 0x5a 0 1M".to_string(), "discard -q 64k 128k".to_string()];
+    create(&dir, "qemu.qcow2", "data_file=qemu-d.raw,data_file_raw=on", None, Some(4 * MIB));
+    qemu_io(&dir, "qcow2", "qemu.qcow2", &commands);
+    let (status, text) = tool(&dir, "qemu-img", &["compare", "-f", "qcow2", "-F", "raw", "qemu.qcow2", "qemu-d.raw"]);
+    assert!(status.success(), "control: QEMU's own discard: qemu-img compare {status}: {text}");
+
+    create(&dir, IMG, "data_file=d.raw,data_file_raw=on", None, Some(4 * MIB));
+    let daemon = Daemon::vsd(&dir, &vsd_args(&dir, true, false, 1));
+    let mut client = daemon.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    queue.write_at(0, &[0x5a; MIB as usize]).unwrap();
+    queue.discard(64 * KIB, 128 * KIB).unwrap();
+    queue.flush().unwrap();
+    drop((queue, client));
+    assert!(daemon.stop().success());
+    assert_check_clean(&dir, "raw data file after a discard");
+    assert_compare_identical(&dir, "d.raw", "qcow2 view vs its raw data file d.raw after a discard through vsd");
 }
 
 #[test]

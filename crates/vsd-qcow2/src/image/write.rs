@@ -46,8 +46,7 @@ impl Image {
     pub fn write_zeroes(&self, io: &mut ImageIo, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
         self.check_writable()?;
         let zeroes: Fill = &mut |_, buf| buf.fill(0);
-        let raw_data_file = self.header.autoclear & crate::header::autoclear::DATA_FILE_RAW != 0;
-        if (self.header.version < 3 && !self.layout.extended) || raw_data_file {
+        if (self.header.version < 3 && !self.layout.extended) || self.raw_data_file() {
             return self.write(io, offset, len, zeroes);
         }
         let unit = 1u64 << self.layout.subcluster_bits();
@@ -80,6 +79,11 @@ impl Image {
         if end <= start {
             return Ok(());
         }
+        if self.raw_data_file() {
+            // The data file must stay a valid raw image: what now reads as
+            // zeroes is zeroes there too.
+            return self.write(io, start, end - start, &mut |_, buf| buf.fill(0));
+        }
         let mut meta = self.lock();
         let result = self
             .for_each_cluster(start, end - start, |image, cluster, _, _| image.discard_cluster(&mut meta, io, cluster));
@@ -104,6 +108,12 @@ impl Image {
             pos = end;
         }
         Ok(())
+    }
+
+    /// The external data file is a raw image in its own right, which every
+    /// change must keep true.
+    fn raw_data_file(&self) -> bool {
+        self.header.autoclear & crate::header::autoclear::DATA_FILE_RAW != 0
     }
 
     /// Subclusters `within..within + n` of a cluster, as a bitmask.
