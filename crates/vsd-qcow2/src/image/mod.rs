@@ -37,6 +37,10 @@ pub struct Options {
     /// Whether unallocated clusters read from a backing file rather than as
     /// zeroes; None: as the header says.
     pub has_backing: Option<bool>,
+    /// Lazy refcounts: the dirty bit covers refcounts, so a flush needs no
+    /// ordering between them and the tables; None: as the header's
+    /// compatible feature bit says.
+    pub lazy_refcounts: Option<bool>,
 }
 
 /// What a range of the guest disk reads as.
@@ -120,6 +124,8 @@ pub struct Image {
     meta: Mutex<Meta>,
     /// Some metadata change is not on disk yet: a flush must write it.
     dirty: AtomicBool,
+    /// Lazy refcounts are in use.
+    lazy: bool,
 }
 
 /// Everything allocation changes, behind the metadata mutex.
@@ -136,6 +142,8 @@ struct Meta {
     metadata: Arc<MetadataMap>,
     /// The start of the header as on disk, rewritten when fields change.
     header_chunk: AlignedBuf,
+    /// The dirty bit is set on disk (lazy refcounts, until a clean close).
+    dirty_bit: bool,
 }
 
 impl Image {
@@ -263,6 +271,23 @@ impl Image {
         !self.layout.data_file && self.metadata.overlaps(host, len, self.header.cluster_bits)
     }
 
+    /// Flushes, then clears the dirty bit of lazy refcounts: the image is
+    /// consistent on disk as QEMU expects after a clean close.
+    pub fn close(&self, io: &mut ImageIo) -> io::Result<()> {
+        self.flush(io)?;
+        let mut meta = self.lock();
+        if meta.dirty_bit {
+            meta.set_dirty_bit(io.meta, false)?;
+        }
+        Ok(())
+    }
+
+    /// Before the first metadata change with lazy refcounts: the dirty bit
+    /// must be durable before refcounts may fall behind.
+    fn prepare_change(&self, meta: &mut Meta, io: &mut ImageIo) -> io::Result<()> {
+        if self.lazy && !meta.dirty_bit { meta.set_dirty_bit(io.meta, true) } else { Ok(()) }
+    }
+
     /// Whether metadata changed since the last flush: then a flush must go
     /// through [`Image::flush`] rather than straight to the files.
     pub fn metadata_dirty(&self) -> bool {
@@ -289,7 +314,9 @@ impl Image {
             return io.meta.flush();
         }
         meta.refcounts.write_dirty(io.meta)?;
-        io.meta.flush()?;
+        // With lazy refcounts the dirty bit covers any order: no barriers.
+        let barrier = |io: &mut ImageIo| if self.lazy { Ok(()) } else { io.meta.flush() };
+        barrier(io)?;
         for (table, chunks) in meta.dirty_l2.values() {
             for &start in chunks {
                 let len = self.chunk_of(start..start + 8).len();
@@ -298,7 +325,7 @@ impl Image {
         }
         meta.dirty_l2.clear();
         if !meta.dirty_l1.is_empty() {
-            io.meta.flush()?;
+            barrier(io)?;
             for &start in &meta.dirty_l1 {
                 io.meta.write_at(&self.l1_chunk(start), self.header.l1_offset + start as u64)?;
             }
@@ -329,6 +356,19 @@ impl Image {
         let table = Arc::new(L2Table::parse(l2_offset, &raw, &self.layout, check));
         self.l2.insert(table.clone());
         Ok(table)
+    }
+}
+
+impl Meta {
+    fn set_dirty_bit(&mut self, io: &mut dyn SyncIo, on: bool) -> io::Result<()> {
+        let at = crate::header::field::INCOMPATIBLE as usize;
+        let mut bits = u64::from_be_bytes(self.header_chunk[at..at + 8].try_into().unwrap());
+        bits = if on { bits | crate::header::incompatible::DIRTY } else { bits & !crate::header::incompatible::DIRTY };
+        self.header_chunk[at..at + 8].copy_from_slice(&bits.to_be_bytes());
+        io.write_at(&self.header_chunk, 0)?;
+        io.flush()?;
+        self.dirty_bit = on;
+        Ok(())
     }
 }
 

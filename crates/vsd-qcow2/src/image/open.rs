@@ -12,7 +12,7 @@ use super::refcounts::Refcounts;
 use super::{Image, Meta, Options};
 use crate::buf::AlignedBuf;
 use crate::entry::{self, Layout};
-use crate::header::{Header, autoclear, field};
+use crate::header::{Header, autoclear, compatible, field};
 use crate::refcount::Width;
 use crate::{FormatError, SyncIo};
 
@@ -90,6 +90,7 @@ impl Image {
             ),
             metadata: metadata.clone(),
             header_chunk,
+            dirty_bit: false,
             dirty_l2: Default::default(),
             dirty_l1: Default::default(),
             decrements: Vec::new(),
@@ -98,6 +99,10 @@ impl Image {
             prepare_for_writing(io, &header, &mut meta)?;
         }
 
+        let lazy = opts.lazy_refcounts.unwrap_or(header.compatible & compatible::LAZY_REFCOUNTS != 0);
+        if lazy && header.version < 3 {
+            return Err(FormatError::Unsupported("lazy refcounts need a version 3 (compat=1.1) image".into()));
+        }
         let cache_bytes = opts.l2_cache_bytes.unwrap_or(DEFAULT_L2_CACHE_BYTES.min(header.l1_entries_needed() * cs));
         Ok(Image {
             l2: L2Cache::new((cache_bytes / cs) as usize),
@@ -109,6 +114,7 @@ impl Image {
             metadata,
             meta: Mutex::new(meta),
             dirty: Default::default(),
+            lazy,
         })
     }
 }

@@ -32,6 +32,7 @@ impl Image {
     pub fn write(&self, io: &mut ImageIo, offset: u64, len: u64, fill: Fill) -> io::Result<()> {
         self.check_writable()?;
         let mut meta = self.lock();
+        self.prepare_change(&mut meta, io)?;
         let result = self.for_each_cluster(offset, len, |image, cluster, within, n| {
             let base = cluster + within - offset;
             image.write_in_cluster(&mut meta, io, cluster, within, n, &mut |at, buf| fill(base + at, buf))
@@ -58,6 +59,7 @@ impl Image {
         }
         if tail_start > head_end {
             let mut meta = self.lock();
+            self.prepare_change(&mut meta, io)?;
             let result = self.for_each_cluster(head_end, tail_start - head_end, |image, cluster, within, n| {
                 image.zero_in_cluster(&mut meta, io, cluster, within, n, may_unmap)
             });
@@ -85,6 +87,7 @@ impl Image {
             return self.write(io, start, end - start, &mut |_, buf| buf.fill(0));
         }
         let mut meta = self.lock();
+        self.prepare_change(&mut meta, io)?;
         let result = self
             .for_each_cluster(start, end - start, |image, cluster, _, _| image.discard_cluster(&mut meta, io, cluster));
         self.note_dirty(&meta);

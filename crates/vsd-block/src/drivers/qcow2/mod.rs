@@ -46,6 +46,7 @@ struct Settings {
     l2_cache_bytes: Option<u64>,
     discard_no_unref: bool,
     pass_discard: bool,
+    lazy_refcounts: Option<bool>,
 }
 
 impl Qcow2Node {
@@ -65,14 +66,13 @@ impl Qcow2Node {
             l2_cache_bytes: opts.take_size("l2-cache-size")?,
             discard_no_unref: opts.take_bool("discard-no-unref")?.unwrap_or(false),
             pass_discard: opts.take_bool("pass-discard-request")?.unwrap_or(true),
+            lazy_refcounts: opts.take_bool("lazy-refcounts")?,
         };
-        // Accepted for QEMU compatibility, with nothing to tune: refcount
-        // blocks are written through and kept whole, cache entries are
-        // never dirty, and refcounts are never deferred (so the dirty bit
-        // is never needed).
+        // Accepted for QEMU compatibility, with nothing to tune: vsd keeps
+        // every refcount block it has read, and frees no cache entry on a
+        // timer.
         opts.take_size("refcount-cache-size")?;
         opts.take_u64("cache-clean-interval")?;
-        opts.take_bool("lazy-refcounts")?;
         Self::build(name, &context, file, backing, data_file, &settings, &mut Vec::new())
     }
 
@@ -112,6 +112,7 @@ impl Qcow2Node {
             discard_no_unref: settings.discard_no_unref,
             pass_discard: settings.pass_discard,
             has_backing,
+            lazy_refcounts: settings.lazy_refcounts,
         };
         let image = Image::open(&mut io, file.size(), options).map_err(|e| match e {
             FormatError::Io(e) => host("cannot read the image".into(), e),
@@ -258,7 +259,7 @@ impl BlockNode for Qcow2Node {
         let mut data = self.data.as_ref().map(|d| ChildQueue::open(&**d, 1, u64::MAX)).transpose()?;
         let mut io =
             vsd_qcow2::ImageIo { meta: &mut file, data: data.as_mut().map(|d| d as &mut dyn SyncIo), backing: None };
-        self.image.flush(&mut io)
+        self.image.close(&mut io)
     }
 
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
