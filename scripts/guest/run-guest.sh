@@ -44,6 +44,10 @@
 #   fio_verify_status                      exit status of a separate sequential
 #                                          read pass verifying every block
 #   fio_verify_secs, fio_verify_error, fio_verify_{read,write}_{bytes,iops}
+#   discard_status, discard_bytes,         with --append vsd.discard=on: the
+#   discard_reads_zero                     blkdiscard of the first half of
+#                                          fio's range, and 1 if it then
+#                                          reads back as zeroes
 #   vq_interrupts                          interrupts per request virtqueue,
 #                                          comma separated in queue order
 #                                          (non-zero = the queue carried I/O;

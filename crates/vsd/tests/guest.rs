@@ -90,8 +90,9 @@ fn guest_sees_writethrough_and_read_only() {
 
 /// The guest's fio verify on a qcow2 image over a raw backing file: every
 /// write allocates clusters and copies the backing data around it, on two
-/// queues at once; QEMU's tools then find the image clean and equal to
-/// what the guest sees.
+/// queues at once; then the guest discards half of it, which must read as
+/// zeroes (not as the backing file). QEMU's tools then find the image clean
+/// and equal to what the guest saw.
 #[test]
 fn linux_guest_runs_fio_verify_on_qcow2_over_a_backing_file() {
     let dir = Scratch::new("guest-qcow2");
@@ -116,10 +117,13 @@ fn linux_guest_runs_fio_verify_on_qcow2_over_a_backing_file() {
         ),
     ];
     let daemon = Daemon::vsd(&dir, &args);
-    let facts = boot(&dir, &socket, &["--queues", "2", "--size", "48M", "--bs", "4k"]);
+    let facts = boot(&dir, &socket, &["--queues", "2", "--size", "48M", "--bs", "4k", "--append", "vsd.discard=on"]);
     assert_eq!(facts["fio_write_status"], "0");
     assert_eq!(facts["fio_verify_status"], "0");
     assert_eq!(facts["fio_verify_read_bytes"], facts["fio_expected_bytes"]);
+    assert_eq!(facts["discard_status"], "0");
+    assert_eq!(facts["discard_bytes"], (24 * MIB).to_string());
+    assert_eq!(facts["discard_reads_zero"], "1", "the guest's discard left data behind");
     assert_eq!(daemon.stop().code(), Some(0));
 
     let check = common::run("qemu-img", &["check", image.to_str().unwrap()]);
@@ -132,5 +136,6 @@ fn linux_guest_runs_fio_verify_on_qcow2_over_a_backing_file() {
     let converted = std::fs::read(&tail).unwrap();
     let original = std::fs::read(&base).unwrap();
     assert!(converted[64 * MIB as usize..] == original[64 * MIB as usize..], "backing data beyond fio's range");
-    assert!(converted[..48 * MIB as usize] != original[..48 * MIB as usize], "fio's writes landed in the overlay");
+    assert!(converted[..24 * MIB as usize].iter().all(|&b| b == 0), "discarded clusters read as zeroes");
+    assert!(converted[24 * MIB as usize..48 * MIB as usize] != original[24 * MIB as usize..48 * MIB as usize]);
 }

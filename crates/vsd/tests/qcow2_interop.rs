@@ -897,3 +897,25 @@ fn growth_past_the_first_l2_and_refcount_tables_both_ways() {
     assert_check_clean(&dir, &format!("{what}: after vsd wrote again"));
     assert_compare_identical(&dir, REFERENCE, &format!("{what}: after vsd wrote again"));
 }
+
+/// Tiny caches that must evict all the time, and a cleaner that drops
+/// unused entries every second in the middle of the workload: QEMU still
+/// finds the image clean and equal to the reference.
+#[test]
+fn vsd_writes_with_tiny_caches_and_cache_cleaning() {
+    let what = "512-byte clusters, 2 L2 tables and 2 refcount blocks cached, cleaned every second";
+    let dir = Scratch::new("q2w-tiny-caches");
+    filled(&dir, "cluster_size=512", 16 * MIB, 105);
+    qemu_img(&dir, &["convert", "-O", "raw", IMG, REFERENCE]);
+    let mut args = vsd_args(&dir, true, false, 2);
+    args[3].push_str(",l2-cache-size=1024,refcount-cache-size=1024,cache-clean-interval=1");
+    let daemon = Daemon::vsd(&dir, &args);
+    for seed in [7, 8] {
+        let workload = Workload { seed, ops: 160, cluster: 512, discard: true, sequential: 0 };
+        run_workload(&daemon, &dir.path(REFERENCE), workload, what);
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+    }
+    assert!(daemon.stop().success(), "{what}: vsd exit status");
+    assert_check_clean(&dir, what);
+    assert_compare_identical(&dir, REFERENCE, what);
+}

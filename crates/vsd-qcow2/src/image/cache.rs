@@ -110,15 +110,22 @@ impl L2Table {
 pub(super) struct L2Cache {
     tables: RwLock<HashMap<u64, Arc<L2Table>>>,
     capacity: usize,
-    /// Advanced on every insertion; lookups stamp tables with it, so the
-    /// hit path writes no shared counter.
+    /// Advanced on every insertion and cleaning pass; lookups stamp tables
+    /// with it, so the hit path writes no shared counter.
     clock: AtomicU64,
+    /// The clock at the last cleaning pass.
+    cleaned: AtomicU64,
 }
 
 impl L2Cache {
     /// A cache of at most `capacity` tables (at least 2).
     pub(super) fn new(capacity: usize) -> Self {
-        Self { tables: RwLock::default(), capacity: capacity.max(2), clock: AtomicU64::new(1) }
+        Self {
+            tables: RwLock::default(),
+            capacity: capacity.max(2),
+            clock: AtomicU64::new(1),
+            cleaned: AtomicU64::new(0),
+        }
     }
 
     /// Runs `f` on the table at `offset`, if cached.
@@ -150,6 +157,16 @@ impl L2Cache {
                 tables.remove(&off);
             }
         }
+    }
+
+    /// Drops the tables no lookup touched since the previous pass (QEMU's
+    /// cache-clean-interval). Tables with unwritten changes stay reachable
+    /// through the metadata state.
+    pub(super) fn drop_unused(&self) {
+        let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
+        let now = self.clock.fetch_add(1, Ordering::Relaxed) + 1;
+        let last = self.cleaned.swap(now, Ordering::Relaxed);
+        tables.retain(|_, t| t.stamp.load(Ordering::Relaxed) >= last);
     }
 
     /// Forgets the table at `offset` (it moved).

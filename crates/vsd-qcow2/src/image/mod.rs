@@ -30,6 +30,9 @@ pub struct Options {
     /// Bytes of L2 tables to cache; by default enough for the whole disk,
     /// up to 32 MiB (256 GiB of disk with 64 KiB clusters).
     pub l2_cache_bytes: Option<u64>,
+    /// Bytes of refcount blocks to cache; by default a quarter of the L2
+    /// cache, at least 4 clusters (QEMU's default).
+    pub refcount_cache_bytes: Option<u64>,
     /// Guest discards mark clusters zero but keep them allocated.
     pub discard_no_unref: bool,
     /// Clusters freed by discards are discarded in the file too.
@@ -286,6 +289,13 @@ impl Image {
     /// must be durable before refcounts may fall behind.
     fn prepare_change(&self, meta: &mut Meta, io: &mut ImageIo) -> io::Result<()> {
         if self.lazy && !meta.dirty_bit { meta.set_dirty_bit(io.meta, true) } else { Ok(()) }
+    }
+
+    /// Drops cached tables and refcount blocks unused since the previous
+    /// call; the driver calls it every `cache-clean-interval`.
+    pub fn drop_unused_caches(&self) {
+        self.l2.drop_unused();
+        self.lock().refcounts.drop_clean();
     }
 
     /// Whether metadata changed since the last flush: then a flush must go

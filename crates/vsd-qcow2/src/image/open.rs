@@ -79,6 +79,8 @@ impl Image {
             }
         }
 
+        let cache_bytes = opts.l2_cache_bytes.unwrap_or(DEFAULT_L2_CACHE_BYTES.min(header.l1_entries_needed() * cs));
+        let refcount_cache_bytes = opts.refcount_cache_bytes.unwrap_or((cache_bytes / 4).max(4 * cs));
         let metadata = Arc::new(MetadataMap::new(metadata));
         let mut meta = Meta {
             refcounts: Refcounts::new(
@@ -87,6 +89,7 @@ impl Image {
                 Width::new(header.refcount_order),
                 header.cluster_bits,
                 file_len,
+                (refcount_cache_bytes / cs) as usize,
             ),
             metadata: metadata.clone(),
             header_chunk,
@@ -103,7 +106,6 @@ impl Image {
         if lazy && header.version < 3 {
             return Err(FormatError::Unsupported("lazy refcounts need a version 3 (compat=1.1) image".into()));
         }
-        let cache_bytes = opts.l2_cache_bytes.unwrap_or(DEFAULT_L2_CACHE_BYTES.min(header.l1_entries_needed() * cs));
         Ok(Image {
             l2: L2Cache::new((cache_bytes / cs) as usize),
             l1: l1_raw.into_iter().map(AtomicU64::new).collect(),

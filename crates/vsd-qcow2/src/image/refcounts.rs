@@ -33,10 +33,20 @@ pub(super) struct Refcounts {
     file_end: u64,
     /// Chunks of blocks changed in memory only: (block index, byte offset).
     dirty: BTreeSet<(u64, usize)>,
+    /// Blocks kept in memory at most; blocks with unwritten changes are
+    /// never dropped.
+    capacity: usize,
 }
 
 impl Refcounts {
-    pub(super) fn new(table: Vec<u64>, table_offset: u64, width: Width, cluster_bits: u32, file_len: u64) -> Self {
+    pub(super) fn new(
+        table: Vec<u64>,
+        table_offset: u64,
+        width: Width,
+        cluster_bits: u32,
+        file_len: u64,
+        capacity: usize,
+    ) -> Self {
         let file_end = file_len.div_ceil(1 << cluster_bits);
         Self {
             table,
@@ -47,6 +57,7 @@ impl Refcounts {
             hint: 0,
             file_end,
             dirty: BTreeSet::new(),
+            capacity: capacity.max(2),
         }
     }
 
@@ -70,6 +81,12 @@ impl Refcounts {
             return Ok(None);
         };
         if !self.blocks.contains_key(&index) {
+            if self.blocks.len() >= self.capacity {
+                let clean = self.blocks.keys().copied().find(|&i| !self.block_dirty(i));
+                if let Some(victim) = clean {
+                    self.blocks.remove(&victim);
+                }
+            }
             let mut buf = AlignedBuf::zeroed(self.cluster_size() as usize);
             io.read_at(&mut buf, offset)?;
             self.blocks.insert(index, buf);
@@ -107,6 +124,16 @@ impl Refcounts {
 
     pub(super) fn is_dirty(&self) -> bool {
         !self.dirty.is_empty()
+    }
+
+    fn block_dirty(&self, index: u64) -> bool {
+        self.dirty.range((index, 0)..=(index, usize::MAX)).next().is_some()
+    }
+
+    /// Drops every block without unwritten changes (cache cleaning).
+    pub(super) fn drop_clean(&mut self) {
+        let dirty: BTreeSet<u64> = self.dirty.iter().map(|&(i, _)| i).collect();
+        self.blocks.retain(|i, _| dirty.contains(i));
     }
 
     /// Writes table entry `index` (already set in memory).

@@ -6,7 +6,8 @@ mod queue;
 
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use vsd_qcow2::buf::AlignedBuf;
 use vsd_qcow2::{FormatError, Image, SyncIo};
@@ -47,6 +48,9 @@ struct Settings {
     discard_no_unref: bool,
     pass_discard: bool,
     lazy_refcounts: Option<bool>,
+    refcount_cache_bytes: Option<u64>,
+    /// Seconds between drops of unused cache entries (0: never).
+    cache_clean_interval: u64,
 }
 
 impl Qcow2Node {
@@ -67,12 +71,10 @@ impl Qcow2Node {
             discard_no_unref: opts.take_bool("discard-no-unref")?.unwrap_or(false),
             pass_discard: opts.take_bool("pass-discard-request")?.unwrap_or(true),
             lazy_refcounts: opts.take_bool("lazy-refcounts")?,
+            refcount_cache_bytes: opts.take_size("refcount-cache-size")?,
+            // QEMU's default on Linux: 10 minutes.
+            cache_clean_interval: opts.take_u64("cache-clean-interval")?.unwrap_or(600),
         };
-        // Accepted for QEMU compatibility, with nothing to tune: vsd keeps
-        // every refcount block it has read, and frees no cache entry on a
-        // timer.
-        opts.take_size("refcount-cache-size")?;
-        opts.take_u64("cache-clean-interval")?;
         Self::build(name, &context, file, backing, data_file, &settings, &mut Vec::new())
     }
 
@@ -113,6 +115,7 @@ impl Qcow2Node {
             pass_discard: settings.pass_discard,
             has_backing,
             lazy_refcounts: settings.lazy_refcounts,
+            refcount_cache_bytes: settings.refcount_cache_bytes,
         };
         let image = Image::open(&mut io, file.size(), options).map_err(|e| match e {
             FormatError::Io(e) => host("cannot read the image".into(), e),
@@ -151,8 +154,28 @@ impl Qcow2Node {
                 return Err(invalid("the image needs an external data file and names none: give data-file=".into()));
             }
         };
-        Ok(Self { name, image: Arc::new(image), file, data, backing })
+        let image = Arc::new(image);
+        if settings.cache_clean_interval > 0 {
+            clean_caches_every(Duration::from_secs(settings.cache_clean_interval), Arc::downgrade(&image))
+                .map_err(|e| host("cannot start the cache cleaner".into(), e))?;
+        }
+        Ok(Self { name, image, file, data, backing })
     }
+}
+
+/// Drops unused cache entries of `image` every `interval`, for as long as
+/// the image is open.
+fn clean_caches_every(interval: Duration, image: Weak<Image>) -> io::Result<()> {
+    std::thread::Builder::new().name("vsd-qcow2-clean".into()).spawn(move || {
+        loop {
+            std::thread::sleep(interval);
+            match image.upgrade() {
+                Some(image) => image.drop_unused_caches(),
+                None => return,
+            }
+        }
+    })?;
+    Ok(())
 }
 
 /// An error and its sources, as one line.
