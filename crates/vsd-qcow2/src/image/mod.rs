@@ -118,6 +118,9 @@ pub struct Image {
     header: Header,
     layout: Layout,
     opts: Options,
+    /// log2 of the entries per L2 table (computed once: the hot path
+    /// would otherwise divide on every request).
+    l2_bits: u32,
     has_backing: bool,
     l1: Box<[AtomicU64]>,
     l2: L2Cache,
@@ -176,7 +179,7 @@ impl Image {
     }
 
     fn l2_bits(&self) -> u32 {
-        self.header.l2_entries().trailing_zeros()
+        self.l2_bits
     }
 
     fn lock(&self) -> MutexGuard<'_, Meta> {
@@ -212,7 +215,7 @@ impl Image {
         let mut first: Option<Mapping> = None;
         let mut pos = offset;
         while pos < limit {
-            let index = ((pos >> cb) & (self.header.l2_entries() - 1)) as usize;
+            let index = ((pos >> cb) & ((1 << self.l2_bits) - 1)) as usize;
             let e = match table.decode(&self.layout, index) {
                 Ok(e) => e,
                 Err(e) if first.is_none() => return self.invalid(e, offset, (pos | (self.cluster_size() - 1)) + 1),

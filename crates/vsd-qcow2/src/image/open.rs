@@ -110,6 +110,7 @@ impl Image {
             l2: L2Cache::new((cache_bytes / cs) as usize),
             l1: l1_raw.into_iter().map(AtomicU64::new).collect(),
             layout,
+            l2_bits: header.l2_entries().trailing_zeros(),
             has_backing: opts.has_backing.unwrap_or(header.backing_file.is_some()),
             opts,
             header,
