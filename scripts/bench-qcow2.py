@@ -9,7 +9,7 @@ throughput: sequential 64k writes at iodepth 32 into an empty qcow2 image,
 so every write allocates a cluster. Daemon on CPU 0, vsd-bench on CPU 1.
 
 Usage: scripts/bench-qcow2.py [--seconds 5] [--reps 3] [--out FILE.jsonl]
-       [--disk-dir /var/tmp]
+       [--disk-dir /var/tmp] [--places tmpfs,disk]
 Prints Markdown tables for BENCHMARKS.md.
 """
 
@@ -47,10 +47,11 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=None)
     parser.add_argument("--disk-dir", default="/var/tmp")
+    parser.add_argument("--places", default="tmpfs,disk", help="comma-separated subset of tmpfs,disk")
     opts = parser.parse_args()
 
-    places = {"tmpfs": (tempfile.mkdtemp(prefix="vsd-q2-", dir="/dev/shm"), False),
-              "disk": (tempfile.mkdtemp(prefix="vsd-q2-", dir=opts.disk_dir), True)}
+    dirs = {"tmpfs": ("/dev/shm", False), "disk": (opts.disk_dir, True)}
+    places = {p: (tempfile.mkdtemp(prefix="vsd-q2-", dir=dirs[p][0]), dirs[p][1]) for p in opts.places.split(",")}
     for where, (workdir, _) in places.items():
         for fmt in ("raw", "qcow2"):
             make_image(os.path.join(workdir, f"disk.{fmt}"), fmt, SIZE, "full")

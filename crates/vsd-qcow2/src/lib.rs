@@ -40,7 +40,7 @@ pub mod refcount;
 
 use std::io;
 
-pub use image::{Extent, Image, ImageIo, Mapping, Options};
+pub use image::{Extent, Image, ImageIo, MapMemo, Mapping, Options};
 
 /// Why an image cannot be opened (or a range of it used).
 #[derive(Debug, thiserror::Error)]

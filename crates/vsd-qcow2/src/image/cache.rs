@@ -140,6 +140,9 @@ pub(super) struct L2Cache {
     clock: AtomicU64,
     /// The clock at the last cleaning pass.
     cleaned: AtomicU64,
+    /// Changes whenever a table enters or leaves the cache: a queue's memo
+    /// of tables is valid while it stays the same.
+    generation: AtomicU64,
 }
 
 impl L2Cache {
@@ -150,18 +153,29 @@ impl L2Cache {
             capacity: capacity.max(2),
             clock: AtomicU64::new(1),
             cleaned: AtomicU64::new(0),
+            generation: AtomicU64::new(0),
         }
     }
 
-    /// Runs `f` on the table at `offset`, if cached.
-    pub(super) fn with<R>(&self, offset: u64, f: impl FnOnce(&L2Table) -> R) -> Option<R> {
+    /// The cache's current generation.
+    pub(super) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// The table at `offset`, if cached, and the generation it is cached in.
+    pub(super) fn lookup(&self, offset: u64) -> Option<(Arc<L2Table>, u64)> {
         let tables = self.tables.read().unwrap_or_else(|e| e.into_inner());
         let table = tables.get(&offset)?;
+        self.touch(table);
+        Some((table.clone(), self.generation()))
+    }
+
+    /// Marks a table as recently used.
+    pub(super) fn touch(&self, table: &L2Table) {
         let now = self.clock.load(Ordering::Relaxed);
         if table.stamp.load(Ordering::Relaxed) != now {
             table.stamp.store(now, Ordering::Relaxed);
         }
-        Some(f(table))
     }
 
     /// The table at `offset`, if cached.
@@ -175,6 +189,7 @@ impl L2Cache {
         let now = self.clock.fetch_add(1, Ordering::Relaxed) + 1;
         table.stamp.store(now, Ordering::Relaxed);
         let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
+        self.generation.fetch_add(1, Ordering::Release);
         tables.insert(table.offset, table);
         if tables.len() > self.capacity {
             let oldest = tables.iter().min_by_key(|(_, t)| t.stamp.load(Ordering::Relaxed)).map(|(&off, _)| off);
@@ -189,6 +204,7 @@ impl L2Cache {
     /// through the metadata state.
     pub(super) fn drop_unused(&self) {
         let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
+        self.generation.fetch_add(1, Ordering::Release);
         let now = self.clock.fetch_add(1, Ordering::Relaxed) + 1;
         let last = self.cleaned.swap(now, Ordering::Relaxed);
         tables.retain(|_, t| t.stamp.load(Ordering::Relaxed) >= last);
@@ -196,6 +212,8 @@ impl L2Cache {
 
     /// Forgets the table at `offset` (it moved).
     pub(super) fn remove(&self, offset: u64) {
-        self.tables.write().unwrap_or_else(|e| e.into_inner()).remove(&offset);
+        let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
+        self.generation.fetch_add(1, Ordering::Release);
+        tables.remove(&offset);
     }
 }

@@ -81,6 +81,17 @@ pub struct Extent {
     pub len: u64,
 }
 
+/// Tables one queue looked up recently, by L1 index modulo the slot count.
+const MEMO_SLOTS: usize = 16;
+
+/// One queue's memo of the L2 tables it used last. While the cache's
+/// generation is unchanged (no table entered or left it), a memoised table
+/// is still the cached one, so the lookup takes no lock and hashes nothing.
+#[derive(Default)]
+pub struct MapMemo {
+    slots: [Option<(u64, u64, Arc<L2Table>)>; MEMO_SLOTS],
+}
+
 /// The files an operation may touch. Reads of the backing file past its
 /// end must return zeroes.
 pub struct ImageIo<'a> {
@@ -189,8 +200,9 @@ impl Image {
     }
 
     /// The mapping of the guest bytes from `offset`, for at most `len`
-    /// bytes; the returned extent is never empty.
-    pub fn map(&self, io: &mut dyn SyncIo, offset: u64, len: u64) -> io::Result<Extent> {
+    /// bytes; the returned extent is never empty. `memo` is the calling
+    /// queue's own.
+    pub fn map(&self, memo: &mut MapMemo, io: &mut dyn SyncIo, offset: u64, len: u64) -> io::Result<Extent> {
         let span_bits = self.header.cluster_bits + self.l2_bits();
         let l1_index = offset >> span_bits;
         let limit = offset + len.min(((l1_index + 1) << span_bits) - offset);
@@ -200,11 +212,22 @@ impl Image {
             Ok(None) => return Ok(Extent { mapping: Mapping::Unallocated, len: limit - offset }),
             Err(e) => return Ok(self.invalid(e, offset, limit)),
         };
-        let walk = |table: &L2Table| self.walk(table, offset, limit);
-        match self.l2.with(l2_offset, walk) {
-            Some(extent) => Ok(extent),
-            None => Ok(walk(&*self.load_l2(&mut self.lock(), io, l2_offset)?)),
+        let slot = &mut memo.slots[l1_index as usize % MEMO_SLOTS];
+        if let Some((memo_offset, generation, table)) = slot
+            && *memo_offset == l2_offset
+            && *generation == self.l2.generation()
+        {
+            self.l2.touch(table);
+            return Ok(self.walk(table, offset, limit));
         }
+        let table = match self.l2.lookup(l2_offset) {
+            Some((table, generation)) => {
+                *slot = Some((l2_offset, generation, table.clone()));
+                table
+            }
+            None => self.load_l2(&mut self.lock(), io, l2_offset)?,
+        };
+        Ok(self.walk(&table, offset, limit))
     }
 
     /// Walks `table` from `offset` to `limit` (both within it), merging

@@ -14,15 +14,18 @@ use std::sync::Arc;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vsd_engine::{Completion, IoOp, IoQueue, IoVecs};
 use vsd_qcow2::buf::AlignedBuf;
-use vsd_qcow2::{Image, ImageIo, Mapping};
+use vsd_qcow2::{Image, ImageIo, MapMemo, Mapping};
 
 use crate::drivers::child::ChildQueue;
 
 /// Which child a request goes to.
 #[derive(Clone, Copy)]
 enum Target {
+    /// The image file.
     File,
+    /// Where guest data lives: the external data file, else the image file.
     Data,
+    /// The backing file.
     Backing,
 }
 
@@ -61,6 +64,7 @@ pub(crate) struct Qcow2Queue {
     compressed: Option<(u64, AlignedBuf)>,
     /// Extents of the write being routed.
     extents: Vec<(u64, u64, u64)>,
+    memo: MapMemo,
 }
 
 impl Qcow2Queue {
@@ -92,6 +96,7 @@ impl Qcow2Queue {
             reaped: Vec::with_capacity(usize::from(child_depth)),
             compressed: None,
             extents: Vec::new(),
+            memo: MapMemo::default(),
         })
     }
 
@@ -171,10 +176,9 @@ impl Qcow2Queue {
     }
 
     fn read(&mut self, tag: u32, offset: u64, len: u64, iov: IoVecs) {
-        let data_target = if self.data.is_some() { Target::Data } else { Target::File };
         let mut pos = 0;
         while pos < len {
-            let extent = match self.image.map(&mut self.file, offset + pos, len - pos) {
+            let extent = match self.image.map(&mut self.memo, &mut self.file, offset + pos, len - pos) {
                 Ok(extent) => extent,
                 Err(e) => return self.fail_with(tag, &e),
             };
@@ -182,7 +186,7 @@ impl Qcow2Queue {
             match extent.mapping {
                 Mapping::Data { host, .. } => {
                     let op = IoOp::Read { offset: host, len: n, iov };
-                    self.issue(tag, data_target, op, iov, (!whole).then_some(pos));
+                    self.issue(tag, Target::Data, op, iov, (!whole).then_some(pos));
                 }
                 Mapping::Zero => fill_iovecs(iov.as_slice(), pos, n, None),
                 Mapping::Unallocated => {
@@ -225,7 +229,7 @@ impl Qcow2Queue {
         self.extents.clear();
         let mut pos = 0;
         while pos < len {
-            match self.image.map(&mut self.file, offset + pos, len - pos) {
+            match self.image.map(&mut self.memo, &mut self.file, offset + pos, len - pos) {
                 Ok(e) => match e.mapping {
                     Mapping::Data { host, in_place: true } if self.image.write_hits_metadata(host, e.len) => {
                         log::error!("qcow2: guest offset {:#x} maps onto metadata at {host:#x}", offset + pos);
@@ -240,11 +244,10 @@ impl Qcow2Queue {
             pos += self.extents.last().map_or(0, |e| e.2);
         }
         if pos == len {
-            let target = if self.data.is_some() { Target::Data } else { Target::File };
             for i in 0..self.extents.len() {
                 let (host, at, n) = self.extents[i];
                 let op = IoOp::Write { offset: host, len: n, iov, durable };
-                self.issue(tag, target, op, iov, (n != len).then_some(at));
+                self.issue(tag, Target::Data, op, iov, (n != len).then_some(at));
             }
             return;
         }
