@@ -10,6 +10,7 @@ so every write allocates a cluster. Daemon on CPU 0, vsd-bench on CPU 1.
 
 Usage: scripts/bench-qcow2.py [--seconds 5] [--reps 3] [--out FILE.jsonl]
        [--disk-dir /var/tmp] [--places tmpfs,disk]
+       scripts/bench-qcow2.py --report ROWS.jsonl
 Prints Markdown tables for BENCHMARKS.md.
 """
 
@@ -48,7 +49,10 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--disk-dir", default="/var/tmp")
     parser.add_argument("--places", default="tmpfs,disk", help="comma-separated subset of tmpfs,disk")
+    parser.add_argument("--report", metavar="ROWS.jsonl", help="only print the tables of an earlier run")
     opts = parser.parse_args()
+    if opts.report:
+        return report_file(opts.report)
 
     dirs = {"tmpfs": ("/dev/shm", False), "disk": (opts.disk_dir, True)}
     places = {p: (tempfile.mkdtemp(prefix="vsd-q2-", dir=dirs[p][0]), dirs[p][1]) for p in opts.places.split(",")}
@@ -91,25 +95,66 @@ def main():
         for workdir, _ in places.values():
             subprocess.run(["rm", "-rf", workdir])
 
+    report(rows, list(places), cases)
+
+
+def paired(rows, num, den, field="iops"):
+    """Per-repetition ratios of neighbouring runs, and their median."""
+    ratios = [a[field] / b[field] for a, b in zip(rows.get(num, []), rows.get(den, []))]
+    return (statistics.median(ratios) if ratios else float("nan")), ratios
+
+
+def report(rows, places, cases):
     def med(key, field="iops"):
         values = [r[field] for r in rows.get(key, [])]
         return statistics.median(values) if values else float("nan")
 
-    print("| place | 4k | iodepth | vsd raw | vsd qcow2 | qcow2/raw | QSD qcow2 | vsd/QSD qcow2 | QSD raw |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("Medians of IOPS (k):\n")
+    print("| place | 4k | iodepth | vsd raw | vsd qcow2 | QSD qcow2 | QSD raw |")
+    print("|---|---|---|---|---|---|---|")
     for where in places:
         for rw, depth in cases:
-            vr, vq = med((where, rw, depth, "vsd", "raw")), med((where, rw, depth, "vsd", "qcow2"))
-            qq, qr = med((where, rw, depth, "qsd", "qcow2")), med((where, rw, depth, "qsd", "raw"))
-            print(f"| {where} | {rw} | {depth} | {vr / 1000:.1f}k | {vq / 1000:.1f}k | {vq / vr:.0%} "
-                  f"| {qq / 1000:.1f}k | {vq / qq:.2f}x | {qr / 1000:.1f}k |")
-    print()
-    print("| place | first write, 64k seq, iodepth 32 | vsd MiB/s | QSD MiB/s | vsd/QSD |")
+            cells = [med((where, rw, depth, d, f)) / 1000 for d, f in TARGETS]
+            print(f"| {where} | {rw} | {depth} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+    print("\nPaired ratios (median of the per-repetition ratios; per repetition in brackets):\n")
+    print("| place | 4k | iodepth | vsd qcow2 / vsd raw | vsd qcow2 / QSD qcow2 |")
     print("|---|---|---|---|---|")
     for where in places:
-        v, q = med((where, "first-write", "vsd"), "bw_mib_s"), med((where, "first-write", "qsd"), "bw_mib_s")
-        print(f"| {where} | empty qcow2, 64k clusters | {v:.0f} | {q:.0f} | {v / q:.2f}x |")
+        for rw, depth in cases:
+            cells = []
+            for other in (("vsd", "raw"), ("qsd", "qcow2")):
+                m, each = paired(rows, (where, rw, depth, "vsd", "qcow2"), (where, rw, depth, *other))
+                cells.append(f"{m:.2f} [" + " ".join(f"{x:.2f}" for x in each) + "]")
+            print(f"| {where} | {rw} | {depth} | {cells[0]} | {cells[1]} |")
+    print("\nFirst write into an empty qcow2 image, 64k sequential, iodepth 32 (MiB/s per repetition, median):\n")
+    print("| place | vsd | QSD | vsd/QSD (paired median) |")
+    print("|---|---|---|---|")
+    def each(key):
+        return ", ".join(f"{r['bw_mib_s']:.0f}" for r in rows.get(key, []))
 
+    for where in places:
+        v, q = (where, "first-write", "vsd"), (where, "first-write", "qsd")
+        ratio, _ = paired(rows, v, q, "bw_mib_s")
+        print(f"| {where} | {each(v)} → **{med(v, 'bw_mib_s'):.0f}** | {each(q)} → **{med(q, 'bw_mib_s'):.0f}** "
+              f"| {ratio:.2f}x |")
+
+
+def report_file(path):
+    """Rebuilds the tables from a rows file written with --out."""
+    rows, places, cases = {}, [], []
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            if r["place"] not in places:
+                places.append(r["place"])
+            if r["rw"].startswith("first-write"):
+                key = (r["place"], "first-write", r["daemon"])
+            else:
+                key = (r["place"], r["rw"], r["iodepth"], r["daemon"], r["format"])
+                if (r["rw"], r["iodepth"]) not in cases:
+                    cases.append((r["rw"], r["iodepth"]))
+            rows.setdefault(key, []).append(r)
+    report(rows, places, sorted(cases))
 
 if __name__ == "__main__":
     main()
