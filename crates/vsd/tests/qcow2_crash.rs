@@ -210,3 +210,48 @@ fn sigterm_writes_back_metadata_the_guest_never_flushed() {
     let raw = std::fs::read(&copy).unwrap();
     assert!(raw[MIB as usize..MIB as usize + 256 * 1024] == pattern(3, 256 * 1024)[..], "data lost at stop");
 }
+
+/// With `writethrough=on` every acknowledged write is durable, allocation
+/// included: a SIGKILL right after the acknowledgement, with no flush,
+/// loses nothing.
+#[test]
+fn writethrough_writes_survive_kill_9_without_a_flush() {
+    let dir = Scratch::new("qcow2-writethrough");
+    let image = dir.path("w.qcow2");
+    let out = run("qemu-img", &["create", "-f", "qcow2", image.to_str().unwrap(), "16M"]);
+    assert!(out.status.success(), "{out:?}");
+    let sock = dir.path("wt.sock");
+    let daemon = Daemon::vsd(
+        &dir,
+        &[
+            "--blockdev".into(),
+            format!("driver=file,node-name=f0,filename={}", image.display()),
+            "--blockdev".into(),
+            "driver=qcow2,node-name=q0,file=f0".into(),
+            "--export".into(),
+            format!(
+                "type=vhost-user-blk,id=e0,node-name=q0,addr.type=unix,addr.path={},writable=on,writethrough=on",
+                sock.display()
+            ),
+        ],
+    );
+    let mut client = daemon.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    // An allocating write, then an in-place one into the same clusters.
+    queue.write_at(2 * MIB, &pattern(5, 128 * 1024)).unwrap();
+    queue.write_at(2 * MIB + 128 * 1024, &pattern(6, 64 * 1024)).unwrap();
+    // SAFETY: kill() on the pid of the daemon this test spawned.
+    unsafe { libc::kill(daemon.pid() as i32, libc::SIGKILL) };
+    drop(queue);
+    drop(client);
+    drop(daemon);
+    let report = qemu_img_check(&image);
+    assert_eq!(json_count(&report, "corruptions"), 0, "{report}");
+    let copy = dir.path("w.raw");
+    let out = run("qemu-img", &["convert", "-O", "raw", image.to_str().unwrap(), copy.to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+    let raw = std::fs::read(&copy).unwrap();
+    let at = 2 * MIB as usize;
+    assert!(raw[at..at + 128 * 1024] == pattern(5, 128 * 1024)[..], "acknowledged writethrough write lost");
+    assert!(raw[at + 128 * 1024..at + 192 * 1024] == pattern(6, 64 * 1024)[..], "second write lost");
+}

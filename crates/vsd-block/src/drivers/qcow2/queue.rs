@@ -243,7 +243,9 @@ impl Qcow2Queue {
             }
             pos += self.extents.last().map_or(0, |e| e.2);
         }
-        if pos == len {
+        // A durable write must not land on a cluster whose allocation is
+        // still only in memory: then the metadata path flushes it too.
+        if pos == len && !(durable && self.image.metadata_dirty()) {
             for i in 0..self.extents.len() {
                 let (host, at, n) = self.extents[i];
                 let op = IoOp::Write { offset: host, len: n, iov, durable };
@@ -251,7 +253,8 @@ impl Qcow2Queue {
             }
             return;
         }
-        // Allocation, copy-on-write or zero flags to clear: the metadata path.
+        // Allocation, copy-on-write, zero flags to clear, or a durable write
+        // with metadata to flush: the metadata path.
         let result = self.with_io(|image, io| {
             image.write(io, offset, len, &mut |at, buf| copy_from_iovecs(iov.as_slice(), at, buf))?;
             if durable { image.flush(io) } else { Ok(()) }
