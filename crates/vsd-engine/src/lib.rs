@@ -99,23 +99,69 @@ impl IoVecs {
         unsafe { std::slice::from_raw_parts(self.ptr, self.count) }
     }
 
+    /// The iovecs covering bytes `pos..pos + len` of the buffers (fewer if
+    /// the buffers end first).
+    pub fn range(&self, pos: u64, len: u64) -> impl Iterator<Item = libc::iovec> + '_ {
+        let (mut skip, mut left) = (pos, len);
+        self.as_slice().iter().filter_map(move |v| {
+            let iov_len = v.iov_len as u64;
+            if skip >= iov_len {
+                skip -= iov_len;
+                return None;
+            }
+            let n = (iov_len - skip).min(left);
+            if n == 0 {
+                return None;
+            }
+            let out = libc::iovec { iov_base: v.iov_base.wrapping_byte_add(skip as usize), iov_len: n as usize };
+            skip = 0;
+            left -= n;
+            Some(out)
+        })
+    }
+
+    /// Fills bytes `pos..pos + len` of the buffers from `src` (which holds
+    /// `len` bytes), or with zeroes.
+    ///
+    /// # Safety
+    /// The buffers must be valid for writes and not accessed concurrently.
+    pub unsafe fn fill(&self, pos: u64, len: u64, src: Option<&[u8]>) {
+        let mut done = 0;
+        for v in self.range(pos, len) {
+            let dst = v.iov_base.cast::<u8>();
+            // SAFETY: the caller guarantees the buffers are writable for
+            // the lengths the iovecs give; `src` holds `len` bytes.
+            unsafe {
+                match src {
+                    Some(src) => std::ptr::copy_nonoverlapping(src[done..].as_ptr(), dst, v.iov_len),
+                    None => std::ptr::write_bytes(dst, 0, v.iov_len),
+                }
+            }
+            done += v.iov_len;
+        }
+    }
+
     /// Fills the bytes from `start` to the end of the buffers with zeroes
     /// (the tail of a read that hit the end of the file).
     ///
     /// # Safety
-    /// The buffers must be valid for writes and not accessed concurrently.
-    pub unsafe fn zero_from(&self, mut start: usize) {
-        for iov in self.as_slice() {
-            if start >= iov.iov_len {
-                start -= iov.iov_len;
-                continue;
-            }
-            // SAFETY: the caller guarantees the buffer is writable for
-            // iov_len bytes, and start < iov_len.
-            unsafe {
-                std::ptr::write_bytes(iov.iov_base.cast::<u8>().add(start), 0, iov.iov_len - start);
-            }
-            start = 0;
+    /// As [`IoVecs::fill`].
+    pub unsafe fn zero_from(&self, start: usize) {
+        // SAFETY: the caller's guarantee.
+        unsafe { self.fill(start as u64, u64::MAX, None) }
+    }
+
+    /// Copies bytes `pos..pos + buf.len()` of the buffers into `buf`.
+    ///
+    /// # Safety
+    /// The buffers must be valid for reads until this returns.
+    pub unsafe fn copy_out(&self, pos: u64, buf: &mut [u8]) {
+        let mut done = 0;
+        for v in self.range(pos, buf.len() as u64) {
+            // SAFETY: the caller guarantees the buffers are readable for
+            // the lengths the iovecs give; `buf` has room for them.
+            unsafe { std::ptr::copy_nonoverlapping(v.iov_base.cast::<u8>(), buf[done..].as_mut_ptr(), v.iov_len) };
+            done += v.iov_len;
         }
     }
 }
@@ -274,7 +320,7 @@ fn transfer(iov: IoVecs, len: u64, mut step: impl FnMut(u64, &[libc::iovec]) -> 
             Ok(n) => {
                 done += n as u64;
                 if done < len {
-                    rest = Some(skip_bytes(iov.as_slice(), done as usize));
+                    rest = Some(iov.range(done, u64::MAX).collect());
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -282,20 +328,6 @@ fn transfer(iov: IoVecs, len: u64, mut step: impl FnMut(u64, &[libc::iovec]) -> 
         }
     }
     Ok(done)
-}
-
-/// The part of `iov` that follows its first `skip` bytes.
-fn skip_bytes(iov: &[libc::iovec], mut skip: usize) -> Vec<libc::iovec> {
-    let mut out = Vec::with_capacity(iov.len());
-    for v in iov {
-        if skip >= v.iov_len {
-            skip -= v.iov_len;
-            continue;
-        }
-        out.push(libc::iovec { iov_base: v.iov_base.wrapping_byte_add(skip), iov_len: v.iov_len - skip });
-        skip = 0;
-    }
-    out
 }
 
 #[cfg(test)]
@@ -311,16 +343,27 @@ mod tests {
     }
 
     #[test]
-    fn skip_bytes_splits_inside_a_buffer() {
+    fn ranges_split_inside_buffers() {
         let mut a = [0u8; 10];
         let mut b = [0u8; 6];
-        let iov = [
+        let list = [
             libc::iovec { iov_base: a.as_mut_ptr().cast(), iov_len: 10 },
             libc::iovec { iov_base: b.as_mut_ptr().cast(), iov_len: 6 },
         ];
-        let rest = skip_bytes(&iov, 12);
+        // SAFETY: `list` names `a` and `b`, which outlive `iov`.
+        let iov = unsafe { IoVecs::new(list.as_ptr(), 2) };
+        let rest: Vec<_> = iov.range(12, u64::MAX).collect();
         assert_eq!(rest.len(), 1);
         assert_eq!(rest[0].iov_len, 4);
         assert_eq!(rest[0].iov_base, b.as_mut_ptr().wrapping_add(2).cast());
+        let middle: Vec<_> = iov.range(8, 4).map(|v| v.iov_len).collect();
+        assert_eq!(middle, [2, 2]);
+        // SAFETY: the buffers are live locals, written by nobody else.
+        unsafe { iov.fill(8, 4, Some(&[1, 2, 3, 4])) };
+        assert_eq!((&a[8..], &b[..2]), (&[1u8, 2][..], &[3u8, 4][..]));
+        let mut out = [0u8; 3];
+        // SAFETY: as above.
+        unsafe { iov.copy_out(9, &mut out) };
+        assert_eq!(out, [2, 3, 4]);
     }
 }

@@ -105,17 +105,7 @@ fn linux_guest_runs_fio_verify_on_qcow2_over_a_backing_file() {
     );
     assert!(out.status.success(), "{out:?}");
     let socket = dir.path("vsd.sock");
-    let args = vec![
-        "--blockdev".to_string(),
-        format!("driver=file,node-name=f0,filename={}", image.display()),
-        "--blockdev".into(),
-        "driver=qcow2,node-name=q0,file=f0".into(),
-        "--export".into(),
-        format!(
-            "type=vhost-user-blk,id=e0,node-name=q0,addr.type=unix,addr.path={},writable=on,num-queues=2",
-            socket.display()
-        ),
-    ];
+    let args = common::qcow2_export(&image, &socket, ",writable=on,num-queues=2");
     let daemon = Daemon::vsd(&dir, &args);
     let facts = boot(&dir, &socket, &["--queues", "2", "--size", "48M", "--bs", "4k", "--append", "vsd.discard=on"]);
     assert_eq!(facts["fio_write_status"], "0");

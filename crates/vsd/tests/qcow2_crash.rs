@@ -10,7 +10,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{Daemon, Scratch, pattern, run};
+use common::{Daemon, Scratch, json_count, pattern, qcow2_export, run};
 use vsd_bench::ClientOptions;
 
 const MIB: u64 = 1 << 20;
@@ -40,18 +40,6 @@ impl Rng {
 fn qemu_img_check(image: &Path) -> String {
     let out = run("qemu-img", &["check", "--output=json", image.to_str().unwrap()]);
     String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
-}
-
-/// The value of `"key": N` in qemu-img's JSON, or 0 if absent.
-fn json_count(text: &str, key: &str) -> u64 {
-    let Some(at) = text.find(&format!("\"{key}\"")) else { return 0 };
-    text[at + key.len() + 2..]
-        .trim_start_matches([':', ' '])
-        .chars()
-        .take_while(char::is_ascii_digit)
-        .collect::<String>()
-        .parse()
-        .unwrap_or(0)
 }
 
 /// Each queue writes fresh 4-128 KiB ranges of its half of the disk (so
@@ -84,23 +72,9 @@ fn workload(queue: &mut vsd_bench::Queue, half: u64, seed: u64, journal: &Mutex<
     }
 }
 
-fn serve(dir: &Scratch, image: &Path, writable: bool) -> Daemon {
-    let sock = dir.path("crash.sock");
-    Daemon::vsd(
-        dir,
-        &[
-            "--blockdev".into(),
-            format!("driver=file,node-name=f0,filename={}", image.display()),
-            "--blockdev".into(),
-            "driver=qcow2,node-name=q0,file=f0".into(),
-            "--export".into(),
-            format!(
-                "type=vhost-user-blk,id=e0,node-name=q0,addr.type=unix,addr.path={},num-queues=2{}",
-                sock.display(),
-                if writable { ",writable=on" } else { "" }
-            ),
-        ],
-    )
+/// vsd serving `image` on two queues, with `export_opts` appended.
+fn serve(dir: &Scratch, image: &Path, export_opts: &str) -> Daemon {
+    Daemon::vsd(dir, &qcow2_export(image, &dir.path("crash.sock"), &format!(",num-queues=2{export_opts}")))
 }
 
 #[test]
@@ -123,7 +97,7 @@ fn kill_9_never_corrupts_and_keeps_flushed_writes() {
         let out = run("qemu-img", &["create", "-f", "qcow2", "-o", kind, image.to_str().unwrap(), &DISK.to_string()]);
         assert!(out.status.success(), "qemu-img create: {out:?}");
 
-        let daemon = serve(&dir, &image, true);
+        let daemon = serve(&dir, &image, ",writable=on");
         let mut client = daemon.connect(ClientOptions {
             num_queues: 2,
             // Killed mid-request, the daemon never answers: give up soon.
@@ -157,13 +131,13 @@ fn kill_9_never_corrupts_and_keeps_flushed_writes() {
             let header = std::fs::read(&image).unwrap();
             let incompatible = u64::from_be_bytes(header[72..80].try_into().unwrap());
             assert_eq!(incompatible & 1, 1, "iteration {iteration}: a lazy-refcount image killed mid-write is dirty");
-            assert_eq!(serve(&dir, &image, true).stop().code(), Some(0));
+            assert_eq!(serve(&dir, &image, ",writable=on").stop().code(), Some(0));
         }
         let report = qemu_img_check(&image);
         assert_eq!(json_count(&report, "corruptions"), 0, "{kind}, iteration {iteration}: {report}");
         assert!(!report.contains("\"check-errors\": 1"), "{kind}, iteration {iteration}: {report}");
 
-        let daemon = serve(&dir, &image, false);
+        let daemon = serve(&dir, &image, "");
         let mut client = daemon.connect(ClientOptions { num_queues: 1, read_only: true, ..Default::default() });
         let mut queue = client.take_queue(0).unwrap();
         let mut checked = 0u64;
@@ -195,7 +169,7 @@ fn sigterm_writes_back_metadata_the_guest_never_flushed() {
     let image = dir.path("t.qcow2");
     let out = run("qemu-img", &["create", "-f", "qcow2", image.to_str().unwrap(), "16M"]);
     assert!(out.status.success(), "{out:?}");
-    let daemon = serve(&dir, &image, true);
+    let daemon = serve(&dir, &image, ",writable=on");
     let mut client = daemon.connect(ClientOptions::default());
     let mut queue = client.take_queue(0).unwrap();
     queue.write_at(MIB, &pattern(3, 256 * 1024)).unwrap();
@@ -220,21 +194,7 @@ fn writethrough_writes_survive_kill_9_without_a_flush() {
     let image = dir.path("w.qcow2");
     let out = run("qemu-img", &["create", "-f", "qcow2", image.to_str().unwrap(), "16M"]);
     assert!(out.status.success(), "{out:?}");
-    let sock = dir.path("wt.sock");
-    let daemon = Daemon::vsd(
-        &dir,
-        &[
-            "--blockdev".into(),
-            format!("driver=file,node-name=f0,filename={}", image.display()),
-            "--blockdev".into(),
-            "driver=qcow2,node-name=q0,file=f0".into(),
-            "--export".into(),
-            format!(
-                "type=vhost-user-blk,id=e0,node-name=q0,addr.type=unix,addr.path={},writable=on,writethrough=on",
-                sock.display()
-            ),
-        ],
-    );
+    let daemon = serve(&dir, &image, ",writable=on,writethrough=on");
     let mut client = daemon.connect(ClientOptions::default());
     let mut queue = client.take_queue(0).unwrap();
     // An allocating write, then an in-place one into the same clusters.

@@ -81,18 +81,11 @@ fn create(dir: &Scratch, name: &str, opts: &str, backing: Option<(&str, &str)>, 
     qemu_img(dir, &args);
 }
 
-/// The number after `"key":` in `qemu-img --output=json` text.
-fn json_u64(text: &str, key: &str) -> Option<u64> {
-    let at = text.find(&format!("\"{key}\":"))? + key.len() + 3;
-    let digits: String = text[at..].trim_start().chars().take_while(char::is_ascii_digit).collect();
-    digits.parse().ok()
-}
-
 /// `qemu-img check` must exit 0 and report no corruption, leak or check
 /// error. Returns the JSON report.
 fn assert_check_clean(dir: &Scratch, what: &str) -> String {
     let (status, text) = tool(dir, "qemu-img", &["check", "--output=json", IMG]);
-    let count = |key| json_u64(&text, key).unwrap_or(0);
+    let count = |key| common::json_count(&text, key);
     if !status.success() || count("corruptions") > 0 || count("leaks") > 0 || count("check-errors") > 0 {
         let (_, human) = tool(dir, "qemu-img", &["check", IMG]);
         panic!("{what}: qemu-img check {IMG} exited with {status}:\n{text}\n{human}");
@@ -350,7 +343,7 @@ fn compressed(dir: &Scratch, compression: &str) {
     let opts = format!("compression_type={compression}");
     qemu_img(dir, &["convert", "-c", "-f", "raw", "-O", "qcow2", "-o", &opts, "src.raw", IMG]);
     let report = qemu_img(dir, &["check", "--output=json", IMG]);
-    assert!(json_u64(&report, "compressed-clusters").unwrap_or(0) > 100, "nothing compressed: {report}");
+    assert!(common::json_count(&report, "compressed-clusters") > 100, "nothing compressed: {report}");
     std::fs::write(dir.path("pat-c.bin"), compressible(33, 4099)).unwrap();
     let mut commands = vec![
         format!("write -q -P 0x61 {} 4096", 3 * cs + 1024),

@@ -140,8 +140,7 @@ impl Image {
         n: u64,
         fill: Fill,
     ) -> io::Result<()> {
-        let (table, index) = self.l2_for_write(meta, io, cluster)?;
-        let old = table.decode(&self.layout, index).map_err(eio)?;
+        let (table, index, old) = self.entry_for_write(meta, io, cluster)?;
         let touched = self.touched(within, n);
         match old.host {
             Some(host) if old.copied && self.write_hits_metadata(host, self.cluster_size()) => {
@@ -265,8 +264,7 @@ impl Image {
         n: u64,
         may_unmap: bool,
     ) -> io::Result<()> {
-        let (table, index) = self.l2_for_write(meta, io, cluster)?;
-        let old = table.decode(&self.layout, index).map_err(eio)?;
+        let (table, index, old) = self.entry_for_write(meta, io, cluster)?;
         let touched = self.touched(within, n);
         let whole = touched == self.all_subclusters();
         let owned = old.host.is_some() && old.copied;
@@ -291,8 +289,7 @@ impl Image {
     }
 
     fn discard_cluster(&self, meta: &mut Meta, io: &mut ImageIo, cluster: u64) -> io::Result<()> {
-        let (table, index) = self.l2_for_write(meta, io, cluster)?;
-        let old = table.decode(&self.layout, index).map_err(eio)?;
+        let (table, index, old) = self.entry_for_write(meta, io, cluster)?;
         let keep = self.opts.discard_no_unref && self.header.version >= 3 && old.compressed.is_none();
         let allocated = old.host.is_some() || old.compressed.is_some();
         let new = if (self.has_backing || allocated) && (self.header.version >= 3 || self.layout.extended) {
@@ -316,6 +313,19 @@ impl Image {
                 Ok(())
             }
         }
+    }
+
+    /// The L2 table mapping guest `cluster` (made changeable), the
+    /// cluster's index in it, and its current entry.
+    fn entry_for_write(
+        &self,
+        meta: &mut Meta,
+        io: &mut ImageIo,
+        cluster: u64,
+    ) -> io::Result<(Arc<L2Table>, usize, L2Entry)> {
+        let (table, index) = self.l2_for_write(meta, io, cluster)?;
+        let entry = table.decode(&self.layout, index).map_err(eio)?;
+        Ok((table, index, entry))
     }
 
     /// The L2 table mapping guest `cluster`, allocated or copied so that it

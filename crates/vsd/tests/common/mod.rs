@@ -141,6 +141,27 @@ pub fn file_export(image: &Path, socket: &Path, file_opts: &str, export_opts: &s
     ]
 }
 
+/// `--blockdev` + `--export` arguments serving the qcow2 `image` on
+/// `socket`; `export_opts` are appended to the export (",writable=on").
+pub fn qcow2_export(image: &Path, socket: &Path, export_opts: &str) -> Vec<String> {
+    vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=f0,filename={}", image.display()),
+        "--blockdev".into(),
+        "driver=qcow2,node-name=q0,file=f0".into(),
+        "--export".into(),
+        format!("type=vhost-user-blk,id=e0,node-name=q0,addr.type=unix,addr.path={}{export_opts}", socket.display()),
+    ]
+}
+
+/// The number after `"key":` in `qemu-img --output=json` text, or 0 if
+/// the key is absent (qemu-img leaves out counts that are zero).
+pub fn json_count(text: &str, key: &str) -> u64 {
+    let Some(at) = text.find(&format!("\"{key}\":")) else { return 0 };
+    let digits: String = text[at + key.len() + 3..].trim_start().chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().unwrap_or(0)
+}
+
 /// A deterministic pattern, different for each `seed`.
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;

@@ -139,7 +139,7 @@ impl Qcow2Queue {
         self.parents[parent as usize].remaining += 1;
         let len = op_len(&op);
         let Some(tag) = self.free.pop() else {
-            let slice = slice_iovecs(iov.as_slice(), part.unwrap_or(0), len).collect();
+            let slice = iov.range(part.unwrap_or(0), len).collect();
             self.deferred.push_back(Deferred { parent, target, op, iov: slice });
             return;
         };
@@ -147,7 +147,7 @@ impl Qcow2Queue {
         *owner = parent;
         let iov = if let Some(pos) = part {
             storage.clear();
-            storage.extend(slice_iovecs(iov.as_slice(), pos, len));
+            storage.extend(iov.range(pos, len));
             // SAFETY: `storage` lives in self and is not touched again
             // until this child request completes; the buffers it names are
             // the parent's, valid until the parent completes.
@@ -188,14 +188,14 @@ impl Qcow2Queue {
                     let op = IoOp::Read { offset: host, len: n, iov };
                     self.issue(tag, Target::Data, op, iov, (!whole).then_some(pos));
                 }
-                Mapping::Zero => fill_iovecs(iov.as_slice(), pos, n, None),
+                Mapping::Zero => fill(iov, pos, n, None),
                 Mapping::Unallocated => {
                     let below = self.backing.as_ref().map_or(0, |b| b.end().saturating_sub(at).min(n));
                     if below > 0 {
                         let op = IoOp::Read { offset: at, len: below, iov };
                         self.issue(tag, Target::Backing, op, iov, (!whole || below < n).then_some(pos));
                     }
-                    fill_iovecs(iov.as_slice(), pos + below, n - below, None);
+                    fill(iov, pos + below, n - below, None);
                 }
                 Mapping::Compressed { host, len: compressed_len } => {
                     if let Err(e) = self.decompress(host, compressed_len) {
@@ -203,7 +203,7 @@ impl Qcow2Queue {
                     }
                     let within = (at % self.image.cluster_size()) as usize;
                     let (_, cluster) = self.compressed.as_ref().expect("just decompressed");
-                    fill_iovecs(iov.as_slice(), pos, n, Some(&cluster[within..within + n as usize]));
+                    fill(iov, pos, n, Some(&cluster[within..within + n as usize]));
                 }
                 Mapping::Invalid => return self.fail(tag, libc::EIO),
             }
@@ -256,7 +256,9 @@ impl Qcow2Queue {
         // Allocation, copy-on-write, zero flags to clear, or a durable write
         // with metadata to flush: the metadata path.
         let result = self.with_io(|image, io| {
-            image.write(io, offset, len, &mut |at, buf| copy_from_iovecs(iov.as_slice(), at, buf))?;
+            // SAFETY: a request's buffers stay valid until it completes, which
+            // is after this synchronous write.
+            image.write(io, offset, len, &mut |at, buf| unsafe { iov.copy_out(at, buf) })?;
             if durable { image.flush(io) } else { Ok(()) }
         });
         if let Err(e) = result {
@@ -403,51 +405,10 @@ fn with_iov(op: IoOp, iov: IoVecs) -> IoOp {
     }
 }
 
-/// The iovecs covering bytes `pos..pos + len` of `iov`.
-fn slice_iovecs(iov: &[libc::iovec], pos: u64, len: u64) -> impl Iterator<Item = libc::iovec> + '_ {
-    let (mut skip, mut left) = (pos as usize, len as usize);
-    iov.iter().filter_map(move |v| {
-        if skip >= v.iov_len {
-            skip -= v.iov_len;
-            return None;
-        }
-        let n = (v.iov_len - skip).min(left);
-        if n == 0 {
-            return None;
-        }
-        let out = libc::iovec { iov_base: v.iov_base.wrapping_byte_add(skip), iov_len: n };
-        skip = 0;
-        left -= n;
-        Some(out)
-    })
-}
-
-/// Fills bytes `pos..pos + len` of the request's buffers from `src`, or
+/// Fills bytes `pos..pos + len` of a read request's buffers from `src`, or
 /// with zeroes.
-fn fill_iovecs(iov: &[libc::iovec], pos: u64, len: u64, src: Option<&[u8]>) {
-    let mut done = 0;
-    for v in slice_iovecs(iov, pos, len) {
-        let dst = v.iov_base.cast::<u8>();
-        // SAFETY: the request's buffers are writable guest memory for the
-        // length the iovec gives, valid until the request completes, and
-        // `src` (when given) holds `len` bytes.
-        unsafe {
-            match src {
-                Some(src) => std::ptr::copy_nonoverlapping(src[done..].as_ptr(), dst, v.iov_len),
-                None => std::ptr::write_bytes(dst, 0, v.iov_len),
-            }
-        }
-        done += v.iov_len;
-    }
-}
-
-/// Copies bytes `pos..pos + buf.len()` of the request's buffers into `buf`.
-fn copy_from_iovecs(iov: &[libc::iovec], pos: u64, buf: &mut [u8]) {
-    let mut done = 0;
-    for v in slice_iovecs(iov, pos, buf.len() as u64) {
-        // SAFETY: the request's buffers are readable for iov_len bytes
-        // until the request completes; `buf` has room for them.
-        unsafe { std::ptr::copy_nonoverlapping(v.iov_base.cast::<u8>(), buf[done..].as_mut_ptr(), v.iov_len) };
-        done += v.iov_len;
-    }
+fn fill(iov: IoVecs, pos: u64, len: u64, src: Option<&[u8]>) {
+    // SAFETY: a read request's buffers are writable guest memory, valid and
+    // ours alone until the request completes, which is after this.
+    unsafe { iov.fill(pos, len, src) }
 }
