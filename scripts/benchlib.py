@@ -20,9 +20,10 @@ def cpu_ticks(pid):
     return int(fields[11]) + int(fields[12])  # utime, stime
 
 
-def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk0"):
+def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk0", export_opts=""):
     """Runs `program` with `blockdevs` (a list of --blockdev values) and an
-    export of `node`, then vsd-bench with `bench_args` for `seconds`."""
+    export of `node` (plus `export_opts`, e.g. ",trace=off"), then vsd-bench
+    with `bench_args` for `seconds`."""
     sock = os.path.join(workdir, "bench.sock")
     pidfile = os.path.join(workdir, "bench.pid")
     for path in (sock, pidfile):
@@ -31,7 +32,7 @@ def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk
     args = ["taskset", "-c", "0", program]
     for blockdev in blockdevs:
         args += ["--blockdev", blockdev]
-    args += ["--export", f"type=vhost-user-blk,id=e0,node-name={node},addr.type=unix,addr.path={sock},writable=on",
+    args += ["--export", f"type=vhost-user-blk,id=e0,node-name={node},addr.type=unix,addr.path={sock},writable=on{export_opts}",
              "--pidfile", pidfile]
     daemon = subprocess.Popen(args)
     try:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what vsd's demo, tests and benchmarks need on a fresh Debian bookworm
 # machine: QEMU 10 and qemu-storage-daemon from bookworm-backports, fio,
-# busybox-static and a Debian kernel for the test guest.
+# busybox-static and a Debian kernel for the test guest; the Python packages
+# qemu.qmp and prometheus_client for the control tests.
 #
 # bookworm-backports is added by reusing the URIs of the machine's existing
 # Debian source, so no mirror is hard-coded here.
@@ -16,7 +17,15 @@ have_all() {
         ls /boot/vmlinuz-* >/dev/null 2>&1 &&
         qemu-system-x86_64 --version | grep -qE 'version (9|[1-9][0-9])\.'
 }
-if have_all; then exit 0; fi
+# QEMU's own QMP client and Prometheus' text parser, for the control tests.
+have_python_modules() { python3 -c 'import qemu.qmp, prometheus_client' 2>/dev/null; }
+install_python_modules() {
+    have_python_modules || python3 -m pip install -q --disable-pip-version-check qemu.qmp prometheus_client
+}
+if have_all; then
+    install_python_modules
+    exit 0
+fi
 
 export DEBIAN_FRONTEND=noninteractive
 backports=/etc/apt/sources.list.d/vsd-backports.sources
@@ -41,3 +50,4 @@ apt-get update -qq
 apt-get install -y -qq -t bookworm-backports qemu-system-x86 qemu-utils >/dev/null
 apt-get install -y -qq fio busybox-static linux-image-amd64 xz-utils cpio socat >/dev/null
 have_all || { echo "setup: packages installed but a tool is still missing" >&2; exit 1; }
+install_python_modules

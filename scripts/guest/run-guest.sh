@@ -7,7 +7,8 @@
 #   --queues N         virtqueues requested by QEMU (default 2)
 #   --smp N            guest vCPUs (default: --queues; a guest drives at most
 #                      one queue per vCPU)
-#   --job JOB          verify (default) or info (facts only, no I/O)
+#   --job JOB          verify (default), info (facts only, no I/O) or resize
+#                      (wait for the host to resize the disk; see init)
 #   --size SIZE        bytes of the disk fio exercises, e.g. 64M (default 64M)
 #   --bs SIZE          fio block size (default 4k)
 #   --numjobs N        fio jobs (default: one per hardware queue in the guest)
@@ -104,7 +105,7 @@ while [ "$#" -gt 0 ]; do
 done
 [ -n "$socket" ] || usage
 [ -S "$socket" ] || die "$socket is not a unix socket (is the back-end running?)"
-case "$job" in verify | info) ;; *) die "--job must be verify or info" ;; esac
+case "$job" in verify | info | resize) ;; *) die "--job must be verify, info or resize" ;; esac
 [[ "$queues" =~ ^[1-9][0-9]*$ ]] || die "--queues must be a positive integer"
 [ -n "$smp" ] || smp=$queues
 [[ "$smp" =~ ^[1-9][0-9]*$ ]] || die "--smp must be a positive integer"

@@ -102,6 +102,7 @@
 #![deny(missing_docs)]
 
 pub mod bench;
+pub mod breakdown;
 mod buffer;
 mod client;
 mod error;

@@ -37,6 +37,16 @@ pub trait BlockNode: Send + Sync {
     fn filename(&self) -> Option<&str> {
         None
     }
+    /// The nodes this one reads and writes through, with the role QEMU
+    /// names them by (`file`, `backing`, `data-file`).
+    fn children(&self) -> Vec<(&'static str, Arc<dyn BlockNode>)> {
+        Vec::new()
+    }
+    /// Changes the size (QMP `block_resize`); drivers that cannot say so.
+    /// Exports read the new size when told to (they own the guest's view).
+    fn resize(&self, _size: u64) -> io::Result<()> {
+        Err(io::Error::new(io::ErrorKind::Unsupported, format!("driver '{}' cannot be resized", self.driver())))
+    }
     /// Writes back whatever the node keeps in memory (a format's metadata),
     /// when the daemon stops. Call it once no queue has requests in flight.
     fn close(&self) -> io::Result<()> {
@@ -98,6 +108,17 @@ pub enum GraphError {
     },
 }
 
+/// Why a node could not be removed.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoveError {
+    /// No node has that name.
+    #[error("no such node")]
+    NoSuchNode,
+    /// Something still uses the node.
+    #[error("{0}")]
+    Busy(String),
+}
+
 /// The nodes defined so far, by name.
 #[derive(Default)]
 pub struct BlockGraph {
@@ -127,6 +148,23 @@ impl BlockGraph {
     /// The node called `name`.
     pub fn get(&self, name: &str) -> Option<Arc<dyn BlockNode>> {
         self.nodes.iter().find(|n| n.name() == name).cloned()
+    }
+
+    /// Removes the node called `name`, unless another node or an export
+    /// still uses it (`exported` names the export serving a node, if any).
+    pub fn remove(&mut self, name: &str, exported: impl Fn(&str) -> Option<String>) -> Result<(), RemoveError> {
+        let index = self.nodes.iter().position(|n| n.name() == name).ok_or(RemoveError::NoSuchNode)?;
+        let parent = self.nodes.iter().find_map(|p| {
+            p.children().into_iter().find(|(_, c)| c.name() == name).map(|(role, _)| (role, p.name().to_string()))
+        });
+        if let Some((role, parent)) = parent {
+            return Err(RemoveError::Busy(format!("node is used as {role} of '{parent}'")));
+        }
+        if let Some(export) = exported(name) {
+            return Err(RemoveError::Busy(format!("node is exported by '{export}'")));
+        }
+        self.nodes.remove(index);
+        Ok(())
     }
 
     /// Every node, in the order they were added.

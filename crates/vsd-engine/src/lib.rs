@@ -68,6 +68,19 @@ pub enum IoOp {
     },
 }
 
+impl IoOp {
+    /// The byte range the request touches (offset, length), if any.
+    pub fn extent(&self) -> Option<(u64, u64)> {
+        match *self {
+            IoOp::Read { offset, len, .. }
+            | IoOp::Write { offset, len, .. }
+            | IoOp::Discard { offset, len }
+            | IoOp::WriteZeroes { offset, len, .. } => Some((offset, len)),
+            IoOp::Flush => None,
+        }
+    }
+}
+
 /// A borrowed scatter/gather list: a pointer to `count` iovecs.
 ///
 /// It is a raw pointer because the list outlives any borrow the caller
@@ -225,6 +238,12 @@ pub trait IoQueue: Send {
         {
             log::warn!("cannot read an I/O completion counter: {e}");
         }
+    }
+
+    /// How many times the queue has entered the kernel to submit or wait
+    /// (`io_uring_enter`), for the events-per-I/O statistics.
+    fn kernel_entries(&self) -> u64 {
+        0
     }
 }
 

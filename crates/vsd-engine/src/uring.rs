@@ -40,6 +40,8 @@ pub struct UringQueue {
     requests: Vec<InFlight>,
     in_flight: usize,
     queued: usize,
+    /// `io_uring_enter` calls made so far.
+    entries: u64,
 }
 
 impl UringQueue {
@@ -54,7 +56,15 @@ impl UringQueue {
         let notify = EventFd::new(EFD_NONBLOCK)?;
         ring.submitter().register_eventfd(notify.as_raw_fd())?;
         let idle = InFlight { op: IoOp::Flush, step: Step::Idle };
-        Ok(Self { ring, _file: file, notify, requests: vec![idle; usize::from(depth.max(1))], in_flight: 0, queued: 0 })
+        Ok(Self {
+            ring,
+            _file: file,
+            notify,
+            requests: vec![idle; usize::from(depth.max(1))],
+            in_flight: 0,
+            queued: 0,
+            entries: 0,
+        })
     }
 
     /// Checks that io_uring can be used here, for a clear error at startup
@@ -95,6 +105,7 @@ impl UringQueue {
         // are in flight, but a multi-step request may queue its next step
         // while others wait: make room rather than fail.
         if self.ring.submission().is_full() {
+            self.entries += 1;
             if let Err(e) = self.ring.submit() {
                 log::warn!("io_uring submit failed: {e}");
             }
@@ -159,6 +170,7 @@ impl IoQueue for UringQueue {
             return Ok(());
         }
         self.queued = 0;
+        self.entries += 1;
         self.ring.submit().map(drop)
     }
 
@@ -178,7 +190,12 @@ impl IoQueue for UringQueue {
 
     fn wait(&mut self) -> io::Result<()> {
         self.queued = 0;
+        self.entries += 1;
         self.ring.submit_and_wait(1).map(drop)
+    }
+
+    fn kernel_entries(&self) -> u64 {
+        self.entries
     }
 
     fn notify_fd(&self) -> Option<BorrowedFd<'_>> {

@@ -29,6 +29,9 @@ pub struct ExportConfig {
     pub logical_block_size: u32,
     /// `serial=`: what GET_ID answers (at most 20 bytes are sent).
     pub serial: String,
+    /// `trace=`: time every request's stages (default on); off keeps only
+    /// the counters.
+    pub trace: bool,
 }
 
 impl ExportConfig {
@@ -56,7 +59,8 @@ impl ExportConfig {
             n => return Err(opts.invalid("logical-block-size", n, "512 or 4096")),
         };
         let serial = opts.take("serial").unwrap_or_default();
-        Ok(Self { id, node_name, socket, writable, writethrough, num_queues, logical_block_size, serial })
+        let trace = opts.take_bool("trace")?.unwrap_or(true);
+        Ok(Self { id, node_name, socket, writable, writethrough, num_queues, logical_block_size, serial, trace })
     }
 }
 

@@ -2,13 +2,14 @@
 
 use std::mem::offset_of;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use vhost::vhost_user::message::VhostUserVirtioFeatures;
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
 use vsd_block::BlockNode;
+use vsd_trace::{ExportSnapshot, QueueStats};
 
 use crate::config::ExportConfig;
 use crate::request::{Limits, SECTOR_SIZE, SEG_MAX, id_bytes};
@@ -25,23 +26,58 @@ pub struct BlkDevice {
     /// The guest-visible write cache (WCE): when off, every write is made
     /// durable before it completes. The guest may toggle it (CONFIG_WCE).
     writeback: AtomicBool,
-    pub(crate) limits: Limits,
+    /// Bytes the guest may address: whole logical blocks of the node. It
+    /// changes when the node is resized.
+    capacity: AtomicU64,
+    /// Everything but the capacity, which [`BlkDevice::limits`] adds.
+    limits: Limits,
     pub(crate) id: [u8; VIRTIO_BLK_ID_BYTES as usize],
+    /// One per virtqueue, kept across connections; each is written only by
+    /// the worker serving its queue at the time.
+    pub(crate) stats: Vec<Arc<QueueStats>>,
 }
 
 impl BlkDevice {
     pub(crate) fn new(config: ExportConfig, node: Arc<dyn BlockNode>) -> Self {
-        let block = u64::from(config.logical_block_size);
         let limits = Limits {
-            // Whole logical blocks only: a partial block at the end cannot
-            // be addressed with aligned requests.
-            capacity: node.size() / block * block,
+            capacity: 0,
             block_size: config.logical_block_size,
             writable: config.writable,
             max_discard_sectors: MAX_RANGE_SECTORS,
             max_write_zeroes_sectors: MAX_RANGE_SECTORS,
         };
-        Self { writeback: AtomicBool::new(!config.writethrough), id: id_bytes(&config.serial), config, node, limits }
+        let stats = (0..config.num_queues).map(|_| Arc::new(QueueStats::new())).collect();
+        let device = Self {
+            writeback: AtomicBool::new(!config.writethrough),
+            capacity: AtomicU64::new(0),
+            id: id_bytes(&config.serial),
+            config,
+            node,
+            limits,
+            stats,
+        };
+        device.refresh_capacity();
+        device
+    }
+
+    /// Reads the node's size again (after a resize); returns the capacity.
+    pub(crate) fn refresh_capacity(&self) -> u64 {
+        let block = u64::from(self.config.logical_block_size);
+        // Whole logical blocks only: a partial block at the end cannot be
+        // addressed with aligned requests.
+        let capacity = self.node.size() / block * block;
+        self.capacity.store(capacity, Ordering::Relaxed);
+        capacity
+    }
+
+    /// The request limits, with the capacity as of now.
+    pub(crate) fn limits(&self) -> Limits {
+        Limits { capacity: self.capacity.load(Ordering::Relaxed), ..self.limits }
+    }
+
+    /// The statistics of every queue, as of now.
+    pub(crate) fn snapshot(&self) -> ExportSnapshot {
+        ExportSnapshot::from_queues(self.stats.iter().map(|q| q.snapshot()).collect())
     }
 
     /// Whether writes may sit in a volatile cache until a FLUSH.
@@ -72,7 +108,7 @@ impl BlkDevice {
         let mut space = vec![0u8; std::mem::size_of::<virtio_blk_config>()];
         let mut put = |offset: usize, bytes: &[u8]| space[offset..offset + bytes.len()].copy_from_slice(bytes);
         let block = self.config.logical_block_size;
-        put(offset_of!(virtio_blk_config, capacity), &(self.limits.capacity / SECTOR_SIZE).to_le_bytes());
+        put(offset_of!(virtio_blk_config, capacity), &(self.limits().capacity / SECTOR_SIZE).to_le_bytes());
         put(offset_of!(virtio_blk_config, size_max), &SIZE_MAX.to_le_bytes());
         put(offset_of!(virtio_blk_config, seg_max), &SEG_MAX.to_le_bytes());
         put(offset_of!(virtio_blk_config, blk_size), &block.to_le_bytes());

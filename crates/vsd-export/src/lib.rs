@@ -12,6 +12,7 @@
 
 #![deny(missing_docs)]
 
+mod channel;
 mod config;
 mod device;
 pub mod request;
@@ -19,14 +20,20 @@ mod session;
 mod worker;
 
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 
 use vhost::vhost_user::BackendReqHandler;
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_block::BlockNode;
+pub use vsd_trace::ExportSnapshot;
 
+use channel::BackendChannel;
 pub use config::{ExportConfig, MAX_QUEUE_SIZE, MAX_QUEUES};
 use device::BlkDevice;
 use session::Session;
@@ -73,7 +80,25 @@ pub enum ExportError {
 
 /// A running vhost-user-blk export.
 pub struct VhostUserBlkExport {
-    config: ExportConfig,
+    device: Arc<BlkDevice>,
+    shared: Arc<Shared>,
+    accept: Option<JoinHandle<()>>,
+}
+
+/// What the accepting thread shares with the export's owner.
+struct Shared {
+    /// Written to stop the accepting thread.
+    stop: EventFd,
+    /// The front-end being served, if any.
+    client: Mutex<Option<Client>>,
+}
+
+/// A connected front-end, as the control side sees it.
+struct Client {
+    /// A second handle on the connection, to cut it (`mode=hard`).
+    stream: UnixStream,
+    /// The back-end request channel, once the front-end has sent one.
+    channel: Option<BackendChannel>,
 }
 
 impl VhostUserBlkExport {
@@ -87,18 +112,72 @@ impl VhostUserBlkExport {
         if node.size() < u64::from(config.logical_block_size) {
             return Err(invalid(format!("node '{}' is smaller than one block", node.name())));
         }
+        let listen_error = |source| ExportError::Listen { id: config.id.clone(), path: config.socket.clone(), source };
         let listener = bind(&config)?;
+        let shared =
+            Arc::new(Shared { stop: EventFd::new(EFD_NONBLOCK).map_err(listen_error)?, client: Mutex::default() });
         let device = Arc::new(BlkDevice::new(config.clone(), node));
-        std::thread::Builder::new()
+        let (accept_device, accept_shared) = (device.clone(), shared.clone());
+        let accept = std::thread::Builder::new()
             .name(format!("vsd-{}-accept", config.id))
-            .spawn(move || serve(listener, device))
-            .map_err(|source| ExportError::Listen { id: config.id.clone(), path: config.socket.clone(), source })?;
-        Ok(Self { config })
+            .spawn(move || serve(listener, accept_device, accept_shared))
+            .map_err(listen_error)?;
+        Ok(Self { device, shared, accept: Some(accept) })
     }
 
     /// The export's configuration.
     pub fn config(&self) -> &ExportConfig {
-        &self.config
+        &self.device.config
+    }
+
+    /// The node it serves.
+    pub fn node(&self) -> &Arc<dyn BlockNode> {
+        &self.device.node
+    }
+
+    /// Whether a front-end is connected.
+    pub fn has_client(&self) -> bool {
+        self.shared.client.lock().is_ok_and(|c| c.is_some())
+    }
+
+    /// Every queue's statistics, as of now.
+    pub fn stats(&self) -> ExportSnapshot {
+        self.device.snapshot()
+    }
+
+    /// Takes the node's new size and tells the front-end, which re-reads
+    /// the config space and tells the guest. Returns the new capacity.
+    pub fn capacity_changed(&self) -> io::Result<u64> {
+        let capacity = self.device.refresh_capacity();
+        let mut client = self.shared.client.lock().map_err(|_| io::Error::other("client lock poisoned"))?;
+        if let Some(channel) = client.as_mut().and_then(|c| c.channel.as_mut()) {
+            channel.config_changed()?;
+        }
+        Ok(capacity)
+    }
+
+    /// Stops accepting front-ends, disconnects the one being served (its
+    /// requests in flight complete first) and removes the socket.
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        let Some(accept) = self.accept.take() else { return };
+        if let Err(e) = self.shared.stop.write(1) {
+            log::error!("export '{}': cannot stop accepting: {e}", self.config().id);
+        }
+        if let Ok(Some(client)) = self.shared.client.lock().as_deref() {
+            let _ = client.stream.shutdown(std::net::Shutdown::Both);
+        }
+        let _ = accept.join();
+        let _ = std::fs::remove_file(&self.config().socket);
+    }
+}
+
+impl Drop for VhostUserBlkExport {
+    fn drop(&mut self) {
+        self.shutdown();
     }
 }
 
@@ -121,27 +200,68 @@ fn bind(config: &ExportConfig) -> Result<UnixListener, ExportError> {
     UnixListener::bind(&path).map_err(|source| ExportError::Listen { id, path, source })
 }
 
-fn serve(listener: UnixListener, device: Arc<BlkDevice>) {
+fn serve(listener: UnixListener, device: Arc<BlkDevice>, shared: Arc<Shared>) {
     let id = device.config.id.clone();
-    for stream in listener.incoming() {
-        let stream = match stream {
-            Ok(stream) => stream,
+    loop {
+        match wait_for_client(&listener, &shared.stop) {
+            Ok(true) => {}
+            Ok(false) => return,
+            Err(e) => {
+                log::error!("export '{id}': waiting for front-ends failed: {e}");
+                return;
+            }
+        }
+        let stream = match listener.accept() {
+            Ok((stream, _)) => stream,
             Err(e) => {
                 log::error!("export '{id}': accept failed: {e}");
                 continue;
             }
         };
         log::info!("export '{id}': front-end connected");
-        serve_connection(stream, device.clone());
+        serve_connection(stream, device.clone(), &shared);
         log::info!("export '{id}': front-end disconnected");
     }
 }
 
-fn serve_connection(stream: UnixStream, device: Arc<BlkDevice>) {
+/// Waits until a front-end connects (true) or the export stops (false).
+fn wait_for_client(listener: &UnixListener, stop: &EventFd) -> io::Result<bool> {
+    let epoll = Epoll::new()?;
+    epoll.ctl(ControlOperation::Add, listener.as_raw_fd(), EpollEvent::new(EventSet::IN, 0))?;
+    epoll.ctl(ControlOperation::Add, stop.as_raw_fd(), EpollEvent::new(EventSet::IN, 1))?;
+    let mut events = [EpollEvent::default(); 2];
+    loop {
+        match epoll.wait(-1, &mut events) {
+            Ok(n) => return Ok(!events[..n].iter().any(|e| e.data() == 1)),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn serve_connection(stream: UnixStream, device: Arc<BlkDevice>, shared: &Shared) {
     let id = device.config.id.clone();
+    // One handle to cut the connection, one to peek at its messages.
+    let (control, peek) = match (stream.try_clone(), stream.try_clone()) {
+        (Ok(control), Ok(peek)) => (control, peek),
+        (Err(e), _) | (_, Err(e)) => {
+            log::error!("export '{id}': refusing a front-end: {e}");
+            return;
+        }
+    };
+    set_client(shared, Some(Client { stream: control, channel: None }));
     let session = Arc::new(Mutex::new(Session::new(device)));
     let mut handler = BackendReqHandler::from_stream(stream, session.clone());
     loop {
+        match BackendChannel::intercept(&peek) {
+            Ok(Some(channel)) => {
+                if let Ok(Some(client)) = shared.client.lock().as_deref_mut() {
+                    client.channel = Some(channel);
+                }
+            }
+            Ok(None) => {}
+            Err(e) => log::warn!("export '{id}': cannot look at the next message: {e}"),
+        }
         match handler.handle_request() {
             Ok(()) => {}
             Err(vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage) => break,
@@ -153,7 +273,14 @@ fn serve_connection(stream: UnixStream, device: Arc<BlkDevice>) {
             }
         }
     }
+    set_client(shared, None);
     // Dropping the session stops its workers after their requests complete.
     drop(handler);
     drop(session);
+}
+
+fn set_client(shared: &Shared, client: Option<Client>) {
+    if let Ok(mut slot) = shared.client.lock() {
+        *slot = client;
+    }
 }

@@ -5,6 +5,10 @@
 //! style), push every request to the engine, submit the batch with one
 //! call, reap what completed, publish the used entries, and signal the
 //! guest once if it asked to be told.
+//!
+//! Each stage is timed (unless `trace=off`) into the queue's own
+//! [`QueueStats`]: one clock read per request (pop) and one per round for
+//! the other stages, shared by every request of the round.
 
 use std::fs::File;
 use std::io;
@@ -19,6 +23,7 @@ use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, Guest
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_block::{Completion, IoOp, IoQueue, IoVecs};
+use vsd_trace::{OpKind, QueueStats, Stage, now_ns};
 
 use crate::device::BlkDevice;
 use crate::request::{self, Action, MAX_IOVECS, NoStatus, status};
@@ -89,6 +94,13 @@ struct Slot {
     head: u16,
     status: GuestAddress,
     used_len: u32,
+    kind: OpKind,
+    bytes: u64,
+    /// When the worker noticed the kick, popped the request and submitted
+    /// it (ns; 0 with tracing off).
+    kicked_ns: u64,
+    popped_ns: u64,
+    submitted_ns: u64,
     /// Keeps the guest memory the request points into mapped until it
     /// completes, even if the front-end replaces the memory table meanwhile.
     mem: Option<Arc<Memory>>,
@@ -111,6 +123,20 @@ struct QueueWorker {
     unsignalled: bool,
     /// The guest broke the ring; stop taking requests from it.
     broken: bool,
+    stats: Arc<QueueStats>,
+    trace: bool,
+    /// When the current round began: the kick was noticed.
+    woke_ns: u64,
+    /// Tags pushed to the engine since its last submit.
+    unsubmitted: Vec<u16>,
+    /// Requests published since the guest was last signalled: when their
+    /// kick was noticed, for the total.
+    unsignalled_kicks: Vec<u64>,
+    /// When those were published.
+    used_ns: u64,
+    /// The engine's count of kernel entries when last added to the stats
+    /// (the engine is new with each worker; the stats live on).
+    kernel_entries: u64,
 }
 
 // SAFETY: the raw pointers in `iovecs` point into guest memory that the
@@ -142,11 +168,30 @@ impl QueueWorker {
         };
         let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
         let depth = usize::from(depth);
+        let stats = device.stats[usize::from(run.index)].clone();
+        let idle = || Slot {
+            head: 0,
+            status: GuestAddress(0),
+            used_len: 0,
+            kind: OpKind::Flush,
+            bytes: 0,
+            kicked_ns: 0,
+            popped_ns: 0,
+            submitted_ns: 0,
+            mem: None,
+        };
         Ok(Self {
-            slots: (0..depth).map(|_| Slot { head: 0, status: GuestAddress(0), used_len: 0, mem: None }).collect(),
+            slots: (0..depth).map(|_| idle()).collect(),
             iovecs: vec![[empty; MAX_IOVECS]; depth],
             free: (0..depth as u16).rev().collect(),
             completions: Vec::with_capacity(depth),
+            stats,
+            trace: device.config.trace,
+            woke_ns: 0,
+            unsubmitted: Vec::with_capacity(depth),
+            unsignalled_kicks: Vec::with_capacity(depth),
+            used_ns: 0,
+            kernel_entries: 0,
             run,
             mem,
             device,
@@ -166,23 +211,28 @@ impl QueueWorker {
         self.slots.len() - self.free.len()
     }
 
+    /// The time, if requests are being traced.
+    fn now(&self) -> u64 {
+        if self.trace { now_ns() } else { 0 }
+    }
+
     fn run(&mut self) {
         let mut events = [EpollEvent::default(); 4];
         // The guest may have queued requests before this thread listened.
         let mut kicked = true;
         let mut stopping = false;
+        self.woke_ns = self.now();
         loop {
             let mem = self.mem.memory().into_inner();
             if kicked && !stopping {
                 kicked = self.take_requests(&mem);
             }
-            if let Err(e) = self.io.submit() {
-                log::error!("queue {}: submitting I/O failed: {e}", self.run.index);
-            }
+            self.submit();
             self.complete_requests(&mem);
             if self.unsignalled {
                 self.signal_guest(&mem);
             }
+            self.stats.in_flight.set(self.in_flight() as u64);
             if stopping {
                 if self.in_flight() == 0 {
                     return;
@@ -207,10 +257,13 @@ impl QueueWorker {
                     continue;
                 }
             };
+            self.stats.wakeups.add(1);
+            self.woke_ns = self.now();
             for event in &events[..n] {
                 match event.data() {
                     TOKEN_KICK => {
                         drain(self.run.kick.as_fd());
+                        self.stats.kicks.add(1);
                         kicked = true;
                     }
                     TOKEN_IO => self.io.rearm(),
@@ -220,12 +273,38 @@ impl QueueWorker {
         }
     }
 
+    /// Hands the requests pushed so far to the engine.
+    fn submit(&mut self) {
+        // Stamped before the call: an engine may do the I/O inside it
+        // (io_uring reads of cached data), which is the engine's time.
+        let now = self.now();
+        for tag in self.unsubmitted.drain(..) {
+            self.slots[usize::from(tag)].submitted_ns = now;
+        }
+        if let Err(e) = self.io.submit() {
+            log::error!("queue {}: submitting I/O failed: {e}", self.run.index);
+        }
+        let entries = self.io.kernel_entries();
+        self.stats.kernel_entries.add(entries - self.kernel_entries);
+        self.kernel_entries = entries;
+    }
+
     /// Takes requests until the ring is empty or the slots run out.
     /// Returns whether requests are left waiting for a free slot.
     fn take_requests(&mut self, mem: &Arc<Memory>) -> bool {
         if self.broken {
             return false;
         }
+        let before = self.stats.requests.get();
+        let waiting = self.take_available(mem);
+        if self.stats.requests.get() != before {
+            self.stats.batches.add(1);
+        }
+        waiting
+    }
+
+    fn take_available(&mut self, mem: &Arc<Memory>) -> bool {
+        let limits = self.device.limits();
         // Rounds in a row where the ring announced requests but yielded none.
         // Once or twice is a race with the guest adding more; a third time
         // means an entry that cannot be read.
@@ -248,7 +327,7 @@ impl QueueWorker {
             while !self.free.is_empty() && announced > 0 {
                 announced -= 1;
                 match pop(&mut self.run.queue, mem) {
-                    Ok(Some(chain)) => self.start_request(chain, mem),
+                    Ok(Some(chain)) => self.start_request(chain, mem, &limits),
                     Ok(None) => break,
                     Err(e) => return self.mark_broken(e),
                 }
@@ -279,11 +358,13 @@ impl QueueWorker {
         false
     }
 
-    fn start_request(&mut self, chain: DescriptorChain<&Memory>, mem: &Arc<Memory>) {
+    fn start_request(&mut self, chain: DescriptorChain<&Memory>, mem: &Arc<Memory>, limits: &request::Limits) {
         let head = chain.head_index();
         let Some(tag) = self.free.pop() else { return };
+        self.stats.requests.add(1);
+        let popped_ns = self.now();
         let iov = &mut self.iovecs[usize::from(tag)];
-        let request = match request::parse(chain, &**mem, &self.device.limits, iov) {
+        let request = match request::parse(chain, &**mem, limits, iov) {
             Ok(request) => request,
             Err(NoStatus) => {
                 log::debug!("queue {}: chain {head} has no status byte", self.run.index);
@@ -296,14 +377,16 @@ impl QueueWorker {
         // lives as long as the worker; the slot holds the guest memory they
         // point into until the request completes.
         let data = unsafe { IoVecs::new(iov.as_ptr(), request.iovcnt) };
-        let (op, data_len) = match request.action {
-            Action::Read { offset, len } => (IoOp::Read { offset, len, iov: data }, len as u32),
+        let (op, kind, data_len) = match request.action {
+            Action::Read { offset, len } => (IoOp::Read { offset, len, iov: data }, OpKind::Read, len as u32),
             Action::Write { offset, len } => {
-                (IoOp::Write { offset, len, iov: data, durable: !self.device.writeback() }, 0)
+                (IoOp::Write { offset, len, iov: data, durable: !self.device.writeback() }, OpKind::Write, 0)
             }
-            Action::Flush => (IoOp::Flush, 0),
-            Action::Discard { offset, len } => (IoOp::Discard { offset, len }, 0),
-            Action::WriteZeroes { offset, len, unmap } => (IoOp::WriteZeroes { offset, len, may_unmap: unmap }, 0),
+            Action::Flush => (IoOp::Flush, OpKind::Flush, 0),
+            Action::Discard { offset, len } => (IoOp::Discard { offset, len }, OpKind::Unmap, 0),
+            Action::WriteZeroes { offset, len, unmap } => {
+                (IoOp::WriteZeroes { offset, len, may_unmap: unmap }, OpKind::Write, 0)
+            }
             Action::GetId => {
                 // SAFETY: the iovecs were just mapped by `parse` for this
                 // GET_ID request and `mem` keeps them mapped.
@@ -313,13 +396,25 @@ impl QueueWorker {
                 return;
             }
             Action::Done(code) => {
+                self.stats.invalid.add(1);
                 self.free.push(tag);
                 self.finish(mem, head, request.status, code, 1);
                 return;
             }
         };
         let slot = &mut self.slots[usize::from(tag)];
-        *slot = Slot { head, status: request.status, used_len: data_len + 1, mem: Some(mem.clone()) };
+        *slot = Slot {
+            head,
+            status: request.status,
+            used_len: data_len + 1,
+            kind,
+            bytes: op.extent().map_or(0, |(_, len)| len),
+            kicked_ns: self.woke_ns,
+            popped_ns,
+            submitted_ns: 0,
+            mem: Some(mem.clone()),
+        };
+        self.unsubmitted.push(tag);
         // SAFETY: the buffers live in guest memory kept mapped by the slot,
         // and the iovec array is the slot's own; both outlive the request,
         // which completes before the slot is reused or the worker drops.
@@ -328,8 +423,13 @@ impl QueueWorker {
 
     fn complete_requests(&mut self, mem: &Arc<Memory>) {
         self.io.reap(&mut self.completions);
+        if self.completions.is_empty() {
+            return;
+        }
+        let completed_ns = self.now();
         let mut completions = std::mem::take(&mut self.completions);
-        for done in completions.drain(..) {
+        for done in completions.iter() {
+            self.account(done.tag as usize, done.errno, completed_ns);
             let slot = &mut self.slots[done.tag as usize];
             let held = slot.mem.take();
             let (head, status_addr) = (slot.head, slot.status);
@@ -344,7 +444,36 @@ impl QueueWorker {
             self.finish(held.as_ref().unwrap_or(mem), head, status_addr, code, used_len);
             self.free.push(done.tag as u16);
         }
+        self.used_ns = self.now();
+        if self.trace {
+            let (n, used) = (completions.len() as u64, self.used_ns.saturating_sub(completed_ns));
+            self.stats.stage(Stage::Used).record_n(used, n);
+            for done in &completions {
+                let slot = &self.slots[done.tag as usize];
+                self.stats.op(slot.kind).latency.record(self.used_ns.saturating_sub(slot.kicked_ns));
+            }
+        }
+        completions.clear();
         self.completions = completions;
+    }
+
+    /// Counts a completed request and records its stages up to completion.
+    fn account(&mut self, tag: usize, errno: i32, completed_ns: u64) {
+        let slot = &self.slots[tag];
+        let op = self.stats.op(slot.kind);
+        op.ops.add(1);
+        if errno == 0 {
+            op.bytes.add(slot.bytes);
+        } else {
+            op.failed.add(1);
+        }
+        if self.trace {
+            let stage = |s| self.stats.stage(s);
+            stage(Stage::Pop).record(slot.popped_ns.saturating_sub(slot.kicked_ns));
+            stage(Stage::Submit).record(slot.submitted_ns.saturating_sub(slot.popped_ns));
+            stage(Stage::Complete).record(completed_ns.saturating_sub(slot.submitted_ns));
+            self.unsignalled_kicks.push(slot.kicked_ns);
+        }
     }
 
     /// Writes the status byte and returns the chain to the guest.
@@ -367,10 +496,19 @@ impl QueueWorker {
     fn signal_guest(&mut self, mem: &Arc<Memory>) {
         self.unsignalled = false;
         let wanted = self.run.queue.needs_notification(&**mem).unwrap_or(true);
-        if let (true, Some(call)) = (wanted, &self.run.call)
-            && let Err(e) = vsd_sys::signal_counter(call.as_fd())
-        {
-            log::warn!("queue {}: cannot signal the guest: {e}", self.run.index);
+        if let (true, Some(call)) = (wanted, &self.run.call) {
+            match vsd_sys::signal_counter(call.as_fd()) {
+                Ok(()) => self.stats.calls.add(1),
+                Err(e) => log::warn!("queue {}: cannot signal the guest: {e}", self.run.index),
+            }
+        }
+        if self.trace && !self.unsignalled_kicks.is_empty() {
+            let called_ns = now_ns();
+            let n = self.unsignalled_kicks.len() as u64;
+            self.stats.stage(Stage::Call).record_n(called_ns.saturating_sub(self.used_ns), n);
+            for kicked_ns in self.unsignalled_kicks.drain(..) {
+                self.stats.total.record(called_ns.saturating_sub(kicked_ns));
+            }
         }
     }
 }

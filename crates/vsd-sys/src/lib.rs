@@ -7,7 +7,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 /// `fallocate(2)` modes used by the engines.
 pub mod falloc {
@@ -141,6 +141,13 @@ pub fn wait_for_termination() -> io::Result<i32> {
     Ok(signal)
 }
 
+/// Sends SIGTERM to this process, so that the thread waiting in
+/// [`wait_for_termination`] shuts the daemon down as for any other stop.
+pub fn raise_termination() {
+    // SAFETY: kill takes no pointers.
+    unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
+}
+
 fn termination_set() -> libc::sigset_t {
     // SAFETY: sigemptyset initialises the zeroed set; sigaddset adds valid
     // signal numbers to it.
@@ -151,6 +158,57 @@ fn termination_set() -> libc::sigset_t {
         libc::sigaddset(&mut set, libc::SIGTERM);
         set
     }
+}
+
+/// Descriptors one peek can return.
+const PEEK_MAX_FDS: usize = 8;
+
+/// Reads the start of the next message on a stream socket without
+/// consuming it. With `fds`, the descriptors the message carries are
+/// returned too: Linux installs copies of them for a peek, while the
+/// message keeps its own for whoever reads it.
+pub fn peek(sock: BorrowedFd<'_>, buf: &mut [u8], fds: bool) -> io::Result<(usize, Vec<OwnedFd>)> {
+    // u64 elements keep the control buffer aligned for cmsghdr.
+    let mut control = [0u64; 16];
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE((PEEK_MAX_FDS * size_of::<libc::c_int>()) as u32) } as usize;
+    debug_assert!(space <= size_of_val(&control));
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if fds {
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space;
+    }
+    let flags = libc::MSG_PEEK | libc::MSG_CMSG_CLOEXEC;
+    // SAFETY: msg points at `iov` (naming `buf`) and `control`, all live
+    // locals sized as msg says.
+    let n = check(unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, flags) } as libc::c_long)?;
+    let mut received = Vec::new();
+    // SAFETY: the kernel filled msg's control buffer; the CMSG macros walk
+    // it within msg_controllen.
+    let mut cmsg = unsafe { libc::CMSG_FIRSTHDR(&msg) };
+    while !cmsg.is_null() {
+        // SAFETY: cmsg points at a header inside the control buffer.
+        let header = unsafe { &*cmsg };
+        if header.cmsg_level == libc::SOL_SOCKET && header.cmsg_type == libc::SCM_RIGHTS {
+            // SAFETY: as above; the data of an SCM_RIGHTS message is ints.
+            let data = unsafe { libc::CMSG_DATA(cmsg) }.cast::<libc::c_int>();
+            // SAFETY: CMSG_LEN(0) only computes a size.
+            let count = (header.cmsg_len as usize - unsafe { libc::CMSG_LEN(0) } as usize) / size_of::<libc::c_int>();
+            for i in 0..count {
+                // SAFETY: the kernel installed these descriptors for us; we
+                // own them from here on. Read unaligned: CMSG_DATA need not
+                // be aligned for c_int.
+                received.push(unsafe { OwnedFd::from_raw_fd(data.add(i).read_unaligned()) });
+            }
+        }
+        // SAFETY: as for CMSG_FIRSTHDR.
+        cmsg = unsafe { libc::CMSG_NXTHDR(&msg, cmsg) };
+    }
+    Ok((n, received))
 }
 
 fn to_off(value: u64) -> io::Result<libc::off_t> {
@@ -187,6 +245,42 @@ mod tests {
         let file = tempfile();
         let err = fallocate(file.as_fd(), falloc::ALLOCATE, u64::MAX, 1).unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::EINVAL));
+    }
+
+    #[test]
+    fn peek_returns_copies_of_passed_descriptors() {
+        use std::io::Read;
+        let (a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let passed = tempfile();
+        send_with_fd(&a, b"hello", passed.as_raw_fd());
+        let mut buf = [0u8; 2];
+        let (n, fds) = peek(b.as_fd(), &mut buf, true).unwrap();
+        assert_eq!((n, &buf), (2, b"he"));
+        assert_eq!(fds.len(), 1);
+        assert_ne!(fds[0].as_raw_fd(), passed.as_raw_fd());
+        // The message itself is still there.
+        let mut all = [0u8; 5];
+        b.read_exact(&mut all).unwrap();
+        assert_eq!(&all, b"hello");
+    }
+
+    fn send_with_fd(sock: &std::os::unix::net::UnixStream, data: &[u8], fd: i32) {
+        let mut control = [0u64; 4];
+        let mut iov = libc::iovec { iov_base: data.as_ptr() as *mut _, iov_len: data.len() };
+        // SAFETY: as in `peek`: a zeroed msghdr pointing at live locals.
+        unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = control.as_mut_ptr().cast();
+            msg.msg_controllen = libc::CMSG_SPACE(4) as usize;
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(4) as usize;
+            libc::CMSG_DATA(cmsg).cast::<i32>().write_unaligned(fd);
+            assert_eq!(libc::sendmsg(sock.as_raw_fd(), &msg, 0), data.len() as isize);
+        }
     }
 
     fn tempfile() -> File {

@@ -2,29 +2,62 @@
 //!
 //! The command line follows qemu-storage-daemon's, so existing scripts keep
 //! working: `--blockdev` defines nodes (in order, a node may use earlier
-//! ones), `--export` serves a node on a socket.
+//! ones), `--export` serves a node on a socket, `--chardev` + `--monitor`
+//! open a QMP socket. `vsd stat` prints a running export's statistics.
+
+mod commands;
+mod daemon;
+mod monitor;
+mod stat;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use clap::Parser;
-use vsd_block::BlockGraph;
+use clap::{Parser, Subcommand};
 use vsd_block::options::OptionMap;
-use vsd_export::{ExportConfig, VhostUserBlkExport};
+use vsd_control::metrics::MetricsServer;
+use vsd_control::qmp::QmpServer;
+
+use daemon::Daemon;
 
 #[derive(Parser, Debug)]
 #[command(name = "vsd", version, about = "A vhost-user-blk storage daemon for virtual machines")]
+#[command(args_conflicts_with_subcommands = true)]
 #[command(
-    after_help = "Examples:\n  vsd --blockdev driver=file,node-name=f,filename=disk.img,cache.direct=on \\\n      --export type=vhost-user-blk,id=e0,node-name=f,addr.type=unix,addr.path=/run/vsd.sock,writable=on,num-queues=2"
+    after_help = "Examples:\n  vsd --blockdev driver=file,node-name=f,filename=disk.img,cache.direct=on \\\n      --export type=vhost-user-blk,id=e0,node-name=f,addr.type=unix,addr.path=/run/vsd.sock,writable=on,num-queues=2 \\\n      --chardev socket,id=qmp,path=/run/vsd-qmp.sock,server=on,wait=off --monitor chardev=qmp\n  vsd stat --qmp /run/vsd-qmp.sock"
 )]
 struct Cli {
-    /// A block node: driver=file|raw|null-co,node-name=NAME,... (or a JSON object)
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    daemon: DaemonArgs,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Print a running daemon's per-stage latency and events per I/O.
+    Stat(stat::Args),
+}
+
+#[derive(clap::Args, Debug)]
+struct DaemonArgs {
+    /// A block node: driver=file|raw|qcow2|null-co,node-name=NAME,... (or a JSON object)
     #[arg(long, value_name = "OPTIONS")]
     blockdev: Vec<String>,
     /// An export: type=vhost-user-blk,id=ID,node-name=NAME,addr.type=unix,addr.path=SOCKET,...
     #[arg(long, value_name = "OPTIONS")]
     export: Vec<String>,
+    /// A socket for a monitor: socket,id=ID,path=PATH,server=on,wait=off
+    #[arg(long, value_name = "OPTIONS")]
+    chardev: Vec<String>,
+    /// A QMP monitor on a --chardev: chardev=ID
+    #[arg(long, value_name = "OPTIONS")]
+    monitor: Vec<String>,
+    /// Serve Prometheus metrics at http://ADDR:PORT/metrics
+    #[arg(long, value_name = "ADDR:PORT")]
+    metrics: Option<String>,
     /// Write the daemon's PID here once every export accepts connections.
     #[arg(long, value_name = "PATH")]
     pidfile: Option<PathBuf>,
@@ -46,7 +79,11 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match run(cli) {
+    let result = match cli.command {
+        Some(Command::Stat(args)) => stat::run(args),
+        None => run(cli.daemon),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("vsd: {e:#}");
@@ -55,59 +92,57 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: Cli) -> Result<()> {
+fn run(args: DaemonArgs) -> Result<()> {
     // Before any thread starts, so all of them inherit the mask and the
     // signals reach the sigwait below.
     vsd_sys::block_termination_signals().context("blocking signals")?;
 
-    let mut graph = BlockGraph::new();
-    for text in &cli.blockdev {
-        graph.add(OptionMap::parse("--blockdev", text)?)?;
+    let daemon = Arc::new(Daemon::new());
+    for text in &args.blockdev {
+        daemon.add_blockdev(OptionMap::parse("--blockdev", text)?)?;
     }
-    if cli.export.is_empty() {
-        anyhow::bail!("nothing to serve: give at least one --export");
+    let monitors = monitor::sockets(&args.chardev, &args.monitor)?;
+    if args.export.is_empty() && monitors.is_empty() {
+        anyhow::bail!("nothing to serve: give at least one --export or a --monitor");
     }
-    // Files this run created; removed on exit, or at once if startup fails.
-    let mut created = Created::default();
-    for text in &cli.export {
-        let mut opts = OptionMap::parse("--export", text)?;
-        let config = ExportConfig::from_options(&mut opts)?;
-        opts.finish()?;
-        let node = graph
-            .get(&config.node_name)
-            .with_context(|| format!("export '{}': no node named '{}'", config.id, config.node_name))?;
-        let export = VhostUserBlkExport::start(config, node)?;
-        created.0.push(export.config().socket.clone());
-        log::info!("export '{}' listening on {}", export.config().id, export.config().socket.display());
+    for text in &args.export {
+        daemon.add_export(OptionMap::parse("--export", text)?)?;
     }
-    if let Some(path) = &cli.pidfile {
-        write_pidfile(path)?;
-        created.0.push(path.clone());
-    }
+    let _monitors = monitors
+        .iter()
+        .map(|path| {
+            QmpServer::listen(path, daemon.clone(), daemon.events.clone())
+                .with_context(|| format!("cannot open the QMP socket '{}'", path.display()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let _metrics = match &args.metrics {
+        Some(addr) => {
+            let source = daemon.clone();
+            let render = Arc::new(move || commands::metrics(&source));
+            Some(MetricsServer::start(addr, render).with_context(|| format!("cannot serve metrics on '{addr}'"))?)
+        }
+        None => None,
+    };
+    let _pidfile = args.pidfile.as_deref().map(Pidfile::write).transpose()?;
     let signal = vsd_sys::wait_for_termination().context("waiting for signals")?;
     log::info!("signal {signal}: shutting down");
-    // Cached metadata (qcow2) reaches the image before the process ends.
-    for node in graph.nodes() {
-        if let Err(e) = node.close() {
-            log::error!("node '{}': writing back cached state failed: {e}", node.name());
-        }
-    }
+    daemon.shutdown();
     Ok(())
 }
 
-fn write_pidfile(path: &Path) -> Result<()> {
-    std::fs::write(path, format!("{}\n", std::process::id()))
-        .with_context(|| format!("cannot write pidfile '{}'", path.display()))
+/// The pidfile, removed when the daemon exits, however it exits.
+struct Pidfile(PathBuf);
+
+impl Pidfile {
+    fn write(path: &Path) -> Result<Self> {
+        std::fs::write(path, format!("{}\n", std::process::id()))
+            .with_context(|| format!("cannot write pidfile '{}'", path.display()))?;
+        Ok(Self(path.to_path_buf()))
+    }
 }
 
-/// Paths to remove when the daemon exits, however it exits.
-#[derive(Default)]
-struct Created(Vec<PathBuf>);
-
-impl Drop for Created {
+impl Drop for Pidfile {
     fn drop(&mut self) {
-        for path in &self.0 {
-            let _ = std::fs::remove_file(path);
-        }
+        let _ = std::fs::remove_file(&self.0);
     }
 }

@@ -129,3 +129,37 @@ fn linux_guest_runs_fio_verify_on_qcow2_over_a_backing_file() {
     assert!(converted[..24 * MIB as usize].iter().all(|&b| b == 0), "discarded clusters read as zeroes");
     assert!(converted[24 * MIB as usize..48 * MIB as usize] != original[24 * MIB as usize..48 * MIB as usize]);
 }
+
+/// QMP `block_resize` while the guest runs: the front-end hears of it on the
+/// back-end request channel, and the guest's virtio_blk picks up the new
+/// capacity without a reboot.
+#[test]
+fn guest_sees_block_resize_live() {
+    let dir = Scratch::new("guest-resize");
+    let image = dir.image("disk.img", 32 * MIB);
+    let socket = dir.path("vsd.sock");
+    let qmp = dir.path("qmp.sock");
+    let mut args = file_export(&image, &socket, "", ",writable=on");
+    args.extend([
+        "--chardev".into(),
+        format!("socket,id=m,path={},server=on,wait=off", qmp.display()),
+        "--monitor".into(),
+        "chardev=m".into(),
+    ]);
+    let _daemon = Daemon::vsd(&dir, &args);
+    let facts = std::thread::scope(|s| {
+        let guest = s.spawn(|| boot(&dir, &socket, &["--queues", "1", "--job", "resize", "--append", "vsd.wait=120"]));
+        let log = dir.path("console.log");
+        while !std::fs::read_to_string(&log).unwrap_or_default().contains("VSD-GUEST resize_ready") {
+            assert!(!guest.is_finished(), "the guest ended before it was ready");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let mut client = vsd_control::client::QmpClient::connect(&qmp).unwrap();
+        let size = serde_json::json!({ "node-name": "disk0", "size": 96 * MIB });
+        client.execute("block_resize", size).unwrap();
+        guest.join().unwrap()
+    });
+    assert_eq!(facts["capacity_bytes"], (32 * MIB).to_string());
+    assert_eq!(facts["resized_bytes"], (96 * MIB).to_string());
+    assert_eq!(std::fs::metadata(&image).unwrap().len(), 96 * MIB);
+}

@@ -127,6 +127,10 @@ pub struct Args {
     /// Print one JSON object instead of a human summary.
     #[arg(long)]
     pub json: bool,
+    /// At the end, ask the daemon at this QMP socket (vsd) where the time
+    /// went inside it, and print that beside the client's latency.
+    #[arg(long, value_name = "QMP_SOCKET")]
+    pub breakdown: Option<PathBuf>,
 }
 
 impl Args {

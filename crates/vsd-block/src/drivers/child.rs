@@ -62,6 +62,10 @@ impl ChildQueue {
         self.inner.rearm()
     }
 
+    pub(crate) fn kernel_entries(&self) -> u64 {
+        self.inner.kernel_entries()
+    }
+
     /// Runs one request to completion.
     fn run(&mut self, op: IoOp) -> io::Result<()> {
         // SAFETY: the buffers `op` names belong to our caller, who waits

@@ -4,6 +4,7 @@ use std::fs::File;
 use std::io;
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use vsd_engine::{IoOp, IoQueue, PoolQueue, ThreadPool, UringQueue};
 
@@ -22,7 +23,7 @@ pub(crate) struct FileNode {
     name: String,
     filename: String,
     file: Arc<File>,
-    size: u64,
+    size: AtomicU64,
     read_only: bool,
     policy: FilePolicy,
     /// Only for `aio=threads`: shared by all of the node's queues.
@@ -78,7 +79,7 @@ impl FileNode {
             name,
             filename,
             file: Arc::new(file),
-            size,
+            size: AtomicU64::new(size),
             read_only,
             policy: FilePolicy { no_flush, unmap },
             pool: (aio == Aio::Threads).then(ThreadPool::new),
@@ -116,7 +117,16 @@ impl BlockNode for FileNode {
     }
 
     fn size(&self) -> u64 {
-        self.size
+        self.size.load(Ordering::Relaxed)
+    }
+
+    fn resize(&self, size: u64) -> io::Result<()> {
+        if self.read_only {
+            return Err(io::Error::new(io::ErrorKind::PermissionDenied, "the node is read-only"));
+        }
+        self.file.set_len(size)?;
+        self.size.store(size, Ordering::Relaxed);
+        Ok(())
     }
 
     fn read_only(&self) -> bool {

@@ -87,16 +87,9 @@ impl<F: Filter> IoQueue for FilteredQueue<F> {
     fn rearm(&mut self) {
         self.inner.rearm()
     }
-}
 
-/// The byte range a request touches, if it touches one.
-pub(crate) fn extent(op: &IoOp) -> Option<(u64, u64)> {
-    match *op {
-        IoOp::Read { offset, len, .. }
-        | IoOp::Write { offset, len, .. }
-        | IoOp::Discard { offset, len }
-        | IoOp::WriteZeroes { offset, len, .. } => Some((offset, len)),
-        IoOp::Flush => None,
+    fn kernel_entries(&self) -> u64 {
+        self.inner.kernel_entries()
     }
 }
 
@@ -113,5 +106,5 @@ pub(crate) fn shifted(op: IoOp, delta: u64) -> IoOp {
 
 /// EIO for a request outside the node: never let it reach the host.
 pub(crate) fn out_of_bounds(op: &IoOp, size: u64) -> bool {
-    extent(op).is_some_and(|(offset, len)| !vsd_engine::range_ok(offset, len, size))
+    op.extent().is_some_and(|(offset, len)| !vsd_engine::range_ok(offset, len, size))
 }

@@ -1,6 +1,7 @@
 //! `driver=null-co`: a device that does no I/O, to measure everything else.
 
 use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use vsd_engine::{IoQueue, NullQueue};
@@ -10,7 +11,7 @@ use crate::{BlockNode, GraphError};
 
 pub(crate) struct NullNode {
     name: String,
-    size: u64,
+    size: AtomicU64,
     read_zeroes: bool,
     latency: Duration,
     read_only: bool,
@@ -23,7 +24,7 @@ impl NullNode {
         let read_zeroes = opts.take_bool("read-zeroes")?.unwrap_or(false);
         let latency = Duration::from_nanos(opts.take_u64("latency-ns")?.unwrap_or(0));
         let read_only = opts.take_bool("read-only")?.unwrap_or(false);
-        Ok(Self { name, size, read_zeroes, latency, read_only })
+        Ok(Self { name, size: AtomicU64::new(size), read_zeroes, latency, read_only })
     }
 }
 
@@ -37,7 +38,12 @@ impl BlockNode for NullNode {
     }
 
     fn size(&self) -> u64 {
-        self.size
+        self.size.load(Ordering::Relaxed)
+    }
+
+    fn resize(&self, size: u64) -> io::Result<()> {
+        self.size.store(size, Ordering::Relaxed);
+        Ok(())
     }
 
     fn read_only(&self) -> bool {

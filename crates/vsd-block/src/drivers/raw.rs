@@ -3,6 +3,7 @@
 
 use std::io;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use vsd_engine::{IoOp, IoQueue};
 
@@ -14,13 +15,17 @@ pub(crate) struct RawNode {
     name: String,
     child: Arc<dyn BlockNode>,
     window: Window,
+    /// `size=` was given: the window is fixed and cannot be resized.
+    fixed_size: bool,
     read_only: bool,
 }
 
-#[derive(Clone, Copy)]
+/// The part of the child the node shows. The size is shared with every
+/// queue's copy so that a resize reaches them all.
+#[derive(Clone)]
 struct Window {
     offset: u64,
-    size: u64,
+    size: Arc<AtomicU64>,
 }
 
 impl RawNode {
@@ -35,7 +40,8 @@ impl RawNode {
             context: context.clone(),
             reason: format!("offset {offset} is past the end of '{}' ({} bytes)", child.name(), child.size()),
         })?;
-        let size = opts.take_size("size")?.unwrap_or(room);
+        let fixed = opts.take_size("size")?;
+        let size = fixed.unwrap_or(room);
         if size > room {
             return Err(GraphError::Invalid {
                 context,
@@ -43,13 +49,18 @@ impl RawNode {
             });
         }
         let read_only = opts.take_bool("read-only")?.unwrap_or(false) || child.read_only();
-        Ok(Self { name, child, window: Window { offset, size }, read_only })
+        let window = Window { offset, size: Arc::new(AtomicU64::new(size)) };
+        Ok(Self { name, child, window, fixed_size: fixed.is_some(), read_only })
     }
 }
 
 impl Filter for Window {
     fn route(&self, op: IoOp) -> Route {
-        if out_of_bounds(&op, self.size) { Route::Answer(libc::EIO) } else { Route::Forward(shifted(op, self.offset)) }
+        if out_of_bounds(&op, self.size.load(Ordering::Relaxed)) {
+            Route::Answer(libc::EIO)
+        } else {
+            Route::Forward(shifted(op, self.offset))
+        }
     }
 }
 
@@ -63,7 +74,21 @@ impl BlockNode for RawNode {
     }
 
     fn size(&self) -> u64 {
-        self.window.size
+        self.window.size.load(Ordering::Relaxed)
+    }
+
+    fn children(&self) -> Vec<(&'static str, Arc<dyn BlockNode>)> {
+        vec![("file", self.child.clone())]
+    }
+
+    fn resize(&self, size: u64) -> io::Result<()> {
+        if self.fixed_size {
+            return Err(io::Error::new(io::ErrorKind::Unsupported, "the node has a fixed size= window"));
+        }
+        let end = self.window.offset.checked_add(size).ok_or(io::ErrorKind::InvalidInput)?;
+        self.child.resize(end)?;
+        self.window.size.store(size, Ordering::Relaxed);
+        Ok(())
     }
 
     fn read_only(&self) -> bool {
@@ -71,6 +96,6 @@ impl BlockNode for RawNode {
     }
 
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
-        Ok(Box::new(FilteredQueue::new(self.child.open_queue(depth)?, self.window, depth)))
+        Ok(Box::new(FilteredQueue::new(self.child.open_queue(depth)?, self.window.clone(), depth)))
     }
 }

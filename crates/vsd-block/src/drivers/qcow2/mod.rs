@@ -274,6 +274,12 @@ impl BlockNode for Qcow2Node {
         !self.image.writable()
     }
 
+    fn children(&self) -> Vec<(&'static str, Arc<dyn BlockNode>)> {
+        let optional = [("data-file", &self.data), ("backing", &self.backing)];
+        let optional = optional.into_iter().filter_map(|(role, node)| Some((role, node.clone()?)));
+        std::iter::once(("file", self.file.clone())).chain(optional).collect()
+    }
+
     fn close(&self) -> io::Result<()> {
         if !self.image.writable() {
             return Ok(());

@@ -100,6 +100,10 @@ impl Qcow2Queue {
         })
     }
 
+    fn children(&self) -> impl Iterator<Item = &ChildQueue> {
+        [Some(&self.file), self.data.as_ref(), self.backing.as_ref()].into_iter().flatten()
+    }
+
     fn child(&mut self, target: Target) -> &mut ChildQueue {
         match target {
             Target::File => &mut self.file,
@@ -358,10 +362,7 @@ impl IoQueue for Qcow2Queue {
     }
 
     fn wait(&mut self) -> io::Result<()> {
-        let silent = [Some(&self.file), self.data.as_ref(), self.backing.as_ref()]
-            .into_iter()
-            .flatten()
-            .any(|c| c.notify_fd().is_none());
+        let silent = self.children().any(|c| c.notify_fd().is_none());
         if !self.answered.is_empty() || silent {
             return Ok(());
         }
@@ -386,6 +387,10 @@ impl IoQueue for Qcow2Queue {
         if let Some(backing) = &mut self.backing {
             backing.rearm();
         }
+    }
+
+    fn kernel_entries(&self) -> u64 {
+        self.children().map(ChildQueue::kernel_entries).sum()
     }
 }
 

@@ -1,0 +1,96 @@
+//! The QMP monitor: QEMU's machine protocol (`docs/interop/qmp-spec.rst`).
+//!
+//! ```text
+//!  client ── unix socket ──▶ JsonStreamer ──▶ Session ──▶ Dispatch::execute
+//!         ◀── replies ────────────── Output ◀──────────┘
+//!         ◀── events ─────────────── Output ◀── Events::emit
+//! ```
+//!
+//! A connection starts in capabilities negotiation mode, where only
+//! `qmp_capabilities` is accepted; the monitor answers that one itself.
+
+mod events;
+mod output;
+mod server;
+mod session;
+mod stream;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+pub use events::Events;
+pub use server::QmpServer;
+
+/// A QMP error: class + description, serialized as `{"class": "...", "desc": "..."}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, thiserror::Error)]
+#[error("{desc}")]
+pub struct QmpError {
+    /// What kind of error, for programs.
+    pub class: ErrorClass,
+    /// What went wrong, for humans.
+    pub desc: String,
+}
+
+impl QmpError {
+    /// An error of class `GenericError`, which is what almost every error is.
+    pub fn generic(desc: impl Into<String>) -> Self {
+        Self::new(ErrorClass::GenericError, desc)
+    }
+
+    /// An error of class `class`.
+    pub fn new(class: ErrorClass, desc: impl Into<String>) -> Self {
+        Self { class, desc: desc.into() }
+    }
+}
+
+/// QEMU's error classes, serialized under QEMU's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorClass {
+    /// The command does not exist, or cannot run yet.
+    CommandNotFound,
+    /// The device exists but is not active.
+    DeviceNotActive,
+    /// No device has that name.
+    DeviceNotFound,
+    /// KVM lacks a capability the command needs.
+    KVMMissingCap,
+    /// Any error without a class of its own; also what a class unknown to
+    /// vsd, from another server, reads as (`other` must be the last variant).
+    #[serde(other)]
+    GenericError,
+}
+
+/// What executes commands.
+pub trait Dispatch: Send + Sync + 'static {
+    /// Runs one command. It is called from connection threads, possibly
+    /// concurrently. Unknown names must return `CommandNotFound` "The command
+    /// NAME has not been found". A `Null` return is sent as `{}`.
+    fn execute(&self, command: &str, arguments: Map<String, Value>) -> Result<Value, QmpError>;
+
+    /// Called once the successful reply to `command` has been sent (or has
+    /// failed to send): `quit`, for one, must not exit before its client
+    /// has the reply.
+    fn after_reply(&self, _command: &str) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn errors_serialize_with_qemu_names() {
+        let error = QmpError::new(ErrorClass::KVMMissingCap, "no");
+        assert_eq!(serde_json::to_value(&error).unwrap(), json!({"class": "KVMMissingCap", "desc": "no"}));
+        assert_eq!(error.to_string(), "no");
+    }
+
+    #[test]
+    fn unknown_error_class_reads_as_generic() {
+        let error: QmpError = serde_json::from_value(json!({"class": "MigrationExpected", "desc": "x"})).unwrap();
+        assert_eq!(error, QmpError::generic("x"));
+        let error: QmpError = serde_json::from_value(json!({"class": "DeviceNotActive", "desc": "y"})).unwrap();
+        assert_eq!(error.class, ErrorClass::DeviceNotActive);
+    }
+}

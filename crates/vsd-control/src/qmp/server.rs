@@ -1,0 +1,136 @@
+//! The monitor socket and its connections.
+
+use std::fs;
+use std::io::{self, Read};
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use super::output::Output;
+use super::session::{Session, reply};
+use super::stream::JsonStreamer;
+use super::{Dispatch, Events, QmpError};
+use crate::listener::AcceptLoop;
+
+/// How long a client may leave its socket full before it is disconnected:
+/// events must not stall the daemon behind a client that stopped reading.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A listening QMP monitor socket: one thread accepts, one thread serves each
+/// connection. Dropping it stops accepting and removes the socket file;
+/// open connections live on until they close.
+pub struct QmpServer {
+    path: PathBuf,
+    _accept: AcceptLoop<UnixListener>,
+}
+
+impl QmpServer {
+    /// Binds `path` and serves it on background threads. A stale socket file
+    /// is replaced; a socket in use, or a path that is not a socket, is an
+    /// error naming the path.
+    pub fn listen(path: &Path, dispatch: Arc<dyn Dispatch>, events: Events) -> io::Result<Self> {
+        let listener = bind(path)?;
+        let mut connections = 0u64;
+        let accept = AcceptLoop::spawn("vsd-qmp", listener, move |stream| {
+            connections += 1;
+            let (dispatch, events) = (dispatch.clone(), events.clone());
+            let spawned = thread::Builder::new()
+                .name(format!("vsd-qmp-{connections}"))
+                .spawn(move || run_connection(stream, dispatch, events));
+            if let Err(e) = spawned {
+                log::error!("QMP: cannot serve a connection: {e}");
+            }
+        })?;
+        Ok(Self { path: path.to_owned(), _accept: accept })
+    }
+
+    /// The socket's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for QmpServer {
+    fn drop(&mut self) {
+        if let Err(e) = fs::remove_file(&self.path) {
+            log::warn!("QMP: cannot remove '{}': {e}", self.path.display());
+        }
+    }
+}
+
+/// Creates the listening socket, replacing only a stale socket file.
+fn bind(path: &Path) -> io::Result<UnixListener> {
+    let shown = path.display();
+    if let Ok(meta) = fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(io::Error::new(io::ErrorKind::AlreadyExists, format!("'{shown}' exists and is not a socket")));
+        }
+        if UnixStream::connect(path).is_ok() {
+            return Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                format!("socket '{shown}' is in use by another process"),
+            ));
+        }
+        fs::remove_file(path)
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot remove stale socket '{shown}': {e}")))?;
+    }
+    UnixListener::bind(path).map_err(|e| io::Error::new(e.kind(), format!("cannot listen on '{shown}': {e}")))
+}
+
+fn run_connection(stream: UnixStream, dispatch: Arc<dyn Dispatch>, events: Events) {
+    match serve(stream, dispatch, events) {
+        Ok(()) => log::debug!("QMP: client disconnected"),
+        Err(e) => log::debug!("QMP: connection closed: {e}"),
+    }
+}
+
+/// Serves one client until it disconnects.
+fn serve(mut stream: UnixStream, dispatch: Arc<dyn Dispatch>, events: Events) -> io::Result<()> {
+    stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
+    let output = Arc::new(Output::new(stream.try_clone()?));
+    output.send(&greeting(), false)?;
+    events.listen(&output);
+    let mut session = Session::new(dispatch);
+    let mut input = JsonStreamer::default();
+    let mut chunk = [0; 16 * 1024];
+    loop {
+        let len = match stream.read(&mut chunk) {
+            Ok(0) => return Ok(()),
+            Ok(len) => len,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        input.push(&chunk[..len]);
+        while let Some(message) = input.next_value() {
+            let answer = match message {
+                Ok(message) => session.handle(message),
+                Err(parse_error) => reply(Err(QmpError::generic(parse_error)), None),
+            };
+            let sent = output.send(&answer, session.negotiated());
+            session.after_reply();
+            sent?;
+        }
+    }
+}
+
+/// What the server says on connection: who it is and which capabilities it
+/// offers (none).
+fn greeting() -> Value {
+    let number = |version: &str| version.parse::<u64>().unwrap_or_default();
+    json!({"QMP": {
+        "version": {
+            "qemu": {
+                "major": number(env!("CARGO_PKG_VERSION_MAJOR")),
+                "minor": number(env!("CARGO_PKG_VERSION_MINOR")),
+                "micro": number(env!("CARGO_PKG_VERSION_PATCH")),
+            },
+            "package": concat!("vsd ", env!("CARGO_PKG_VERSION")),
+        },
+        "capabilities": [],
+    }})
+}

@@ -1,0 +1,300 @@
+//! The QMP server, driven over its socket.
+
+mod common;
+
+use std::io::Write;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, mpsc};
+use std::thread;
+use std::time::Duration;
+
+use common::{RawClient, error_of, server, socket_path};
+use serde_json::{Map, Value, json};
+use vsd_control::client::{ClientError, QmpClient};
+use vsd_control::qmp::{Dispatch, ErrorClass, Events, QmpError, QmpServer};
+
+#[test]
+fn greeting_names_the_version_and_offers_no_capabilities() {
+    let (server, _) = server("greeting");
+    let greeting = RawClient::connect(&server).greeting;
+    let version = &greeting["QMP"]["version"];
+    let number = |part: &str| version["qemu"][part].as_u64().unwrap_or_else(|| panic!("{part} in {greeting}"));
+    let expected = format!("vsd {}.{}.{}", number("major"), number("minor"), number("micro"));
+    assert_eq!(version["package"], json!(expected));
+    assert_eq!(greeting["QMP"]["capabilities"], json!([]));
+}
+
+#[test]
+fn only_qmp_capabilities_is_accepted_before_negotiation() {
+    let (server, _) = server("negotiation");
+    let mut client = RawClient::connect(&server);
+    for command in [r#"{"execute": "echo"}"#, r#"{"execute": "no-such-command"}"#] {
+        let reply = client.command(command);
+        assert_eq!(error_of(&reply), ("CommandNotFound", "Expecting capabilities negotiation with 'qmp_capabilities'"));
+    }
+    let reply = client.command(r#"{"execute": "qmp_capabilities", "arguments": {"enable": ["oob"]}}"#);
+    assert_eq!(error_of(&reply), ("GenericError", "Capability oob not available"));
+    let reply = client.command(r#"{"execute": "echo"}"#);
+    assert_eq!(error_of(&reply).0, "CommandNotFound", "a failed negotiation leaves negotiation mode on");
+
+    let reply = client.command(r#"{"execute": "qmp_capabilities", "arguments": {"enable": []}}"#);
+    assert_eq!(reply, json!({"return": {}}));
+    let reply = client.command(r#"{"execute": "qmp_capabilities"}"#);
+    assert_eq!(error_of(&reply), ("CommandNotFound", "Capabilities negotiation is already complete, command ignored"));
+}
+
+#[test]
+fn commands_reach_the_dispatcher_after_negotiation() {
+    let (server, _) = server("commands");
+    let mut client = RawClient::negotiated(&server);
+    let reply = client.command(r#"{"execute": "echo", "arguments": {"a": [1, {"b": "}"}]}}"#);
+    assert_eq!(reply, json!({"return": {"a": [1, {"b": "}"}]}}));
+    assert_eq!(client.command(r#"{"execute": "echo"}"#), json!({"return": {}}));
+    assert_eq!(client.command(r#"{"execute": "nothing"}"#), json!({"return": {}}));
+    assert_eq!(error_of(&client.command(r#"{"execute": "fail"}"#)), ("DeviceNotFound", "Device 'nope' not found"));
+    let reply = client.command(r#"{"execute": "frobnicate"}"#);
+    assert_eq!(error_of(&reply), ("CommandNotFound", "The command frobnicate has not been found"));
+}
+
+#[test]
+fn dispatcher_hears_of_successful_replies() {
+    /// Like the daemon's `quit`: acts once its reply is out.
+    struct Recorder(mpsc::Sender<String>);
+    impl Dispatch for Recorder {
+        fn execute(&self, command: &str, _: Map<String, Value>) -> Result<Value, QmpError> {
+            if command == "quit" { Ok(Value::Null) } else { Err(QmpError::generic("no")) }
+        }
+        fn after_reply(&self, command: &str) {
+            self.0.send(command.to_owned()).unwrap();
+        }
+    }
+    let (sender, replied) = mpsc::channel();
+    let server = QmpServer::listen(&socket_path("after-reply"), Arc::new(Recorder(sender)), Events::new()).unwrap();
+    let mut client = RawClient::negotiated(&server);
+    assert_eq!(error_of(&client.command(r#"{"execute": "fail"}"#)).1, "no");
+    assert_eq!(client.command(r#"{"execute": "quit"}"#), json!({"return": {}}));
+    assert_eq!(replied.recv_timeout(common::TIMEOUT).unwrap(), "quit", "neither fail nor qmp_capabilities");
+}
+
+#[test]
+fn id_is_echoed_whatever_its_type() {
+    let (server, _) = server("id");
+    let mut client = RawClient::connect(&server);
+    let reply = client.command(r#"{"execute": "echo", "id": 7}"#);
+    assert_eq!(reply["id"], json!(7), "errors before negotiation too");
+    assert_eq!(client.command(r#"{"execute": "qmp_capabilities", "id": "n"}"#), json!({"return": {}, "id": "n"}));
+    for id in [json!(1), json!("one"), json!({"a": [1, "}"]}), json!(null)] {
+        let reply = client.command(&json!({"execute": "echo", "arguments": {"x": 1}, "id": id}).to_string());
+        assert_eq!(reply, json!({"return": {"x": 1}, "id": id}));
+    }
+    let reply = client.command(r#"{"execute": "fail", "id": [2]}"#);
+    assert_eq!(reply["id"], json!([2]));
+    let reply = client.command(r#"{"execute": "echo", "arguments": 3, "id": 3}"#);
+    assert_eq!((error_of(&reply).0, &reply["id"]), ("GenericError", &json!(3)), "malformed input too");
+}
+
+#[test]
+fn malformed_input_is_refused_in_qemu_words() {
+    let (server, _) = server("malformed");
+    let mut client = RawClient::negotiated(&server);
+    let cases = [
+        ("[1, 2]", "QMP input must be a JSON object"),
+        (r#""execute""#, "QMP input must be a JSON object"),
+        (r#"{"arguments": {}}"#, "QMP input lacks member 'execute'"),
+        (r#"{"execute": ["echo"]}"#, "QMP input member 'execute' must be a string"),
+        (r#"{"execute": "echo", "arguments": [1]}"#, "QMP input member 'arguments' must be an object"),
+        (r#"{"execute": "echo", "extra": 1}"#, "QMP input member 'extra' is unexpected"),
+        (r#"{"exec-oob": "echo"}"#, "QMP input member 'exec-oob' is unexpected"),
+        ("}", "JSON parse error, stray '}'"),
+        ("quit", "JSON parse error, stray 'q'"),
+    ];
+    for (input, desc) in cases {
+        assert_eq!(error_of(&client.command(input)), ("GenericError", desc), "{input}");
+    }
+    for input in [r#"{"execute": echo}"#, "{\"execute\": \"\u{7}\"}", "{\"execute\": \"\\ud800\"}"] {
+        let reply = client.command(input);
+        let (class, desc) = error_of(&reply);
+        assert!(class == "GenericError" && desc.starts_with("JSON parse error, "), "{input}: {reply}");
+    }
+    client.send(b"{\"execute\": \"\xff\"}\n");
+    assert!(error_of(&client.receive()).1.starts_with("JSON parse error, "));
+    assert_eq!(client.command(r#"{"execute": "echo", "id": "alive"}"#), json!({"return": {}, "id": "alive"}));
+}
+
+#[test]
+fn garbage_is_dropped_up_to_the_end_of_its_line() {
+    let (server, _) = server("garbage");
+    let mut client = RawClient::negotiated(&server);
+    client.send("garbage {\"execute\": \"echo\", \"id\": 1}\n{\"execute\": \"echo\", \"id\": 2}\n");
+    assert_eq!(error_of(&client.receive()), ("GenericError", "JSON parse error, stray 'g'"));
+    assert_eq!(client.receive(), json!({"return": {}, "id": 2}));
+}
+
+#[test]
+fn input_need_not_be_split_in_lines() {
+    let (server, _) = server("stream");
+    let mut client = RawClient::negotiated(&server);
+    client.send(r#"{"execute":"echo","id":1}{"execute":"echo","arguments":{"s":"\"}"},"id":2}"#);
+    assert_eq!(client.receive(), json!({"return": {}, "id": 1}));
+    assert_eq!(client.receive(), json!({"return": {"s": "\"}"}, "id": 2}));
+    for part in [r#"{"execute":"ec"#, r#"ho","argu"#, r#"ments":{"n":[[3]]},"id":3"#, "}"] {
+        client.send(part);
+        thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(client.receive(), json!({"return": {"n": [[3]]}, "id": 3}));
+}
+
+#[test]
+fn huge_line_is_refused_and_the_connection_survives() {
+    let (server, _) = server("huge");
+    let mut client = RawClient::negotiated(&server);
+    let huge = format!("{{\"execute\": \"echo\", \"arguments\": {{\"x\": \"{}\"}}}}\n", "x".repeat(4 << 20));
+    client.send(huge);
+    let reply = client.receive();
+    let (class, desc) = error_of(&reply);
+    assert!(class == "GenericError" && desc.starts_with("JSON parse error, "), "{desc}");
+    assert_eq!(client.command(r#"{"execute": "echo", "id": "next"}"#), json!({"return": {}, "id": "next"}));
+}
+
+#[test]
+fn events_reach_only_negotiated_connections() {
+    let (server, events) = server("events");
+    let mut early = RawClient::negotiated(&server);
+    let mut late = RawClient::connect(&server);
+    events.emit("FIRST", json!({"n": 1}));
+    let event = early.receive();
+    assert_eq!((&event["event"], &event["data"]), (&json!("FIRST"), &json!({"n": 1})));
+    assert!(event["timestamp"]["seconds"].as_u64().is_some_and(|s| s > 1_500_000_000), "{event}");
+    assert!(event["timestamp"]["microseconds"].as_u64().is_some_and(|us| us < 1_000_000), "{event}");
+
+    assert_eq!(late.command(r#"{"execute": "qmp_capabilities"}"#), json!({"return": {}}), "FIRST was not sent");
+    events.emit("SECOND", json!({}));
+    assert_eq!(late.receive()["event"], "SECOND");
+    assert_eq!(early.receive()["event"], "SECOND");
+}
+
+#[test]
+fn events_do_not_split_replies() {
+    const EVENTS: usize = 200;
+    let (server, events) = server("interleave");
+    let mut client = RawClient::negotiated(&server);
+    let emitter = thread::spawn(move || {
+        for n in 0..EVENTS {
+            events.emit("TICK", json!({"n": n, "padding": "e".repeat(10_000)}));
+        }
+    });
+    let mut received = 0;
+    let arguments = json!({"padding": "r".repeat(100_000)});
+    for id in 0..20 {
+        client.send(format!("{}\n", json!({"execute": "echo", "arguments": arguments, "id": id})));
+        // `receive` fails on any line that is not exactly one message.
+        let reply = loop {
+            let message = client.receive();
+            if message["event"] != "TICK" {
+                break message;
+            }
+            assert_eq!(message["data"]["n"], json!(received));
+            received += 1;
+        };
+        assert_eq!(reply, json!({"return": arguments, "id": id}));
+    }
+    while received < EVENTS {
+        assert_eq!(client.receive()["data"]["n"], json!(received));
+        received += 1;
+    }
+    emitter.join().unwrap();
+}
+
+#[test]
+fn clients_are_served_at_the_same_time() {
+    let (server, _) = server("two");
+    let mut first = RawClient::negotiated(&server);
+    let mut second = RawClient::negotiated(&server);
+    first.send(r#"{"execute": "echo", "arguments": {"who": "#);
+    assert_eq!(second.command(r#"{"execute": "echo", "arguments": {"who": 2}}"#), json!({"return": {"who": 2}}));
+    first.send("1}}\n");
+    assert_eq!(first.receive(), json!({"return": {"who": 1}}));
+}
+
+#[test]
+fn stale_socket_is_replaced() {
+    let path = socket_path("stale");
+    drop(UnixListener::bind(&path).unwrap());
+    let (server, _) = server("stale");
+    RawClient::negotiated(&server);
+}
+
+#[test]
+fn socket_in_use_is_not_taken_over() {
+    let (server, events) = server("in-use");
+    let error = QmpServer::listen(server.path(), Arc::new(common::FakeDispatch), events).err().unwrap();
+    assert_eq!(error.kind(), std::io::ErrorKind::AddrInUse);
+    assert!(error.to_string().contains(&*server.path().to_string_lossy()), "{error}");
+    RawClient::negotiated(&server);
+}
+
+#[test]
+fn path_that_is_not_a_socket_is_left_alone() {
+    let path = socket_path("not-a-socket");
+    std::fs::write(&path, "data").unwrap();
+    let error = QmpServer::listen(&path, Arc::new(common::FakeDispatch), Default::default()).err().unwrap();
+    assert!(error.to_string().contains(&*path.to_string_lossy()), "{error}");
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "data");
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn dropping_the_server_removes_its_socket() {
+    let (server, _) = server("drop");
+    let path = server.path().to_owned();
+    let mut client = RawClient::negotiated(&server);
+    drop(server);
+    assert!(!path.exists());
+    assert!(UnixStream::connect(&path).is_err());
+    assert_eq!(client.command(r#"{"execute": "echo"}"#), json!({"return": {}}), "connections live on");
+}
+
+#[test]
+fn socat_session() {
+    let (server, _) = server("socat");
+    let mut socat = Command::new("socat")
+        .args(["-t", "10", "-", &format!("UNIX-CONNECT:{}", server.path().display())])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("socat");
+    let input = "{\"execute\": \"qmp_capabilities\"}\n{ \"execute\": \"echo\",\n  \"arguments\": {\"a\": 1} }\n";
+    socat.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    let output = socat.wait_with_output().unwrap();
+    let lines: Vec<Value> =
+        String::from_utf8(output.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    assert_eq!(lines[1..], [json!({"return": {}}), json!({"return": {"a": 1}})]);
+}
+
+#[test]
+fn client_runs_commands() {
+    let (server, events) = server("client");
+    let mut client = QmpClient::connect(server.path()).expect("connect");
+    assert_eq!(client.execute("echo", json!({"a": 1})).unwrap(), json!({"a": 1}));
+    assert_eq!(client.execute("nothing", Value::Null).unwrap(), json!({}));
+    events.emit("SKIPPED", json!({}));
+    match client.execute("fail", Value::Null) {
+        Err(ClientError::Qmp(error)) => assert_eq!(error.class, ErrorClass::DeviceNotFound),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(client.execute("echo", json!({"b": 2})).unwrap(), json!({"b": 2}), "the event was skipped");
+}
+
+#[test]
+fn client_refuses_a_server_that_is_not_qmp() {
+    let path = socket_path("client-not-qmp");
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let server = thread::spawn(move || listener.accept().unwrap().0.write_all(b"{\"hello\": 1}\n").unwrap());
+    let error = QmpClient::connect(&path).err().unwrap();
+    assert_eq!(error.kind(), std::io::ErrorKind::InvalidData, "{error}");
+    server.join().unwrap();
+    std::fs::remove_file(&path).unwrap();
+}

@@ -1,0 +1,347 @@
+//! QMP commands, with QEMU's names, argument shapes and error wording.
+
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+use vsd_block::options::OptionMap;
+use vsd_control::qmp::{Dispatch, ErrorClass, QmpError};
+use vsd_export::ExportSnapshot;
+use vsd_trace::{ExportLabel, OpKind, QueueSnapshot};
+
+use crate::daemon::{Bins, Daemon, LatencyBins};
+
+type Reply = Result<Value, QmpError>;
+
+/// Every command, as `query-commands` lists them.
+const COMMANDS: &[&str] = &[
+    "qmp_capabilities",
+    "query-version",
+    "query-commands",
+    "blockdev-add",
+    "blockdev-del",
+    "block-export-add",
+    "block-export-del",
+    "query-block-exports",
+    "query-named-block-nodes",
+    "query-blockstats",
+    "block-latency-histogram-set",
+    "block_resize",
+    "quit",
+];
+
+impl Dispatch for Daemon {
+    fn execute(&self, command: &str, arguments: Map<String, Value>) -> Reply {
+        let args = Value::Object(arguments);
+        match command {
+            "query-version" => Ok(version()),
+            "query-commands" => Ok(COMMANDS.iter().map(|name| json!({ "name": name })).collect()),
+            "blockdev-add" => self.blockdev_add(args),
+            "blockdev-del" => self.blockdev_del(parse(args)?),
+            "block-export-add" => self.block_export_add(args),
+            "block-export-del" => self.block_export_del(parse(args)?),
+            "query-block-exports" => no_arguments(&args).map(|()| self.query_block_exports()),
+            "query-named-block-nodes" => parse::<Flat>(args).map(|_| self.query_named_block_nodes()),
+            "query-blockstats" => self.query_blockstats(parse(args)?),
+            "block-latency-histogram-set" => self.latency_histogram_set(parse(args)?),
+            "block_resize" => self.block_resize(parse(args)?),
+            "quit" => no_arguments(&args).map(|()| json!({})),
+            _ => Err(QmpError::new(ErrorClass::CommandNotFound, format!("The command {command} has not been found"))),
+        }
+    }
+
+    fn after_reply(&self, command: &str) {
+        if command == "quit" {
+            // The main thread waits for SIGTERM and shuts down in order.
+            vsd_sys::raise_termination();
+        }
+    }
+}
+
+fn version() -> Value {
+    let number = |text: &str| text.parse::<u64>().unwrap_or(0);
+    json!({
+        "qemu": {
+            "major": number(env!("CARGO_PKG_VERSION_MAJOR")),
+            "minor": number(env!("CARGO_PKG_VERSION_MINOR")),
+            "micro": number(env!("CARGO_PKG_VERSION_PATCH")),
+        },
+        "package": concat!("vsd ", env!("CARGO_PKG_VERSION")),
+    })
+}
+
+/// Arguments as the command's struct; unknown or mistyped members are
+/// errors, as QEMU's QAPI visitors make them.
+fn parse<T: for<'de> Deserialize<'de>>(args: Value) -> Result<T, QmpError> {
+    serde_json::from_value(args).map_err(|e| QmpError::generic(format!("Invalid parameters: {e}")))
+}
+
+fn no_arguments(args: &Value) -> Result<(), QmpError> {
+    match args.as_object().and_then(|m| m.keys().next()) {
+        Some(key) => Err(QmpError::generic(format!("Parameter '{key}' is unexpected"))),
+        None => Ok(()),
+    }
+}
+
+fn generic(e: impl std::fmt::Display) -> QmpError {
+    QmpError::generic(format!("{e:#}"))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Flat {
+    #[serde(default)]
+    #[allow(dead_code)] // accepted for QEMU compatibility: vsd's listing is always flat
+    flat: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct NodeName {
+    node_name: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExportDel {
+    id: String,
+    #[serde(default)]
+    mode: RemoveMode,
+}
+
+#[derive(Deserialize, Default, PartialEq)]
+#[serde(rename_all = "lowercase")]
+enum RemoveMode {
+    #[default]
+    Safe,
+    Hard,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct StatsQuery {
+    #[serde(default)]
+    query_nodes: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct HistogramSet {
+    id: String,
+    boundaries: Option<Vec<u64>>,
+    boundaries_read: Option<Vec<u64>>,
+    boundaries_write: Option<Vec<u64>>,
+    boundaries_flush: Option<Vec<u64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct Resize {
+    device: Option<String>,
+    node_name: Option<String>,
+    size: i64,
+}
+
+impl Daemon {
+    fn blockdev_add(&self, args: Value) -> Reply {
+        let opts = OptionMap::parse("blockdev-add", &args.to_string()).map_err(generic)?;
+        self.add_blockdev(opts).map_err(generic)?;
+        Ok(json!({}))
+    }
+
+    fn blockdev_del(&self, args: NodeName) -> Reply {
+        let mut guard = self.state();
+        let state = &mut *guard;
+        let node = state
+            .graph
+            .get(&args.node_name)
+            .ok_or_else(|| QmpError::generic(format!("Failed to find node with node-name='{}'", args.node_name)))?;
+        let exports = &state.exports;
+        let exported = |name: &str| exports.values().find(|e| e.node().name() == name).map(|e| e.config().id.clone());
+        state
+            .graph
+            .remove(&args.node_name, exported)
+            .map_err(|e| QmpError::generic(format!("Node '{}' is busy: {e}", args.node_name)))?;
+        node.close().map_err(|e| QmpError::generic(format!("Node '{}': writing back failed: {e}", args.node_name)))?;
+        Ok(json!({}))
+    }
+
+    fn block_export_add(&self, args: Value) -> Reply {
+        let opts = OptionMap::parse("block-export-add", &args.to_string()).map_err(generic)?;
+        self.add_export(opts).map_err(generic)?;
+        Ok(json!({}))
+    }
+
+    fn block_export_del(&self, args: ExportDel) -> Reply {
+        let mut state = self.state();
+        let export = state
+            .exports
+            .get(&args.id)
+            .ok_or_else(|| QmpError::generic(format!("Export '{}' is not found", args.id)))?;
+        if args.mode == RemoveMode::Safe && export.has_client() {
+            return Err(QmpError::generic(format!(
+                "export '{}' still in use (use mode='hard' to disconnect the front-end)",
+                args.id
+            )));
+        }
+        if let Some(export) = state.exports.remove(&args.id) {
+            export.stop();
+        }
+        state.histograms.remove(&args.id);
+        drop(state);
+        self.events.emit("BLOCK_EXPORT_DELETED", json!({ "id": args.id }));
+        Ok(json!({}))
+    }
+
+    fn query_block_exports(&self) -> Value {
+        let state = self.state();
+        let exports = state.exports.values().map(|e| {
+            json!({ "type": "vhost-user-blk", "id": e.config().id, "node-name": e.node().name(), "shutting-down": false })
+        });
+        exports.collect()
+    }
+
+    fn query_named_block_nodes(&self) -> Value {
+        let state = self.state();
+        let nodes = state.graph.nodes().map(|node| {
+            let children: Map<String, Value> =
+                node.children().into_iter().map(|(role, child)| (role.to_string(), child.name().into())).collect();
+            json!({
+                "node-name": node.name(),
+                "drv": node.driver(),
+                "ro": node.read_only(),
+                "file": node.filename().unwrap_or(""),
+                "encrypted": false,
+                "detect_zeroes": "off",
+                "backing_file_depth": backing_depth(&**node),
+                "image": { "filename": node.filename().unwrap_or(""), "format": node.driver(), "virtual-size": node.size() },
+                "children": children,
+            })
+        });
+        nodes.collect()
+    }
+
+    fn query_blockstats(&self, args: StatsQuery) -> Reply {
+        let state = self.state();
+        let snapshots: Vec<(&str, &str, ExportSnapshot)> =
+            state.exports.values().map(|e| (e.config().id.as_str(), e.node().name(), e.stats())).collect();
+        let mut entries: Vec<Value> = snapshots
+            .iter()
+            .map(|(id, node, snapshot)| {
+                let mut entry = json!({
+                    "device": "",
+                    "qdev": id,
+                    "node-name": node,
+                    "stats": device_stats(&snapshot.merged(), state.histograms.get(*id)),
+                    "x-vsd": snapshot,
+                });
+                entry["x-vsd"]["export"] = json!(id);
+                entry
+            })
+            .collect();
+        if args.query_nodes {
+            // Requests are counted where they enter the graph: a node's
+            // figures are those of the exports serving it.
+            for node in state.graph.nodes() {
+                let mut sum = QueueSnapshot::default();
+                for (_, _, snapshot) in snapshots.iter().filter(|(_, n, _)| *n == node.name()) {
+                    sum.merge(&snapshot.merged());
+                }
+                entries.push(json!({ "device": "", "node-name": node.name(), "stats": device_stats(&sum, None) }));
+            }
+        }
+        Ok(Value::Array(entries))
+    }
+
+    fn latency_histogram_set(&self, args: HistogramSet) -> Reply {
+        let mut state = self.state();
+        let export = state
+            .exports
+            .get(&args.id)
+            .ok_or_else(|| QmpError::new(ErrorClass::DeviceNotFound, format!("Device '{}' not found", args.id)))?;
+        let merged = export.stats().merged();
+        let bins = |specific: Option<Vec<u64>>| -> Result<Option<Bins>, QmpError> {
+            let Some(boundaries_ns) = specific.or_else(|| args.boundaries.clone()) else { return Ok(None) };
+            if boundaries_ns.is_empty() || boundaries_ns.windows(2).any(|w| w[0] >= w[1]) || boundaries_ns[0] == 0 {
+                return Err(QmpError::generic("boundaries must be positive and strictly increasing"));
+            }
+            Ok(Some(Bins { boundaries_ns, baseline: Default::default() }))
+        };
+        let mut set = LatencyBins {
+            read: bins(args.boundaries_read.clone())?,
+            write: bins(args.boundaries_write.clone())?,
+            flush: bins(args.boundaries_flush.clone())?,
+        };
+        for (kind, bins) in
+            [(OpKind::Read, &mut set.read), (OpKind::Write, &mut set.write), (OpKind::Flush, &mut set.flush)]
+        {
+            if let Some(bins) = bins {
+                bins.baseline = merged.op(kind).latency.clone();
+            }
+        }
+        state.histograms.insert(args.id, set);
+        Ok(json!({}))
+    }
+
+    fn block_resize(&self, args: Resize) -> Reply {
+        let name =
+            args.node_name.or(args.device).ok_or_else(|| QmpError::generic("Parameter 'node-name' is missing"))?;
+        let size = u64::try_from(args.size)
+            .ok()
+            .filter(|s| *s > 0 && s % 512 == 0)
+            .ok_or_else(|| QmpError::generic("Parameter 'size' must be a positive multiple of 512"))?;
+        let state = self.state();
+        let node = state.graph.get(&name).ok_or_else(|| {
+            QmpError::new(ErrorClass::DeviceNotFound, format!("Cannot find device='' nor node-name='{name}'"))
+        })?;
+        node.resize(size).map_err(|e| QmpError::generic(format!("Cannot resize node '{name}': {e}")))?;
+        for export in state.exports.values() {
+            if let Err(e) = export.capacity_changed() {
+                log::warn!("export '{}': cannot tell the front-end about the new size: {e}", export.config().id);
+            }
+        }
+        Ok(json!({}))
+    }
+}
+
+/// QEMU's BlockDeviceStats for a set of counters.
+fn device_stats(s: &QueueSnapshot, bins: Option<&LatencyBins>) -> Value {
+    let op = |kind| s.op(kind);
+    let (rd, wr, fl, un) = (op(OpKind::Read), op(OpKind::Write), op(OpKind::Flush), op(OpKind::Unmap));
+    let mut stats = json!({
+        "rd_bytes": rd.bytes, "wr_bytes": wr.bytes, "unmap_bytes": un.bytes,
+        "rd_operations": rd.ops, "wr_operations": wr.ops, "flush_operations": fl.ops, "unmap_operations": un.ops,
+        "rd_total_time_ns": rd.latency.sum_ns(), "wr_total_time_ns": wr.latency.sum_ns(),
+        "flush_total_time_ns": fl.latency.sum_ns(), "unmap_total_time_ns": un.latency.sum_ns(),
+        "failed_rd_operations": rd.failed, "failed_wr_operations": wr.failed,
+        "failed_flush_operations": fl.failed, "failed_unmap_operations": un.failed,
+        "invalid_rd_operations": 0, "invalid_wr_operations": 0, "invalid_flush_operations": 0,
+        "invalid_unmap_operations": 0, "rd_merged": 0, "wr_merged": 0, "unmap_merged": 0,
+        "wr_highest_offset": 0, "account_invalid": false, "account_failed": true, "timed_stats": [],
+    });
+    let Some(bins) = bins else { return stats };
+    for (key, kind, set) in [
+        ("rd_latency_histogram", OpKind::Read, &bins.read),
+        ("wr_latency_histogram", OpKind::Write, &bins.write),
+        ("flush_latency_histogram", OpKind::Flush, &bins.flush),
+    ] {
+        if let Some(set) = set {
+            let since = op(kind).latency.since(&set.baseline);
+            stats[key] = json!({ "boundaries": set.boundaries_ns, "bins": since.bins(&set.boundaries_ns) });
+        }
+    }
+    stats
+}
+
+/// How many backing files are below a node.
+fn backing_depth(node: &dyn vsd_block::BlockNode) -> u64 {
+    let backing = node.children().into_iter().find(|(role, _)| *role == "backing");
+    backing.map_or(0, |(_, child)| 1 + backing_depth(&*child))
+}
+
+/// Prometheus text for every export.
+pub(crate) fn metrics(daemon: &Daemon) -> String {
+    let state = daemon.state();
+    let snapshots: Vec<_> =
+        state.exports.values().map(|e| (e.config().id.clone(), e.node().name().to_string(), e.stats())).collect();
+    let labelled: Vec<_> = snapshots.iter().map(|(export, node, s)| (ExportLabel { export, node }, s)).collect();
+    vsd_trace::prometheus(&labelled)
+}

@@ -1,0 +1,92 @@
+//! The daemon's state: the block graph and the exports serving it, changed
+//! by the command line at startup and by QMP commands while running.
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, MutexGuard};
+
+use anyhow::{Context, Result};
+use vsd_block::BlockGraph;
+use vsd_block::options::OptionMap;
+use vsd_control::qmp::Events;
+use vsd_export::{ExportConfig, VhostUserBlkExport};
+use vsd_trace::HistogramSnapshot;
+
+/// Everything the daemon serves.
+pub struct Daemon {
+    state: Mutex<State>,
+    pub(crate) events: Events,
+}
+
+pub(crate) struct State {
+    pub(crate) graph: BlockGraph,
+    /// By id, in id order (as `query-block-exports` lists them).
+    pub(crate) exports: BTreeMap<String, VhostUserBlkExport>,
+    /// `block-latency-histogram-set` boundaries, by export id.
+    pub(crate) histograms: BTreeMap<String, LatencyBins>,
+}
+
+/// The bins a user asked for on one export, per request kind, with the
+/// histogram as it was then: bins count only what came after.
+#[derive(Default)]
+pub(crate) struct LatencyBins {
+    pub(crate) read: Option<Bins>,
+    pub(crate) write: Option<Bins>,
+    pub(crate) flush: Option<Bins>,
+}
+
+pub(crate) struct Bins {
+    pub(crate) boundaries_ns: Vec<u64>,
+    pub(crate) baseline: HistogramSnapshot,
+}
+
+impl Daemon {
+    pub fn new() -> Self {
+        let state = State { graph: BlockGraph::new(), exports: BTreeMap::new(), histograms: BTreeMap::new() };
+        Self { state: Mutex::new(state), events: Events::new() }
+    }
+
+    /// The state, for one command at a time. A panic while holding it
+    /// cannot leave it half-changed in a way later commands could not
+    /// handle, so a poisoned lock is taken over.
+    pub(crate) fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Adds a node (`--blockdev`, `blockdev-add`).
+    pub fn add_blockdev(&self, opts: OptionMap) -> Result<()> {
+        self.state().graph.add(opts)?;
+        Ok(())
+    }
+
+    /// Starts an export (`--export`, `block-export-add`).
+    pub fn add_export(&self, mut opts: OptionMap) -> Result<()> {
+        let config = ExportConfig::from_options(&mut opts)?;
+        opts.finish()?;
+        let mut state = self.state();
+        if state.exports.contains_key(&config.id) {
+            anyhow::bail!("block export id '{}' is already in use", config.id);
+        }
+        let node = state
+            .graph
+            .get(&config.node_name)
+            .with_context(|| format!("export '{}': no node named '{}'", config.id, config.node_name))?;
+        let export = VhostUserBlkExport::start(config, node)?;
+        log::info!("export '{}' listening on {}", export.config().id, export.config().socket.display());
+        state.exports.insert(export.config().id.clone(), export);
+        Ok(())
+    }
+
+    /// Stops every export (their requests in flight complete first), then
+    /// writes back what nodes cache (qcow2 metadata).
+    pub fn shutdown(&self) {
+        let mut state = self.state();
+        for (_, export) in std::mem::take(&mut state.exports) {
+            export.stop();
+        }
+        for node in state.graph.nodes() {
+            if let Err(e) = node.close() {
+                log::error!("node '{}': writing back cached state failed: {e}", node.name());
+            }
+        }
+    }
+}

@@ -1,0 +1,375 @@
+//! The QMP socket, driven by QEMU's own Python client (`qemu.qmp`, through
+//! scripts/qmp.py) and by socat; statistics checked against the I/O a
+//! libblkio client did; Prometheus metrics read by Prometheus' own parser.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{Daemon, Scratch, VSD, pattern};
+use serde_json::{Value, json};
+use vsd_bench::ClientOptions;
+use vsd_control::client::QmpClient;
+
+const MIB: u64 = 1 << 20;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// vsd serving a null-co node on `exp0`, with a QMP monitor.
+fn daemon_with_monitor(dir: &Scratch, extra: &[&str]) -> (Daemon, PathBuf) {
+    let qmp = dir.path("qmp.sock");
+    let mut args: Vec<String> = vec![
+        "--blockdev".into(),
+        "driver=null-co,node-name=null0,size=64M,read-zeroes=on".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=exp0,node-name=null0,addr.type=unix,addr.path={}",
+            dir.path("exp0.sock").display()
+        ),
+        "--chardev".into(),
+        format!("socket,id=qmp0,path={},server=on,wait=off", qmp.display()),
+        "--monitor".into(),
+        "chardev=qmp0".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    (Daemon::vsd(dir, &args), qmp)
+}
+
+/// One command through QEMU's Python client; the reply (`return` or `error`).
+fn qmp(socket: &Path, command: &str, args: Value) -> Value {
+    qmp_with(socket, command, args, None).0
+}
+
+/// As [`qmp`], also waiting for `event` after the reply.
+fn qmp_with(socket: &Path, command: &str, args: Value, event: Option<&str>) -> (Value, Option<Value>) {
+    let mut cmd = Command::new("python3");
+    cmd.arg(repo().join("scripts/qmp.py")).arg(socket).arg(command).arg(args.to_string());
+    if let Some(event) = event {
+        cmd.args(["--event", event]);
+    }
+    let out = cmd.output().expect("run python3 scripts/qmp.py");
+    assert!(
+        out.status.success(),
+        "qmp.py {command} failed (is the qemu.qmp package installed? scripts/setup.sh installs it): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let mut lines = text.lines().map(|l| serde_json::from_str::<Value>(l).unwrap());
+    (lines.next().expect("a reply"), lines.next())
+}
+
+fn returned(reply: &Value) -> &Value {
+    reply.get("return").unwrap_or_else(|| panic!("expected success, got {reply}"))
+}
+
+fn error_desc(reply: &Value) -> String {
+    reply["error"]["desc"].as_str().unwrap_or_else(|| panic!("expected an error, got {reply}")).to_string()
+}
+
+/// The `query-blockstats` entry of export `id`.
+fn export_stats(client: &mut QmpClient, id: &str) -> Value {
+    let all = client.execute("query-blockstats", json!({})).unwrap();
+    all.as_array().unwrap().iter().find(|e| e["qdev"] == id).cloned().unwrap_or_else(|| panic!("no stats for {id}"))
+}
+
+#[test]
+fn qmp_adds_serves_and_removes_nodes_and_exports() {
+    let dir = Scratch::new("qmp-live");
+    let (mut daemon, qmp_sock) = daemon_with_monitor(&dir, &[]);
+
+    let version = qmp(&qmp_sock, "query-version", json!({}));
+    assert!(returned(&version)["package"].as_str().unwrap().starts_with("vsd "));
+    let commands = qmp(&qmp_sock, "query-commands", json!({}));
+    let names: Vec<&str> =
+        returned(&commands).as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
+    for name in ["blockdev-add", "block-export-del", "query-blockstats", "block_resize", "quit"] {
+        assert!(names.contains(&name), "query-commands lacks {name}: {names:?}");
+    }
+
+    // A file and a raw node over it, then an export, all while running.
+    let image = dir.image("disk.img", 32 * MIB);
+    let file = json!({ "driver": "file", "node-name": "file1", "filename": image });
+    returned(&qmp(&qmp_sock, "blockdev-add", file));
+    returned(&qmp(&qmp_sock, "blockdev-add", json!({ "driver": "raw", "node-name": "disk1", "file": "file1" })));
+    let duplicate = qmp(&qmp_sock, "blockdev-add", json!({ "driver": "null-co", "node-name": "disk1" }));
+    assert!(error_desc(&duplicate).contains("already exists"));
+    let socket = dir.path("exp1.sock");
+    let export = json!({
+        "type": "vhost-user-blk", "id": "exp1", "node-name": "disk1",
+        "addr": { "type": "unix", "path": socket }, "writable": true, "num-queues": 2,
+    });
+    returned(&qmp(&qmp_sock, "block-export-add", export.clone()));
+    assert!(error_desc(&qmp(&qmp_sock, "block-export-add", export)).contains("already in use"));
+
+    let exports = qmp(&qmp_sock, "query-block-exports", json!({}));
+    let ids: Vec<&str> = returned(&exports).as_array().unwrap().iter().map(|e| e["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["exp0", "exp1"]);
+    let nodes = qmp(&qmp_sock, "query-named-block-nodes", json!({}));
+    let raw = returned(&nodes).as_array().unwrap().iter().find(|n| n["node-name"] == "disk1").unwrap().clone();
+    assert_eq!((raw["drv"].as_str(), raw["children"]["file"].as_str()), (Some("raw"), Some("file1")));
+    assert_eq!(raw["image"]["virtual-size"], 32 * MIB);
+
+    // Data written through the new export reaches the image.
+    let mut client = vsd_bench::Client::connect(&socket, ClientOptions::default()).unwrap();
+    let mut queue = client.take_queue(0).unwrap();
+    let data = pattern(7, 64 * 1024);
+    queue.write_at(MIB, &data).unwrap();
+    queue.flush().unwrap();
+    assert_eq!(&std::fs::read(&image).unwrap()[MIB as usize..][..data.len()], &data[..]);
+
+    // Nodes in use and exports with a front-end are not removed.
+    assert!(error_desc(&qmp(&qmp_sock, "blockdev-del", json!({ "node-name": "file1" }))).contains("file of 'disk1'"));
+    assert!(
+        error_desc(&qmp(&qmp_sock, "blockdev-del", json!({ "node-name": "disk1" }))).contains("exported by 'exp1'")
+    );
+    let busy = qmp(&qmp_sock, "block-export-del", json!({ "id": "exp1" }));
+    assert!(error_desc(&busy).contains("still in use"), "{busy}");
+
+    // mode=hard cuts the front-end off; the event follows.
+    let (reply, event) =
+        qmp_with(&qmp_sock, "block-export-del", json!({ "id": "exp1", "mode": "hard" }), Some("BLOCK_EXPORT_DELETED"));
+    returned(&reply);
+    let event = event.expect("BLOCK_EXPORT_DELETED");
+    assert_eq!(event["data"]["id"], "exp1");
+    assert!(event["timestamp"]["seconds"].as_u64().unwrap() > 0);
+    assert!(!socket.exists(), "the export's socket is removed");
+    queue.set_timeout(Duration::from_secs(5));
+    assert!(queue.read_at(0, &mut vec![0; 4096]).is_err(), "the cut-off front-end gets no more service");
+    drop((queue, client));
+
+    returned(&qmp(&qmp_sock, "blockdev-del", json!({ "node-name": "disk1" })));
+    returned(&qmp(&qmp_sock, "blockdev-del", json!({ "node-name": "file1" })));
+    let missing = qmp(&qmp_sock, "blockdev-del", json!({ "node-name": "file1" }));
+    assert!(error_desc(&missing).contains("Failed to find node"));
+    let missing = qmp(&qmp_sock, "block-export-del", json!({ "id": "nope" }));
+    assert!(error_desc(&missing).contains("not found"));
+
+    // An idle export goes in safe mode.
+    returned(&qmp(&qmp_sock, "block-export-del", json!({ "id": "exp0" })));
+
+    // quit answers, then the daemon stops cleanly and removes its sockets.
+    returned(&qmp(&qmp_sock, "quit", json!({})));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while daemon.is_running() {
+        assert!(Instant::now() < deadline, "vsd still running after quit");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!qmp_sock.exists(), "the QMP socket is removed at exit");
+}
+
+#[test]
+fn qmp_answers_garbage_with_errors_and_keeps_serving() {
+    let dir = Scratch::new("qmp-garbage");
+    let (mut daemon, qmp_sock) = daemon_with_monitor(&dir, &[]);
+    let stream = UnixStream::connect(&qmp_sock).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut writer = stream;
+    let mut reply = |text: &[u8]| -> Value {
+        writer.write_all(text).unwrap();
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad reply line {line:?}: {e}"))
+    };
+    assert!(reply(b"").get("QMP").is_some(), "greeting first");
+    let early = reply(b"{\"execute\":\"query-version\"}\n");
+    assert_eq!(early["error"]["class"], "CommandNotFound");
+    assert!(reply(b"{\"execute\":\"qmp_capabilities\"}\n").get("return").is_some());
+
+    let huge = format!("{{\"execute\":\"query-version\",\"arguments\":{{\"x\":\"{}\"}}}}\n", "a".repeat(4 << 20));
+    let cases: Vec<(&[u8], &str)> = vec![
+        // An unfinished value gets no reply until it ends, here as bad JSON.
+        (b"{\"execute\":\n}\n", "GenericError"),
+        (b"this is not json\n", "GenericError"),
+        (b"[1, 2, 3]\n", "GenericError"),
+        (b"{\"execute\": 42}\n", "GenericError"),
+        (b"{\"execute\": \"no-such-command\"}\n", "CommandNotFound"),
+        (b"{\"execute\": \"blockdev-del\", \"arguments\": {\"node-name\": 7}}\n", "GenericError"),
+        (b"{\"execute\": \"blockdev-del\", \"arguments\": []}\n", "GenericError"),
+        (b"{\"execute\": \"query-blockstats\", \"arguments\": {\"bogus\": true}}\n", "GenericError"),
+        (b"{\"execute\": \"block_resize\", \"arguments\": {\"node-name\": \"null0\", \"size\": -5}}\n", "GenericError"),
+        (
+            b"{\"execute\": \"blockdev-add\", \"arguments\": {\"driver\": \"nope\", \"node-name\": \"x\"}}\n",
+            "GenericError",
+        ),
+        (huge.as_bytes(), "GenericError"),
+        (b"\xff\xfe{\"execute\":\"query-version\"}\n", "GenericError"),
+    ];
+    for (input, class) in cases {
+        let answer = reply(input);
+        assert_eq!(
+            answer["error"]["class"],
+            class,
+            "for {:?}: {answer}",
+            String::from_utf8_lossy(&input[..input.len().min(80)])
+        );
+        let desc = answer["error"]["desc"].as_str().unwrap();
+        assert!(!desc.is_empty());
+    }
+    // Still answering on the same connection, and the daemon still serves.
+    let version = reply(b"{\"execute\":\"query-version\",\"id\":\"after\"}");
+    assert_eq!(version["id"], "after");
+    assert!(version["return"]["package"].is_string());
+    assert!(daemon.is_running());
+
+    // socat, as an operator would use it: two commands on one line.
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "printf '%s' '{{\"execute\":\"qmp_capabilities\"}}{{\"execute\":\"query-block-exports\"}}' | socat -t 2 - UNIX-CONNECT:{}",
+            qmp_sock.display()
+        ))
+        .output()
+        .expect("run socat");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 3, "greeting and two replies: {text}");
+    assert_eq!(lines[2]["return"][0]["id"], "exp0");
+}
+
+#[test]
+fn statistics_count_what_a_client_did_and_time_every_stage() {
+    let dir = Scratch::new("qmp-stats");
+    let image = dir.image("disk.img", 16 * MIB);
+    let metrics_port = free_port();
+    let extra = [
+        "--blockdev".to_string(),
+        format!("driver=file,node-name=f1,filename={}", image.display()),
+        "--blockdev".into(),
+        "driver=raw,node-name=r1,file=f1".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=exp1,node-name=r1,addr.type=unix,addr.path={},writable=on",
+            dir.path("exp1.sock").display()
+        ),
+        "--metrics".into(),
+        format!("127.0.0.1:{metrics_port}"),
+    ];
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let (_daemon, qmp_sock) = daemon_with_monitor(&dir, &extra);
+    let mut qmp = QmpClient::connect(&qmp_sock).unwrap();
+    let boundaries = json!({ "id": "exp1", "boundaries": [10_000, 100_000, 1_000_000] });
+    qmp.execute("block-latency-histogram-set", boundaries).unwrap();
+
+    let (reads, writes) = (300u64, 200u64);
+    let mut client = vsd_bench::Client::connect(&dir.path("exp1.sock"), ClientOptions::default()).unwrap();
+    let mut queue = client.take_queue(0).unwrap();
+    let data = pattern(1, 4096);
+    for i in 0..writes {
+        queue.write_at(i * 4096, &data).unwrap();
+    }
+    queue.flush().unwrap();
+    let mut buf = vec![0; 4096];
+    for i in 0..reads {
+        queue.read_at(i * 4096, &mut buf).unwrap();
+    }
+    assert!(queue.read_at(16 * MIB, &mut buf).is_err(), "past the end");
+
+    let entry = export_stats(&mut qmp, "exp1");
+    let stats = &entry["stats"];
+    assert_eq!(entry["node-name"], "r1");
+    assert_eq!(stats["rd_operations"], reads);
+    assert_eq!(stats["rd_bytes"], reads * 4096);
+    assert_eq!(stats["wr_operations"], writes);
+    assert_eq!(stats["wr_bytes"], writes * 4096);
+    assert_eq!(stats["flush_operations"], 1);
+    assert!(stats["rd_total_time_ns"].as_u64().unwrap() > 0);
+    let bins: u64 = stats["rd_latency_histogram"]["bins"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap()).sum();
+    assert_eq!(bins, reads, "every read lands in one bin");
+    assert_eq!(stats["rd_latency_histogram"]["boundaries"], json!([10_000, 100_000, 1_000_000]));
+
+    // Every request that reached the engine went through every stage, and
+    // the stages add up to the total exactly (they share timestamps).
+    let snapshot: vsd_trace::ExportSnapshot = serde_json::from_value(entry["x-vsd"].clone()).unwrap();
+    let merged = snapshot.merged();
+    let served = reads + writes + 1;
+    assert_eq!(merged.total.count(), served);
+    let mut stage_sum = 0;
+    for stage in vsd_trace::Stage::ALL {
+        assert_eq!(merged.stage(stage).count(), served, "{}", stage.label());
+        stage_sum += merged.stage(stage).sum_ns();
+    }
+    assert_eq!(stage_sum, merged.total.sum_ns());
+    assert_eq!(merged.events.requests, served + 1, "the out-of-range read was taken too");
+    assert_eq!(merged.events.invalid, 1);
+    assert!(merged.events.kicks >= served, "interrupt-mode client: a kick per request");
+    assert!(merged.events.calls >= served);
+    assert!(merged.events.kernel_entries >= served, "io_uring: at least one enter per request at qd1");
+
+    // vsd stat prints the tables from the same figures.
+    let out = Command::new(VSD).args(["stat", "--qmp"]).arg(&qmp_sock).args(["--export", "exp1"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for label in ["kick -> pop", "pop -> submit", "submit -> complete", "complete -> used", "used -> call", "kicks"] {
+        assert!(text.contains(label), "vsd stat lacks {label}:\n{text}");
+    }
+    assert!(text.contains(&served.to_string()), "request count shown:\n{text}");
+
+    // Prometheus' own parser reads the same counts.
+    let script = format!(
+        "import urllib.request, json\n\
+         from prometheus_client.parser import text_string_to_metric_families as parse\n\
+         text = urllib.request.urlopen('http://127.0.0.1:{metrics_port}/metrics').read().decode()\n\
+         out = {{}}\n\
+         for family in parse(text):\n\
+         \x20   for s in family.samples:\n\
+         \x20       if s.labels.get('export') == 'exp1' and 'queue' not in s.labels:\n\
+         \x20           out[s.name + '/' + s.labels.get('op', s.labels.get('stage', '')) + '/' + s.labels.get('le', '')] = s.value\n\
+         print(json.dumps(out))\n"
+    );
+    let out = Command::new("python3").arg("-c").arg(script).output().unwrap();
+    assert!(out.status.success(), "prometheus parse failed: {}", String::from_utf8_lossy(&out.stderr));
+    let samples: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(samples["vsd_export_ops_total/read/"], reads as f64);
+    assert_eq!(samples["vsd_export_bytes_total/write/"], (writes * 4096) as f64);
+    assert_eq!(samples["vsd_export_latency_seconds_count/read/"], reads as f64);
+    assert_eq!(samples["vsd_export_latency_seconds_bucket/read/+Inf"], reads as f64);
+    assert_eq!(samples["vsd_stage_latency_seconds_count/total/"], served as f64);
+}
+
+#[test]
+fn block_resize_grows_the_image_and_new_clients_see_it() {
+    let dir = Scratch::new("qmp-resize");
+    let image = dir.image("disk.img", 16 * MIB);
+    let socket = dir.path("exp1.sock");
+    let extra = [
+        "--blockdev".to_string(),
+        format!("driver=file,node-name=f1,filename={}", image.display()),
+        "--blockdev".into(),
+        "driver=raw,node-name=r1,file=f1".into(),
+        "--export".into(),
+        format!("type=vhost-user-blk,id=exp1,node-name=r1,addr.type=unix,addr.path={},writable=on", socket.display()),
+    ];
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let (_daemon, qmp_sock) = daemon_with_monitor(&dir, &extra);
+    let mut qmp = QmpClient::connect(&qmp_sock).unwrap();
+
+    let before = vsd_bench::Client::connect(&socket, ClientOptions::default()).unwrap();
+    assert_eq!(before.capacity().unwrap(), 16 * MIB);
+    drop(before);
+    qmp.execute("block_resize", json!({ "node-name": "r1", "size": 48 * MIB })).unwrap();
+    assert_eq!(std::fs::metadata(&image).unwrap().len(), 48 * MIB);
+    let mut after = vsd_bench::Client::connect(&socket, ClientOptions::default()).unwrap();
+    assert_eq!(after.capacity().unwrap(), 48 * MIB);
+    let mut queue = after.take_queue(0).unwrap();
+    let data = pattern(3, 4096);
+    queue.write_at(40 * MIB, &data).unwrap();
+    let mut back = vec![0; 4096];
+    queue.read_at(40 * MIB, &mut back).unwrap();
+    assert_eq!(back, data, "the new space is usable");
+
+    let mut refuse = |args: Value| qmp.execute("block_resize", args).unwrap_err().to_string();
+    assert!(refuse(json!({ "node-name": "r1", "size": 1000 })).contains("multiple of 512"));
+    assert!(refuse(json!({ "node-name": "nope", "size": 4096 })).contains("nope"));
+    assert!(refuse(json!({ "node-name": "null0", "size": 0 })).contains("multiple of 512"));
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
