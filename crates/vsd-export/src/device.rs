@@ -46,7 +46,10 @@ impl BlkDevice {
             max_discard_sectors: MAX_RANGE_SECTORS,
             max_write_zeroes_sectors: MAX_RANGE_SECTORS,
         };
-        let stats = (0..config.num_queues).map(|_| Arc::new(QueueStats::new())).collect();
+        // Calibrated here, once, rather than while a front-end waits.
+        let clock = config.trace.then(vsd_trace::Clock::get);
+        let queue_stats = || Arc::new(clock.map_or_else(QueueStats::new, QueueStats::timed_by));
+        let stats = (0..config.num_queues).map(|_| queue_stats()).collect();
         let device = Self {
             writeback: AtomicBool::new(!config.writethrough),
             capacity: AtomicU64::new(0),

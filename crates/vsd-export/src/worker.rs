@@ -23,7 +23,7 @@ use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, Guest
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_block::{Completion, IoOp, IoQueue, IoVecs};
-use vsd_trace::{OpKind, QueueStats, Stage, now_ns};
+use vsd_trace::{Clock, OpKind, QueueStats, Stage};
 
 use crate::device::BlkDevice;
 use crate::request::{self, Action, MAX_IOVECS, NoStatus, status};
@@ -97,10 +97,10 @@ struct Slot {
     kind: OpKind,
     bytes: u64,
     /// When the worker noticed the kick, popped the request and submitted
-    /// it (ns; 0 with tracing off).
-    kicked_ns: u64,
-    popped_ns: u64,
-    submitted_ns: u64,
+    /// it ([`Clock`] ticks; 0 with tracing off).
+    kicked_at: u64,
+    popped_at: u64,
+    submitted_at: u64,
     /// Keeps the guest memory the request points into mapped until it
     /// completes, even if the front-end replaces the memory table meanwhile.
     mem: Option<Arc<Memory>>,
@@ -124,16 +124,17 @@ struct QueueWorker {
     /// The guest broke the ring; stop taking requests from it.
     broken: bool,
     stats: Arc<QueueStats>,
-    trace: bool,
-    /// When the current round began: the kick was noticed.
-    woke_ns: u64,
+    /// The clock stamps are taken with; none with `trace=off`.
+    clock: Option<Clock>,
+    /// When the last kick was noticed.
+    woke_at: u64,
     /// Tags pushed to the engine since its last submit.
     unsubmitted: Vec<u16>,
     /// Requests published since the guest was last signalled: when their
-    /// kick was noticed, for the total.
-    unsignalled_kicks: Vec<u64>,
+    /// kick was noticed and their kind, for their latency.
+    awaiting_call: Vec<(u64, OpKind)>,
     /// When those were published.
-    used_ns: u64,
+    used_at: u64,
     /// The engine's count of kernel entries when last added to the stats
     /// (the engine is new with each worker; the stats live on).
     kernel_entries: u64,
@@ -175,9 +176,9 @@ impl QueueWorker {
             used_len: 0,
             kind: OpKind::Flush,
             bytes: 0,
-            kicked_ns: 0,
-            popped_ns: 0,
-            submitted_ns: 0,
+            kicked_at: 0,
+            popped_at: 0,
+            submitted_at: 0,
             mem: None,
         };
         Ok(Self {
@@ -186,11 +187,11 @@ impl QueueWorker {
             free: (0..depth as u16).rev().collect(),
             completions: Vec::with_capacity(depth),
             stats,
-            trace: device.config.trace,
-            woke_ns: 0,
+            clock: device.config.trace.then(Clock::get),
+            woke_at: 0,
             unsubmitted: Vec::with_capacity(depth),
-            unsignalled_kicks: Vec::with_capacity(depth),
-            used_ns: 0,
+            awaiting_call: Vec::with_capacity(depth),
+            used_at: 0,
             kernel_entries: 0,
             run,
             mem,
@@ -213,7 +214,7 @@ impl QueueWorker {
 
     /// The time, if requests are being traced.
     fn now(&self) -> u64 {
-        if self.trace { now_ns() } else { 0 }
+        self.clock.map_or(0, Clock::now)
     }
 
     fn run(&mut self) {
@@ -221,7 +222,7 @@ impl QueueWorker {
         // The guest may have queued requests before this thread listened.
         let mut kicked = true;
         let mut stopping = false;
-        self.woke_ns = self.now();
+        self.woke_at = self.now();
         loop {
             let mem = self.mem.memory().into_inner();
             if kicked && !stopping {
@@ -258,10 +259,10 @@ impl QueueWorker {
                 }
             };
             self.stats.wakeups.add(1);
-            self.woke_ns = self.now();
             for event in &events[..n] {
                 match event.data() {
                     TOKEN_KICK => {
+                        self.woke_at = self.now();
                         drain(self.run.kick.as_fd());
                         self.stats.kicks.add(1);
                         kicked = true;
@@ -279,7 +280,7 @@ impl QueueWorker {
         // (io_uring reads of cached data), which is the engine's time.
         let now = self.now();
         for tag in self.unsubmitted.drain(..) {
-            self.slots[usize::from(tag)].submitted_ns = now;
+            self.slots[usize::from(tag)].submitted_at = now;
         }
         if let Err(e) = self.io.submit() {
             log::error!("queue {}: submitting I/O failed: {e}", self.run.index);
@@ -362,7 +363,7 @@ impl QueueWorker {
         let head = chain.head_index();
         let Some(tag) = self.free.pop() else { return };
         self.stats.requests.add(1);
-        let popped_ns = self.now();
+        let popped_at = self.now();
         let iov = &mut self.iovecs[usize::from(tag)];
         let request = match request::parse(chain, &**mem, limits, iov) {
             Ok(request) => request,
@@ -409,9 +410,9 @@ impl QueueWorker {
             used_len: data_len + 1,
             kind,
             bytes: op.extent().map_or(0, |(_, len)| len),
-            kicked_ns: self.woke_ns,
-            popped_ns,
-            submitted_ns: 0,
+            kicked_at: self.woke_at,
+            popped_at,
+            submitted_at: 0,
             mem: Some(mem.clone()),
         };
         self.unsubmitted.push(tag);
@@ -426,10 +427,10 @@ impl QueueWorker {
         if self.completions.is_empty() {
             return;
         }
-        let completed_ns = self.now();
+        let completed_at = self.now();
         let mut completions = std::mem::take(&mut self.completions);
         for done in completions.iter() {
-            self.account(done.tag as usize, done.errno, completed_ns);
+            self.account(done.tag as usize, done.errno, completed_at);
             let slot = &mut self.slots[done.tag as usize];
             let held = slot.mem.take();
             let (head, status_addr) = (slot.head, slot.status);
@@ -444,21 +445,17 @@ impl QueueWorker {
             self.finish(held.as_ref().unwrap_or(mem), head, status_addr, code, used_len);
             self.free.push(done.tag as u16);
         }
-        self.used_ns = self.now();
-        if self.trace {
-            let (n, used) = (completions.len() as u64, self.used_ns.saturating_sub(completed_ns));
-            self.stats.stage(Stage::Used).record_n(used, n);
-            for done in &completions {
-                let slot = &self.slots[done.tag as usize];
-                self.stats.op(slot.kind).latency.record(self.used_ns.saturating_sub(slot.kicked_ns));
-            }
+        self.used_at = self.now();
+        if self.clock.is_some() {
+            let used = self.used_at.saturating_sub(completed_at);
+            self.stats.stage(Stage::Used).record_n(used, completions.len() as u64);
         }
         completions.clear();
         self.completions = completions;
     }
 
     /// Counts a completed request and records its stages up to completion.
-    fn account(&mut self, tag: usize, errno: i32, completed_ns: u64) {
+    fn account(&mut self, tag: usize, errno: i32, completed_at: u64) {
         let slot = &self.slots[tag];
         let op = self.stats.op(slot.kind);
         op.ops.add(1);
@@ -467,12 +464,13 @@ impl QueueWorker {
         } else {
             op.failed.add(1);
         }
-        if self.trace {
+        if self.clock.is_some() {
+            // In ticks of the clock, as the statistics record them.
             let stage = |s| self.stats.stage(s);
-            stage(Stage::Pop).record(slot.popped_ns.saturating_sub(slot.kicked_ns));
-            stage(Stage::Submit).record(slot.submitted_ns.saturating_sub(slot.popped_ns));
-            stage(Stage::Complete).record(completed_ns.saturating_sub(slot.submitted_ns));
-            self.unsignalled_kicks.push(slot.kicked_ns);
+            stage(Stage::Pop).record(slot.popped_at.saturating_sub(slot.kicked_at));
+            stage(Stage::Submit).record(slot.submitted_at.saturating_sub(slot.popped_at));
+            stage(Stage::Complete).record(completed_at.saturating_sub(slot.submitted_at));
+            self.awaiting_call.push((slot.kicked_at, slot.kind));
         }
     }
 
@@ -502,12 +500,14 @@ impl QueueWorker {
                 Err(e) => log::warn!("queue {}: cannot signal the guest: {e}", self.run.index),
             }
         }
-        if self.trace && !self.unsignalled_kicks.is_empty() {
-            let called_ns = now_ns();
-            let n = self.unsignalled_kicks.len() as u64;
-            self.stats.stage(Stage::Call).record_n(called_ns.saturating_sub(self.used_ns), n);
-            for kicked_ns in self.unsignalled_kicks.drain(..) {
-                self.stats.total.record(called_ns.saturating_sub(kicked_ns));
+        if let Some(clock) = self.clock
+            && !self.awaiting_call.is_empty()
+        {
+            let called_at = clock.now();
+            let n = self.awaiting_call.len() as u64;
+            self.stats.stage(Stage::Call).record_n(called_at.saturating_sub(self.used_at), n);
+            for (kicked_at, kind) in self.awaiting_call.drain(..) {
+                self.stats.op(kind).latency.record(called_at.saturating_sub(kicked_at));
             }
         }
     }

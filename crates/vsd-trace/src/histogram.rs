@@ -9,7 +9,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::Counter;
+use crate::{Clock, Counter};
 
 /// log2 of the number of sub-buckets per power of two.
 const SUB_BITS: u32 = 5;
@@ -68,16 +68,23 @@ impl Histogram {
     /// The count is taken from the buckets, so it always agrees with them;
     /// only the sum may be off by the values recorded while copying.
     pub fn snapshot(&self) -> HistogramSnapshot {
+        self.snapshot_in(Clock::NANOSECONDS)
+    }
+
+    /// A copy of the current contents, for values recorded in `clock`'s
+    /// ticks: bucket bounds and sum are turned into nanoseconds here, once,
+    /// rather than every value when it is recorded.
+    pub fn snapshot_in(&self, clock: Clock) -> HistogramSnapshot {
         let buckets = self
             .buckets
             .iter()
             .enumerate()
             .filter_map(|(i, c)| match c.get() {
                 0 => None,
-                n => Some((bucket_upper_bound(i), n)),
+                n => Some((clock.ns(bucket_upper_bound(i)), n)),
             })
             .collect();
-        HistogramSnapshot::from_buckets(buckets, self.sum.get())
+        HistogramSnapshot::from_buckets(buckets, clock.ns(self.sum.get()))
     }
 }
 

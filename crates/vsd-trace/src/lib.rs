@@ -23,6 +23,7 @@
 
 #![deny(missing_docs)]
 
+mod clock;
 mod counter;
 mod histogram;
 mod keyed;
@@ -34,6 +35,7 @@ mod snapshot;
 use std::sync::OnceLock;
 use std::time::Instant;
 
+pub use clock::Clock;
 pub use counter::Counter;
 pub use histogram::{Histogram, HistogramSnapshot};
 pub use prometheus::{ExportLabel, prometheus};

@@ -172,7 +172,6 @@ mod tests {
             for v in [500, 1_500, 7_000, 40_000, 3_000_000, 2_000_000_000] {
                 q.op(OpKind::Read).latency.record_n(v, n);
                 q.stage(Stage::Complete).record_n(v, n);
-                q.total.record_n(v, n);
             }
             q.op(OpKind::Read).ops.add(6 * n);
             q.kicks.add(n);

@@ -1,6 +1,6 @@
 //! What a queue worker records: request stages, operation kinds and events.
 
-use crate::{Counter, Histogram};
+use crate::{Clock, Counter, Histogram};
 
 /// The stages of a request inside the daemon, in order.
 ///
@@ -96,20 +96,22 @@ pub struct OpStats {
     pub bytes: Counter,
     /// Requests completed with an error.
     pub failed: Counter,
-    /// Latency from kick noticed to used entry published.
+    /// Latency from kick noticed to guest notified: all stages.
     pub latency: Histogram,
 }
 
 /// One virtqueue's statistics.
 ///
 /// Written only by the queue's worker thread (see [`Counter`]); read by anyone
-/// through [`snapshot`](Self::snapshot).
+/// through [`snapshot`](Self::snapshot). Latencies are recorded in the ticks
+/// of the queue's [`Clock`] (nanoseconds unless made [`QueueStats::timed_by`]
+/// another clock), and read in nanoseconds.
 #[derive(Debug, Default)]
 pub struct QueueStats {
+    /// The unit latencies are recorded in.
+    pub(crate) clock: Option<Clock>,
     /// Time spent in each stage, indexed by [`Stage::index`].
     pub stages: [Histogram; Stage::ALL.len()],
-    /// Kick noticed -> guest notified.
-    pub total: Histogram,
     /// Per kind of request, indexed by [`OpKind::index`].
     pub ops: [OpStats; OpKind::ALL.len()],
     /// Kick eventfd reads that found a kick.
@@ -133,9 +135,14 @@ pub struct QueueStats {
 }
 
 impl QueueStats {
-    /// Statistics at zero.
+    /// Statistics at zero, with latencies recorded in nanoseconds.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Statistics at zero, with latencies recorded in `clock`'s ticks.
+    pub fn timed_by(clock: Clock) -> Self {
+        Self { clock: Some(clock), ..Self::default() }
     }
 
     /// The histogram of `stage`.

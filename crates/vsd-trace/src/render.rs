@@ -90,6 +90,7 @@ fn table<const N: usize>(header: [&str; N], rows: &[[String; N]]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::OpKind;
     use crate::QueueStats;
 
     /// Stage i takes (i + 1) µs, 10 requests each; the total is their sum.
@@ -99,7 +100,7 @@ mod tests {
         for stage in Stage::ALL {
             q.stage(stage).record_n(1000 * (stage.index() as u64 + 1), 10);
         }
-        q.total.record_n(15_000, 10);
+        q.op(OpKind::Read).latency.record_n(15_000, 10);
         q.requests.add(10);
         q.kicks.add(5);
         q.batches.add(4);

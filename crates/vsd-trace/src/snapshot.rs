@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{HistogramSnapshot, OpKind, OpStats, QueueStats, Stage};
+use crate::{Clock, HistogramSnapshot, OpKind, OpStats, QueueStats, Stage};
 
 /// A copy of [`OpStats`].
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -91,7 +91,7 @@ pub struct QueueSnapshot {
         deserialize_with = "crate::keyed::deserialize::<Stage, _, _, _>"
     )]
     pub stages: [HistogramSnapshot; Stage::ALL.len()],
-    /// Kick noticed -> guest notified.
+    /// Kick noticed -> guest notified: every kind's latency together.
     pub total: HistogramSnapshot,
     /// Per kind of request, indexed by [`OpKind::index`].
     #[serde(
@@ -137,13 +137,13 @@ impl QueueSnapshot {
 }
 
 impl OpStats {
-    /// A copy of the current figures.
-    pub fn snapshot(&self) -> OpSnapshot {
+    /// A copy of the current figures, latencies read as `clock`'s ticks.
+    pub fn snapshot_in(&self, clock: Clock) -> OpSnapshot {
         OpSnapshot {
             ops: self.ops.get(),
             bytes: self.bytes.get(),
             failed: self.failed.get(),
-            latency: self.latency.snapshot(),
+            latency: self.latency.snapshot_in(clock),
         }
     }
 }
@@ -151,10 +151,17 @@ impl OpStats {
 impl QueueStats {
     /// A copy of the current figures; may be taken from any thread.
     pub fn snapshot(&self) -> QueueSnapshot {
+        let clock = self.clock.unwrap_or(Clock::NANOSECONDS);
+        let ops = self.ops.each_ref().map(|op| op.snapshot_in(clock));
+        // Every request is recorded once, under its kind.
+        let total = ops.iter().fold(HistogramSnapshot::default(), |mut total, op| {
+            total.merge(&op.latency);
+            total
+        });
         QueueSnapshot {
-            stages: self.stages.each_ref().map(|h| h.snapshot()),
-            total: self.total.snapshot(),
-            ops: self.ops.each_ref().map(OpStats::snapshot),
+            stages: self.stages.each_ref().map(|h| h.snapshot_in(clock)),
+            total,
+            ops,
             events: QueueEvents {
                 kicks: self.kicks.get(),
                 wakeups: self.wakeups.get(),
@@ -197,6 +204,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn latencies_recorded_in_ticks_read_as_nanoseconds() {
+        let q = QueueStats::timed_by(crate::clock::with_ns_per_tick(3));
+        q.stage(Stage::Pop).record_n(1000, 4);
+        q.op(OpKind::Read).latency.record(10);
+        let s = q.snapshot();
+        assert_eq!(s.stage(Stage::Pop).sum_ns(), 12_000);
+        assert_eq!(s.stage(Stage::Pop).quantile_ns(0.5), 3 * 1007);
+        assert_eq!(s.total.sum_ns(), 30);
+    }
+
+    #[test]
     fn since_leaves_what_came_after_the_baseline() {
         let before = busy_queue(2).snapshot();
         let after = busy_queue(5).snapshot();
@@ -215,10 +233,9 @@ mod tests {
         for stage in Stage::ALL {
             q.stage(stage).record_n(1000 * (stage.index() as u64 + 1), scale);
         }
-        q.total.record_n(15_000, scale);
         q.op(OpKind::Write).ops.add(scale);
         q.op(OpKind::Write).bytes.add(4096 * scale);
-        q.op(OpKind::Write).latency.record_n(14_000, scale);
+        q.op(OpKind::Write).latency.record_n(15_000, scale);
         q.kicks.add(scale);
         q.in_flight.set(2);
         q
