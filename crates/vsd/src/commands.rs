@@ -74,6 +74,11 @@ fn parse<T: for<'de> Deserialize<'de>>(args: Value) -> Result<T, QmpError> {
     serde_json::from_value(args).map_err(|e| QmpError::generic(format!("Invalid parameters: {e}")))
 }
 
+/// Arguments that take the same keys as the command line's option strings.
+fn options(command: &str, args: &Value) -> Result<OptionMap, QmpError> {
+    OptionMap::parse(command, &args.to_string()).map_err(generic)
+}
+
 fn no_arguments(args: &Value) -> Result<(), QmpError> {
     match args.as_object().and_then(|m| m.keys().next()) {
         Some(key) => Err(QmpError::generic(format!("Parameter '{key}' is unexpected"))),
@@ -142,8 +147,7 @@ struct Resize {
 
 impl Daemon {
     fn blockdev_add(&self, args: Value) -> Reply {
-        let opts = OptionMap::parse("blockdev-add", &args.to_string()).map_err(generic)?;
-        self.add_blockdev(opts).map_err(generic)?;
+        self.add_blockdev(options("blockdev-add", &args)?).map_err(generic)?;
         Ok(json!({}))
     }
 
@@ -165,8 +169,7 @@ impl Daemon {
     }
 
     fn block_export_add(&self, args: Value) -> Reply {
-        let opts = OptionMap::parse("block-export-add", &args.to_string()).map_err(generic)?;
-        self.add_export(opts).map_err(generic)?;
+        self.add_export(options("block-export-add", &args)?).map_err(generic)?;
         Ok(json!({}))
     }
 

@@ -21,8 +21,9 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// vsd serving a null-co node on `exp0`, with a QMP monitor.
-fn daemon_with_monitor(dir: &Scratch, extra: &[&str]) -> (Daemon, PathBuf) {
+/// vsd serving a null-co node on `exp0`, with a QMP monitor, and `extra`
+/// arguments.
+fn daemon_with_monitor(dir: &Scratch, extra: Vec<String>) -> (Daemon, PathBuf) {
     let qmp = dir.path("qmp.sock");
     let mut args: Vec<String> = vec![
         "--blockdev".into(),
@@ -37,8 +38,21 @@ fn daemon_with_monitor(dir: &Scratch, extra: &[&str]) -> (Daemon, PathBuf) {
         "--monitor".into(),
         "chardev=qmp0".into(),
     ];
-    args.extend(extra.iter().map(|s| s.to_string()));
+    args.extend(extra);
     (Daemon::vsd(dir, &args), qmp)
+}
+
+/// A file node `f1` on `image`, a raw node `r1` over it, and a writable
+/// export `exp1` of it on `socket`.
+fn raw_export(image: &Path, socket: &Path) -> Vec<String> {
+    vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=f1,filename={}", image.display()),
+        "--blockdev".into(),
+        "driver=raw,node-name=r1,file=f1".into(),
+        "--export".into(),
+        format!("type=vhost-user-blk,id=exp1,node-name=r1,addr.type=unix,addr.path={},writable=on", socket.display()),
+    ]
 }
 
 /// One command through QEMU's Python client; the reply (`return` or `error`).
@@ -81,7 +95,7 @@ fn export_stats(client: &mut QmpClient, id: &str) -> Value {
 #[test]
 fn qmp_adds_serves_and_removes_nodes_and_exports() {
     let dir = Scratch::new("qmp-live");
-    let (mut daemon, qmp_sock) = daemon_with_monitor(&dir, &[]);
+    let (mut daemon, qmp_sock) = daemon_with_monitor(&dir, Vec::new());
 
     let version = qmp(&qmp_sock, "query-version", json!({}));
     assert!(returned(&version)["package"].as_str().unwrap().starts_with("vsd "));
@@ -185,7 +199,7 @@ fn qmp_adds_serves_and_removes_nodes_and_exports() {
 #[test]
 fn qmp_answers_garbage_with_errors_and_keeps_serving() {
     let dir = Scratch::new("qmp-garbage");
-    let (mut daemon, qmp_sock) = daemon_with_monitor(&dir, &[]);
+    let (mut daemon, qmp_sock) = daemon_with_monitor(&dir, Vec::new());
     let stream = UnixStream::connect(&qmp_sock).unwrap();
     stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let mut reader = BufReader::new(stream.try_clone().unwrap());
@@ -257,21 +271,9 @@ fn statistics_count_what_a_client_did_and_time_every_stage() {
     let dir = Scratch::new("qmp-stats");
     let image = dir.image("disk.img", 16 * MIB);
     let metrics_port = free_port();
-    let extra = [
-        "--blockdev".to_string(),
-        format!("driver=file,node-name=f1,filename={}", image.display()),
-        "--blockdev".into(),
-        "driver=raw,node-name=r1,file=f1".into(),
-        "--export".into(),
-        format!(
-            "type=vhost-user-blk,id=exp1,node-name=r1,addr.type=unix,addr.path={},writable=on",
-            dir.path("exp1.sock").display()
-        ),
-        "--metrics".into(),
-        format!("127.0.0.1:{metrics_port}"),
-    ];
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let (_daemon, qmp_sock) = daemon_with_monitor(&dir, &extra);
+    let mut extra = raw_export(&image, &dir.path("exp1.sock"));
+    extra.extend(["--metrics".into(), format!("127.0.0.1:{metrics_port}")]);
+    let (_daemon, qmp_sock) = daemon_with_monitor(&dir, extra);
     let mut qmp = QmpClient::connect(&qmp_sock).unwrap();
     let boundaries = json!({ "id": "exp1", "boundaries": [10_000, 100_000, 1_000_000] });
     qmp.execute("block-latency-histogram-set", boundaries).unwrap();
@@ -359,16 +361,7 @@ fn block_resize_grows_the_image_and_new_clients_see_it() {
     let dir = Scratch::new("qmp-resize");
     let image = dir.image("disk.img", 16 * MIB);
     let socket = dir.path("exp1.sock");
-    let extra = [
-        "--blockdev".to_string(),
-        format!("driver=file,node-name=f1,filename={}", image.display()),
-        "--blockdev".into(),
-        "driver=raw,node-name=r1,file=f1".into(),
-        "--export".into(),
-        format!("type=vhost-user-blk,id=exp1,node-name=r1,addr.type=unix,addr.path={},writable=on", socket.display()),
-    ];
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let (_daemon, qmp_sock) = daemon_with_monitor(&dir, &extra);
+    let (_daemon, qmp_sock) = daemon_with_monitor(&dir, raw_export(&image, &socket));
     let mut qmp = QmpClient::connect(&qmp_sock).unwrap();
 
     let before = vsd_bench::Client::connect(&socket, ClientOptions::default()).unwrap();
