@@ -13,6 +13,10 @@ pub mod field {
     /// `refcount_table_offset` (u64) followed by `refcount_table_clusters`
     /// (u32): one 12-byte write moves the refcount table atomically.
     pub const REFCOUNT_TABLE: u64 = 48;
+    /// `size` (u64): the virtual disk size.
+    pub const SIZE: u64 = 24;
+    /// `l1_size` (u32): entries in the active L1 table.
+    pub const L1_SIZE: u64 = 36;
     /// `incompatible_features` (u64).
     pub const INCOMPATIBLE: u64 = 72;
     /// `autoclear_features` (u64).
@@ -337,7 +341,12 @@ impl Header {
 
     /// L1 entries needed to map the whole virtual disk.
     pub fn l1_entries_needed(&self) -> u64 {
-        self.size.div_ceil(self.cluster_size()).div_ceil(self.l2_entries())
+        self.l1_entries_for(self.size)
+    }
+
+    /// L1 entries a disk of `size` bytes needs.
+    pub fn l1_entries_for(&self, size: u64) -> u64 {
+        size.div_ceil(self.cluster_size()).div_ceil(self.l2_entries())
     }
 }
 

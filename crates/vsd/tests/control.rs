@@ -387,3 +387,73 @@ fn block_resize_grows_the_image_and_new_clients_see_it() {
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
+
+#[test]
+fn block_resize_grows_a_qcow2_image_that_qemu_img_then_reads() {
+    let dir = Scratch::new("qmp-resize-qcow2");
+    let image = dir.path("disk.qcow2");
+    let small = dir.path("small.qcow2");
+    for (path, opts, size) in [(&image, "cluster_size=65536", "64M"), (&small, "cluster_size=512", "1M")] {
+        let out = common::run("qemu-img", &["create", "-q", "-f", "qcow2", "-o", opts, path.to_str().unwrap(), size]);
+        assert!(out.status.success(), "{out:?}");
+    }
+    let socket = dir.path("q.sock");
+    let mut extra = common::qcow2_export(&image, &socket, ",writable=on");
+    extra.extend([
+        "--blockdev".into(),
+        format!("driver=file,node-name=sf,filename={}", small.display()),
+        "--blockdev".into(),
+        "driver=qcow2,node-name=small,file=sf".into(),
+    ]);
+    let (daemon, qmp_sock) = daemon_with_monitor(&dir, extra);
+    let mut qmp = QmpClient::connect(&qmp_sock).unwrap();
+
+    let before = pattern(11, 64 * 1024);
+    let after = pattern(12, 64 * 1024);
+    let mut client = vsd_bench::Client::connect(&socket, ClientOptions::default()).unwrap();
+    let mut queue = client.take_queue(0).unwrap();
+    queue.write_at(64 * MIB - 64 * 1024, &before).unwrap();
+    drop((queue, client));
+    qmp.execute("block_resize", json!({ "node-name": "q0", "size": 3 * 1024 * MIB })).unwrap();
+    let mut client = vsd_bench::Client::connect(&socket, ClientOptions::default()).unwrap();
+    assert_eq!(client.capacity().unwrap(), 3 * 1024 * MIB);
+    let mut queue = client.take_queue(0).unwrap();
+    queue.write_at(3 * 1024 * MIB - 64 * 1024, &after).unwrap();
+    let mut fresh = vec![0xff; 4096];
+    queue.read_at(MIB * 1024, &mut fresh).unwrap();
+    assert!(fresh.iter().all(|&b| b == 0), "the new space reads as zeroes");
+    queue.flush().unwrap();
+    drop((queue, client));
+
+    let refuse = |qmp: &mut QmpClient, node: &str, size: u64| {
+        qmp.execute("block_resize", json!({ "node-name": node, "size": size })).unwrap_err().to_string()
+    };
+    assert!(refuse(&mut qmp, "q0", 32 * MIB).contains("shrinking"));
+    assert!(refuse(&mut qmp, "small", 4 * MIB).contains("L1 table"), "512-byte clusters: one L1 cluster spans 2 MiB");
+    qmp.execute("block_resize", json!({ "node-name": "small", "size": 2 * MIB })).unwrap();
+    assert_eq!(daemon.stop().code(), Some(0));
+
+    assert_eq!(virtual_size(&image), 3 * 1024 * MIB);
+    for path in [&image, &small] {
+        let check = common::run("qemu-img", &["check", path.to_str().unwrap()]);
+        let report = String::from_utf8_lossy(&check.stdout);
+        assert!(check.status.success() && report.contains("No errors were found"), "{}: {report}", path.display());
+    }
+    assert_eq!(virtual_size(&small), 2 * MIB);
+    let converted = dir.path("converted.raw");
+    let out = common::run("qemu-img", &["convert", "-O", "raw", image.to_str().unwrap(), converted.to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+    let file = std::fs::File::open(&converted).unwrap();
+    for (offset, data) in [(64 * MIB - 64 * 1024, &before), (3 * 1024 * MIB - 64 * 1024, &after)] {
+        let mut back = vec![0; data.len()];
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut back, offset).unwrap();
+        assert!(&back == data, "qemu-img reads what vsd wrote at {offset:#x}");
+    }
+}
+
+/// The virtual size `qemu-img info` reports.
+fn virtual_size(image: &Path) -> u64 {
+    let info = common::run("qemu-img", &["info", "--output=json", image.to_str().unwrap()]);
+    let info: Value = serde_json::from_slice(&info.stdout).unwrap();
+    info["virtual-size"].as_u64().unwrap()
+}

@@ -6,6 +6,7 @@ mod open;
 mod overlap;
 mod rebuild;
 mod refcounts;
+mod resize;
 mod write;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -133,6 +134,11 @@ pub struct Image {
     /// would otherwise divide on every request).
     l2_bits: u32,
     has_backing: bool,
+    /// The virtual disk size: the header's, until the image grows.
+    size: AtomicU64,
+    /// The active L1 table, as long as the clusters it occupies allow:
+    /// entries past the header's `l1_size` are zero, so the disk can grow
+    /// into them without moving the table.
     l1: Box<[AtomicU64]>,
     l2: L2Cache,
     /// Clusters holding metadata: L2 entries pointing there are refused,
@@ -171,7 +177,7 @@ impl Image {
 
     /// The virtual disk size.
     pub fn size(&self) -> u64 {
-        self.header.size
+        self.size.load(Ordering::Acquire)
     }
 
     /// Bytes per cluster.

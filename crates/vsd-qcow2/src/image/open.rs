@@ -108,7 +108,12 @@ impl Image {
         }
         Ok(Image {
             l2: L2Cache::new((cache_bytes / cs) as usize),
-            l1: l1_raw.into_iter().map(AtomicU64::new).collect(),
+            // The table's clusters hold more entries than l1_size: keep
+            // room for them (zero) so that growing needs no new table.
+            l1: (0..(u64::from(header.l1_size) * 8).next_multiple_of(cs) / 8)
+                .map(|i| AtomicU64::new(l1_raw.get(i as usize).copied().unwrap_or(0)))
+                .collect(),
+            size: AtomicU64::new(header.size),
             layout,
             l2_bits: header.l2_entries().trailing_zeros(),
             has_backing: opts.has_backing.unwrap_or(header.backing_file.is_some()),

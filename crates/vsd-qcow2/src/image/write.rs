@@ -371,7 +371,7 @@ impl Image {
     }
 
     /// Changes an L1 entry in memory; the next flush writes it.
-    fn set_l1(&self, meta: &mut Meta, index: usize, value: u64) {
+    pub(super) fn set_l1(&self, meta: &mut Meta, index: usize, value: u64) {
         self.l1[index].store(value, Ordering::Release);
         meta.dirty_l1.insert(self.chunk_of(index * 8..index * 8 + 8).start);
     }

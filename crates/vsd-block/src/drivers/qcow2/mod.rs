@@ -257,6 +257,18 @@ fn probe(node: &dyn BlockNode) -> io::Result<String> {
     Ok(if head.starts_with(b"QFI\xfb") { "qcow2" } else { "raw" }.into())
 }
 
+impl Qcow2Node {
+    /// Runs `f` with synchronous channels to the image's files, for work
+    /// done outside the queues (writing metadata back, growing).
+    fn with_io<T>(&self, f: impl FnOnce(&Image, &mut vsd_qcow2::ImageIo) -> io::Result<T>) -> io::Result<T> {
+        let mut file = ChildQueue::open(&*self.file, 1, u64::MAX)?;
+        let mut data = self.data.as_ref().map(|d| ChildQueue::open(&**d, 1, u64::MAX)).transpose()?;
+        let mut io =
+            vsd_qcow2::ImageIo { meta: &mut file, data: data.as_mut().map(|d| d as &mut dyn SyncIo), backing: None };
+        f(&self.image, &mut io)
+    }
+}
+
 impl BlockNode for Qcow2Node {
     fn name(&self) -> &str {
         &self.name
@@ -284,11 +296,11 @@ impl BlockNode for Qcow2Node {
         if !self.image.writable() {
             return Ok(());
         }
-        let mut file = ChildQueue::open(&*self.file, 1, u64::MAX)?;
-        let mut data = self.data.as_ref().map(|d| ChildQueue::open(&**d, 1, u64::MAX)).transpose()?;
-        let mut io =
-            vsd_qcow2::ImageIo { meta: &mut file, data: data.as_mut().map(|d| d as &mut dyn SyncIo), backing: None };
-        self.image.close(&mut io)
+        self.with_io(|image, io| image.close(io))
+    }
+
+    fn resize(&self, size: u64) -> io::Result<()> {
+        self.with_io(|image, io| image.grow(io, size))
     }
 
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
