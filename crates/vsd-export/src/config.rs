@@ -32,7 +32,16 @@ pub struct ExportConfig {
     /// `trace=`: time every request's stages (default on); off keeps only
     /// the counters.
     pub trace: bool,
+    /// `poll-us=`: the longest a worker polls its ring and engine for more
+    /// work before sleeping, in µs; the window adapts below it (0 = never
+    /// poll).
+    pub poll_us: u32,
 }
+
+/// The default `poll-us`: Cloud Hypervisor's fixed window, here a ceiling.
+pub const DEFAULT_POLL_US: u32 = 50;
+/// The largest `poll-us` accepted.
+const MAX_POLL_US: u64 = 10_000;
 
 impl ExportConfig {
     /// Reads the options of one `--export`.
@@ -60,7 +69,22 @@ impl ExportConfig {
         };
         let serial = opts.take("serial").unwrap_or_default();
         let trace = opts.take_bool("trace")?.unwrap_or(true);
-        Ok(Self { id, node_name, socket, writable, writethrough, num_queues, logical_block_size, serial, trace })
+        let poll_us = match opts.take_u64("poll-us")?.unwrap_or(u64::from(DEFAULT_POLL_US)) {
+            n @ 0..=MAX_POLL_US => n as u32,
+            n => return Err(opts.invalid("poll-us", n, &format!("a number of µs from 0 to {MAX_POLL_US}"))),
+        };
+        Ok(Self {
+            id,
+            node_name,
+            socket,
+            writable,
+            writethrough,
+            num_queues,
+            logical_block_size,
+            serial,
+            trace,
+            poll_us,
+        })
     }
 }
 

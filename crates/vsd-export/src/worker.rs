@@ -9,6 +9,10 @@
 //! Each stage is timed (unless `trace=off`) into the queue's own
 //! [`QueueStats`]: one clock read per request (pop) and one per round for
 //! the other stages, shared by every request of the round.
+//!
+//! With `poll-us`, a worker that runs out of work first polls the ring and
+//! the engine for a while ([`PollWindow`]) with guest kicks left off, and
+//! only then turns kicks back on and sleeps.
 
 use std::fs::File;
 use std::io;
@@ -26,6 +30,7 @@ use vsd_block::{Completion, IoOp, IoQueue, IoVecs};
 use vsd_trace::{Clock, OpKind, QueueStats, Stage};
 
 use crate::device::BlkDevice;
+use crate::poll::PollWindow;
 use crate::request::{self, Action, MAX_IOVECS, NoStatus, status};
 
 type Memory = GuestMemoryMmap;
@@ -124,8 +129,13 @@ struct QueueWorker {
     /// The guest broke the ring; stop taking requests from it.
     broken: bool,
     stats: Arc<QueueStats>,
-    /// The clock stamps are taken with; none with `trace=off`.
-    clock: Option<Clock>,
+    /// Times polling, and stamps requests unless `trace=off`.
+    clock: Clock,
+    tracing: bool,
+    poll: PollWindow,
+    /// Guest kicks are off (left off for polling): they must be turned
+    /// back on before the worker sleeps.
+    kicks_off: bool,
     /// When the last kick was noticed.
     woke_at: u64,
     /// Tags pushed to the engine since its last submit.
@@ -187,7 +197,10 @@ impl QueueWorker {
             free: (0..depth as u16).rev().collect(),
             completions: Vec::with_capacity(depth),
             stats,
-            clock: device.config.trace.then(Clock::get),
+            clock: Clock::get(),
+            tracing: device.config.trace,
+            poll: PollWindow::new(device.config.poll_us),
+            kicks_off: false,
             woke_at: 0,
             unsubmitted: Vec::with_capacity(depth),
             awaiting_call: Vec::with_capacity(depth),
@@ -214,7 +227,7 @@ impl QueueWorker {
 
     /// The time, if requests are being traced.
     fn now(&self) -> u64 {
-        self.clock.map_or(0, Clock::now)
+        if self.tracing { self.clock.now() } else { 0 }
     }
 
     fn run(&mut self) {
@@ -249,6 +262,20 @@ impl QueueWorker {
                 // until the engine completes something.
                 continue;
             }
+            match self.poll_for_work(&mem) {
+                Polled::Requests => {
+                    kicked = true;
+                    continue;
+                }
+                Polled::Completions => continue,
+                Polled::Nothing => {}
+            }
+            if !self.turn_kicks_on(&mem) {
+                // Requests came in while kicks were off.
+                kicked = true;
+                continue;
+            }
+            let slept_from = self.clock.now();
             let n = match self.epoll.wait(-1, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -259,6 +286,7 @@ impl QueueWorker {
                 }
             };
             self.stats.wakeups.add(1);
+            self.poll.slept(self.clock.ns(self.clock.now().saturating_sub(slept_from)));
             for event in &events[..n] {
                 match event.data() {
                     TOKEN_KICK => {
@@ -271,6 +299,50 @@ impl QueueWorker {
                     _ => stopping = true,
                 }
             }
+        }
+    }
+
+    /// Spins for up to the poll window until the ring has requests or the
+    /// engine completions; guest kicks stay off meanwhile.
+    fn poll_for_work(&mut self, mem: &Arc<Memory>) -> Polled {
+        if self.poll.window_ns() == 0 || self.broken {
+            return Polled::Nothing;
+        }
+        let start = self.clock.now();
+        loop {
+            if !self.free.is_empty() && self.ring_has_requests(mem) {
+                self.stats.poll_hits.add(1);
+                self.woke_at = self.now();
+                return Polled::Requests;
+            }
+            if self.in_flight() > 0 {
+                self.complete_requests(mem);
+                if self.unsignalled {
+                    self.stats.poll_hits.add(1);
+                    self.signal_guest(mem);
+                    return Polled::Completions;
+                }
+            }
+            if self.clock.ns(self.clock.now().saturating_sub(start)) >= self.poll.window_ns() {
+                return Polled::Nothing;
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    fn ring_has_requests(&self, mem: &Arc<Memory>) -> bool {
+        self.run.queue.avail_idx(&**mem, Ordering::Acquire).is_ok_and(|avail| avail.0 != self.run.queue.next_avail())
+    }
+
+    /// Turns guest kicks back on before sleeping, if polling left them off.
+    /// Returns false if requests arrived meanwhile: take them instead.
+    fn turn_kicks_on(&mut self, mem: &Arc<Memory>) -> bool {
+        if !std::mem::take(&mut self.kicks_off) || self.broken {
+            return true;
+        }
+        match self.run.queue.enable_notification(&**mem) {
+            Ok(more) => !more,
+            Err(e) => !self.mark_broken(e),
         }
     }
 
@@ -340,6 +412,12 @@ impl QueueWorker {
             fruitless = if taken == 0 { fruitless + 1 } else { 0 };
             if fruitless > 2 {
                 return self.mark_broken(virtio_queue::Error::InvalidAvailRingIndex);
+            }
+            if self.poll.enabled() {
+                // Kicks stay off while the worker polls; they are turned
+                // back on (and the ring checked again) before it sleeps.
+                self.kicks_off = true;
+                return false;
             }
             match self.run.queue.enable_notification(&**mem) {
                 Ok(true) => continue,
@@ -446,7 +524,7 @@ impl QueueWorker {
             self.free.push(done.tag as u16);
         }
         self.used_at = self.now();
-        if self.clock.is_some() {
+        if self.tracing {
             let used = self.used_at.saturating_sub(completed_at);
             self.stats.stage(Stage::Used).record_n(used, completions.len() as u64);
         }
@@ -464,7 +542,7 @@ impl QueueWorker {
         } else {
             op.failed.add(1);
         }
-        if self.clock.is_some() {
+        if self.tracing {
             // In ticks of the clock, as the statistics record them.
             let stage = |s| self.stats.stage(s);
             stage(Stage::Pop).record(slot.popped_at.saturating_sub(slot.kicked_at));
@@ -500,10 +578,8 @@ impl QueueWorker {
                 Err(e) => log::warn!("queue {}: cannot signal the guest: {e}", self.run.index),
             }
         }
-        if let Some(clock) = self.clock
-            && !self.awaiting_call.is_empty()
-        {
-            let called_at = clock.now();
+        if self.tracing && !self.awaiting_call.is_empty() {
+            let called_at = self.clock.now();
             let n = self.awaiting_call.len() as u64;
             self.stats.stage(Stage::Call).record_n(called_at.saturating_sub(self.used_at), n);
             for (kicked_at, kind) in self.awaiting_call.drain(..) {
@@ -511,6 +587,13 @@ impl QueueWorker {
             }
         }
     }
+}
+
+/// What polling found.
+enum Polled {
+    Requests,
+    Completions,
+    Nothing,
 }
 
 /// The next request of the ring, telling an empty ring (`None`) from a
