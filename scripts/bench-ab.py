@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Two settings of a vsd export, A/B interleaved in one run: the same
+export with option string A and with B (e.g. `trace=on` vs `trace=off`,
+`poll-us=50` vs `poll-us=0`), daemon pinned to CPU 0 and vsd-bench to CPU 1;
+medians of --reps runs and the median of the paired A/B ratios.
+
+usage: scripts/bench-ab.py --a OPTS --b OPTS [--seconds 3] [--reps 10]
+                           [--iodepths 1,32] [--out ROWS.jsonl]
+"""
+import argparse
+import json
+import os
+import statistics
+import tempfile
+
+from benchlib import VSD, serve_and_bench
+
+BACKENDS = {
+    "null-co": (["driver=null-co,node-name=disk0,size=1G"], None),
+    "tmpfs raw": (["driver=file,node-name=file0,filename={image}", "driver=raw,node-name=disk0,file=file0"],
+                  "/dev/shm"),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--a", required=True, help="export options of A, e.g. trace=on")
+    parser.add_argument("--b", required=True, help="export options of B, e.g. trace=off")
+    parser.add_argument("--seconds", type=float, default=3)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--iodepths", default="1,32")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    depths = [int(d) for d in args.iodepths.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for backend, (blockdevs, image_dir) in BACKENDS.items():
+            image = None
+            if image_dir:
+                image = os.path.join(image_dir, f"vsd-bench-ab-{os.getpid()}.img")
+                with open(image, "wb") as f:
+                    f.truncate(1 << 30)
+            try:
+                devs = [b.format(image=image) for b in blockdevs]
+                for depth in depths:
+                    for rep in range(args.reps):
+                        # Alternate which side goes first.
+                        order = ("a", "b") if rep % 2 == 0 else ("b", "a")
+                        for side in order:
+                            opts = getattr(args, side)
+                            res = serve_and_bench(VSD, devs, ["--rw", "randread", "--iodepth", str(depth)],
+                                                  args.seconds, work, export_opts="," + opts)
+                            row = {"backend": backend, "rw": "randread", "iodepth": depth, "side": side,
+                                   "options": opts, "rep": rep, **res}
+                            rows.append(row)
+                            print(json.dumps(row), flush=True)
+            finally:
+                if image:
+                    os.unlink(image)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    print()
+    print(f"A = {args.a}, B = {args.b}; 4k randread, medians of {args.reps}")
+    print("| back-end | iodepth | A IOPS | B IOPS | A/B (median of pairs) | A p50 µs | B p50 µs "
+          "| A CPU µs/IO | B CPU µs/IO |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    med = lambda rs, k: statistics.median(r[k] for r in rs)
+    for backend in BACKENDS:
+        for depth in depths:
+            case = [r for r in rows if (r["backend"], r["iodepth"]) == (backend, depth)]
+            a = sorted((r for r in case if r["side"] == "a"), key=lambda r: r["rep"])
+            b = sorted((r for r in case if r["side"] == "b"), key=lambda r: r["rep"])
+            ratio = statistics.median(x["iops"] / y["iops"] for x, y in zip(a, b))
+            print(f"| {backend} | {depth} | {med(a, 'iops'):.0f} | {med(b, 'iops'):.0f} | {ratio:.3f} "
+                  f"| {med(a, 'p50_us'):.1f} | {med(b, 'p50_us'):.1f} "
+                  f"| {med(a, 'cpu_us_per_io'):.2f} | {med(b, 'cpu_us_per_io'):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
