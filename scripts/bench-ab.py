@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import tempfile
 
 from benchlib import VSD, serve_and_bench
@@ -38,8 +39,10 @@ def main():
             image = None
             if image_dir:
                 image = os.path.join(image_dir, f"vsd-bench-ab-{os.getpid()}.img")
-                with open(image, "wb") as f:
-                    f.truncate(1 << 30)
+                # Real data, not a hole: reads of a sparse tmpfs file skip
+                # the page cache.
+                subprocess.run(["dd", "if=/dev/urandom", f"of={image}", "bs=1M", "count=1024", "status=none"],
+                               check=True)
             try:
                 devs = [b.format(image=image) for b in blockdevs]
                 for depth in depths:
