@@ -128,6 +128,11 @@ struct QueueWorker {
     unsignalled: bool,
     /// The guest broke the ring; stop taking requests from it.
     broken: bool,
+    /// Rounds in a row where the ring announced requests but yielded none
+    /// (counted across polling rounds too). Once or twice is a race with
+    /// the guest adding more; a third time means an entry that cannot be
+    /// read, and a worker that would otherwise spin on it.
+    fruitless: u32,
     stats: Arc<QueueStats>,
     /// Times polling, and stamps requests unless `trace=off`.
     clock: Clock,
@@ -214,6 +219,7 @@ impl QueueWorker {
             _stop: stop,
             unsignalled: false,
             broken: false,
+            fruitless: 0,
         })
     }
 
@@ -371,10 +377,6 @@ impl QueueWorker {
 
     fn take_available(&mut self, mem: &Arc<Memory>) -> bool {
         let limits = self.device.limits();
-        // Rounds in a row where the ring announced requests but yielded none.
-        // Once or twice is a race with the guest adding more; a third time
-        // means an entry that cannot be read.
-        let mut fruitless = 0;
         loop {
             if let Err(e) = self.run.queue.disable_notification(&**mem) {
                 return self.mark_broken(e);
@@ -389,6 +391,7 @@ impl QueueWorker {
             };
             let mem = &self.mem.memory().into_inner();
             let mut announced = (avail - std::num::Wrapping(self.run.queue.next_avail())).0;
+            let any_announced = announced > 0;
             let mut taken = 0;
             while !self.free.is_empty() && announced > 0 {
                 announced -= 1;
@@ -402,8 +405,12 @@ impl QueueWorker {
             if self.free.is_empty() {
                 return true;
             }
-            fruitless = if taken == 0 { fruitless + 1 } else { 0 };
-            if fruitless > 2 {
+            match (any_announced, taken) {
+                (true, 0) => self.fruitless += 1,
+                (_, 0) => {}
+                _ => self.fruitless = 0,
+            }
+            if self.fruitless > 2 {
                 return self.mark_broken(virtio_queue::Error::InvalidAvailRingIndex);
             }
             if self.poll.enabled() {
