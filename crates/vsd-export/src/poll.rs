@@ -35,7 +35,8 @@ impl PollWindow {
         self.window_ns
     }
 
-    /// Adapts the window to a sleep of `slept_ns` that polling did not avoid.
+    /// Adapts the window to a sleep of `slept_ns` that polling did not
+    /// avoid, ended by a guest kick.
     pub(crate) fn slept(&mut self, slept_ns: u64) {
         if slept_ns <= self.window_ns {
             return;

@@ -277,6 +277,9 @@ impl QueueWorker {
                 kicked = true;
                 continue;
             }
+            // Only a sleep with nothing in flight waits for the guest alone:
+            // the kick that ends it tells how long polling would have had to last.
+            let idle = self.in_flight() == 0;
             let slept_from = self.clock.now();
             let n = match self.epoll.wait(-1, &mut events) {
                 Ok(n) => n,
@@ -288,10 +291,12 @@ impl QueueWorker {
                 }
             };
             self.stats.wakeups.add(1);
-            self.poll.slept(self.clock.ns(self.clock.now().saturating_sub(slept_from)));
             for event in &events[..n] {
                 match event.data() {
                     TOKEN_KICK => {
+                        if idle {
+                            self.poll.slept(self.clock.ns(self.clock.now().saturating_sub(slept_from)));
+                        }
                         self.woke_at = self.now();
                         drain(self.run.kick.as_fd());
                         self.stats.kicks.add(1);
