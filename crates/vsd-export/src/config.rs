@@ -36,6 +36,9 @@ pub struct ExportConfig {
     /// work before sleeping, in µs; the window adapts below it (0 = never
     /// poll).
     pub poll_us: u32,
+    /// `cpu-affinity=`: CPUs for the queue workers, `0-3` or `1:3`; queue
+    /// q's worker is pinned to the q-th (cycling). Empty: not pinned.
+    pub cpu_affinity: Vec<usize>,
 }
 
 /// The default `poll-us`: Cloud Hypervisor's fixed window, here a ceiling.
@@ -73,6 +76,12 @@ impl ExportConfig {
             n @ 0..=MAX_POLL_US => n as u32,
             n => return Err(opts.invalid("poll-us", n, &format!("a number of µs from 0 to {MAX_POLL_US}"))),
         };
+        let cpu_affinity = match opts.take("cpu-affinity") {
+            Some(text) => vsd_sys::parse_cpu_list(&text, ':').map_err(|why| {
+                opts.invalid("cpu-affinity", &text, &format!("a CPU list such as 0-3 or 1:3 ({why})"))
+            })?,
+            None => Vec::new(),
+        };
         Ok(Self {
             id,
             node_name,
@@ -84,6 +93,7 @@ impl ExportConfig {
             serial,
             trace,
             poll_us,
+            cpu_affinity,
         })
     }
 }

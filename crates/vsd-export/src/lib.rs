@@ -113,6 +113,14 @@ impl VhostUserBlkExport {
         if node.size() < u64::from(config.logical_block_size) {
             return Err(invalid(format!("node '{}' is smaller than one block", node.name())));
         }
+        if !config.cpu_affinity.is_empty() {
+            let allowed = vsd_sys::allowed_cpus().unwrap_or_default();
+            if let Some(cpu) = config.cpu_affinity.iter().find(|cpu| !allowed.contains(cpu)) {
+                return Err(invalid(format!(
+                    "cpu-affinity: CPU {cpu} is not available to vsd (it may use {allowed:?})"
+                )));
+            }
+        }
         let listen_error = |source| ExportError::Listen { id: config.id.clone(), path: config.socket.clone(), source };
         let listener = bind(&config)?;
         let shared =

@@ -168,6 +168,11 @@ impl QueueWorker {
     ) -> Result<Self, (QueueRun, io::Error)> {
         let depth = run.queue.size();
         let setup = || -> io::Result<(Box<dyn IoQueue>, Epoll)> {
+            // Pinned before anything else runs on this thread.
+            let cpus = &device.config.cpu_affinity;
+            if !cpus.is_empty() {
+                vsd_sys::set_thread_affinity(&[cpus[usize::from(run.index) % cpus.len()]])?;
+            }
             let io = device.node.open_queue(depth)?;
             let epoll = Epoll::new()?;
             let watch = |fd: RawFd, token| epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, token));

@@ -45,6 +45,9 @@ fn mistakes_name_their_culprit() {
         (file_export(&image, &sock, ",colour=blue", ""), "colour"),
         (file_export(&image, &sock, "", ",num-queues=0"), "num-queues"),
         (file_export(&image, &sock, "", ",logical-block-size=1000"), "logical-block-size"),
+        (file_export(&image, &sock, "", ",cpu-affinity=4096"), "cpu-affinity"),
+        (file_export(&image, &sock, "", ",cpu-affinity=2-1"), "cpu-affinity"),
+        (file_export(&image, &sock, "", ",poll-us=99999999"), "poll-us"),
         (strings(&["--blockdev", "driver=qcow9,node-name=x"]), "qcow9"),
         (strings(&["--blockdev", "driver=raw,node-name=r,file=nope"]), "nope"),
         (

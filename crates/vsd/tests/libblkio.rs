@@ -195,3 +195,36 @@ fn null_co_serves_reads_and_writes() {
     queue.read_at(4096, &mut buf).unwrap();
     assert!(buf.iter().all(|&b| b == 0), "read-zeroes=on");
 }
+
+#[test]
+fn queue_workers_run_on_the_cpus_cpu_affinity_names() {
+    let dir = Scratch::new("affinity");
+    let sock = dir.path("s.sock");
+    let args: Vec<String> = vec![
+        "--blockdev".into(),
+        "driver=null-co,node-name=n,read-zeroes=on".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=e,node-name=n,addr.type=unix,addr.path={},writable=on,num-queues=3,cpu-affinity=1:0",
+            sock.display()
+        ),
+    ];
+    let daemon = Daemon::vsd(&dir, &args);
+    let opts = ClientOptions { num_queues: 3, ..ClientOptions::default() };
+    let mut client = daemon.connect(opts);
+    let mut queue = client.take_queue(2).unwrap();
+    queue.read_at(0, &mut [0u8; 512]).unwrap();
+    let mut pinned = std::collections::BTreeMap::new();
+    for task in std::fs::read_dir(format!("/proc/{}/task", daemon.pid())).unwrap() {
+        let task = task.unwrap().path();
+        let name = std::fs::read_to_string(task.join("comm")).unwrap().trim().to_string();
+        let status = std::fs::read_to_string(task.join("status")).unwrap();
+        let cpus = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_string();
+        if name.starts_with("vsd-e-q") {
+            pinned.insert(name, cpus);
+        }
+    }
+    let expected: Vec<(&str, &str)> = vec![("vsd-e-q0", "1"), ("vsd-e-q1", "0"), ("vsd-e-q2", "1")];
+    let got: Vec<(&str, &str)> = pinned.iter().map(|(n, c)| (n.as_str(), c.as_str())).collect();
+    assert_eq!(got, expected, "queue q runs on the q-th listed CPU, cycling");
+}

@@ -189,22 +189,7 @@ fn duration_arg(flag: &str, seconds: f64, zero_ok: bool) -> Result<Duration, Ben
 
 /// Parses a CPU list such as `3`, `0,2` or `0-3,8`.
 pub fn parse_cpu_list(text: &str) -> Result<CpuList, String> {
-    let mut cpus = Vec::new();
-    for part in text.split(',') {
-        let (first, last) = match part.split_once('-') {
-            Some((a, b)) => (parse_cpu(a)?, parse_cpu(b)?),
-            None => (parse_cpu(part)?, parse_cpu(part)?),
-        };
-        if first > last {
-            return Err(format!("CPU range {part:?} is reversed"));
-        }
-        cpus.extend(first..=last);
-    }
-    Ok(CpuList(cpus))
-}
-
-fn parse_cpu(text: &str) -> Result<usize, String> {
-    text.trim().parse().map_err(|_| format!("{text:?} is not a CPU number"))
+    vsd_sys::parse_cpu_list(text, ',').map(CpuList)
 }
 
 #[cfg(test)]
