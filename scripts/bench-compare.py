@@ -7,7 +7,12 @@ interrupt mode, 1 queue. The daemon is pinned to CPU 0, the client to
 CPU 1; fio with io_uring on the same file, pinned to CPU 1, is the floor.
 Daemon CPU per I/O comes from /proc/PID/stat (utime + stime).
 
-Usage: scripts/bench-compare.py [--seconds 10] [--reps 3] [--out FILE.jsonl]
+With --poll, vsd-bench runs libblkio's poll mode (the client spins on its
+completions instead of sleeping on the call eventfd), the regime of a
+guest with polling drivers. The fio floor is unchanged (io_uring polling
+does not apply to buffered files).
+
+Usage: scripts/bench-compare.py [--seconds 10] [--reps 3] [--poll] [--out FILE.jsonl]
 Prints a Markdown table for BENCHMARKS.md.
 """
 
@@ -31,8 +36,8 @@ def blockdev_args(backend, image):
     return [f"driver=file,node-name=file0,filename={image},aio=io_uring", "driver=raw,node-name=disk0,file=file0"]
 
 
-def run_daemon(program, backend, image, depth, seconds, workdir):
-    bench = ["--rw", "randread", "--bs", "4k", "--iodepth", str(depth)]
+def run_daemon(program, backend, image, depth, seconds, workdir, poll):
+    bench = ["--rw", "randread", "--bs", "4k", "--iodepth", str(depth)] + (["--poll"] if poll else [])
     return serve_and_bench(program, blockdev_args(backend, image), bench, seconds, workdir)
 
 
@@ -52,6 +57,7 @@ def main():
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--poll", action="store_true", help="libblkio poll mode in the client")
     opts = parser.parse_args()
 
     workdir = tempfile.mkdtemp(prefix="vsd-bench-", dir="/dev/shm")
@@ -67,14 +73,15 @@ def main():
         for rep in range(opts.reps):
             order = list(daemons) if rep % 2 == 0 else list(reversed(daemons))
             for backend, depth in configs:
-                runs = [(name, lambda n=name: run_daemon(daemons[n], backend, image, depth, opts.seconds, workdir))
+                runs = [(name, lambda n=name: run_daemon(daemons[n], backend, image, depth, opts.seconds, workdir, opts.poll))
                         for name in order]
                 if backend == "file-tmpfs":
                     runs.append(("fio", lambda: run_fio(image, depth, opts.seconds)))
                 for name, fn in runs:
                     result = fn()
                     rows.setdefault((backend, depth, name), []).append(result)
-                    line = {"rep": rep, "backend": backend, "iodepth": depth, "target": name, **result}
+                    line = {"rep": rep, "backend": backend, "iodepth": depth, "target": name, "client_poll": opts.poll,
+                            **result}
                     print(json.dumps(line), file=sys.stderr)
                     if out:
                         print(json.dumps(line), file=out, flush=True)

@@ -39,6 +39,9 @@ pub struct ExportConfig {
     /// `cpu-affinity=`: CPUs for the queue workers, `0-3` or `1:3`; queue
     /// q's worker is pinned to the q-th (cycling). Empty: not pinned.
     pub cpu_affinity: Vec<usize>,
+    /// `socket-mode=`: the socket file's permissions, in octal (default
+    /// 0600: only the daemon's user may connect).
+    pub socket_mode: u32,
 }
 
 /// The default `poll-us`: Cloud Hypervisor's fixed window, here a ceiling.
@@ -82,6 +85,13 @@ impl ExportConfig {
             })?,
             None => Vec::new(),
         };
+        let socket_mode = match opts.take("socket-mode") {
+            Some(text) => u32::from_str_radix(&text, 8)
+                .ok()
+                .filter(|mode| *mode <= 0o777)
+                .ok_or_else(|| opts.invalid("socket-mode", &text, "permissions in octal, such as 0660"))?,
+            None => 0o600,
+        };
         Ok(Self {
             id,
             node_name,
@@ -94,6 +104,7 @@ impl ExportConfig {
             trace,
             poll_us,
             cpu_affinity,
+            socket_mode,
         })
     }
 }

@@ -22,7 +22,6 @@ mod worker;
 
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -32,6 +31,7 @@ use vhost::vhost_user::BackendReqHandler;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_block::BlockNode;
+use vsd_sys::ListenError;
 pub use vsd_trace::ExportSnapshot;
 
 use channel::BackendChannel;
@@ -190,23 +190,19 @@ impl Drop for VhostUserBlkExport {
     }
 }
 
-/// Creates the listening socket, replacing only a stale socket file.
+/// Creates the listening socket with the configured mode, replacing only
+/// a stale socket file of this user.
 fn bind(config: &ExportConfig) -> Result<UnixListener, ExportError> {
     let (id, path) = (config.id.clone(), config.socket.clone());
-    if let Ok(meta) = std::fs::symlink_metadata(&path) {
-        if !meta.file_type().is_socket() {
-            return Err(ExportError::NotASocket { id, path });
-        }
-        if UnixStream::connect(&path).is_ok() {
-            return Err(ExportError::SocketInUse { id, path });
-        }
-        std::fs::remove_file(&path).map_err(|source| ExportError::Listen {
-            id: id.clone(),
-            path: path.clone(),
-            source,
-        })?;
-    }
-    UnixListener::bind(&path).map_err(|source| ExportError::Listen { id, path, source })
+    vsd_sys::listen_unix(&path, config.socket_mode).map_err(|e| match e {
+        ListenError::NotASocket => ExportError::NotASocket { id, path },
+        ListenError::InUse => ExportError::SocketInUse { id, path },
+        ListenError::NotOwned { uid } => ExportError::Invalid {
+            reason: format!("'{}' is a stale socket of user {uid}; vsd replaces only its own", path.display()),
+            id,
+        },
+        ListenError::Io(source) => ExportError::Listen { id, path, source },
+    })
 }
 
 fn serve(listener: UnixListener, device: Arc<BlkDevice>, shared: Arc<Shared>) {

@@ -8,6 +8,10 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// `fallocate(2)` modes used by the engines.
 pub mod falloc {
@@ -100,6 +104,56 @@ pub fn file_size(file: &File) -> io::Result<u64> {
 
 /// `_IOR(0x12, 114, size_t)`: the size of a block device in bytes.
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+
+/// Why [`listen_unix`] refused a path.
+#[derive(Debug)]
+pub enum ListenError {
+    /// Something other than a socket is there; it is never replaced.
+    NotASocket,
+    /// A live process listens there.
+    InUse,
+    /// A stale socket of another user is there; it is not replaced.
+    NotOwned {
+        /// Its owner.
+        uid: u32,
+    },
+    /// The host refused (creating, binding, renaming).
+    Io(io::Error),
+}
+
+/// Listens on a unix socket at `path` whose file has permissions `mode`
+/// from the start: it is bound in a private directory (mode 0700), given
+/// `mode`, and renamed into place, so nobody can connect in between. A
+/// stale socket at `path` is replaced only if this user owns it; a symbolic
+/// link is never followed.
+pub fn listen_unix(path: &Path, mode: u32) -> Result<UnixListener, ListenError> {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(ListenError::NotASocket);
+        }
+        if UnixStream::connect(path).is_ok() {
+            return Err(ListenError::InUse);
+        }
+        // SAFETY: geteuid cannot fail and touches no memory.
+        if meta.uid() != unsafe { libc::geteuid() } {
+            return Err(ListenError::NotOwned { uid: meta.uid() });
+        }
+    }
+    static PRIVATE: AtomicUsize = AtomicUsize::new(0);
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let n = PRIVATE.fetch_add(1, Ordering::Relaxed);
+    let private = parent.join(format!(".vsd-{}-{n}", std::process::id()));
+    std::fs::DirBuilder::new().mode(0o700).create(&private).map_err(ListenError::Io)?;
+    let staged = private.join("s");
+    let placed = UnixListener::bind(&staged).and_then(|listener| {
+        std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(mode))?;
+        std::fs::rename(&staged, path)?;
+        Ok(listener)
+    });
+    let _ = std::fs::remove_file(&staged);
+    let _ = std::fs::remove_dir(&private);
+    placed.map_err(ListenError::Io)
+}
 
 /// A list of CPUs such as `0-3,8`: single numbers and inclusive ranges,
 /// joined by `separator` (`,` on a command line of its own; `:` inside a
@@ -320,6 +374,36 @@ mod tests {
             libc::CMSG_DATA(cmsg).cast::<i32>().write_unaligned(fd);
             assert_eq!(libc::sendmsg(sock.as_raw_fd(), &msg, 0), data.len() as isize);
         }
+    }
+
+    #[test]
+    fn sockets_get_their_mode_and_refuse_what_they_must_not_replace() {
+        let dir = std::env::temp_dir().join(format!("vsd-sys-listen-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).unwrap();
+        let path = dir.join("a.sock");
+        let listener = listen_unix(&path, 0o600).unwrap();
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        assert!(meta.file_type().is_socket());
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        assert!(matches!(listen_unix(&path, 0o600), Err(ListenError::InUse)));
+        drop(listener);
+        let again = listen_unix(&path, 0o660).expect("a stale socket of ours is replaced");
+        assert_eq!(std::fs::symlink_metadata(&path).unwrap().permissions().mode() & 0o777, 0o660);
+        drop(again);
+        let file = dir.join("file");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(matches!(listen_unix(&file, 0o600), Err(ListenError::NotASocket)));
+        let link = dir.join("link");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        assert!(matches!(listen_unix(&link, 0o600), Err(ListenError::NotASocket)), "links are not followed");
+        // SAFETY: geteuid touches no memory.
+        if unsafe { libc::geteuid() } == 0 {
+            std::os::unix::fs::chown(&path, Some(4321), None).unwrap();
+            assert!(matches!(listen_unix(&path, 0o600), Err(ListenError::NotOwned { uid: 4321 })));
+        }
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 3, "no private directory left behind");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     fn tempfile() -> File {

@@ -48,6 +48,7 @@ fn mistakes_name_their_culprit() {
         (file_export(&image, &sock, "", ",cpu-affinity=4096"), "cpu-affinity"),
         (file_export(&image, &sock, "", ",cpu-affinity=2-1"), "cpu-affinity"),
         (file_export(&image, &sock, "", ",poll-us=99999999"), "poll-us"),
+        (file_export(&image, &sock, "", ",socket-mode=999"), "socket-mode"),
         (strings(&["--blockdev", "driver=qcow9,node-name=x"]), "qcow9"),
         (strings(&["--blockdev", "driver=raw,node-name=r,file=nope"]), "nope"),
         (
@@ -106,6 +107,39 @@ fn only_stale_sockets_are_replaced() {
     drop(UnixListener::bind(&stale).unwrap());
     let daemon = Daemon::vsd(&dir, &file_export(&image, &stale, "", ""));
     let _client = daemon.connect(vsd_bench::ClientOptions { read_only: true, ..Default::default() });
+}
+
+#[test]
+fn sockets_are_for_the_daemons_user_unless_socket_mode_says_otherwise() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = Scratch::new("modes");
+    let image = dir.image("disk.img", 1 << 20);
+    let (private, shared, qmp) = (dir.path("private.sock"), dir.path("shared.sock"), dir.path("qmp.sock"));
+    let mut args = file_export(&image, &private, "", "");
+    args.extend([
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=exp1,node-name=disk0,addr.type=unix,addr.path={},socket-mode=0660",
+            shared.display()
+        ),
+        "--chardev".into(),
+        format!("socket,id=m,path={},server=on,wait=off", qmp.display()),
+        "--monitor".into(),
+        "chardev=m".into(),
+    ]);
+    let _daemon = Daemon::vsd(&dir, &args);
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&private), 0o600);
+    assert_eq!(mode(&shared), 0o660);
+    assert_eq!(mode(&qmp), 0o600, "the QMP socket too");
+    let leftovers: Vec<_> = std::fs::read_dir(&dir.0)
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().to_string_lossy().into_owned();
+            name.starts_with(".vsd-").then_some(name)
+        })
+        .collect();
+    assert!(leftovers.is_empty(), "no staging directory left: {leftovers:?}");
 }
 
 #[test]

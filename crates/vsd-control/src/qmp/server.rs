@@ -2,7 +2,6 @@
 
 use std::fs;
 use std::io::{self, Read};
-use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -10,6 +9,7 @@ use std::thread;
 use std::time::Duration;
 
 use serde_json::{Value, json};
+use vsd_sys::ListenError;
 
 use super::output::Output;
 use super::session::{Session, reply};
@@ -63,23 +63,23 @@ impl Drop for QmpServer {
     }
 }
 
-/// Creates the listening socket, replacing only a stale socket file.
+/// Creates the listening socket, readable and writable by the daemon's
+/// user only, replacing only a stale socket file of this user.
 fn bind(path: &Path) -> io::Result<UnixListener> {
     let shown = path.display();
-    if let Ok(meta) = fs::symlink_metadata(path) {
-        if !meta.file_type().is_socket() {
-            return Err(io::Error::new(io::ErrorKind::AlreadyExists, format!("'{shown}' exists and is not a socket")));
+    vsd_sys::listen_unix(path, 0o600).map_err(|e| match e {
+        ListenError::NotASocket => {
+            io::Error::new(io::ErrorKind::AlreadyExists, format!("'{shown}' exists and is not a socket"))
         }
-        if UnixStream::connect(path).is_ok() {
-            return Err(io::Error::new(
-                io::ErrorKind::AddrInUse,
-                format!("socket '{shown}' is in use by another process"),
-            ));
+        ListenError::InUse => {
+            io::Error::new(io::ErrorKind::AddrInUse, format!("socket '{shown}' is in use by another process"))
         }
-        fs::remove_file(path)
-            .map_err(|e| io::Error::new(e.kind(), format!("cannot remove stale socket '{shown}': {e}")))?;
-    }
-    UnixListener::bind(path).map_err(|e| io::Error::new(e.kind(), format!("cannot listen on '{shown}': {e}")))
+        ListenError::NotOwned { uid } => io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("'{shown}' is a stale socket of user {uid}; vsd replaces only its own"),
+        ),
+        ListenError::Io(e) => io::Error::new(e.kind(), format!("cannot listen on '{shown}': {e}")),
+    })
 }
 
 fn run_connection(stream: UnixStream, dispatch: Arc<dyn Dispatch>, events: Events) {
