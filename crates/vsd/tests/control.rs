@@ -327,7 +327,9 @@ fn statistics_count_what_a_client_did_and_time_every_stage() {
     assert_eq!(merged.events.requests, served + 1, "the out-of-range read was taken too");
     assert_eq!(merged.events.invalid, 1);
     assert!(merged.events.kicks >= served, "interrupt-mode client: a kick per request");
-    assert!(merged.events.calls >= served);
+    // The client may catch a completion before it sleeps, and then asks
+    // for no call (EVENT_IDX): at most one call per request.
+    assert!(merged.events.calls > 0 && merged.events.calls <= merged.events.requests);
     assert!(merged.events.kernel_entries >= served, "io_uring: at least one enter per request at qd1");
 
     // vsd stat prints the tables from the same figures.
