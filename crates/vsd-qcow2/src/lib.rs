@@ -36,6 +36,7 @@ pub mod compress;
 pub mod entry;
 pub mod header;
 mod image;
+pub mod mem;
 pub mod refcount;
 
 use std::io;

@@ -148,11 +148,24 @@ impl Refcounts {
     }
 }
 
+/// Rounds of new refcount metadata one allocation may need: a block, then
+/// a table growth, then blocks for the grown table, with room to spare.
+const ALLOC_ROUNDS: usize = 16;
+
+/// A corruption found while allocating: logged, and an I/O error for the
+/// request (the image is left as it is).
+fn corrupt(what: String) -> io::Error {
+    log::error!("qcow2: corrupt refcounts: {what}");
+    io::Error::from_raw_os_error(libc::EIO)
+}
+
 impl Meta {
     /// Allocates `n` contiguous clusters with refcount 1; returns the first
     /// one's byte offset.
     pub(super) fn alloc(&mut self, io: &mut dyn SyncIo, n: u64) -> io::Result<u64> {
-        loop {
+        // Each round that adds metadata grows the covered area; an image
+        // needing more rounds than this has refcounts that lie.
+        for _ in 0..ALLOC_ROUNDS {
             let start = self.free_run(io, n)?;
             if self.cover(io, start, n)? {
                 continue; // new metadata may sit inside the run: look again
@@ -165,6 +178,9 @@ impl Meta {
             rc.file_end = rc.file_end.max(start + n);
             return Ok(start << rc.cluster_bits);
         }
+        Err(corrupt(format!(
+            "allocating {n} clusters did not settle after {ALLOC_ROUNDS} rounds of new refcount metadata"
+        )))
     }
 
     /// The first run of `n` free clusters from the hint.

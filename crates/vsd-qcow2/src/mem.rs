@@ -1,0 +1,49 @@
+//! An image file in memory, for tests and fuzzing.
+
+use std::io;
+
+use crate::SyncIo;
+
+/// A file held in a `Vec`, growing on writes up to a cap, so that an image
+/// whose metadata points terabytes away costs an error, not the memory.
+#[derive(Clone, Debug, Default)]
+pub struct MemFile {
+    /// The file's bytes.
+    pub bytes: Vec<u8>,
+    max_len: u64,
+}
+
+impl MemFile {
+    /// A file holding `bytes`, allowed to grow to `max_len` bytes.
+    pub fn new(bytes: Vec<u8>, max_len: u64) -> Self {
+        Self { bytes, max_len }
+    }
+}
+
+impl SyncIo for MemFile {
+    fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        buf.fill(0);
+        let len = self.bytes.len() as u64;
+        let (start, end) = (offset.min(len) as usize, offset.saturating_add(buf.len() as u64).min(len) as usize);
+        buf[..end - start].copy_from_slice(&self.bytes[start..end]);
+        Ok(())
+    }
+
+    fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
+        let end = offset.checked_add(buf.len() as u64).filter(|&e| e <= self.max_len);
+        let end = end.ok_or_else(|| io::Error::from(io::ErrorKind::StorageFull))? as usize;
+        if self.bytes.len() < end {
+            self.bytes.resize(end, 0);
+        }
+        self.bytes[offset as usize..end].copy_from_slice(buf);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn discard(&mut self, _offset: u64, _len: u64) -> io::Result<()> {
+        Ok(())
+    }
+}
