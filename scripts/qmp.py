@@ -37,7 +37,12 @@ def main() -> int:
         print(f"qmp.py: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     finally:
-        qmp.close()
+        try:
+            qmp.close()
+        except Exception:  # pylint: disable=broad-except
+            # After `quit` the daemon may be gone before the client has
+            # closed its side: the reply was already printed.
+            pass
     return 0
 
 
