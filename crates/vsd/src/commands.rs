@@ -93,9 +93,9 @@ fn generic(e: impl std::fmt::Display) -> QmpError {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Flat {
-    #[serde(default)]
-    #[allow(dead_code)] // accepted for QEMU compatibility: vsd's listing is always flat
-    flat: bool,
+    /// Accepted for QEMU compatibility: vsd's listing is always flat.
+    #[serde(default, rename = "flat")]
+    _flat: bool,
 }
 
 #[derive(Deserialize)]
@@ -261,25 +261,19 @@ impl Daemon {
             .get(&args.id)
             .ok_or_else(|| QmpError::new(ErrorClass::DeviceNotFound, format!("Device '{}' not found", args.id)))?;
         let merged = export.stats().merged();
-        let bins = |specific: Option<Vec<u64>>| -> Result<Option<Bins>, QmpError> {
+        // Bins count from now: each keeps the histogram as it is as a baseline.
+        let bins = |kind: OpKind, specific: Option<Vec<u64>>| -> Result<Option<Bins>, QmpError> {
             let Some(boundaries_ns) = specific.or_else(|| args.boundaries.clone()) else { return Ok(None) };
             if boundaries_ns.is_empty() || boundaries_ns.windows(2).any(|w| w[0] >= w[1]) || boundaries_ns[0] == 0 {
                 return Err(QmpError::generic("boundaries must be positive and strictly increasing"));
             }
-            Ok(Some(Bins { boundaries_ns, baseline: Default::default() }))
+            Ok(Some(Bins { boundaries_ns, baseline: merged.op(kind).latency.clone() }))
         };
-        let mut set = LatencyBins {
-            read: bins(args.boundaries_read.clone())?,
-            write: bins(args.boundaries_write.clone())?,
-            flush: bins(args.boundaries_flush.clone())?,
+        let set = LatencyBins {
+            read: bins(OpKind::Read, args.boundaries_read.clone())?,
+            write: bins(OpKind::Write, args.boundaries_write.clone())?,
+            flush: bins(OpKind::Flush, args.boundaries_flush.clone())?,
         };
-        for (kind, bins) in
-            [(OpKind::Read, &mut set.read), (OpKind::Write, &mut set.write), (OpKind::Flush, &mut set.flush)]
-        {
-            if let Some(bins) = bins {
-                bins.baseline = merged.op(kind).latency.clone();
-            }
-        }
         state.histograms.insert(args.id, set);
         Ok(json!({}))
     }
