@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what vsd's demo, tests and benchmarks need on a fresh Debian bookworm
 # machine: QEMU 10 and qemu-storage-daemon from bookworm-backports, fio,
-# busybox-static and a Debian kernel for the test guest; the Python packages
-# qemu.qmp and prometheus_client for the control tests.
+# busybox-static and a Debian kernel for the test guest; chromium, which
+# renders the lab report headless in its test; the Python packages qemu.qmp
+# and prometheus_client for the control tests.
 #
 # bookworm-backports is added by reusing the URIs of the machine's existing
 # Debian source, so no mirror is hard-coded here.
@@ -13,7 +14,7 @@ need_root "$@"
 
 have_all() {
     command -v qemu-system-x86_64 >/dev/null && command -v qemu-storage-daemon >/dev/null &&
-        command -v fio >/dev/null && [ -x /bin/busybox ] &&
+        command -v fio >/dev/null && [ -x /bin/busybox ] && command -v chromium >/dev/null &&
         ls /boot/vmlinuz-* >/dev/null 2>&1 &&
         qemu-system-x86_64 --version | grep -qE 'version (9|[1-9][0-9])\.'
 }
@@ -48,6 +49,6 @@ fi
 
 apt-get update -qq
 apt-get install -y -qq -t bookworm-backports qemu-system-x86 qemu-utils >/dev/null
-apt-get install -y -qq fio busybox-static linux-image-amd64 xz-utils cpio socat >/dev/null
+apt-get install -y -qq fio busybox-static linux-image-amd64 xz-utils cpio socat chromium >/dev/null
 have_all || { echo "setup: packages installed but a tool is still missing" >&2; exit 1; }
 install_python_modules

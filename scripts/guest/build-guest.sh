@@ -5,8 +5,8 @@
 #   build-guest.sh OUTDIR
 #
 # Writes OUTDIR/vmlinuz (the host's newest /boot/vmlinuz-*) and
-# OUTDIR/initramfs.cpio (busybox, fio plus its shared libraries, the
-# virtio_blk module and its dependencies, and scripts/guest/init as /init).
+# OUTDIR/initramfs.cpio (busybox, fio plus its shared libraries, the disk
+# drivers' modules and their dependencies, and scripts/guest/init as /init).
 # When the kernel supports PVH boot (CONFIG_PVH=y, as Debian's does) it also
 # writes OUTDIR/vmlinux, the decompressed ELF kernel, which run-guest.sh
 # prefers.
@@ -51,10 +51,20 @@ if ldd "$busybox" >/dev/null 2>&1; then
     die "$busybox is not static (install busybox-static)"
 fi
 
-# Modules the guest needs, in an order where every dependency comes first.
-# virtio_pci drives the PCI transport, virtio_blk the disk; whatever
-# modules.dep lists for them (virtio, virtio_ring, virtio_pci_*_dev) follows.
-wanted_modules=(virtio_pci virtio_blk)
+# Modules the guest needs, one set per kind of disk (vd*, sd*), each in an
+# order where every dependency comes first. /init loads only the set for its
+# vsd.disk, so a virtio-blk boot does not pay for the SCSI and ATA stacks
+# (nor for probing the AHCI controller every q35 machine has) under TCG.
+#   vd: virtio_pci drives the PCI transport, virtio_blk the disk;
+#   sd: sd_mod drives SCSI disks behind virtio_scsi (virtio-scsi-pci) or
+#       behind ahci (the q35 machine's ICH9 AHCI controller, where QEMU's
+#       ide-hd disks sit, seen through libata).
+# Whatever modules.dep lists for them (virtio_ring, scsi_mod, libata, the
+# CRCs of t10-pi…) follows.
+declare -A module_sets=(
+    [vd]="virtio_pci virtio_blk"
+    [sd]="virtio_pci virtio_scsi ahci sd_mod"
+)
 
 declare -A mod_path=() mod_deps=() mod_seen=()
 while IFS= read -r line; do
@@ -79,20 +89,29 @@ add_module() {
     done
     mod_order+=("$name")
 }
-for m in "${wanted_modules[@]}"; do
-    # A built-in driver needs no module: modules.builtin lists those.
-    if grep -qE "/$m\.ko" "$moddir/modules.builtin" 2>/dev/null; then
-        continue
-    fi
-    add_module "$m"
+declare -A set_order=() all_modules=()
+for kind in "${!module_sets[@]}"; do
+    mod_seen=()
+    mod_order=()
+    for m in ${module_sets[$kind]}; do
+        # A built-in driver needs no module: modules.builtin lists those.
+        if grep -qE "/$m\.ko" "$moddir/modules.builtin" 2>/dev/null; then
+            continue
+        fi
+        add_module "$m"
+    done
+    set_order[$kind]="${mod_order[*]}"
+    for m in "${mod_order[@]}"; do all_modules[$m]=1; done
 done
+# Sorted: the fingerprint below must not depend on hash order.
+mapfile -t modules < <(for m in "${!all_modules[@]}"; do echo "$m"; done | LC_ALL=C sort)
 
 # Every file whose change must trigger a rebuild; fio's libraries are
 # included so a library upgrade on the host is picked up.
 mapfile -t fio_libs < <(ldd "$fio_bin" | awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\// { print $1 }')
 config=/boot/config-$kver
 inputs=("$kernel" "$busybox" "$fio_bin" "$init_src" "$self" "$moddir/modules.dep" "${fio_libs[@]}")
-for m in "${mod_order[@]}"; do inputs+=("$moddir/${mod_path[$m]}"); done
+for m in "${modules[@]}"; do inputs+=("$moddir/${mod_path[$m]}"); done
 pvh=
 if [ -r "$config" ] && grep -qx 'CONFIG_PVH=y' "$config"; then
     pvh=1
@@ -168,10 +187,9 @@ done
 # defaults (e.g. .../ceph), which the host finds through its ld.so.cache.
 printf '%s\n' "${libdirs[@]}" | sort -u | paste -sd: >"$root/etc/ld-library-path"
 
-# Modules decompressed (busybox insmod can't read .ko.xz/.ko.zst) and a list
-# of them in load order for /init.
-: >"$root/lib/modules/load-order"
-for m in "${mod_order[@]}"; do
+# Modules decompressed (busybox insmod can't read .ko.xz/.ko.zst), and for
+# each set the list /init loads in order, lib/modules/KIND.load-order.
+for m in "${modules[@]}"; do
     src=$moddir/${mod_path[$m]}
     dst=$root/lib/modules/$m.ko
     case "$src" in
@@ -181,7 +199,10 @@ for m in "${mod_order[@]}"; do
     *.ko.gz) gzip -dc "$src" >"$dst" ;;
     *) die "unknown module format: $src" ;;
     esac
-    echo "$m" >>"$root/lib/modules/load-order"
+done
+for kind in "${!set_order[@]}"; do
+    # An empty set (every driver built in) leaves an empty list.
+    tr ' ' '\n' <<<"${set_order[$kind]}" | sed '/^$/d' >"$root/lib/modules/$kind.load-order"
 done
 
 cp "$init_src" "$root/init"

@@ -107,7 +107,6 @@ mod buffer;
 mod client;
 mod error;
 mod queue;
-pub mod size;
 mod sys;
 
 pub use buffer::Buffer;

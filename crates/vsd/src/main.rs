@@ -3,7 +3,8 @@
 //! The command line follows qemu-storage-daemon's, so existing scripts keep
 //! working: `--blockdev` defines nodes (in order, a node may use earlier
 //! ones), `--export` serves a node on a socket, `--chardev` + `--monitor`
-//! open a QMP socket. `vsd stat` prints a running export's statistics.
+//! open a QMP socket. `vsd stat` prints a running export's statistics;
+//! `vsd lab` runs benchmark matrices and reports them.
 
 mod commands;
 mod daemon;
@@ -39,6 +40,8 @@ struct Cli {
 enum Command {
     /// Print a running daemon's per-stage latency and events per I/O.
     Stat(stat::Args),
+    /// Run benchmark matrices (vsd, qemu-storage-daemon, the bare host) and report them.
+    Lab(vsd_lab::cli::Args),
 }
 
 #[derive(clap::Args, Debug)]
@@ -80,11 +83,12 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
-        Some(Command::Stat(args)) => stat::run(args),
-        None => run(cli.daemon),
+        Some(Command::Stat(args)) => stat::run(args).map(|()| ExitCode::SUCCESS),
+        Some(Command::Lab(args)) => vsd_lab::cli::main(args),
+        None => run(cli.daemon).map(|()| ExitCode::SUCCESS),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("vsd: {e:#}");
             ExitCode::FAILURE

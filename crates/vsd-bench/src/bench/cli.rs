@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use super::{BenchConfig, BenchError};
 use crate::client::ClientOptions;
-use crate::size::parse_size;
+use vsd_sys::size::parse_size;
 
 /// Default warm-up before measuring: long enough for all jobs to reach
 /// steady state, short enough not to matter for quick runs.

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)] // each test binary uses part of the harness
 
+use std::collections::HashMap;
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -178,4 +180,40 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
 /// Runs a command to completion, failing the test if it cannot start.
 pub fn run(program: &str, args: &[&str]) -> Output {
     Command::new(program).args(args).output().unwrap_or_else(|e| panic!("cannot run {program}: {e}"))
+}
+
+/// Boots the test guest with `scripts/guest/run-guest.sh ARGS`, its console
+/// kept in `log`, and returns the guest's `VSD-GUEST key=value` facts. Fails
+/// the test, showing the console's tail, unless the script exits 0 (the job
+/// ran and passed its checks). A generous `--timeout` comes first, so that
+/// a slow machine fails on the test's own assertions; `args` may override it.
+pub fn run_guest<I, S>(log: &Path, args: I) -> HashMap<String, String>
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/guest/run-guest.sh");
+    let out = Command::new(&script)
+        .args(["--timeout", "400"])
+        .arg("--log")
+        .arg(log)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let console = std::fs::read_to_string(log).unwrap_or_default();
+    let tail: Vec<&str> = console.lines().rev().take(40).collect();
+    assert!(
+        out.status.success(),
+        "guest job failed ({}):\n{stdout}\n{}\n--- console tail ---\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr),
+        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+    );
+    stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("VSD-GUEST "))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
 }

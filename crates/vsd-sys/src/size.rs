@@ -1,4 +1,5 @@
-//! Parsing of byte sizes such as `4k`, `1M` or `1073741824`.
+//! Parsing of byte sizes such as `4k`, `1M` or `1073741824`, as every vsd
+//! tool spells them (QEMU option values, vsd-bench flags, lab specs).
 
 /// Parses a byte count: decimal digits with an optional binary suffix
 /// `k`/`K` (KiB), `m`/`M` (MiB), `g`/`G` (GiB) or `t`/`T` (TiB), optionally
