@@ -5,44 +5,17 @@
 mod common;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::ffi::OsStr;
+use std::path::Path;
 
 use common::{Daemon, Scratch, file_export};
 
 const MIB: u64 = 1 << 20;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
 /// Boots the guest on `socket`; returns its `VSD-GUEST key=value` facts.
 fn boot(dir: &Scratch, socket: &Path, extra: &[&str]) -> HashMap<String, String> {
-    let log = dir.path("console.log");
-    let out = Command::new(repo().join("scripts/guest/run-guest.sh"))
-        .arg("--socket")
-        .arg(socket)
-        .arg("--log")
-        .arg(&log)
-        .args(["--timeout", "400"])
-        .args(extra)
-        .output()
-        .expect("run scripts/guest/run-guest.sh");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let console = std::fs::read_to_string(&log).unwrap_or_default();
-    assert!(
-        out.status.success(),
-        "guest job failed ({}):\n{stdout}\n{}\n--- console tail ---\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr),
-        console.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
-    );
-    stdout
-        .lines()
-        .filter_map(|l| l.strip_prefix("VSD-GUEST "))
-        .filter_map(|l| l.split_once('='))
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
+    let socket_args = [OsStr::new("--socket"), socket.as_os_str()];
+    common::run_guest(&dir.path("console.log"), socket_args.into_iter().chain(extra.iter().map(OsStr::new)))
 }
 
 #[test]
