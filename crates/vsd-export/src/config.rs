@@ -36,6 +36,10 @@ pub struct ExportConfig {
     /// work before sleeping, in µs; the window adapts below it (0 = never
     /// poll).
     pub poll_us: u32,
+    /// `call-batch-us=`: how long a worker may hold a guest notification
+    /// while more of its requests are in flight, so that one interrupt
+    /// covers several completions (RSD's call batching); 0 = never hold.
+    pub call_batch_us: u32,
     /// `cpu-affinity=`: CPUs for the queue workers, `0-3` or `1:3`; queue
     /// q's worker is pinned to the q-th (cycling). Empty: not pinned.
     pub cpu_affinity: Vec<usize>,
@@ -46,8 +50,8 @@ pub struct ExportConfig {
 
 /// The default `poll-us`: Cloud Hypervisor's fixed window, here a ceiling.
 pub const DEFAULT_POLL_US: u32 = 50;
-/// The largest `poll-us` accepted.
-const MAX_POLL_US: u64 = 10_000;
+/// The largest `poll-us` and `call-batch-us` accepted.
+const MAX_WINDOW_US: u64 = 10_000;
 
 impl ExportConfig {
     /// Reads the options of one `--export`.
@@ -75,10 +79,8 @@ impl ExportConfig {
         };
         let serial = opts.take("serial").unwrap_or_default();
         let trace = opts.take_bool("trace")?.unwrap_or(true);
-        let poll_us = match opts.take_u64("poll-us")?.unwrap_or(u64::from(DEFAULT_POLL_US)) {
-            n @ 0..=MAX_POLL_US => n as u32,
-            n => return Err(opts.invalid("poll-us", n, &format!("a number of µs from 0 to {MAX_POLL_US}"))),
-        };
+        let poll_us = take_window(opts, "poll-us", DEFAULT_POLL_US)?;
+        let call_batch_us = take_window(opts, "call-batch-us", 0)?;
         let cpu_affinity = match opts.take("cpu-affinity") {
             Some(text) => vsd_sys::parse_cpu_list(&text, ':').map_err(|why| {
                 opts.invalid("cpu-affinity", &text, &format!("a CPU list such as 0-3 or 1:3 ({why})"))
@@ -103,9 +105,18 @@ impl ExportConfig {
             serial,
             trace,
             poll_us,
+            call_batch_us,
             cpu_affinity,
             socket_mode,
         })
+    }
+}
+
+/// A time window in µs, from 0 to [`MAX_WINDOW_US`].
+fn take_window(opts: &mut OptionMap, key: &str, default: u32) -> Result<u32, OptionError> {
+    match opts.take_u64(key)?.unwrap_or(u64::from(default)) {
+        n @ 0..=MAX_WINDOW_US => Ok(n as u32),
+        n => Err(opts.invalid(key, n, &format!("a number of µs from 0 to {MAX_WINDOW_US}"))),
     }
 }
 

@@ -39,6 +39,9 @@ enum Command {
         /// Only list the configurations.
         #[arg(long)]
         list: bool,
+        /// Run only this matrix of the spec (repeatable).
+        #[arg(long = "matrix", value_name = "NAME")]
+        matrices: Vec<String>,
     },
     /// Make the HTML report of a results file.
     Report {
@@ -53,13 +56,14 @@ enum Command {
 /// Runs `vsd lab ...`.
 pub fn main(args: Args) -> Result<ExitCode> {
     match args.command {
-        Command::Run { spec, results, fresh, list } => run(&spec, results, fresh, list),
+        Command::Run { spec, results, fresh, list, matrices } => run(&spec, results, fresh, list, &matrices),
         Command::Report { results, out } => report(results, out),
     }
 }
 
-fn run(spec_path: &Path, results: Option<PathBuf>, fresh: bool, list: bool) -> Result<ExitCode> {
-    let spec = Spec::load(spec_path)?;
+fn run(spec_path: &Path, results: Option<PathBuf>, fresh: bool, list: bool, matrices: &[String]) -> Result<ExitCode> {
+    let mut spec = Spec::load(spec_path)?;
+    spec.keep_matrices(matrices)?;
     if list {
         for planned in Plan::new(&spec).runs {
             println!("{}\t{}", planned.matrix, planned.config.id());

@@ -191,6 +191,18 @@ impl Spec {
         Ok(spec)
     }
 
+    /// Keeps only the matrices named (all of them if `names` is empty).
+    pub fn keep_matrices(&mut self, names: &[String]) -> Result<()> {
+        if let Some(unknown) = names.iter().find(|n| !self.matrix.iter().any(|m| m.name == **n)) {
+            let known: Vec<&str> = self.matrix.iter().map(|m| m.name.as_str()).collect();
+            bail!("spec '{}' has no matrix '{unknown}' (it has: {})", self.name, known.join(", "));
+        }
+        if !names.is_empty() {
+            self.matrix.retain(|m| names.contains(&m.name));
+        }
+        Ok(())
+    }
+
     /// The program behind a daemon name.
     pub fn program(&self, daemon: &str) -> Option<(Program, &str)> {
         if let Some(v) = self.variants.get(daemon) {
@@ -348,6 +360,15 @@ mod tests {
             let err = format!("{:#}", Spec::parse(&text).unwrap_err());
             assert!(err.contains(want), "{want:?} not in {err:?}");
         }
+    }
+
+    #[test]
+    fn matrices_can_be_picked() {
+        let mut spec = Spec::parse(MINIMAL).unwrap();
+        let err = spec.keep_matrices(&["x".into()]).unwrap_err().to_string();
+        assert!(err.contains("no matrix 'x' (it has: m)"), "{err}");
+        spec.keep_matrices(&[]).unwrap();
+        assert_eq!(spec.matrix.len(), 1);
     }
 
     #[test]

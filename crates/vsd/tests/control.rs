@@ -464,3 +464,40 @@ fn virtual_size(image: &Path) -> u64 {
     let info: Value = serde_json::from_slice(&info.stdout).unwrap();
     info["virtual-size"].as_u64().unwrap()
 }
+
+/// Call batching holds a call only while more requests are in flight: a
+/// lone request is answered at once even with the longest window, and a
+/// deep queue still completes every request.
+#[test]
+fn call_batching_never_holds_a_lone_request() {
+    let dir = Scratch::new("qmp-call-batch");
+    let image = dir.image("disk.img", 64 * MIB);
+    let (_daemon, qmp_sock) =
+        daemon_with_monitor(&dir, raw_export(&image, &dir.path("exp1.sock"), ",call-batch-us=10000"));
+    let mut client = vsd_bench::Client::connect(&dir.path("exp1.sock"), ClientOptions::default()).unwrap();
+    let mut queue = client.take_queue(0).unwrap();
+    let data = pattern(7, 4096);
+    let start = Instant::now();
+    for i in 0..100 {
+        queue.write_at(i * 4096, &data).unwrap();
+    }
+    // Held for the whole window, 100 requests would take a second at least.
+    assert!(start.elapsed() < Duration::from_millis(500), "{:?} for 100 requests", start.elapsed());
+    drop(queue);
+    drop(client);
+
+    let socket = dir.path("exp1.sock");
+    let args = ["vsd-bench", "--socket", socket.to_str().unwrap(), "--rw", "randread", "--iodepth", "16"];
+    let config = <vsd_bench::bench::Args as clap::Parser>::parse_from([&args[..], &["--seconds", "1"]].concat())
+        .into_config()
+        .unwrap();
+    let report = vsd_bench::bench::run(&config).unwrap();
+    assert_eq!(report.results.errors, 0);
+    let mut qmp = QmpClient::connect(&qmp_sock).unwrap();
+    let snapshot: vsd_trace::ExportSnapshot =
+        serde_json::from_value(export_stats(&mut qmp, "exp1")["x-vsd"].clone()).unwrap();
+    let merged = snapshot.merged();
+    assert_eq!(merged.events.in_flight, 0, "every request completed");
+    assert!(merged.events.calls > 0 && merged.events.calls <= merged.events.requests);
+    assert!(merged.stage(vsd_trace::Stage::Call).quantile_ns(1.0) < 20_000_000, "no call held past the window");
+}
