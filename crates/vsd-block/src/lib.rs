@@ -64,7 +64,7 @@ pub enum GraphError {
     #[error(transparent)]
     Options(#[from] OptionError),
     /// `driver=` names no driver vsd has.
-    #[error("{context}: unknown driver '{driver}' (vsd has file, raw, qcow2, null-co)")]
+    #[error("{context}: unknown driver '{driver}' (vsd has file, raw, qcow2, null-co, blkdebug)")]
     UnknownDriver {
         /// Which option string.
         context: String,

@@ -1,5 +1,6 @@
 //! The drivers a `--blockdev` can name.
 
+mod blkdebug;
 mod child;
 mod file;
 mod null;
@@ -26,6 +27,7 @@ pub(crate) fn open(
         "raw" => Ok(Arc::new(raw::RawNode::open(name, opts, graph)?)),
         "qcow2" => Ok(Arc::new(qcow2::Qcow2Node::open(name, opts, graph)?)),
         "null-co" => Ok(Arc::new(null::NullNode::open(name, opts)?)),
+        "blkdebug" => Ok(Arc::new(blkdebug::BlkdebugNode::open(name, opts, graph)?)),
         _ => Err(GraphError::UnknownDriver { context: opts.context().into(), driver: driver.into() }),
     }
 }
