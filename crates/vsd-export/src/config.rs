@@ -46,6 +46,11 @@ pub struct ExportConfig {
     /// `socket-mode=`: the socket file's permissions, in octal (default
     /// 0600: only the daemon's user may connect).
     pub socket_mode: u32,
+    /// `socket-owner=`: the uid the socket file belongs to (a user name or
+    /// number, resolved when the options are read); `None`: the daemon's.
+    pub socket_owner: Option<u32>,
+    /// `socket-group=`: the gid the socket file belongs to, as `socket_owner`.
+    pub socket_group: Option<u32>,
 }
 
 /// The default `poll-us`: Cloud Hypervisor's fixed window, here a ceiling.
@@ -94,6 +99,8 @@ impl ExportConfig {
                 .ok_or_else(|| opts.invalid("socket-mode", &text, "permissions in octal, such as 0660"))?,
             None => 0o600,
         };
+        let socket_owner = take_id(opts, "socket-owner", "a user name or uid", vsd_sys::user_by_name, |u| u.uid)?;
+        let socket_group = take_id(opts, "socket-group", "a group name or gid", vsd_sys::group_by_name, |g| g)?;
         Ok(Self {
             id,
             node_name,
@@ -108,7 +115,33 @@ impl ExportConfig {
             call_batch_us,
             cpu_affinity,
             socket_mode,
+            socket_owner,
+            socket_group,
         })
+    }
+}
+
+/// A user or group id given as a number or a name; a name is looked up now,
+/// once, so that an unknown one is a mistake in the options.
+fn take_id<T>(
+    opts: &mut OptionMap,
+    key: &str,
+    expected: &str,
+    lookup: fn(&str) -> std::io::Result<Option<T>>,
+    id: fn(T) -> u32,
+) -> Result<Option<u32>, OptionError> {
+    let Some(text) = opts.take(key) else { return Ok(None) };
+    // u32::MAX is -1, which chown takes as "leave unchanged".
+    if let Ok(number) = text.parse::<u32>() {
+        return match number {
+            u32::MAX => Err(opts.invalid(key, &text, expected)),
+            number => Ok(Some(number)),
+        };
+    }
+    match lookup(&text) {
+        Ok(Some(found)) => Ok(Some(id(found))),
+        Ok(None) => Err(opts.invalid(key, &text, &format!("{expected} (no such name)"))),
+        Err(e) => Err(opts.invalid(key, &text, &format!("{expected} (the lookup failed: {e})"))),
     }
 }
 
@@ -152,5 +185,19 @@ mod tests {
         let err = parse("type=vhost-user-blk,id=e,node-name=n,addr.type=unix,addr.path=/s,logical-block-size=1000")
             .unwrap_err();
         assert!(err.to_string().contains("logical-block-size"), "{err}");
+    }
+
+    #[test]
+    fn socket_owner_and_group_take_names_or_numbers() {
+        let base = "type=vhost-user-blk,id=e,node-name=n,addr.type=unix,addr.path=/s";
+        let c = parse(&format!("{base},socket-owner=root,socket-group=42")).unwrap();
+        assert_eq!((c.socket_owner, c.socket_group), (Some(0), Some(42)));
+        let c = parse(base).unwrap();
+        assert_eq!((c.socket_owner, c.socket_group), (None, None), "the daemon's own by default");
+        let err = parse(&format!("{base},socket-owner=no-such-user-vsd")).unwrap_err().to_string();
+        assert!(err.contains("socket-owner") && err.contains("no such name"), "{err}");
+        let err = parse(&format!("{base},socket-group=no-such-group-vsd")).unwrap_err().to_string();
+        assert!(err.contains("socket-group"), "{err}");
+        assert!(parse(&format!("{base},socket-owner=4294967295")).is_err(), "-1 means no change to chown");
     }
 }

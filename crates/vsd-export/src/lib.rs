@@ -194,7 +194,8 @@ impl Drop for VhostUserBlkExport {
 /// a stale socket file of this user.
 fn bind(config: &ExportConfig) -> Result<UnixListener, ExportError> {
     let (id, path) = (config.id.clone(), config.socket.clone());
-    vsd_sys::listen_unix(&path, config.socket_mode).map_err(|e| match e {
+    let listening = vsd_sys::listen_unix_owned(&path, config.socket_mode, config.socket_owner, config.socket_group);
+    listening.map_err(|e| match e {
         ListenError::NotASocket => ExportError::NotASocket { id, path },
         ListenError::InUse => ExportError::SocketInUse { id, path },
         ListenError::NotOwned { uid } => ExportError::Invalid {

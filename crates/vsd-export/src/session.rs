@@ -140,6 +140,19 @@ impl Session {
     }
 }
 
+/// Refuses a memory region that runs past the end of its file: touching
+/// the unbacked part would kill the daemon with SIGBUS. (A front-end that
+/// shrinks the file later still could; QEMU's memfd backend seals it.)
+fn backed(file: &File, offset: u64, size: u64) -> ProtocolResult<()> {
+    let len = file.metadata().map_err(|e| invalid(&format!("memory region file: {e}")))?.len();
+    match offset.checked_add(size) {
+        Some(end) if end <= len => Ok(()),
+        _ => {
+            Err(invalid(&format!("memory region of {size} bytes at offset {offset} runs past its file ({len} bytes)")))
+        }
+    }
+}
+
 impl Drop for Session {
     fn drop(&mut self) {
         self.stop_all();
@@ -196,6 +209,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         let mut mapped = Vec::with_capacity(regions.len());
         let mut mappings = Vec::with_capacity(regions.len());
         for (region, file) in regions.iter().zip(files) {
+            backed(&file, region.mmap_offset, region.memory_size)?;
             mapped.push(Self::map_region(region.mmap_region(file)?, region.guest_phys_addr)?);
             mappings.push(Mapping {
                 front_end_addr: region.user_addr,
@@ -349,6 +363,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         if self.mappings.len() as u64 >= MAX_MEM_SLOTS {
             return Err(invalid("too many memory regions"));
         }
+        backed(&fd, region.mmap_offset, region.memory_size)?;
         let mapped = Self::map_region(region.mmap_region(fd)?, region.guest_phys_addr)?;
         let memory = self.mem.memory().insert_region(mapped).map_err(|e| invalid(&e.to_string()))?;
         self.mem.lock().map_err(|_| invalid("memory lock poisoned"))?.replace(memory);

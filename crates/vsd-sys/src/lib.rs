@@ -8,6 +8,7 @@
 
 pub mod size;
 
+use std::ffi::CString;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -130,6 +131,20 @@ pub enum ListenError {
 /// stale socket at `path` is replaced only if this user owns it; a symbolic
 /// link is never followed.
 pub fn listen_unix(path: &Path, mode: u32) -> Result<UnixListener, ListenError> {
+    listen_unix_owned(path, mode, None, None)
+}
+
+/// As [`listen_unix`], the socket file also owned by user `owner` and
+/// group `group` (`None`: the daemon's own). Like `mode`, ownership is set
+/// in the private directory, so the socket never appears at `path` with
+/// other permissions. A stale socket owned by `owner` is replaced too: it
+/// is what an earlier run with the same options left.
+pub fn listen_unix_owned(
+    path: &Path,
+    mode: u32,
+    owner: Option<u32>,
+    group: Option<u32>,
+) -> Result<UnixListener, ListenError> {
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         if !meta.file_type().is_socket() {
             return Err(ListenError::NotASocket);
@@ -138,7 +153,8 @@ pub fn listen_unix(path: &Path, mode: u32) -> Result<UnixListener, ListenError> 
             return Err(ListenError::InUse);
         }
         // SAFETY: geteuid cannot fail and touches no memory.
-        if meta.uid() != unsafe { libc::geteuid() } {
+        let ours = meta.uid() == unsafe { libc::geteuid() } || Some(meta.uid()) == owner;
+        if !ours {
             return Err(ListenError::NotOwned { uid: meta.uid() });
         }
     }
@@ -149,6 +165,11 @@ pub fn listen_unix(path: &Path, mode: u32) -> Result<UnixListener, ListenError> 
     std::fs::DirBuilder::new().mode(0o700).create(&private).map_err(ListenError::Io)?;
     let staged = private.join("s");
     let placed = UnixListener::bind(&staged).and_then(|listener| {
+        if owner.is_some() || group.is_some() {
+            // The path, not the descriptor: fchown on a socket changes the
+            // socket, not the file that names it.
+            std::os::unix::fs::lchown(&staged, owner, group)?;
+        }
         std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(mode))?;
         std::fs::rename(&staged, path)?;
         Ok(listener)
@@ -156,6 +177,111 @@ pub fn listen_unix(path: &Path, mode: u32) -> Result<UnixListener, ListenError> 
     let _ = std::fs::remove_file(&staged);
     let _ = std::fs::remove_dir(&private);
     placed.map_err(ListenError::Io)
+}
+
+/// A user's ids, as the user database (`/etc/passwd`, NSS) has them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UserIds {
+    /// The user id.
+    pub uid: u32,
+    /// The user's primary group.
+    pub gid: u32,
+}
+
+/// Looks user `name` up (`getpwnam_r`); `None` if there is no such user.
+pub fn user_by_name(name: &str) -> io::Result<Option<UserIds>> {
+    let Ok(name) = CString::new(name) else { return Ok(None) };
+    // SAFETY: passwd is plain data (ints and pointers); all-zero is valid.
+    let mut entry: libc::passwd = unsafe { std::mem::zeroed() };
+    let found = with_lookup_buffer(|buf| {
+        let mut result = std::ptr::null_mut();
+        // SAFETY: name is NUL-terminated; entry, result and buf (of the
+        // length passed) are live and only written by the call.
+        let ret =
+            unsafe { libc::getpwnam_r(name.as_ptr(), &mut entry, buf.as_mut_ptr().cast(), buf.len(), &mut result) };
+        (ret, !result.is_null())
+    })?;
+    Ok(found.then_some(UserIds { uid: entry.pw_uid, gid: entry.pw_gid }))
+}
+
+/// Looks group `name` up (`getgrnam_r`); its id, or `None` if there is no
+/// such group.
+pub fn group_by_name(name: &str) -> io::Result<Option<u32>> {
+    let Ok(name) = CString::new(name) else { return Ok(None) };
+    // SAFETY: group is plain data (ints and pointers); all-zero is valid.
+    let mut entry: libc::group = unsafe { std::mem::zeroed() };
+    let found = with_lookup_buffer(|buf| {
+        let mut result = std::ptr::null_mut();
+        // SAFETY: as in user_by_name, for getgrnam_r.
+        let ret =
+            unsafe { libc::getgrnam_r(name.as_ptr(), &mut entry, buf.as_mut_ptr().cast(), buf.len(), &mut result) };
+        (ret, !result.is_null())
+    })?;
+    Ok(found.then_some(entry.gr_gid))
+}
+
+/// Runs a `get*nam_r` lookup with a scratch buffer for the entry's strings,
+/// growing it while the lookup says it is too small; whether an entry was
+/// found.
+fn with_lookup_buffer(mut lookup: impl FnMut(&mut [u8]) -> (libc::c_int, bool)) -> io::Result<bool> {
+    let mut buf = vec![0u8; 1024];
+    loop {
+        match lookup(&mut buf) {
+            (0, found) => return Ok(found),
+            // Some NSS modules say "not found" with an error number.
+            (libc::ENOENT | libc::ESRCH, _) => return Ok(false),
+            (libc::ERANGE, _) if buf.len() < 1 << 20 => buf.resize(buf.len() * 2, 0),
+            (err, _) => return Err(io::Error::from_raw_os_error(err)),
+        }
+    }
+}
+
+/// The groups user `name` is a member of, with `gid` (its primary group)
+/// among them: what `initgroups(3)` would give it (`getgrouplist`).
+pub fn group_list(name: &str, gid: u32) -> io::Result<Vec<u32>> {
+    let name = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let mut groups = vec![0; 32];
+    loop {
+        let mut count = libc::c_int::try_from(groups.len()).map_err(|_| io::Error::other("too many groups"))?;
+        // SAFETY: name is NUL-terminated; groups has room for `count` ids,
+        // and count is a live local the call updates.
+        let ret = unsafe { libc::getgrouplist(name.as_ptr(), gid, groups.as_mut_ptr(), &mut count) };
+        let count = usize::try_from(count).unwrap_or(0);
+        if ret >= 0 {
+            groups.truncate(count);
+            return Ok(groups);
+        }
+        // Too small: count is how many there are.
+        if count <= groups.len() {
+            return Err(io::Error::other(format!("getgrouplist for user {name:?} failed")));
+        }
+        groups.resize(count, 0);
+    }
+}
+
+/// Becomes user `uid`, group `gid`, with exactly the supplementary
+/// `groups`, for good: the real, effective and saved ids all change, and
+/// `setuid(0)` is tried afterwards, which must fail.
+///
+/// Every thread changes, not only the caller: glibc's wrappers have each
+/// thread of the process make the same call (POSIX semantics; the kernel
+/// changes only the calling thread). Kernel threads of the process, such
+/// as io_uring's workers, are not glibc's and keep the ids they started
+/// with.
+pub fn drop_privileges(uid: u32, gid: u32, groups: &[u32]) -> io::Result<()> {
+    // Groups before the user id: changing them takes CAP_SETGID, which
+    // leaves with the user id.
+    // SAFETY: setgroups reads groups.len() ids from a live slice.
+    check(unsafe { libc::setgroups(groups.len(), groups.as_ptr()) }.into())?;
+    // SAFETY: setresgid takes no pointers.
+    check(unsafe { libc::setresgid(gid, gid, gid) }.into())?;
+    // SAFETY: setresuid takes no pointers.
+    check(unsafe { libc::setresuid(uid, uid, uid) }.into())?;
+    // SAFETY: setuid takes no pointers; it must fail now.
+    if unsafe { libc::setuid(0) } == 0 {
+        return Err(io::Error::other("setuid(0) still succeeds: the privileges were not dropped"));
+    }
+    Ok(())
 }
 
 /// A list of CPUs such as `0-3,8`: single numbers and inclusive ranges,
@@ -349,6 +475,17 @@ fn iov_count(iov: &[libc::iovec]) -> io::Result<libc::c_int> {
     libc::c_int::try_from(iov.len()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
 }
 
+/// A new anonymous file in memory (`memfd_create(2)`, close-on-exec), empty:
+/// size it with `set_len`, whose new bytes read as zeroes.
+pub fn memfd(name: &str) -> io::Result<File> {
+    let name = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: `name` is a NUL-terminated string that outlives the call.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    check(libc::c_long::from(fd))?;
+    // SAFETY: memfd_create just returned this descriptor; nothing else owns it.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -449,6 +586,36 @@ mod tests {
             assert!(matches!(listen_unix(&path, 0o600), Err(ListenError::NotOwned { uid: 4321 })));
         }
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 3, "no private directory left behind");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn users_and_groups_are_looked_up_by_name() {
+        assert_eq!(user_by_name("root").unwrap(), Some(UserIds { uid: 0, gid: 0 }));
+        assert_eq!(group_by_name("root").unwrap(), Some(0));
+        assert_eq!(user_by_name("no-such-user-vsd").unwrap(), None);
+        assert_eq!(group_by_name("no-such-group-vsd").unwrap(), None);
+        assert_eq!(user_by_name("nul\0inside").unwrap(), None);
+        assert!(group_list("root", 0).unwrap().contains(&0), "the primary group is in the list");
+    }
+
+    #[test]
+    fn sockets_get_their_owner_before_they_appear() {
+        // SAFETY: geteuid touches no memory.
+        if unsafe { libc::geteuid() } != 0 {
+            return; // only root gives files away
+        }
+        let dir = std::env::temp_dir().join(format!("vsd-sys-owned-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).unwrap();
+        let path = dir.join("a.sock");
+        let listener = listen_unix_owned(&path, 0o660, Some(4321), Some(4322)).unwrap();
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        assert_eq!((meta.uid(), meta.gid(), meta.permissions().mode() & 0o777), (4321, 4322, 0o660));
+        drop(listener);
+        let again = listen_unix_owned(&path, 0o600, Some(4321), None).expect("a stale socket of the owner is replaced");
+        drop(again);
+        assert!(matches!(listen_unix(&path, 0o600), Err(ListenError::NotOwned { uid: 4321 })));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -168,3 +168,169 @@ fn sigterm_removes_socket_and_pidfile() {
     assert!(status.success(), "{status}");
     assert!(!sock.exists() && !pidfile.exists());
 }
+
+/// Tests that give files away or change users need root; they are skipped
+/// (with a note) otherwise.
+fn is_root() -> bool {
+    // SAFETY: geteuid cannot fail and touches no memory.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root {
+        eprintln!("skipped: needs root");
+    }
+    root
+}
+
+/// The uid and gid of user nobody (Debian: 65534, group nogroup).
+fn nobody() -> (u32, u32) {
+    let ids = vsd_sys::user_by_name("nobody").unwrap().expect("user nobody exists");
+    (ids.uid, ids.gid)
+}
+
+#[test]
+fn sockets_get_the_owner_and_group_they_are_given() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    if !is_root() {
+        return;
+    }
+    let (uid, gid) = nobody();
+    let dir = Scratch::new("owners");
+    let image = dir.image("disk.img", 1 << 20);
+    let (named, numbered) = (dir.path("named.sock"), dir.path("numbered.sock"));
+    let mut args = file_export(&image, &named, "", ",socket-owner=nobody,socket-group=nogroup,socket-mode=0660");
+    args.extend([
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=exp1,node-name=disk0,addr.type=unix,addr.path={},socket-group={gid}",
+            numbered.display()
+        ),
+    ]);
+    let daemon = Daemon::vsd(&dir, &args);
+    let meta = std::fs::symlink_metadata(&named).unwrap();
+    assert_eq!((meta.uid(), meta.gid(), meta.permissions().mode() & 0o777), (uid, gid, 0o660));
+    let meta = std::fs::symlink_metadata(&numbered).unwrap();
+    assert_eq!((meta.uid(), meta.gid(), meta.permissions().mode() & 0o777), (0, gid, 0o600), "only the group given");
+    let _client = daemon.connect(vsd_bench::ClientOptions { read_only: true, ..Default::default() });
+    drop(daemon);
+    // The socket a crashed run left belongs to nobody now; a run with the
+    // same options replaces it.
+    drop(UnixListener::bind(&named).unwrap());
+    std::os::unix::fs::chown(&named, Some(uid), Some(gid)).unwrap();
+    let _again = Daemon::vsd(&dir, &args);
+}
+
+#[test]
+fn unknown_users_and_groups_are_one_line_errors() {
+    let dir = Scratch::new("nouser");
+    let image = dir.image("disk.img", 1 << 20);
+    let sock = dir.path("s.sock");
+    let run_with = |user: &str| {
+        let mut args = file_export(&image, &sock, "", "");
+        args.extend(["--run-with".into(), format!("user={user}")]);
+        args
+    };
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (file_export(&image, &sock, "", ",socket-owner=no-such-user-vsd"), "socket-owner"),
+        (file_export(&image, &sock, "", ",socket-group=no-such-group-vsd"), "socket-group"),
+        (run_with("no-such-user-vsd"), "--run-with user=no-such-user-vsd"),
+        (run_with("root"), "--run-with user=root"),
+        (run_with("0:0"), "--run-with user=0:0"),
+        (strings(&["--blockdev", "driver=null-co,node-name=n", "--run-with", "chroot=/"]), "chroot"),
+    ];
+    for (args, culprit) in cases {
+        let line = fails(&args);
+        assert!(line.contains(culprit), "error for {args:?} should name {culprit}: {line}");
+        assert!(!sock.exists(), "no socket left behind by {args:?}");
+    }
+}
+
+/// The ids one thread of a process runs with, from /proc/PID/task/TID/status.
+#[derive(Debug)]
+struct ThreadIds {
+    name: String,
+    /// Real, effective, saved, filesystem.
+    uids: Vec<u32>,
+    gids: Vec<u32>,
+    groups: Vec<u32>,
+}
+
+impl ThreadIds {
+    fn are(&self, uid: u32, gid: u32) -> bool {
+        self.uids.iter().all(|&id| id == uid) && self.gids.iter().all(|&id| id == gid) && self.groups == [gid]
+    }
+}
+
+fn thread_ids(pid: u32) -> Vec<ThreadIds> {
+    let numbers = |status: &str, key: &str| -> Vec<u32> {
+        let line = status.lines().find_map(|l| l.strip_prefix(key)).unwrap_or_default();
+        line.split_whitespace().map(|n| n.parse().unwrap()).collect()
+    };
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|task| std::fs::read_to_string(task.unwrap().path().join("status")).ok())
+        .map(|status| ThreadIds {
+            name: status.lines().find_map(|l| l.strip_prefix("Name:")).unwrap_or_default().trim().to_string(),
+            uids: numbers(&status, "Uid:"),
+            gids: numbers(&status, "Gid:"),
+            groups: numbers(&status, "Groups:"),
+        })
+        .collect()
+}
+
+#[test]
+fn run_with_drops_privileges_once_the_images_are_open() {
+    use std::os::unix::fs::{FileExt, PermissionsExt};
+    use std::time::{Duration, Instant};
+    if !is_root() {
+        return;
+    }
+    let (uid, gid) = nobody();
+    let dir = Scratch::new("runwith");
+    // Both only root may open: the image is opened before the drop, the
+    // other one is asked for after it.
+    let image = dir.image("disk.img", 16 << 20);
+    let secret = dir.image("secret.img", 1 << 20);
+    for path in [&image, &secret] {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+    let qmp_sock = dir.path("qmp.sock");
+    let mut args = file_export(&image, &dir.path("s.sock"), "", ",writable=on");
+    args.extend(["--chardev".into(), format!("socket,id=m,path={},server=on,wait=off", qmp_sock.display())]);
+    args.extend(strings(&["--monitor", "chardev=m", "--run-with", "user=nobody"]));
+    let mut daemon = Daemon::vsd(&dir, &args);
+
+    // The drop follows the pidfile at once.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !thread_ids(daemon.pid()).iter().all(|t| t.are(uid, gid)) {
+        assert!(Instant::now() < deadline, "still privileged: {:?}", thread_ids(daemon.pid()));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+
+    let mut client = daemon.connect(vsd_bench::ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    let data = common::pattern(6, 64 * 1024);
+    queue.write_at(1 << 20, &data).unwrap();
+    queue.flush().unwrap();
+    let mut back = vec![0u8; data.len()];
+    queue.read_at(1 << 20, &mut back).unwrap();
+    assert!(back == data, "the image opened before the drop serves reads and writes");
+    std::fs::File::open(&image).unwrap().read_exact_at(&mut back, 1 << 20).unwrap();
+    assert!(back == data, "the write reached the image");
+
+    // Threads started since (the queue's worker, io_uring's) are nobody's
+    // too, as are those that were running at the drop (QMP, the export's).
+    let threads = thread_ids(daemon.pid());
+    assert!(threads.len() > 2, "{threads:?}");
+    for thread in &threads {
+        assert!(thread.are(uid, gid), "thread {} runs as uid {:?} gid {:?}", thread.name, thread.uids, thread.gids);
+    }
+
+    let mut qmp = vsd_control::client::QmpClient::connect(&qmp_sock).unwrap();
+    let add = serde_json::json!({"driver": "file", "node-name": "secret", "filename": secret});
+    let err = qmp.execute("blockdev-add", add).unwrap_err().to_string();
+    assert!(err.contains("Permission denied"), "a root-only file is out of reach: {err}");
+    assert!(daemon.is_running());
+    queue.read_at(1 << 20, &mut back).unwrap();
+    qmp.execute("query-block-exports", serde_json::Value::Null).unwrap();
+    drop((queue, client));
+    assert!(daemon.stop().success(), "a clean exit, though the pidfile's directory is root's");
+}

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use vsd_bench::{Client, ClientOptions};
 
+pub mod frontend;
+
 pub const VSD: &str = env!("CARGO_BIN_EXE_vsd");
 
 /// A directory removed when the test ends.
