@@ -17,6 +17,9 @@
 #   --aio MODE         threads (default), io_uring or native (native needs
 #                      --cache none or directsync, as in QEMU)
 #   --queues N         virtqueues requested by QEMU (default 2; ignored by ide)
+#   --reconnect-ms MS  vhost-user-blk: QEMU reconnects to a back-end that went
+#                      away, retrying every MS ms (chardev reconnect-ms=;
+#                      default: no reconnecting)
 #   --smp N            guest vCPUs (default: --queues; a guest drives at most
 #                      one queue per vCPU)
 #   --job JOB          verify (default), info (facts only, no I/O), resize
@@ -128,7 +131,7 @@ die() { echo "run-guest: $*" >&2; exit 2; }
 bus=vhost-user-blk socket='' image='' format=raw cache=writeback aio=threads
 queues=2 smp='' job=verify size=64M bs=4k numjobs='' iodepth=16
 ioengine=libaio rw=randread runtime=10 timeout_s=120 log=''
-outdir=$repo/build/guest device_opts='' append='' verbose=''
+outdir=$repo/build/guest device_opts='' append='' verbose='' reconnect_ms=''
 while [ "$#" -gt 0 ]; do
     case "$1" in
     --bus) bus=${2-} ;;
@@ -138,6 +141,7 @@ while [ "$#" -gt 0 ]; do
     --cache) cache=${2-} ;;
     --aio) aio=${2-} ;;
     --queues) queues=${2-} ;;
+    --reconnect-ms) reconnect_ms=${2-} ;;
     --smp) smp=${2-} ;;
     --job) job=${2-} ;;
     --size) size=${2-} ;;
@@ -194,6 +198,7 @@ randread | randwrite | randrw | read | write) ;;
 esac
 [[ "$runtime" =~ ^[1-9][0-9]*$ ]] || die "--runtime must be a positive integer"
 [[ "$queues" =~ ^[1-9][0-9]*$ ]] || die "--queues must be a positive integer"
+[[ "$reconnect_ms" =~ ^([1-9][0-9]*)?$ ]] || die "--reconnect-ms must be a positive integer"
 [ -n "$smp" ] || smp=$queues
 [[ "$smp" =~ ^[1-9][0-9]*$ ]] || die "--smp must be a positive integer"
 [[ "$timeout_s" =~ ^[1-9][0-9]*$ ]] || die "--timeout must be a positive integer"
@@ -244,7 +249,7 @@ qemu_args=(
 )
 if [ "$bus" = vhost-user-blk ]; then
     qemu_args+=(
-        -chardev "socket,id=vu0,path=$(qemu_str "$socket")"
+        -chardev "socket,id=vu0,path=$(qemu_str "$socket")${reconnect_ms:+,reconnect-ms=$reconnect_ms}"
         -device "vhost-user-blk-pci,chardev=vu0,num-queues=$queues$device_opts"
     )
 else

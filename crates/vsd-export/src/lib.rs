@@ -15,6 +15,7 @@
 mod channel;
 mod config;
 mod device;
+mod inflight;
 mod poll;
 pub mod request;
 mod session;

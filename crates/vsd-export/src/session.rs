@@ -24,8 +24,9 @@ use virtio_queue::QueueT;
 use vm_memory::mmap::MmapRegion;
 use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap, GuestRegionMmap};
 
-use crate::config::MAX_QUEUE_SIZE;
+use crate::config::{MAX_QUEUE_SIZE, MAX_QUEUES};
 use crate::device::BlkDevice;
+use crate::inflight::{self, InflightRegion};
 use crate::worker::{QueueRun, Worker, build_queue};
 
 /// Memory slots offered with CONFIGURE_MEM_SLOTS (the common vhost limit).
@@ -49,6 +50,9 @@ struct Vring {
     call: Option<File>,
     enabled: bool,
     worker: Option<Worker>,
+    /// An inflight region was handed over and this ring has not started
+    /// since: what a previous back-end left undone is to be recovered.
+    recover: bool,
 }
 
 /// The state of one connection.
@@ -59,6 +63,8 @@ pub(crate) struct Session {
     mem: GuestMemoryAtomic<GuestMemoryMmap>,
     mappings: Vec<Mapping>,
     vrings: Vec<Vring>,
+    /// The front-end's inflight region (SET_INFLIGHT_FD), if any.
+    inflight: Option<Arc<InflightRegion>>,
 }
 
 fn invalid(reason: &str) -> ProtocolError {
@@ -75,6 +81,7 @@ impl Session {
             mem: GuestMemoryAtomic::new(GuestMemoryMmap::new()),
             mappings: Vec::new(),
             vrings: (0..queues).map(|_| Vring::default()).collect(),
+            inflight: None,
         }
     }
 
@@ -99,14 +106,39 @@ impl Session {
         let mem = self.mem.memory();
         let device = self.device.clone();
         let atomic = self.mem.clone();
+        let region = self.inflight.clone();
         let vring = self.vring(index)?;
         let ready = vring.enabled && vring.kick.is_some() && vring.rings.is_some() && vring.worker.is_none();
         let (Some(rings), true) = (vring.rings, ready) else { return Ok(()) };
-        let queue = build_queue(vring.size, rings, vring.next_avail, event_idx, &mem)
+        let mut queue = build_queue(vring.size, rings, vring.next_avail, event_idx, &mem)
             .map_err(|e| ProtocolError::ReqHandlerError(io::Error::other(format!("vring {index}: {e}"))))?;
+        let mut tracker = region.as_ref().and_then(|r| r.queue(index as u16, vring.size));
+        if region.is_some() && tracker.is_none() {
+            log::warn!("vring {index}: the inflight region has no room for it; its requests are not tracked");
+        }
+        let mut resubmit = None;
+        if let Some(tracker) = &mut tracker
+            && std::mem::take(&mut vring.recover)
+            && let Some(recovery) = tracker.recover(queue.next_used(), vring.size)
+        {
+            // The front-end's ring base cannot be trusted here: after losing
+            // a back-end, QEMU sends the used index, which leaves out the
+            // requests still in flight and those completed out of order.
+            log::info!(
+                "export '{}' vring {index}: taking over from a previous back-end: {} requests in flight, \
+                 next_avail {} (the front-end said {})",
+                device.config.id,
+                recovery.resubmit.len(),
+                recovery.next_avail,
+                vring.next_avail
+            );
+            queue.set_next_avail(recovery.next_avail);
+            vring.next_avail = recovery.next_avail;
+            resubmit = Some(recovery.resubmit);
+        }
         let (Some(kick), call) = (vring.kick.take(), vring.call.take()) else { return Ok(()) };
         log::debug!("vring {index}: start, size {} next_avail {} rings {rings:x?}", vring.size, vring.next_avail);
-        let run = QueueRun { index: index as u16, queue, kick, call };
+        let run = QueueRun { index: index as u16, queue, kick, call, inflight: tracker, resubmit };
         let worker = Worker::start(run, atomic, device).map_err(ProtocolError::ReqHandlerError)?;
         self.vring(index)?.worker = Some(worker);
         Ok(())
@@ -292,7 +324,8 @@ impl VhostUserBackendReqHandlerMut for Session {
             | VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
-            | VhostUserProtocolFeatures::BACKEND_REQ)
+            | VhostUserProtocolFeatures::BACKEND_REQ
+            | VhostUserProtocolFeatures::INFLIGHT_SHMFD)
     }
 
     fn set_protocol_features(&mut self, features: u64) -> ProtocolResult<()> {
@@ -338,12 +371,30 @@ impl VhostUserBackendReqHandlerMut for Session {
         Err(ProtocolError::InvalidOperation("shared objects are not supported"))
     }
 
-    fn get_inflight_fd(&mut self, _inflight: &VhostUserInflight) -> ProtocolResult<(VhostUserInflight, File)> {
-        Err(ProtocolError::InvalidOperation("INFLIGHT_SHMFD is not supported yet"))
+    fn get_inflight_fd(&mut self, inflight: &VhostUserInflight) -> ProtocolResult<(VhostUserInflight, File)> {
+        let (num_queues, queue_size) = (inflight.num_queues, inflight.queue_size);
+        if num_queues == 0 || num_queues > MAX_QUEUES || queue_size == 0 || queue_size > MAX_QUEUE_SIZE {
+            return Err(invalid("inflight region: bad queue count or size"));
+        }
+        log::debug!("inflight region: new, {num_queues} queues of {queue_size}");
+        inflight::create(num_queues, queue_size).map_err(ProtocolError::ReqHandlerError)
     }
 
-    fn set_inflight_fd(&mut self, _inflight: &VhostUserInflight, _file: File) -> ProtocolResult<()> {
-        Err(ProtocolError::InvalidOperation("INFLIGHT_SHMFD is not supported yet"))
+    fn set_inflight_fd(&mut self, inflight: &VhostUserInflight, file: File) -> ProtocolResult<()> {
+        if self.acked_protocol_features & VhostUserProtocolFeatures::INFLIGHT_SHMFD.bits() == 0 {
+            return Err(ProtocolError::InvalidOperation("INFLIGHT_SHMFD was not negotiated"));
+        }
+        let region = InflightRegion::map(file, inflight).map_err(ProtocolError::ReqHandlerError)?;
+        log::debug!("inflight region: {} bytes, {} queues of {}", { inflight.mmap_size }, { inflight.num_queues }, {
+            inflight.queue_size
+        });
+        self.stop_all();
+        self.inflight = Some(Arc::new(region));
+        for index in 0..self.vrings.len() as u32 {
+            self.vring(index)?.recover = true;
+            self.resume(index)?;
+        }
+        Ok(())
     }
 
     fn get_max_mem_slots(&mut self) -> ProtocolResult<u64> {

@@ -28,6 +28,7 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
+use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -36,6 +37,7 @@ use vsd_block::{Completion, IoOp, IoQueue, IoVecs};
 use vsd_trace::{Clock, OpKind, QueueStats, Stage};
 
 use crate::device::BlkDevice;
+use crate::inflight::{Chain, InflightQueue};
 use crate::poll::PollWindow;
 use crate::request::{self, Action, MAX_IOVECS, NoStatus, status};
 
@@ -51,6 +53,12 @@ pub(crate) struct QueueRun {
     pub(crate) queue: Queue,
     pub(crate) kick: File,
     pub(crate) call: Option<File>,
+    /// The queue's part of the front-end's inflight region, if it gave one
+    /// (INFLIGHT_SHMFD): requests are marked there while in flight.
+    pub(crate) inflight: Option<InflightQueue>,
+    /// Set when taking over from a back-end that died: the heads it left
+    /// in flight, oldest first, served before anything else.
+    pub(crate) resubmit: Option<Vec<u16>>,
 }
 
 /// A running worker thread.
@@ -259,6 +267,9 @@ impl QueueWorker {
         let mut kicked = true;
         let mut stopping = false;
         self.woke_at = self.now();
+        if let Some(heads) = self.run.resubmit.take() {
+            self.take_over(heads);
+        }
         loop {
             let mem = self.mem.memory().into_inner();
             if kicked && !stopping {
@@ -432,7 +443,13 @@ impl QueueWorker {
             while !self.free.is_empty() && announced > 0 {
                 announced -= 1;
                 match pop(&mut self.run.queue, mem) {
-                    Ok(Some(chain)) => self.start_request(chain, mem, &limits),
+                    Ok(Some(chain)) => {
+                        let head = chain.head_index();
+                        if let Some(inflight) = &mut self.run.inflight {
+                            inflight.begin(head);
+                        }
+                        self.start_request(head, chain, mem, &limits);
+                    }
                     Ok(None) => break,
                     Err(e) => return self.mark_broken(e),
                 }
@@ -473,8 +490,41 @@ impl QueueWorker {
         false
     }
 
-    fn start_request(&mut self, chain: DescriptorChain<&Memory>, mem: &Arc<Memory>, limits: &request::Limits) {
-        let head = chain.head_index();
+    /// Takes over from a back-end that died: signals the guest, which may
+    /// not have been told of the last entries that back-end published, and
+    /// serves again the requests it took from the ring and never completed
+    /// (still marked in the inflight region).
+    fn take_over(&mut self, heads: Vec<u16>) {
+        if let Some(call) = &self.run.call
+            && let Err(e) = vsd_sys::signal_counter(call.as_fd())
+        {
+            log::warn!("queue {}: cannot signal the guest: {e}", self.run.index);
+        }
+        if heads.is_empty() {
+            return;
+        }
+        log::debug!(
+            "export '{}' queue {}: serving again {} requests left in flight by the previous back-end",
+            self.device.config.id,
+            self.run.index,
+            heads.len()
+        );
+        let mem = self.mem.memory().into_inner();
+        let limits = self.device.limits();
+        let (table, size) = (GuestAddress(self.run.queue.desc_table()), self.run.queue.size());
+        for head in heads {
+            // There is a slot for every head of the ring.
+            self.start_request(head, Chain::new(&mem, table, size, head), &mem, &limits);
+        }
+    }
+
+    fn start_request(
+        &mut self,
+        head: u16,
+        chain: impl Iterator<Item = Descriptor>,
+        mem: &Arc<Memory>,
+        limits: &request::Limits,
+    ) {
         let Some(tag) = self.free.pop() else { return };
         self.stats.requests.add(1);
         let popped_at = self.now();
@@ -597,8 +647,14 @@ impl QueueWorker {
     }
 
     fn publish(&mut self, mem: &Arc<Memory>, head: u16, used_len: u32) {
+        if let Some(inflight) = &self.run.inflight {
+            inflight.publishing(head);
+        }
         match self.run.queue.add_used(&**mem, head, used_len) {
             Ok(()) => {
+                if let Some(inflight) = &self.run.inflight {
+                    inflight.published(head, self.run.queue.next_used());
+                }
                 if !self.unsignalled && self.call_batch_ns > 0 {
                     self.unsignalled_since = self.clock.now();
                 }
