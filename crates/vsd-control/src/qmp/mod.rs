@@ -10,6 +10,8 @@
 //! `qmp_capabilities` is accepted; the monitor answers that one itself.
 
 mod events;
+#[doc(hidden)]
+pub mod fuzzing;
 mod output;
 mod server;
 mod session;

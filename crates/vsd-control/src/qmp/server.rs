@@ -21,6 +21,9 @@ use crate::listener::AcceptLoop;
 /// events must not stall the daemon behind a client that stopped reading.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The most read from a client at once.
+pub(crate) const READ_SIZE: usize = 16 * 1024;
+
 /// A listening QMP monitor socket: one thread accepts, one thread serves each
 /// connection. Dropping it stops accepting and removes the socket file;
 /// open connections live on until they close.
@@ -95,9 +98,8 @@ fn serve(mut stream: UnixStream, dispatch: Arc<dyn Dispatch>, events: Events) ->
     let output = Arc::new(Output::new(stream.try_clone()?));
     output.send(&greeting(), false)?;
     events.listen(&output);
-    let mut session = Session::new(dispatch);
-    let mut input = JsonStreamer::default();
-    let mut chunk = [0; 16 * 1024];
+    let mut inbound = Inbound::new(dispatch, JsonStreamer::default());
+    let mut chunk = [0; READ_SIZE];
     loop {
         let len = match stream.read(&mut chunk) {
             Ok(0) => return Ok(()),
@@ -105,16 +107,46 @@ fn serve(mut stream: UnixStream, dispatch: Arc<dyn Dispatch>, events: Events) ->
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         };
-        input.push(&chunk[..len]);
-        while let Some(message) = input.next_value() {
+        inbound.receive(&chunk[..len], |answer, negotiated| output.send(answer, negotiated))?;
+    }
+}
+
+/// A connection's input side: the client's bytes in, one reply per
+/// message (or per error in the input) out, in order.
+pub(crate) struct Inbound {
+    session: Session,
+    input: JsonStreamer,
+}
+
+impl Inbound {
+    pub(crate) fn new(dispatch: Arc<dyn Dispatch>, input: JsonStreamer) -> Self {
+        Self { session: Session::new(dispatch), input }
+    }
+
+    /// Takes bytes read from the client and runs the messages they
+    /// complete, handing each reply to `send` with the session's
+    /// negotiation state after it. Stops at the first reply `send` fails.
+    pub(crate) fn receive(
+        &mut self,
+        bytes: &[u8],
+        mut send: impl FnMut(&Value, bool) -> io::Result<()>,
+    ) -> io::Result<()> {
+        self.input.push(bytes);
+        while let Some(message) = self.input.next_value() {
             let answer = match message {
-                Ok(message) => session.handle(message),
+                Ok(message) => self.session.handle(message),
                 Err(parse_error) => reply(Err(QmpError::generic(parse_error)), None),
             };
-            let sent = output.send(&answer, session.negotiated());
-            session.after_reply();
+            let sent = send(&answer, self.session.negotiated());
+            self.session.after_reply();
             sent?;
         }
+        Ok(())
+    }
+
+    /// Bytes of input held for a message not complete yet.
+    pub(crate) fn buffered(&self) -> usize {
+        self.input.buffered()
     }
 }
 

@@ -5,6 +5,14 @@
 //! splitter follows just enough of the JSON syntax (brackets, strings and
 //! their escapes) to see where each top-level value ends; serde_json then
 //! parses the value.
+//!
+//! Like QEMU's lexer, it also knows the bytes that JSON text can never
+//! contain: ASCII control characters other than whitespace (and any control
+//! character inside a string), and bytes that never occur in UTF-8. One ends
+//! the value in progress with an error at once. That is how the QMP spec
+//! tells a client to bring the parser back to a known-good state (send an
+//! ASCII control character other than whitespace, or 0xFF), and it keeps a
+//! string left open by a broken line from swallowing the lines after it.
 
 use serde_json::Value;
 
@@ -13,7 +21,6 @@ use serde_json::Value;
 pub(crate) const MAX_VALUE_LEN: usize = 1 << 20;
 
 /// Finds the top-level JSON values in a byte stream.
-#[derive(Default)]
 pub(crate) struct JsonStreamer {
     /// `buf[start..pos]` is the value in progress, `buf[pos..]` is not
     /// scanned yet.
@@ -27,6 +34,14 @@ pub(crate) struct JsonStreamer {
     escaped: bool,
     /// An over-long value is being dropped up to the next newline.
     dropping_line: bool,
+    /// The longest value accepted: [`MAX_VALUE_LEN`] but in tests and fuzzing.
+    max_len: usize,
+}
+
+impl Default for JsonStreamer {
+    fn default() -> Self {
+        Self::with_max_len(MAX_VALUE_LEN)
+    }
 }
 
 /// What a byte does to the value in progress.
@@ -39,9 +54,25 @@ enum Step {
     End,
     /// Cannot start a value.
     Stray,
+    /// Cannot occur in JSON text at all.
+    Invalid,
 }
 
 impl JsonStreamer {
+    /// A streamer that rejects values longer than `max_len` bytes.
+    pub(crate) fn with_max_len(max_len: usize) -> Self {
+        Self {
+            buf: Vec::new(),
+            start: 0,
+            pos: 0,
+            depth: 0,
+            in_string: false,
+            escaped: false,
+            dropping_line: false,
+            max_len,
+        }
+    }
+
     /// Appends input read from the client.
     pub(crate) fn push(&mut self, input: &[u8]) {
         self.buf.drain(..self.start);
@@ -50,10 +81,17 @@ impl JsonStreamer {
         self.buf.extend_from_slice(input);
     }
 
+    /// Bytes held for the value in progress (and input not scanned yet).
+    pub(crate) fn buffered(&self) -> usize {
+        self.buf.len() - self.start
+    }
+
     /// The next value, or why the input is not one; `None` until more input
     /// arrives. After an error, the input resumes after the next newline if
     /// one was buffered already, so that line-oriented clients recover, or
-    /// right after the bad value otherwise.
+    /// right after the bad value otherwise. A byte that JSON text cannot
+    /// contain ends the value in progress the same way, at once; when that
+    /// byte is a newline (inside a string), the input resumes right after it.
     pub(crate) fn next_value(&mut self) -> Option<Result<Value, String>> {
         if self.dropping_line && !self.skip_line() {
             // Still no newline: all that is buffered goes.
@@ -64,17 +102,27 @@ impl JsonStreamer {
         self.dropping_line = false;
         while let Some(&byte) = self.buf.get(self.pos) {
             self.pos += 1;
+            let in_string = self.in_string;
             match self.step(byte) {
                 Step::Blank => self.start = self.pos,
-                Step::More | Step::End if self.pos - self.start > MAX_VALUE_LEN => {
+                Step::More | Step::End if self.pos - self.start > self.max_len => {
                     self.abandon_value();
                     self.dropping_line = true;
-                    return Some(Err(format!("JSON parse error, value longer than {MAX_VALUE_LEN} bytes")));
+                    return Some(Err(format!("JSON parse error, value longer than {} bytes", self.max_len)));
                 }
                 Step::More => {}
                 Step::End => return Some(self.take_value()),
                 Step::Stray => {
                     return Some(Err(self.recover(format!("JSON parse error, stray '{}'", byte.escape_ascii()))));
+                }
+                Step::Invalid => {
+                    let what = if in_string && byte < 0x20 { "control character in a string" } else { "invalid byte" };
+                    self.abandon_value();
+                    // A newline left in a string ends the broken line itself.
+                    if byte != b'\n' {
+                        self.skip_line();
+                    }
+                    return Some(Err(format!("JSON parse error, {what} '{}'", byte.escape_ascii())));
                 }
             }
         }
@@ -82,6 +130,9 @@ impl JsonStreamer {
     }
 
     fn step(&mut self, byte: u8) -> Step {
+        if never_in_json(byte, self.in_string) {
+            return Step::Invalid;
+        }
         match byte {
             _ if self.in_string => self.step_in_string(byte),
             b'"' => self.in_string = true,
@@ -134,6 +185,18 @@ impl JsonStreamer {
         self.pos += len + 1;
         self.start = self.pos;
         true
+    }
+}
+
+/// Whether `byte` can never occur in JSON text (inside a string or not):
+/// control characters must be escaped in strings and are whitespace only
+/// as tab, carriage return and newline outside them; 0xC0, 0xC1 and
+/// 0xF5..=0xFF are not UTF-8.
+fn never_in_json(byte: u8, in_string: bool) -> bool {
+    match byte {
+        b'\t' | b'\r' | b'\n' => in_string,
+        0x00..=0x1f | 0xc0 | 0xc1 | 0xf5..=0xff => true,
+        _ => false,
     }
 }
 
@@ -237,6 +300,62 @@ mod tests {
         assert_eq!(out.len(), 2);
         assert!(is_error(&out[0]), "{out:?}");
         assert_eq!(out[1], Ok(json!({})));
+    }
+
+    #[test]
+    fn control_character_resets_an_unfinished_value() {
+        // The QMP spec's way back to a known-good state: a lexical error.
+        for reset in [b'\x04', b'\x00', b'\x1b', b'\xff'] {
+            let out = split(&[b"{\"execute\": [1, {\"a\": \"x", &[reset], b"\n", b"{\"b\":2}"]);
+            assert_eq!(out.len(), 2, "{out:?}");
+            assert!(is_error(&out[0]), "{out:?}");
+            assert_eq!(out[1], Ok(json!({"b": 2})));
+            // Between values too.
+            let out = split(&[&[reset], b"\n{\"b\":2}"]);
+            assert_eq!(out.len(), 2, "{out:?}");
+            assert!(is_error(&out[0]), "{out:?}");
+        }
+    }
+
+    #[test]
+    fn unterminated_string_ends_with_its_line() {
+        // A raw newline cannot be in a string: the broken line is dropped,
+        // not everything up to the next quote.
+        let out = split(&[b"{\"execute\": \"x\n{\"b\":2}\n"]);
+        assert_eq!(out.len(), 2, "{out:?}");
+        assert_eq!(out[0], Err("JSON parse error, control character in a string '\\n'".to_owned()));
+        assert_eq!(out[1], Ok(json!({"b": 2})));
+        // Nor a tab, unescaped: the rest of the line goes with it.
+        let out = split(&[b"[\"a\tb\"] {}\n[]"]);
+        assert_eq!(out.len(), 2, "{out:?}");
+        assert!(is_error(&out[0]), "{out:?}");
+        assert_eq!(out[1], Ok(json!([])));
+        // Escaped, they are fine.
+        assert_eq!(values(&[br#"["a\n\tb"]"#]), [json!(["a\n\tb"])]);
+    }
+
+    #[test]
+    fn newlines_between_members_are_whitespace() {
+        assert_eq!(values(&[b"{\n  \"a\": [\r\n1,\t2\n]\n}"]), [json!({"a": [1, 2]})]);
+    }
+
+    #[test]
+    fn deep_nesting_is_an_error_not_a_stack_overflow() {
+        // serde_json stops at 128 levels; the splitter only counts.
+        let deep = format!("{}{}\n[[1]]", "[".repeat(100_000), "]".repeat(100_000));
+        let out = split(&[deep.as_bytes()]);
+        assert_eq!(out.len(), 2, "{out:?}");
+        assert!(out[0].as_ref().is_err_and(|e| e.contains("recursion limit")), "{out:?}");
+        assert_eq!(out[1], Ok(json!([[1]])));
+    }
+
+    #[test]
+    fn smaller_limit() {
+        let mut streamer = JsonStreamer::with_max_len(8);
+        streamer.push(b"[1,2,3,4]\n[1,2,3]");
+        assert!(streamer.next_value().is_some_and(|v| v.is_err()));
+        assert_eq!(streamer.next_value(), Some(Ok(json!([1, 2, 3]))));
+        assert_eq!(streamer.buffered(), 0);
     }
 
     #[test]
