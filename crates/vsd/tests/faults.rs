@@ -59,6 +59,29 @@ fn blkdebug_export(image: &Path, socket: &Path, format: &str, rules: &str) -> Ve
 
 // ---------------------------------------------------------------- blkdebug
 
+/// A real Linux guest whose writes fail (blkdebug under its disk) sees the
+/// errors: its kernel logs I/O errors and fio fails with EIO; vsd stays up
+/// and serves the next client.
+#[test]
+fn a_guest_sees_injected_write_errors() {
+    let dir = Scratch::new("faults-guest");
+    let image = dir.image("disk.img", 64 << 20);
+    let socket = dir.path("vsd.sock");
+    let daemon = Daemon::vsd(&dir, &blkdebug_export(&image, &socket, "raw", ",inject-error.0.iotype=write"));
+    let args =
+        ["--socket".as_ref(), socket.as_os_str(), "--queues".as_ref(), "1".as_ref(), "--size".as_ref(), "8M".as_ref()];
+    let run = common::guest_job(&dir.path("console.log"), args);
+    assert!(!run.passed, "the guest's fio passed although every write failed: {}", run.report);
+    assert!(run.report.contains("VSD-GUEST done"), "the job ran to its end: {}", run.report);
+    assert_ne!(run.facts["fio_write_status"], "0", "{}", run.report);
+    assert_eq!(run.facts["fio_write_error"], "5", "fio saw EIO: {}", run.report);
+    assert!(run.console.contains("I/O error"), "the guest kernel logged no I/O error");
+    let mut client = daemon.connect(client_options());
+    let mut q = client.take_queue(0).unwrap();
+    let mut back = vec![0u8; 4096];
+    q.read_at(0, &mut back).unwrap();
+}
+
 #[test]
 fn blkdebug_fails_exactly_the_matching_requests() {
     let dir = Scratch::new("faults-blkdebug");

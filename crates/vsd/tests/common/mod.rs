@@ -184,12 +184,20 @@ pub fn run(program: &str, args: &[&str]) -> Output {
     Command::new(program).args(args).output().unwrap_or_else(|e| panic!("cannot run {program}: {e}"))
 }
 
+/// What a guest job said: whether `run-guest.sh` passed it, its
+/// `VSD-GUEST key=value` facts, and the console.
+pub struct GuestRun {
+    pub passed: bool,
+    pub facts: HashMap<String, String>,
+    pub console: String,
+    /// The script's exit status, stdout and stderr, for messages.
+    pub report: String,
+}
+
 /// Boots the test guest with `scripts/guest/run-guest.sh ARGS`, its console
-/// kept in `log`, and returns the guest's `VSD-GUEST key=value` facts. Fails
-/// the test, showing the console's tail, unless the script exits 0 (the job
-/// ran and passed its checks). A generous `--timeout` comes first, so that
-/// a slow machine fails on the test's own assertions; `args` may override it.
-pub fn run_guest<I, S>(log: &Path, args: I) -> HashMap<String, String>
+/// kept in `log`. A generous `--timeout` comes first, so that a slow
+/// machine fails on the test's own assertions; `args` may override it.
+pub fn guest_job<I, S>(log: &Path, args: I) -> GuestRun
 where
     I: IntoIterator<Item = S>,
     S: AsRef<OsStr>,
@@ -203,19 +211,34 @@ where
         .output()
         .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let console = std::fs::read_to_string(log).unwrap_or_default();
-    let tail: Vec<&str> = console.lines().rev().take(40).collect();
-    assert!(
-        out.status.success(),
-        "guest job failed ({}):\n{stdout}\n{}\n--- console tail ---\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr),
-        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-    );
-    stdout
+    let facts = stdout
         .lines()
         .filter_map(|l| l.strip_prefix("VSD-GUEST "))
         .filter_map(|l| l.split_once('='))
         .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
+        .collect();
+    GuestRun {
+        passed: out.status.success(),
+        facts,
+        console: std::fs::read_to_string(log).unwrap_or_default(),
+        report: format!("{}:\n{stdout}\n{}", out.status, String::from_utf8_lossy(&out.stderr)),
+    }
+}
+
+/// [`guest_job`], failing the test, with the console's tail, unless the
+/// job ran and passed its checks; returns the guest's facts.
+pub fn run_guest<I, S>(log: &Path, args: I) -> HashMap<String, String>
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    let run = guest_job(log, args);
+    let tail: Vec<&str> = run.console.lines().rev().take(40).collect();
+    assert!(
+        run.passed,
+        "guest job failed ({})\n--- console tail ---\n{}",
+        run.report,
+        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+    );
+    run.facts
 }
