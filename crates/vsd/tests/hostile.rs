@@ -86,6 +86,16 @@ impl Request<'_> {
         write_header(&self.fe.mem, HEADER, kind, sector);
     }
 
+    /// A discard or write-zeroes request of one segment: `sectors` from
+    /// `sector`, flags 0.
+    fn range_request(&mut self, kind: u32, sector: u64, sectors: u32) {
+        self.header(kind, 0);
+        self.fe.mem.write(DATA, sector.to_le());
+        self.fe.mem.write(DATA + 8, sectors.to_le());
+        self.fe.mem.write(DATA + 12, 0u32);
+        self.chain(&[(HEADER, 16, READ), (DATA, 16, READ), (STATUS, 1, WRITE)]);
+    }
+
     fn note(&mut self, d: &Desc) {
         if d.flags & WRITE != 0 && d.flags & INDIRECT == 0 {
             self.writable.push(d.addr..d.addr.saturating_add(u64::from(d.len)));
@@ -327,13 +337,7 @@ fn request_cases() -> Vec<Case> {
         },
         Case {
             name: "discard whose sector range overflows",
-            build: |r| {
-                r.header(VIRTIO_BLK_T_DISCARD, 0);
-                r.fe.mem.write(DATA, (u64::MAX / 512).to_le());
-                r.fe.mem.write(DATA + 8, 8u32.to_le());
-                r.fe.mem.write(DATA + 12, 0u32);
-                r.chain(&[(HEADER, 16, READ), (DATA, 16, READ), (STATUS, 1, WRITE)]);
-            },
+            build: |r| r.range_request(VIRTIO_BLK_T_DISCARD, u64::MAX / 512, 8),
             expect: Expect::Done(IOERR, 1),
         },
         // 6. Available-ring indexes that jump, or name no descriptor.
@@ -449,24 +453,12 @@ fn read_only_cases() -> Vec<Case> {
         },
         Case {
             name: "write-zeroes on a read-only export",
-            build: |r| {
-                r.header(VIRTIO_BLK_T_WRITE_ZEROES, 0);
-                r.fe.mem.write(DATA, 8u64.to_le());
-                r.fe.mem.write(DATA + 8, 8u32.to_le());
-                r.fe.mem.write(DATA + 12, 0u32);
-                r.chain(&[(HEADER, 16, READ), (DATA, 16, READ), (STATUS, 1, WRITE)]);
-            },
+            build: |r| r.range_request(VIRTIO_BLK_T_WRITE_ZEROES, 8, 8),
             expect: Expect::Done(IOERR, 1),
         },
         Case {
             name: "discard on a read-only export",
-            build: |r| {
-                r.header(VIRTIO_BLK_T_DISCARD, 0);
-                r.fe.mem.write(DATA, 8u64.to_le());
-                r.fe.mem.write(DATA + 8, 8u32.to_le());
-                r.fe.mem.write(DATA + 12, 0u32);
-                r.chain(&[(HEADER, 16, READ), (DATA, 16, READ), (STATUS, 1, WRITE)]);
-            },
+            build: |r| r.range_request(VIRTIO_BLK_T_DISCARD, 8, 8),
             expect: Expect::Done(IOERR, 1),
         },
         Case {
