@@ -10,6 +10,7 @@
 #   TARGET...           default: every target (`cargo fuzz list`)
 #
 # One fuzzing process at a time (no -jobs/-workers): the machines are shared.
+# An input that runs longer than 10 s counts as a hang (-timeout=10).
 # Each run's output goes to fuzz/logs/<target>.log; a summary line per
 # target (executions, seconds, edges covered, corpus, crash or not) is
 # printed at the end.
@@ -37,7 +38,7 @@ for target in "${targets[@]}"; do
     log="logs/$target.log"
     result=ok
     cargo fuzz run "$target" "corpus/$target" -- \
-        -max_total_time="$seconds" -max_len=65536 -rss_limit_mb=1024 -print_final_stats=1 \
+        -max_total_time="$seconds" -max_len=65536 -rss_limit_mb=1024 -timeout=10 -print_final_stats=1 \
         2>&1 | tee "$log" || { result="CRASH (see $log, fuzz/artifacts/$target/)"; status=1; }
     secs=$(sed -n 's/^Done [0-9]* runs in \([0-9]*\) second.*/\1/p' "$log" | tail -n1)
     execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n1)

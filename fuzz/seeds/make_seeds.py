@@ -1,11 +1,17 @@
 #!/usr/bin/env python3
-"""Writes the seeds of the virtio_blk_request and qmp_input fuzz targets.
+"""Writes the seeds of the virtio_blk_request, qmp_input and
+vhost_user_messages fuzz targets.
 
-usage: fuzz/seeds/make_seeds.py   (rewrites fuzz/seeds/{virtio_blk_request,qmp_input}/)
+usage: fuzz/seeds/make_seeds.py
+  (rewrites fuzz/seeds/{virtio_blk_request,qmp_input,vhost_user_messages}/)
 
 virtio_blk_request inputs are a 48-byte header (see the target's docs)
 followed by the first bytes of guest memory; these lay a 16-entry split
 ring out as a driver would and queue well-formed requests on it.
+
+vhost_user_messages inputs are in the format of vsd_export::fuzzing (see
+its module docs): two set-up bytes, then operations (messages with their
+descriptors, kicks, raw bytes, resizes, pauses, guest memory writes).
 """
 
 import os
@@ -185,6 +191,212 @@ def qmp_seeds():
     }
 
 
+# vhost-user front-end requests.
+GET_FEATURES, SET_FEATURES, SET_OWNER, RESET_OWNER, SET_MEM_TABLE = 1, 2, 3, 4, 5
+SET_VRING_NUM, SET_VRING_ADDR, SET_VRING_BASE, GET_VRING_BASE = 8, 9, 10, 11
+SET_VRING_KICK, SET_VRING_CALL, SET_VRING_ERR = 12, 13, 14
+GET_PROTOCOL_FEATURES, SET_PROTOCOL_FEATURES, GET_QUEUE_NUM, SET_VRING_ENABLE = 15, 16, 17, 18
+SET_BACKEND_REQ_FD, GET_CONFIG, SET_CONFIG = 21, 24, 25
+GET_INFLIGHT_FD, SET_INFLIGHT_FD, GET_MAX_MEM_SLOTS, ADD_MEM_REG, REM_MEM_REG = 31, 32, 36, 37, 38
+
+PROTOCOL = (1 << 0) | (1 << 3) | (1 << 5) | (1 << 9) | (1 << 12) | (1 << 15)
+# VERSION_1, PROTOCOL_FEATURES, EVENT_IDX, INDIRECT, FLUSH, SIZE_MAX, SEG_MAX, BLK_SIZE, CONFIG_WCE
+FEATURES = (1 << 32) | (1 << 30) | (1 << 29) | (1 << 28) | (1 << 9) | (1 << 1) | (1 << 2) | (1 << 6) | (1 << 11)
+USER = 0x7F00_0000_0000  # where the front-end says guest memory is
+MEM = 0x10000  # guest memory of these seeds: 64 KiB at 0
+
+
+def vu_msg(code, body=b"", fds=(), need_reply=False, size=None):
+    """A message: true size unless `size` is given, version 1 flags."""
+    shape = int(need_reply) | (len(fds) << 5) | ((2 << 3) if size is not None else 0)
+    out = bytes([0, code, shape])
+    if size is not None:
+        out += struct.pack("<I", size)
+    for fd in fds:
+        out += fd
+    return out + struct.pack("<H", len(body)) + body
+
+
+def fd_memfd(size, fill=b""):
+    return bytes([0]) + struct.pack("<IH", size, len(fill)) + fill
+
+
+FD_EVENT, FD_NULL, FD_SOCKET, FD_RECEIVED, FD_LAST_MEMFD = bytes([1 | 8]), bytes([2]), bytes([3]), bytes([4]), bytes([5])
+
+
+def kick_all():
+    return bytes([5, 0x7F])
+
+
+def fill_eventfd(n):
+    """The front-end fills eventfd n (in the order sent) to the brim."""
+    return bytes([5, 0x80 | n])
+
+
+def resize():
+    return bytes([7, 0])
+
+
+def pause():
+    return bytes([7, 1])
+
+
+def poke(offset, data):
+    return bytes([7, 2]) + struct.pack("<IB", offset, len(data)) + data
+
+
+def vring_state(index, num):
+    return struct.pack("<II", index, num)
+
+
+def negotiate():
+    return (
+        vu_msg(GET_FEATURES)
+        + vu_msg(GET_PROTOCOL_FEATURES)
+        + vu_msg(SET_PROTOCOL_FEATURES, struct.pack("<Q", PROTOCOL))
+        + vu_msg(GET_QUEUE_NUM)
+        + vu_msg(GET_MAX_MEM_SLOTS)
+        + vu_msg(SET_OWNER)
+        + vu_msg(SET_FEATURES, struct.pack("<Q", FEATURES))
+    )
+
+
+def ring_image():
+    """Guest memory with a read and a GET_ID queued on an 8-entry ring
+    (descriptors at DESC, available ring at AVAIL, used ring at USED)."""
+    g = Guest()
+    request(g, 0, T_IN, 0, data=(0x8000, 512))
+    request(g, 1, T_GET_ID, 0, data=(0x9000, 20))
+    g.put(AVAIL, struct.pack("<HH", 0, len(g.heads)))
+    for i, head in enumerate(g.heads):
+        g.put(AVAIL + 4 + 2 * i, struct.pack("<H", head))
+    return bytes(g.mem).rstrip(b"\0")
+
+
+def mem_table(size=MEM, memfd_size=MEM, fill=b""):
+    body = struct.pack("<II", 1, 0) + struct.pack("<QQQQ", 0, size, USER, 0)
+    return vu_msg(SET_MEM_TABLE, body, [fd_memfd(memfd_size, fill)])
+
+
+def start_ring(index=0, base=USER):
+    addr = struct.pack("<II", index, 0) + struct.pack("<QQQQ", base + DESC, base + USED, base + AVAIL, 0)
+    return (
+        vu_msg(SET_VRING_NUM, vring_state(index, 8))
+        + vu_msg(SET_VRING_ADDR, addr)
+        + vu_msg(SET_VRING_BASE, vring_state(index, 0))
+        + vu_msg(SET_VRING_CALL, struct.pack("<Q", index), [FD_EVENT])
+        + vu_msg(SET_VRING_KICK, struct.pack("<Q", index), [FD_EVENT])
+        + vu_msg(SET_VRING_ENABLE, vring_state(index, 1))
+    )
+
+
+def add_region(gpa, size, memfd_size, offset=0, user=USER + (1 << 30), fill=b""):
+    body = struct.pack("<QQQQQ", 0, gpa, size, user, offset)
+    return vu_msg(ADD_MEM_REG, body, [fd_memfd(memfd_size, fill)])
+
+
+def vhost_user_seeds():
+    one_queue = bytes([0x00, 0x00])
+    two_queues_polling = bytes([0x01 | 0x08, 0x00])
+    image = ring_image()
+    setup = negotiate() + mem_table(fill=image) + start_ring(0)
+    seeds = {
+        # A QEMU-like set-up, the guest kicks, the ring is stopped (its base
+        # read back), restarted with a new kick, and the owner reset.
+        "setup": one_queue
+        + setup
+        + kick_all()
+        + pause()
+        + vu_msg(GET_VRING_BASE, vring_state(0, 0), need_reply=True)
+        + vu_msg(SET_VRING_BASE, vring_state(0, 0))
+        + vu_msg(SET_VRING_KICK, struct.pack("<Q", 0), [FD_EVENT])
+        + poke(AVAIL + 2, struct.pack("<H", 4))
+        + kick_all()
+        + vu_msg(SET_VRING_CALL, struct.pack("<Q", 0x100))
+        + vu_msg(SET_VRING_ENABLE, vring_state(0, 0))
+        + vu_msg(RESET_OWNER),
+        # Config space: read it, toggle the write cache, hand over a
+        # back-end channel and tell the front-end the disk grew.
+        "config": two_queues_polling
+        + negotiate()
+        + vu_msg(GET_CONFIG, struct.pack("<III", 0, 60, 0) + bytes(60))
+        + vu_msg(SET_CONFIG, struct.pack("<III", 32, 1, 0) + b"\x00", need_reply=True)
+        + vu_msg(SET_BACKEND_REQ_FD, b"", [FD_SOCKET])
+        + resize()
+        + vu_msg(GET_CONFIG, struct.pack("<III", 0, 8, 0) + bytes(8)),
+        # An inflight region from the back-end, handed back, then rings.
+        "inflight": one_queue
+        + negotiate()
+        + vu_msg(GET_INFLIGHT_FD, struct.pack("<QQHHI", 0, 0, 1, 8, 0))
+        + vu_msg(SET_INFLIGHT_FD, struct.pack("<QQHHI", 192, 0, 1, 8, 0), [FD_RECEIVED])
+        + mem_table(fill=image)
+        + start_ring(0)
+        + kick_all()
+        + vu_msg(GET_VRING_BASE, vring_state(0, 0)),
+        # A second region added (the ring moves into it), then removed.
+        "mem-regions": one_queue
+        + negotiate()
+        + mem_table(fill=image)
+        + add_region(1 << 30, MEM, MEM, fill=image)
+        + start_ring(0, USER + (1 << 30))
+        + vu_msg(REM_MEM_REG, struct.pack("<QQQQQ", 0, 1 << 30, MEM, USER + (1 << 30), 0))
+        + kick_all()
+        + add_region(2 << 30, MEM, 2 * MEM, offset=MEM),
+        # A region claiming 1 MiB of a 4 KiB memfd: must be refused.
+        "lying-region": one_queue + negotiate() + mem_table(size=1 << 20, memfd_size=4096, fill=image) + start_ring(0),
+        # The same by ADD_MEM_REG, at an offset past the file's end.
+        "lying-add-region": one_queue
+        + negotiate()
+        + mem_table(fill=image)
+        + add_region(1 << 30, MEM, MEM, offset=0x1000)
+        + start_ring(0),
+        # A size field claiming 16 bytes of an 8-byte body: the next
+        # message's header is read as body.
+        "lying-size": one_queue
+        + negotiate()
+        + vu_msg(SET_VRING_NUM, vring_state(0, 8), size=16)
+        + vu_msg(GET_CONFIG, struct.pack("<III", 0, 8, 0) + bytes(8)),
+        # Garbage: an unknown code, a partial header, a header that claims
+        # the 4 KiB maximum.
+        "garbage": one_queue
+        + bytes([0, 0xF5]) + struct.pack("<I", 0xDEADBEEF) + bytes([0]) + struct.pack("<H", 0)
+        + bytes([6, 5]) + struct.pack("<IB", GET_FEATURES, 1)
+        + vu_msg(GET_QUEUE_NUM, size=4096),
+    }
+    # A call eventfd that blocks, filled by the front-end before the ring
+    # starts: the worker's first interrupt cannot be written, and stopping
+    # the ring must not wait for it forever.
+    addr = struct.pack("<II", 0, 0) + struct.pack("<QQQQ", USER + DESC, USER + USED, USER + AVAIL, 0)
+    seeds["blocked-call"] = (
+        one_queue
+        + negotiate()
+        + mem_table(fill=image)
+        + vu_msg(SET_VRING_NUM, vring_state(0, 8))
+        + vu_msg(SET_VRING_ADDR, addr)
+        + vu_msg(SET_VRING_BASE, vring_state(0, 0))
+        + vu_msg(SET_VRING_CALL, struct.pack("<Q", 0), [bytes([1])])
+        + vu_msg(SET_VRING_KICK, struct.pack("<Q", 0), [FD_EVENT])
+        + fill_eventfd(0)
+        + vu_msg(SET_VRING_ENABLE, vring_state(0, 1))
+        + pause()
+        + vu_msg(GET_VRING_BASE, vring_state(0, 0))
+    )
+    # The decoder's own valid prefixes (4: set-up; 5: with an inflight
+    # region; 6: without PROTOCOL_FEATURES; 7: replies asked), then the
+    # guest queues more, the rings stop and restart.
+    after = (
+        poke(0x10000 + 0x4002, struct.pack("<H", 7))
+        + kick_all()
+        + vu_msg(GET_VRING_BASE, vring_state(0, 0))
+        + vu_msg(SET_VRING_BASE, vring_state(0, 2))
+        + vu_msg(SET_VRING_KICK, struct.pack("<Q", 0), [FD_EVENT])
+        + vu_msg(SET_VRING_NUM, vring_state(1, 64))
+    )
+    for prefix in (4, 5, 6, 7):
+        seeds[f"prefix-{prefix}"] = bytes([prefix << 5 | 1, 0x80 | 3]) + after
+    return seeds
+
+
 def write(target, seeds):
     out = os.path.join(HERE, target)
     os.makedirs(out, exist_ok=True)
@@ -196,3 +408,4 @@ def write(target, seeds):
 if __name__ == "__main__":
     write("virtio_blk_request", virtio_seeds())
     write("qmp_input", qmp_seeds())
+    write("vhost_user_messages", vhost_user_seeds())

@@ -15,6 +15,8 @@
 mod channel;
 mod config;
 mod device;
+#[doc(hidden)]
+pub mod fuzzing;
 mod inflight;
 mod poll;
 pub mod request;

@@ -23,10 +23,11 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::sync::mpsc;
+use std::os::unix::thread::JoinHandleExt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock, mpsc};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
@@ -65,6 +66,50 @@ pub(crate) struct QueueRun {
 pub(crate) struct Worker {
     stop: Arc<EventFd>,
     thread: JoinHandle<QueueRun>,
+    /// Hears when the thread is done.
+    done: mpsc::Receiver<()>,
+    /// Set while the worker reads or writes a descriptor the front-end
+    /// owns (kick, call).
+    front_end_io: Arc<AtomicBool>,
+}
+
+/// How often a worker that does not stop is checked for a blocked kick or
+/// call.
+const STOP_CHECK: Duration = Duration::from_millis(50);
+
+/// A signal that only interrupts a system call (no `SA_RESTART`): how a
+/// worker blocked on its kick or call descriptor is freed. The front-end
+/// owns those: it may hand over a blocking eventfd (or anything else), fill
+/// the call counter and never read it, or empty the kick counter between
+/// the worker's wake-up and its read, and the worker would wait forever,
+/// and with it the ring's stop (GET_VRING_BASE), the connection and the
+/// export.
+fn interrupt_signal() -> Option<libc::c_int> {
+    static SIGNAL: OnceLock<Option<libc::c_int>> = OnceLock::new();
+    *SIGNAL.get_or_init(|| {
+        extern "C" fn interrupted(_: libc::c_int) {}
+        let signal = libc::SIGRTMIN() + 4;
+        // SAFETY: a zeroed sigaction is valid; the handler does nothing,
+        // which is async-signal-safe; the mask is initialised.
+        let installed = unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = interrupted as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            libc::sigemptyset(&mut action.sa_mask);
+            libc::sigaction(signal, &action, std::ptr::null_mut()) == 0
+        };
+        installed.then_some(signal)
+    })
+}
+
+/// Runs `io` on a descriptor of the front-end's, flagged so that a stop
+/// can interrupt it. Relaxed: a stop that misses the flag looks again
+/// [`STOP_CHECK`] later, and a signal that lands elsewhere only costs an
+/// interrupted system call that the worker retries or logs.
+fn front_end_io<T>(flag: &AtomicBool, io: impl FnOnce() -> T) -> T {
+    flag.store(true, Ordering::Relaxed);
+    let result = io();
+    flag.store(false, Ordering::Relaxed);
+    result
 }
 
 impl Worker {
@@ -73,10 +118,13 @@ impl Worker {
     pub(crate) fn start(run: QueueRun, mem: GuestMemoryAtomic<Memory>, device: Arc<BlkDevice>) -> io::Result<Self> {
         let stop = Arc::new(EventFd::new(EFD_NONBLOCK)?);
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
-        let stop_fd = stop.clone();
+        let (done_tx, done) = mpsc::sync_channel(1);
+        let flag = Arc::new(AtomicBool::new(false));
+        let (stop_fd, worker_flag) = (stop.clone(), flag.clone());
+        interrupt_signal();
         let name = format!("vsd-{}-q{}", device.config.id, run.index);
         let thread = std::thread::Builder::new().name(name).spawn(move || {
-            match QueueWorker::new(run, mem, device, stop_fd) {
+            let run = match QueueWorker::new(run, mem, device, stop_fd, worker_flag) {
                 Ok(mut worker) => {
                     let _ = ready_tx.send(Ok(()));
                     worker.run();
@@ -86,10 +134,12 @@ impl Worker {
                     let _ = ready_tx.send(Err(e));
                     run
                 }
-            }
+            };
+            let _ = done_tx.send(());
+            run
         })?;
         match ready_rx.recv() {
-            Ok(Ok(())) => Ok(Self { stop, thread }),
+            Ok(Ok(())) => Ok(Self { stop, thread, done, front_end_io: flag }),
             Ok(Err(e)) => {
                 let _ = thread.join();
                 Err(e)
@@ -103,6 +153,15 @@ impl Worker {
     pub(crate) fn stop(self) -> Option<QueueRun> {
         if let Err(e) = self.stop.write(1) {
             log::error!("cannot stop a queue worker: {e}");
+        }
+        // Requests in flight may take long; the kick and call descriptors
+        // must not (see `interrupt_signal`).
+        while let Err(mpsc::RecvTimeoutError::Timeout) = self.done.recv_timeout(STOP_CHECK) {
+            if let (true, Some(signal)) = (self.front_end_io.load(Ordering::Relaxed), interrupt_signal()) {
+                log::warn!("a queue worker is stuck on the front-end's kick or call descriptor; interrupting it");
+                // SAFETY: the thread is not joined yet, so its handle is valid.
+                unsafe { libc::pthread_kill(self.thread.as_pthread_t(), signal) };
+            }
         }
         self.thread.join().ok()
     }
@@ -152,6 +211,9 @@ struct QueueWorker {
     /// read, and a worker that would otherwise spin on it.
     fruitless: u32,
     stats: Arc<QueueStats>,
+    /// Set while reading the kick or writing the call descriptor (see
+    /// [`front_end_io`]).
+    front_end_io: Arc<AtomicBool>,
     /// Times polling, and stamps requests unless `trace=off`.
     clock: Clock,
     tracing: bool,
@@ -183,6 +245,7 @@ impl QueueWorker {
         mem: GuestMemoryAtomic<Memory>,
         device: Arc<BlkDevice>,
         stop: Arc<EventFd>,
+        front_end_io: Arc<AtomicBool>,
     ) -> Result<Self, (QueueRun, io::Error)> {
         let depth = run.queue.size();
         let setup = || -> io::Result<(Box<dyn IoQueue>, Epoll)> {
@@ -225,6 +288,7 @@ impl QueueWorker {
             free: (0..depth as u16).rev().collect(),
             completions: Vec::with_capacity(depth),
             stats,
+            front_end_io,
             clock: Clock::get(),
             tracing: device.config.trace,
             poll: PollWindow::new(device.config.poll_us),
@@ -331,7 +395,7 @@ impl QueueWorker {
                             self.poll.slept(self.clock.ns(self.clock.now().saturating_sub(slept_from)));
                         }
                         self.woke_at = self.now();
-                        drain(self.run.kick.as_fd());
+                        front_end_io(&self.front_end_io, || drain(self.run.kick.as_fd()));
                         self.stats.kicks.add(1);
                         kicked = true;
                     }
@@ -496,7 +560,7 @@ impl QueueWorker {
     /// (still marked in the inflight region).
     fn take_over(&mut self, heads: Vec<u16>) {
         if let Some(call) = &self.run.call
-            && let Err(e) = vsd_sys::signal_counter(call.as_fd())
+            && let Err(e) = front_end_io(&self.front_end_io, || vsd_sys::signal_counter(call.as_fd()))
         {
             log::warn!("queue {}: cannot signal the guest: {e}", self.run.index);
         }
@@ -670,7 +734,7 @@ impl QueueWorker {
         self.unsignalled = false;
         let wanted = self.run.queue.needs_notification(&**mem).unwrap_or(true);
         if let (true, Some(call)) = (wanted, &self.run.call) {
-            match vsd_sys::signal_counter(call.as_fd()) {
+            match front_end_io(&self.front_end_io, || vsd_sys::signal_counter(call.as_fd())) {
                 Ok(()) => self.stats.calls.add(1),
                 Err(e) => log::warn!("queue {}: cannot signal the guest: {e}", self.run.index),
             }
