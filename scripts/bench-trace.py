@@ -31,7 +31,7 @@ def worker_instructions(work, trace, depth, seconds):
     daemon = subprocess.Popen(
         ["valgrind", "--tool=callgrind", "--separate-threads=yes", f"--callgrind-out-file={out}.%p",
          VSD, "--blockdev", "driver=null-co,node-name=disk0,size=1G",
-         "--export", f"type=vhost-user-blk,id=e0,node-name=disk0,addr.type=unix,addr.path={sock},trace={trace}",
+         "--export", f"type=vhost-user-blk,id=e0,node-name=disk0,addr.type=unix,addr.path={sock},trace={trace},poll-us=0",
          "--pidfile", pidfile], stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 60

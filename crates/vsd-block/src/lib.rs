@@ -8,10 +8,12 @@
 //!
 //! A node is shared by every queue of every export that uses it; the hot
 //! path never touches the node itself, only the per-thread [`IoQueue`] it
-//! opened for that queue.
+//! opened for that queue. Every node of the graph counts the requests it
+//! is sent ([`BlockNode::stats`]).
 
 #![deny(missing_docs)]
 
+mod accounting;
 mod drivers;
 pub mod options;
 
@@ -21,6 +23,7 @@ use std::sync::Arc;
 pub use vsd_engine::{Completion, IoOp, IoQueue, IoVecs};
 
 use options::{OptionError, OptionMap};
+use vsd_trace::QueueSnapshot;
 
 /// A node of the block graph.
 pub trait BlockNode: Send + Sync {
@@ -55,6 +58,16 @@ pub trait BlockNode: Send + Sync {
     /// Opens a channel for one thread with at most `depth` requests in
     /// flight. Call it from that thread: engines may bind to their creator.
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>>;
+    /// Opens a queue whose requests the node does not count, for a caller
+    /// that counts them itself (an export).
+    fn open_uncounted_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
+        self.open_queue(depth)
+    }
+    /// The requests the node was sent through counted queues (by the nodes
+    /// above it), if it counts them: the nodes of a [`BlockGraph`] do.
+    fn stats(&self) -> Option<QueueSnapshot> {
+        None
+    }
 }
 
 /// Why a node could not be added.
@@ -139,7 +152,8 @@ impl BlockGraph {
         if self.get(&name).is_some() {
             return Err(GraphError::DuplicateNode { context, name });
         }
-        let node = drivers::open(&driver, name, &mut opts, self)?;
+        let node: Arc<dyn BlockNode> =
+            Arc::new(accounting::AccountedNode::new(drivers::open(&driver, name, &mut opts, self)?));
         opts.finish()?;
         self.nodes.push(node.clone());
         Ok(node)

@@ -7,8 +7,9 @@
 //! guest once if it asked to be told.
 //!
 //! Each stage is timed (unless `trace=off`) into the queue's own
-//! [`QueueStats`]: one clock read per request (pop) and one per round for
-//! the other stages, shared by every request of the round.
+//! [`QueueStats`] with clock reads per round, none per request: the
+//! requests of a round share their stamps, so their stage times are equal
+//! and one histogram record covers each run of them ([`Runs`]).
 //!
 //! With `poll-us`, a worker left with nothing to do first polls the ring
 //! for a while ([`PollWindow`]) with guest kicks left off, and only then
@@ -35,7 +36,7 @@ use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, Guest
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_block::{Completion, IoOp, IoQueue, IoVecs};
-use vsd_trace::{Clock, OpKind, QueueStats, Stage};
+use vsd_trace::{Clock, OpKind, QueueStats, Runs, Stage};
 
 use crate::device::BlkDevice;
 use crate::inflight::{Chain, InflightQueue};
@@ -167,6 +168,18 @@ impl Worker {
     }
 }
 
+/// When a request passed the stages up to its submission, in [`Clock`]
+/// ticks (0 with tracing off). Stamped per round and shared by the round's
+/// requests: `popped` is when the worker began popping the round's batch,
+/// so a request's pop -> submit stage is the time its batch took to parse
+/// and push, which it waits out before being submitted with the others.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+struct Stamps {
+    kicked: u64,
+    popped: u64,
+    submitted: u64,
+}
+
 /// Per-request state, kept from pop to completion.
 struct Slot {
     head: u16,
@@ -174,11 +187,7 @@ struct Slot {
     used_len: u32,
     kind: OpKind,
     bytes: u64,
-    /// When the worker noticed the kick, popped the request and submitted
-    /// it ([`Clock`] ticks; 0 with tracing off).
-    kicked_at: u64,
-    popped_at: u64,
-    submitted_at: u64,
+    stamps: Stamps,
     /// Keeps the guest memory the request points into mapped until it
     /// completes, even if the front-end replaces the memory table meanwhile.
     mem: Option<Arc<Memory>>,
@@ -223,11 +232,15 @@ struct QueueWorker {
     kicks_off: bool,
     /// When the last kick was noticed.
     woke_at: u64,
+    /// When the worker began popping the current round's requests.
+    popping_at: u64,
     /// Tags pushed to the engine since its last submit.
     unsubmitted: Vec<u16>,
+    /// The stamps of the requests being completed, for their stages.
+    completing: Runs<Stamps>,
     /// Requests published since the guest was last signalled: when their
     /// kick was noticed and their kind, for their latency.
-    awaiting_call: Vec<(u64, OpKind)>,
+    awaiting_call: Runs<(u64, OpKind)>,
     /// When those were published.
     used_at: u64,
     /// The engine's count of kernel entries when last added to the stats
@@ -254,7 +267,8 @@ impl QueueWorker {
             if !cpus.is_empty() {
                 vsd_sys::set_thread_affinity(&[cpus[usize::from(run.index) % cpus.len()]])?;
             }
-            let io = device.node.open_queue(depth)?;
+            // The worker counts its requests; the node need not count them again.
+            let io = device.node.open_uncounted_queue(depth)?;
             let epoll = Epoll::new()?;
             let watch = |fd: RawFd, token| epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, token));
             watch(run.kick.as_raw_fd(), TOKEN_KICK)?;
@@ -277,9 +291,7 @@ impl QueueWorker {
             used_len: 0,
             kind: OpKind::Flush,
             bytes: 0,
-            kicked_at: 0,
-            popped_at: 0,
-            submitted_at: 0,
+            stamps: Stamps::default(),
             mem: None,
         };
         Ok(Self {
@@ -295,8 +307,10 @@ impl QueueWorker {
             call_batch_ns: u64::from(device.config.call_batch_us) * 1000,
             kicks_off: false,
             woke_at: 0,
+            popping_at: 0,
             unsubmitted: Vec::with_capacity(depth),
-            awaiting_call: Vec::with_capacity(depth),
+            completing: Runs::with_capacity(depth),
+            awaiting_call: Runs::with_capacity(depth),
             used_at: 0,
             kernel_entries: 0,
             run,
@@ -462,7 +476,7 @@ impl QueueWorker {
         // (io_uring reads of cached data), which is the engine's time.
         let now = self.now();
         for tag in self.unsubmitted.drain(..) {
-            self.slots[usize::from(tag)].submitted_at = now;
+            self.slots[usize::from(tag)].stamps.submitted = now;
         }
         if let Err(e) = self.io.submit() {
             log::error!("queue {}: submitting I/O failed: {e}", self.run.index);
@@ -479,6 +493,7 @@ impl QueueWorker {
             return false;
         }
         let before = self.stats.requests.get();
+        self.popping_at = self.now();
         let waiting = self.take_available(mem);
         if self.stats.requests.get() != before {
             self.stats.batches.add(1);
@@ -575,6 +590,7 @@ impl QueueWorker {
         );
         let mem = self.mem.memory().into_inner();
         let limits = self.device.limits();
+        self.popping_at = self.now();
         let (table, size) = (GuestAddress(self.run.queue.desc_table()), self.run.queue.size());
         for head in heads {
             // There is a slot for every head of the ring.
@@ -591,7 +607,6 @@ impl QueueWorker {
     ) {
         let Some(tag) = self.free.pop() else { return };
         self.stats.requests.add(1);
-        let popped_at = self.now();
         let iov = &mut self.iovecs[usize::from(tag)];
         let request = match request::parse(chain, &**mem, limits, iov) {
             Ok(request) => request,
@@ -638,9 +653,7 @@ impl QueueWorker {
             used_len: data_len + 1,
             kind,
             bytes: op.extent().map_or(0, |(_, len)| len),
-            kicked_at: self.woke_at,
-            popped_at,
-            submitted_at: 0,
+            stamps: Stamps { kicked: self.woke_at, popped: self.popping_at, submitted: 0 },
             mem: Some(mem.clone()),
         };
         self.unsubmitted.push(tag);
@@ -658,7 +671,7 @@ impl QueueWorker {
         let completed_at = self.now();
         let mut completions = std::mem::take(&mut self.completions);
         for done in completions.iter() {
-            self.account(done.tag as usize, done.errno, completed_at);
+            self.account(done.tag as usize, done.errno);
             let slot = &mut self.slots[done.tag as usize];
             let held = slot.mem.take();
             let (head, status_addr) = (slot.head, slot.status);
@@ -677,13 +690,14 @@ impl QueueWorker {
         if self.tracing {
             let used = self.used_at.saturating_sub(completed_at);
             self.stats.stage(Stage::Used).record_n(used, completions.len() as u64);
+            self.record_stages(completed_at);
         }
         completions.clear();
         self.completions = completions;
     }
 
     /// Counts a completed request and records its stages up to completion.
-    fn account(&mut self, tag: usize, errno: i32, completed_at: u64) {
+    fn account(&mut self, tag: usize, errno: i32) {
         let slot = &self.slots[tag];
         let op = self.stats.op(slot.kind);
         op.ops.add(1);
@@ -693,12 +707,20 @@ impl QueueWorker {
             op.failed.add(1);
         }
         if self.tracing {
-            // In ticks of the clock, as the statistics record them.
-            let stage = |s| self.stats.stage(s);
-            stage(Stage::Pop).record(slot.popped_at.saturating_sub(slot.kicked_at));
-            stage(Stage::Submit).record(slot.submitted_at.saturating_sub(slot.popped_at));
-            stage(Stage::Complete).record(completed_at.saturating_sub(slot.submitted_at));
-            self.awaiting_call.push((slot.kicked_at, slot.kind));
+            self.completing.push(slot.stamps);
+            self.awaiting_call.push((slot.stamps.kicked, slot.kind));
+        }
+    }
+
+    /// Records the stages up to completion of the requests just completed,
+    /// once per run of requests that share their stamps.
+    fn record_stages(&mut self, completed_at: u64) {
+        // In ticks of the clock, as the statistics record them.
+        let stage = |s| self.stats.stage(s);
+        for (at, n) in self.completing.drain() {
+            stage(Stage::Pop).record_n(at.popped.saturating_sub(at.kicked), n);
+            stage(Stage::Submit).record_n(at.submitted.saturating_sub(at.popped), n);
+            stage(Stage::Complete).record_n(completed_at.saturating_sub(at.submitted), n);
         }
     }
 
@@ -741,11 +763,12 @@ impl QueueWorker {
         }
         if self.tracing && !self.awaiting_call.is_empty() {
             let called_at = self.clock.now();
-            let n = self.awaiting_call.len() as u64;
-            self.stats.stage(Stage::Call).record_n(called_at.saturating_sub(self.used_at), n);
-            for (kicked_at, kind) in self.awaiting_call.drain(..) {
-                self.stats.op(kind).latency.record(called_at.saturating_sub(kicked_at));
+            let mut requests = 0;
+            for ((kicked_at, kind), n) in self.awaiting_call.drain() {
+                self.stats.op(kind).latency.record_n(called_at.saturating_sub(kicked_at), n);
+                requests += n;
             }
+            self.stats.stage(Stage::Call).record_n(called_at.saturating_sub(self.used_at), requests);
         }
     }
 }

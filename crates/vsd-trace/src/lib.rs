@@ -30,6 +30,7 @@ mod keyed;
 mod prometheus;
 mod queue;
 mod render;
+mod runs;
 mod snapshot;
 
 use std::sync::OnceLock;
@@ -41,6 +42,7 @@ pub use histogram::{Histogram, HistogramSnapshot};
 pub use prometheus::{ExportLabel, prometheus};
 pub use queue::{OpKind, OpStats, QueueStats, Stage};
 pub use render::{events_table, stage_table};
+pub use runs::Runs;
 pub use snapshot::{ExportSnapshot, OpSnapshot, QueueEvents, QueueSnapshot};
 
 /// Monotonic nanoseconds since the first call in this process.

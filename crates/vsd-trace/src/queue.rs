@@ -8,11 +8,15 @@ use crate::{Clock, Counter, Histogram};
 /// work) -> descriptor popped -> submitted to the I/O engine -> completed by
 /// the engine -> used entry published -> guest notified (call). Each stage is
 /// the time from the previous event to its own.
+///
+/// A worker stamps rounds, not requests: "popped" is when it began popping
+/// the batch the request came in, and the whole batch is submitted at once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stage {
-    /// Kick noticed -> descriptor popped.
+    /// Kick noticed -> the worker begins popping the request's batch.
     Pop,
-    /// Popped -> submitted to the I/O engine.
+    /// Popping begun -> the batch submitted to the I/O engine: the time
+    /// the batch takes to parse and queue, which each of its requests waits.
     Submit,
     /// Submitted -> completed by the engine.
     Complete,

@@ -241,14 +241,15 @@ impl Daemon {
             })
             .collect();
         if args.query_nodes {
-            // Requests are counted where they enter the graph: a node's
-            // figures are those of the exports serving it.
+            // A node's figures are what it was sent: by the nodes above it
+            // (counted from submission to completion) and by the exports
+            // serving it (counted by the export, from kick to call).
             for node in state.graph.nodes() {
-                let mut sum = QueueSnapshot::default();
+                let mut stats = node.stats().unwrap_or_default();
                 for (_, _, snapshot) in snapshots.iter().filter(|(_, n, _)| *n == node.name()) {
-                    sum.merge(&snapshot.merged());
+                    stats.merge(&snapshot.merged());
                 }
-                entries.push(json!({ "device": "", "node-name": node.name(), "stats": device_stats(&sum, None) }));
+                entries.push(json!({ "device": "", "node-name": node.name(), "stats": device_stats(&stats, None) }));
             }
         }
         Ok(Value::Array(entries))
@@ -305,7 +306,10 @@ fn device_stats(s: &QueueSnapshot, bins: Option<&LatencyBins>) -> Value {
     let (rd, wr, fl, un) = (op(OpKind::Read), op(OpKind::Write), op(OpKind::Flush), op(OpKind::Unmap));
     let mut stats = json!({
         "rd_bytes": rd.bytes, "wr_bytes": wr.bytes, "unmap_bytes": un.bytes,
-        "rd_operations": rd.ops, "wr_operations": wr.ops, "flush_operations": fl.ops, "unmap_operations": un.ops,
+        // QEMU counts a failed request as failed only, not as an operation.
+        // (Saturating: a snapshot taken mid-update may see the failure first.)
+        "rd_operations": rd.ops.saturating_sub(rd.failed), "wr_operations": wr.ops.saturating_sub(wr.failed),
+        "flush_operations": fl.ops.saturating_sub(fl.failed), "unmap_operations": un.ops.saturating_sub(un.failed),
         "rd_total_time_ns": rd.latency.sum_ns(), "wr_total_time_ns": wr.latency.sum_ns(),
         "flush_total_time_ns": fl.latency.sum_ns(), "unmap_total_time_ns": un.latency.sum_ns(),
         "failed_rd_operations": rd.failed, "failed_wr_operations": wr.failed,

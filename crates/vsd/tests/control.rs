@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Scratch, VSD, pattern};
+use common::{Daemon, Scratch, VSD, pattern, run};
 use serde_json::{Value, json};
 use vsd_bench::ClientOptions;
 use vsd_control::client::QmpClient;
@@ -332,6 +332,25 @@ fn statistics_count_what_a_client_did_and_time_every_stage() {
     assert!(merged.events.calls > 0 && merged.events.calls <= merged.events.requests);
     assert!(merged.events.kernel_entries >= served, "io_uring: at least one enter per request at qd1");
 
+    // Each node counts what it was sent: the raw node the export's valid
+    // requests (the export counted them, kick to call), the file node
+    // below it the same, one for one, timed from submission to completion.
+    let all = qmp.execute("query-blockstats", json!({ "query-nodes": true })).unwrap();
+    let export_ns = stats["rd_total_time_ns"].as_u64().unwrap();
+    for name in ["r1", "f1"] {
+        let node = all.as_array().unwrap().iter().find(|e| e["node-name"] == name && e.get("qdev").is_none());
+        let node_stats = &node.unwrap_or_else(|| panic!("no entry for node {name}: {all}"))["stats"];
+        for key in ["rd_operations", "rd_bytes", "wr_operations", "wr_bytes", "flush_operations"] {
+            assert_eq!(node_stats[key], stats[key], "{name}: {key}");
+        }
+        assert_eq!(node_stats["failed_rd_operations"], 0, "{name}");
+        let node_ns = node_stats["rd_total_time_ns"].as_u64().unwrap();
+        match name {
+            "r1" => assert_eq!(node_ns, export_ns),
+            _ => assert!(node_ns > 0 && node_ns < export_ns, "{name}: {node_ns} ns of the export's {export_ns} ns"),
+        }
+    }
+
     // vsd stat prints the tables from the same figures.
     let out = Command::new(VSD).args(["stat", "--qmp"]).arg(&qmp_sock).args(["--export", "exp1"]).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
@@ -500,4 +519,77 @@ fn call_batching_never_holds_a_lone_request() {
     assert_eq!(merged.events.in_flight, 0, "every request completed");
     assert!(merged.events.calls > 0 && merged.events.calls <= merged.events.requests);
     assert!(merged.stage(vsd_trace::Stage::Call).quantile_ns(1.0) < 20_000_000, "no call held past the window");
+}
+
+/// The `query-nodes` entry of node `name`.
+fn node_stats(client: &mut QmpClient, name: &str) -> Value {
+    let all = client.execute("query-blockstats", json!({ "query-nodes": true })).unwrap();
+    let entry = all.as_array().unwrap().iter().find(|e| e["node-name"] == name && e.get("qdev").is_none()).cloned();
+    entry.unwrap_or_else(|| panic!("no node entry for {name}: {all}"))["stats"].clone()
+}
+
+/// Inner nodes count what they are sent, not what the guest asked: a qcow2
+/// image's file node sees its metadata I/O as well, and a node that fails
+/// requests itself counts the failures, which never reach the node below.
+#[test]
+fn inner_nodes_count_metadata_io_and_failures() {
+    let dir = Scratch::new("qmp-node-stats");
+    let qcow2 = dir.path("disk.qcow2");
+    run("qemu-img", &["create", "-f", "qcow2", qcow2.to_str().unwrap(), "64M"]);
+    let raw = dir.image("disk.img", 16 * MIB);
+    let blockdevs = [
+        format!("driver=file,node-name=qfile,filename={}", qcow2.display()),
+        "driver=qcow2,node-name=q,file=qfile".into(),
+        format!("driver=file,node-name=rfile,filename={}", raw.display()),
+        "driver=blkdebug,node-name=dbg,image=rfile,inject-error.0.iotype=read".into(),
+        "driver=raw,node-name=r,file=dbg".into(),
+    ];
+    let mut extra: Vec<String> = blockdevs.into_iter().flat_map(|b| ["--blockdev".into(), b]).collect();
+    for (id, node) in [("eq", "q"), ("er", "r")] {
+        let socket = dir.path(&format!("{id}.sock"));
+        extra.extend([
+            "--export".into(),
+            format!(
+                "type=vhost-user-blk,id={id},node-name={node},addr.type=unix,addr.path={},writable=on",
+                socket.display()
+            ),
+        ]);
+    }
+    let (_daemon, qmp_sock) = daemon_with_monitor(&dir, extra);
+    let mut qmp = QmpClient::connect(&qmp_sock).unwrap();
+
+    // Eight clusters allocated, then flushed: L2 table and refcount updates
+    // go to the file with the data.
+    let writes = 8u64;
+    let mut client = vsd_bench::Client::connect(&dir.path("eq.sock"), ClientOptions::default()).unwrap();
+    let mut queue = client.take_queue(0).unwrap();
+    let data = pattern(3, 4096);
+    for i in 0..writes {
+        queue.write_at(i * 65536, &data).unwrap();
+    }
+    queue.flush().unwrap();
+    let q = node_stats(&mut qmp, "q");
+    assert_eq!(q["wr_operations"], writes);
+    assert_eq!(q["flush_operations"], 1);
+    let file = node_stats(&mut qmp, "qfile");
+    let file_writes = file["wr_operations"].as_u64().unwrap();
+    assert!(file_writes > writes, "the file got {file_writes} writes: the guest's {writes} and the metadata");
+    assert!(file["wr_bytes"].as_u64().unwrap() > writes * 4096);
+    assert!(file["flush_operations"].as_u64().unwrap() >= 2, "a qcow2 flush orders metadata with flushes: {file}");
+    assert!(file["wr_total_time_ns"].as_u64().unwrap() > 0);
+
+    let reads = 5u64;
+    let mut client = vsd_bench::Client::connect(&dir.path("er.sock"), ClientOptions::default()).unwrap();
+    let mut queue = client.take_queue(0).unwrap();
+    let mut buf = vec![0; 4096];
+    for i in 0..reads {
+        assert!(queue.read_at(i * 4096, &mut buf).is_err(), "blkdebug fails every read");
+    }
+    // As in QEMU, a failed request counts as failed, not as an operation.
+    for (name, failed) in [("r", reads), ("dbg", reads), ("rfile", 0)] {
+        let stats = node_stats(&mut qmp, name);
+        assert_eq!(stats["failed_rd_operations"], failed, "{name}: {stats}");
+        assert_eq!(stats["rd_operations"], 0, "{name}: {stats}");
+        assert_eq!(stats["rd_bytes"], 0, "{name}: failed reads transfer nothing");
+    }
 }

@@ -1,0 +1,231 @@
+//! Per-node statistics: every node of the graph counts the requests it is
+//! sent, by exports and by the nodes above it (a format's metadata I/O
+//! included), with their bytes, failures and latency (submitted to the
+//! node -> completed by it).
+//!
+//! The graph wraps each node it builds in an [`AccountedNode`], so parents
+//! that look their children up in the graph open accounted queues without
+//! knowing it. Exports count their requests themselves, with more detail,
+//! and open their node's queue uncounted: a wrapper on the exported node
+//! would count the same requests twice, for a layer of calls per request
+//! (about 90 instructions on null-co at iodepth 32, +3.5 %). The queue's statistics follow [`vsd_trace`]'s single-writer
+//! rule: a queue leases a [`QueueStats`] from its node for its lifetime,
+//! and only that queue's thread writes it. Time is stamped per submit and
+//! per reap, not per request, as the export's workers do.
+
+use std::io;
+use std::os::fd::BorrowedFd;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use vsd_engine::{Completion, IoOp, IoQueue};
+use vsd_trace::{Clock, OpKind, QueueSnapshot, QueueStats, Runs};
+
+use crate::BlockNode;
+
+/// The statistics of one node: one [`QueueStats`] per queue ever open at
+/// once, handed out again when a queue closes, so they keep counting.
+#[derive(Default)]
+struct NodeStats {
+    leases: Mutex<Leases>,
+}
+
+#[derive(Default)]
+struct Leases {
+    all: Vec<Arc<QueueStats>>,
+    free: Vec<Arc<QueueStats>>,
+}
+
+impl NodeStats {
+    fn lock(&self) -> MutexGuard<'_, Leases> {
+        // The lists stay consistent whatever panicked while holding them.
+        self.leases.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn lease(self: &Arc<Self>) -> Lease {
+        let mut leases = self.lock();
+        let stats = leases.free.pop().unwrap_or_else(|| {
+            let stats = Arc::new(QueueStats::timed_by(Clock::get()));
+            leases.all.push(stats.clone());
+            stats
+        });
+        Lease { stats, owner: self.clone() }
+    }
+
+    fn snapshot(&self) -> QueueSnapshot {
+        let mut sum = QueueSnapshot::default();
+        for stats in &self.lock().all {
+            sum.merge(&stats.snapshot());
+        }
+        sum
+    }
+}
+
+/// A queue's exclusive use of one of its node's [`QueueStats`].
+struct Lease {
+    stats: Arc<QueueStats>,
+    owner: Arc<NodeStats>,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.owner.lock().free.push(self.stats.clone());
+    }
+}
+
+/// A node of the graph: the driver's node, counting what it is sent.
+pub(crate) struct AccountedNode {
+    inner: Arc<dyn BlockNode>,
+    stats: Arc<NodeStats>,
+}
+
+impl AccountedNode {
+    pub(crate) fn new(inner: Arc<dyn BlockNode>) -> Self {
+        Self { inner, stats: Arc::default() }
+    }
+}
+
+impl BlockNode for AccountedNode {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn driver(&self) -> &'static str {
+        self.inner.driver()
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn read_only(&self) -> bool {
+        self.inner.read_only()
+    }
+    fn filename(&self) -> Option<&str> {
+        self.inner.filename()
+    }
+    fn children(&self) -> Vec<(&'static str, Arc<dyn BlockNode>)> {
+        self.inner.children()
+    }
+    fn resize(&self, size: u64) -> io::Result<()> {
+        self.inner.resize(size)
+    }
+    fn close(&self) -> io::Result<()> {
+        self.inner.close()
+    }
+    fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
+        let inner = self.inner.open_queue(depth)?;
+        Ok(Box::new(AccountedQueue::new(inner, self.stats.lease(), depth)))
+    }
+    fn open_uncounted_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
+        self.inner.open_queue(depth)
+    }
+    fn stats(&self) -> Option<QueueSnapshot> {
+        Some(self.stats.snapshot())
+    }
+}
+
+/// What an accounted queue remembers of a request until it completes.
+#[derive(Clone, Copy)]
+struct Pending {
+    kind: OpKind,
+    bytes: u64,
+    submitted_at: u64,
+}
+
+/// A node's queue that counts each request on its way through.
+struct AccountedQueue {
+    inner: Box<dyn IoQueue>,
+    lease: Lease,
+    clock: Clock,
+    /// By tag.
+    pending: Vec<Pending>,
+    /// Tags pushed since the last submit.
+    unsubmitted: Vec<u32>,
+    /// Kind and submit time of the requests being reaped, for their latency.
+    completing: Runs<(OpKind, u64)>,
+}
+
+impl AccountedQueue {
+    fn new(inner: Box<dyn IoQueue>, lease: Lease, depth: u16) -> Self {
+        let depth = usize::from(depth);
+        Self {
+            inner,
+            lease,
+            clock: Clock::get(),
+            pending: vec![Pending { kind: OpKind::Flush, bytes: 0, submitted_at: 0 }; depth],
+            unsubmitted: Vec::with_capacity(depth),
+            completing: Runs::with_capacity(depth),
+        }
+    }
+}
+
+/// How a request is counted: its kind, as QEMU's accounting sees it, and its bytes.
+fn counted_as(op: &IoOp) -> (OpKind, u64) {
+    match *op {
+        IoOp::Read { len, .. } => (OpKind::Read, len),
+        IoOp::Write { len, .. } | IoOp::WriteZeroes { len, .. } => (OpKind::Write, len),
+        IoOp::Flush => (OpKind::Flush, 0),
+        IoOp::Discard { len, .. } => (OpKind::Unmap, len),
+    }
+}
+
+impl IoQueue for AccountedQueue {
+    unsafe fn push(&mut self, tag: u32, op: IoOp) {
+        // Tags are below the depth the queue was opened with; one that is
+        // not goes down uncounted rather than failing here.
+        if let Some(request) = self.pending.get_mut(tag as usize) {
+            let (kind, bytes) = counted_as(&op);
+            *request = Pending { kind, bytes, submitted_at: 0 };
+            self.unsubmitted.push(tag);
+        }
+        // SAFETY: the caller's guarantee, passed on unchanged.
+        unsafe { self.inner.push(tag, op) }
+    }
+
+    fn submit(&mut self) -> io::Result<()> {
+        if !self.unsubmitted.is_empty() {
+            let now = self.clock.now();
+            for tag in self.unsubmitted.drain(..) {
+                self.pending[tag as usize].submitted_at = now;
+            }
+        }
+        self.inner.submit()
+    }
+
+    fn reap(&mut self, out: &mut Vec<Completion>) {
+        let start = out.len();
+        self.inner.reap(out);
+        if out.len() == start {
+            return;
+        }
+        let now = self.clock.now();
+        let stats = &self.lease.stats;
+        for done in &out[start..] {
+            let Some(request) = self.pending.get(done.tag as usize) else { continue };
+            let op = stats.op(request.kind);
+            op.ops.add(1);
+            if done.errno == 0 {
+                op.bytes.add(request.bytes);
+            } else {
+                op.failed.add(1);
+            }
+            self.completing.push((request.kind, request.submitted_at));
+        }
+        for ((kind, submitted_at), n) in self.completing.drain() {
+            stats.op(kind).latency.record_n(now.saturating_sub(submitted_at), n);
+        }
+    }
+
+    fn wait(&mut self) -> io::Result<()> {
+        self.inner.wait()
+    }
+
+    fn notify_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.inner.notify_fd()
+    }
+
+    fn rearm(&mut self) {
+        self.inner.rearm()
+    }
+
+    fn kernel_entries(&self) -> u64 {
+        self.inner.kernel_entries()
+    }
+}
