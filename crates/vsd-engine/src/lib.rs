@@ -14,6 +14,7 @@
 
 #![deny(missing_docs)]
 
+mod inline;
 mod null;
 mod pool;
 mod uring;

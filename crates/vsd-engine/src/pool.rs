@@ -1,8 +1,10 @@
 //! The thread-pool engine (`aio=threads`): blocking system calls on a
 //! shared pool of threads, for hosts where io_uring is unavailable.
 //!
-//! Unlike io_uring, this engine takes a lock per batch and wakes a thread
-//! per request: that is the price of blocking calls, as in QEMU's pool.
+//! A request handed to the pool takes a lock and two wake-ups across
+//! threads (a pool thread, then the queue's thread), so what can complete
+//! without blocking completes on the queue's thread first ([`Inline`]);
+//! QEMU's pool hands every request over.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -12,6 +14,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
+use crate::inline::Inline;
 use crate::{Completion, IoOp, IoQueue, run_sync};
 
 /// Threads are started on demand up to this many, as QEMU's pool does.
@@ -65,7 +68,9 @@ impl ThreadPool {
 
     fn enqueue(&self, batch: &mut Vec<Job>) {
         let mut jobs = lock(&self.shared.jobs);
-        let wanted = batch.len().saturating_sub(jobs.idle);
+        // Wake as many idle threads as there are jobs, not all of them.
+        let woken = batch.len().min(jobs.idle);
+        let wanted = batch.len() - woken;
         jobs.waiting.extend(batch.drain(..));
         for _ in 0..wanted {
             if jobs.threads >= MAX_THREADS {
@@ -78,7 +83,9 @@ impl ThreadPool {
             }
         }
         drop(jobs);
-        self.shared.wake.notify_all();
+        for _ in 0..woken {
+            self.shared.wake.notify_one();
+        }
     }
 }
 
@@ -125,7 +132,12 @@ pub struct PoolQueue {
     done: Arc<Done>,
     batch: Vec<Job>,
     in_flight: usize,
+    /// Of those, the ones handed to the pool.
+    pooled: usize,
     depth: usize,
+    /// Completed on this thread, not reaped yet.
+    ready: Vec<Completion>,
+    inline: Inline,
 }
 
 impl PoolQueue {
@@ -137,7 +149,31 @@ impl PoolQueue {
             ready: Condvar::new(),
             notify: EventFd::new(EFD_NONBLOCK)?,
         });
-        Ok(Self { pool, file, done, batch: Vec::with_capacity(depth), in_flight: 0, depth })
+        let inline = Inline::for_file(&file)?;
+        Ok(Self {
+            pool,
+            file,
+            done,
+            batch: Vec::with_capacity(depth),
+            in_flight: 0,
+            pooled: 0,
+            depth,
+            ready: Vec::with_capacity(depth),
+            inline,
+        })
+    }
+
+    /// Completes on this thread the batch's requests that need not block;
+    /// leaves the others in the batch.
+    fn complete_inline(&mut self) {
+        let (fd, inline, ready) = (self.file.as_fd(), &mut self.inline, &mut self.ready);
+        self.batch.retain(|job| match inline.complete(fd, job.op) {
+            Some(errno) => {
+                ready.push(Completion { tag: job.tag, errno });
+                false
+            }
+            None => true,
+        });
     }
 }
 
@@ -150,22 +186,35 @@ impl IoQueue for PoolQueue {
     }
 
     fn submit(&mut self) -> io::Result<()> {
+        if self.inline.enabled() {
+            self.complete_inline();
+        }
         if !self.batch.is_empty() {
+            self.pooled += self.batch.len();
             self.pool.enqueue(&mut self.batch);
         }
         Ok(())
     }
 
     fn reap(&mut self, out: &mut Vec<Completion>) {
+        self.in_flight -= self.ready.len();
+        out.append(&mut self.ready);
+        if self.pooled == 0 {
+            return;
+        }
         let mut list = lock(&self.done.list);
         self.in_flight -= list.len();
+        self.pooled -= list.len();
         out.append(&mut list);
     }
 
     fn wait(&mut self) -> io::Result<()> {
         self.submit()?;
+        if !self.ready.is_empty() {
+            return Ok(());
+        }
         let list = lock(&self.done.list);
-        if self.in_flight > 0 && list.is_empty() {
+        if self.pooled > 0 && list.is_empty() {
             drop(self.done.ready.wait(list).unwrap_or_else(PoisonError::into_inner));
         }
         Ok(())

@@ -106,6 +106,31 @@ pub fn file_size(file: &File) -> io::Result<u64> {
     Ok(size)
 }
 
+/// How a file's data is held, for deciding whether I/O on it can block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Residence {
+    /// Opened with O_DIRECT: every transfer waits for the device.
+    pub direct: bool,
+    /// On a file system that keeps its files in memory (tmpfs, ramfs,
+    /// hugetlbfs): transfers never wait for a device.
+    pub in_memory: bool,
+}
+
+/// Where `file`'s data lives (see [`Residence`]).
+pub fn residence(file: &File) -> io::Result<Residence> {
+    // SAFETY: F_GETFL on a descriptor the file keeps open.
+    let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+    check(flags.into())?;
+    let mut fs = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: fstatfs fills the statfs structure it is given.
+    check(unsafe { libc::fstatfs(file.as_raw_fd(), fs.as_mut_ptr()) }.into())?;
+    // SAFETY: fstatfs succeeded, so it initialised the structure.
+    let kind = unsafe { fs.assume_init() }.f_type;
+    // ramfs' magic number is not in libc (linux/magic.h: RAMFS_MAGIC).
+    const IN_MEMORY: [libc::__fsword_t; 3] = [libc::TMPFS_MAGIC, 0x8584_58f6, libc::HUGETLBFS_MAGIC];
+    Ok(Residence { direct: flags & libc::O_DIRECT != 0, in_memory: IN_MEMORY.contains(&kind) })
+}
+
 /// `_IOR(0x12, 114, size_t)`: the size of a block device in bytes.
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
 
@@ -491,6 +516,16 @@ mod tests {
     use super::*;
     use std::io::Write;
     use std::os::fd::AsFd;
+    use std::os::unix::fs::OpenOptionsExt;
+
+    #[test]
+    fn residence_tells_memory_and_direct_files() {
+        let shm = tempfile_in(Path::new("/dev/shm"), 0);
+        assert_eq!(residence(&shm).unwrap(), Residence { direct: false, in_memory: true });
+        // The source tree is on a disk, whose file system takes O_DIRECT.
+        let disk = tempfile_in(Path::new(env!("CARGO_MANIFEST_DIR")), libc::O_DIRECT);
+        assert_eq!(residence(&disk).unwrap(), Residence { direct: true, in_memory: false });
+    }
 
     #[test]
     fn punch_hole_reads_back_zeroes() {
@@ -620,9 +655,13 @@ mod tests {
     }
 
     fn tempfile() -> File {
-        let path =
-            std::env::temp_dir().join(format!("vsd-sys-{}-{:?}", std::process::id(), std::thread::current().id()));
-        let file = File::options().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+        tempfile_in(&std::env::temp_dir(), 0)
+    }
+
+    fn tempfile_in(dir: &Path, flags: i32) -> File {
+        let path = dir.join(format!("vsd-sys-{}-{:?}", std::process::id(), std::thread::current().id()));
+        let file =
+            File::options().read(true).write(true).create(true).truncate(true).custom_flags(flags).open(&path).unwrap();
         std::fs::remove_file(&path).unwrap();
         file
     }
