@@ -132,10 +132,16 @@ pub enum RemoveError {
     Busy(String),
 }
 
+/// The options by which a node names its children: a child is given by
+/// name, or defined inline under the role's prefix.
+const CHILD_ROLES: [&str; 4] = ["file", "backing", "data-file", "image"];
+
 /// The nodes defined so far, by name.
 #[derive(Default)]
 pub struct BlockGraph {
     nodes: Vec<Arc<dyn BlockNode>>,
+    /// Names given to nodes defined inline without one (`#block<n>`, as QEMU).
+    implicit: u64,
 }
 
 impl BlockGraph {
@@ -144,8 +150,35 @@ impl BlockGraph {
         Self::default()
     }
 
-    /// Builds a node from `--blockdev` options and adds it.
-    pub fn add(&mut self, mut opts: OptionMap) -> Result<Arc<dyn BlockNode>, GraphError> {
+    /// Builds a node from `--blockdev` options and adds it, with the
+    /// children it defines inline (`file.driver=...`, or a JSON object
+    /// under `file`), which are named `#block<n>` unless they say.
+    pub fn add(&mut self, opts: OptionMap) -> Result<Arc<dyn BlockNode>, GraphError> {
+        let before = self.nodes.len();
+        let added = self.add_with_children(opts);
+        if added.is_err() {
+            // The inline children of a node that failed go with it.
+            self.nodes.truncate(before);
+        }
+        added
+    }
+
+    fn add_with_children(&mut self, mut opts: OptionMap) -> Result<Arc<dyn BlockNode>, GraphError> {
+        for role in CHILD_ROLES {
+            let Some(mut child) = opts.take_group(role) else { continue };
+            if opts.has(role) {
+                return Err(GraphError::Invalid {
+                    context: opts.context().into(),
+                    reason: format!("'{role}' is given both by name and inline"),
+                });
+            }
+            if !child.has("node-name") {
+                self.implicit += 1;
+                child.insert("node-name", format!("#block{}", self.implicit));
+            }
+            let node = self.add_with_children(child)?;
+            opts.insert(role, node.name());
+        }
         let context = opts.context().to_string();
         let driver = opts.require("driver")?;
         let name = opts.require("node-name")?;
@@ -167,6 +200,10 @@ impl BlockGraph {
     /// Removes the node called `name`, unless another node or an export
     /// still uses it (`exported` names the export serving a node, if any).
     pub fn remove(&mut self, name: &str, exported: impl Fn(&str) -> Option<String>) -> Result<(), RemoveError> {
+        self.remove_node(name, &exported)
+    }
+
+    fn remove_node(&mut self, name: &str, exported: &dyn Fn(&str) -> Option<String>) -> Result<(), RemoveError> {
         let index = self.nodes.iter().position(|n| n.name() == name).ok_or(RemoveError::NoSuchNode)?;
         let parent = self.nodes.iter().find_map(|p| {
             p.children().into_iter().find(|(_, c)| c.name() == name).map(|(role, _)| (role, p.name().to_string()))
@@ -177,12 +214,70 @@ impl BlockGraph {
         if let Some(export) = exported(name) {
             return Err(RemoveError::Busy(format!("node is exported by '{export}'")));
         }
-        self.nodes.remove(index);
+        let node = self.nodes.remove(index);
+        // Children defined inline belong to their parent: they go with it
+        // unless something else still uses them.
+        for (_, child) in node.children() {
+            if child.name().starts_with('#') {
+                let _ = self.remove_node(child.name(), exported);
+            }
+        }
         Ok(())
     }
 
     /// Every node, in the order they were added.
     pub fn nodes(&self) -> impl Iterator<Item = &Arc<dyn BlockNode>> {
         self.nodes.iter()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn add(graph: &mut BlockGraph, text: &str) -> Result<Arc<dyn BlockNode>, GraphError> {
+        graph.add(OptionMap::parse("--blockdev", text).unwrap())
+    }
+
+    fn names(graph: &BlockGraph) -> Vec<&str> {
+        graph.nodes().map(|n| n.name()).collect()
+    }
+
+    #[test]
+    fn children_defined_inline_become_nodes_of_their_own() {
+        let mut graph = BlockGraph::new();
+        let raw = add(&mut graph, "driver=raw,node-name=r,file.driver=null-co,file.size=1M").unwrap();
+        assert_eq!(names(&graph), ["#block1", "r"]);
+        assert_eq!(raw.children()[0].1.name(), "#block1");
+        assert_eq!(raw.size(), 1 << 20);
+        let json =
+            r#"{"driver": "raw", "node-name": "j", "file": {"driver": "null-co", "node-name": "n", "size": 4096}}"#;
+        add(&mut graph, json).unwrap();
+        assert_eq!(names(&graph), ["#block1", "r", "n", "j"]);
+    }
+
+    #[test]
+    fn a_failed_node_takes_its_inline_children_with_it() {
+        let mut graph = BlockGraph::new();
+        let bogus = add(&mut graph, "driver=raw,node-name=r,file.driver=null-co,file.size=1M,bogus=1");
+        assert!(matches!(bogus, Err(GraphError::Options(OptionError::Unknown { .. }))));
+        let bad_child = add(&mut graph, "driver=raw,node-name=r,file.driver=null-co,file.size=1M,file.bogus=1");
+        let message = bad_child.err().unwrap().to_string();
+        assert!(message.contains("node-name=r file: unknown parameter 'bogus'"), "{message}");
+        let both = add(&mut graph, "driver=raw,node-name=r,file=x,file.driver=null-co");
+        assert!(both.err().unwrap().to_string().contains("both by name and inline"));
+        assert!(names(&graph).is_empty());
+    }
+
+    #[test]
+    fn removing_a_node_removes_its_unnamed_inline_children() {
+        let mut graph = BlockGraph::new();
+        add(&mut graph, "driver=raw,node-name=r,file.driver=null-co,file.size=1M").unwrap();
+        add(&mut graph, "driver=raw,node-name=s,file.driver=null-co,file.size=1M,file.node-name=kept").unwrap();
+        let busy = graph.remove("#block1", |_| None);
+        assert!(matches!(busy, Err(RemoveError::Busy(_))), "a child in use stays");
+        graph.remove("r", |_| None).unwrap();
+        graph.remove("s", |_| None).unwrap();
+        assert_eq!(names(&graph), ["kept"], "a child the user named is the user's to remove");
     }
 }

@@ -144,6 +144,33 @@ impl OptionMap {
         }
     }
 
+    /// Removes every `prefix.key` entry and returns them as an option map
+    /// of their own (keys without the prefix), if there were any: a child
+    /// node defined inline, as `file.driver=file,file.filename=...` or
+    /// `{"file": {"driver": "file", ...}}`.
+    pub fn take_group(&mut self, prefix: &str) -> Option<OptionMap> {
+        let (inner, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.entries)
+            .into_iter()
+            .partition(|(k, _)| k.starts_with(prefix) && k[prefix.len()..].starts_with('.'));
+        self.entries = rest;
+        if inner.is_empty() {
+            return None;
+        }
+        let entries: Vec<_> = inner.into_iter().map(|(k, v)| (k[prefix.len() + 1..].to_string(), v)).collect();
+        Some(OptionMap { context: format!("{} {prefix}", self.context), entries })
+    }
+
+    /// Whether `key` is present.
+    pub fn has(&self, key: &str) -> bool {
+        self.entries.iter().any(|(k, _)| k == key)
+    }
+
+    /// Sets `key` (which must be absent) to `value`.
+    pub fn insert(&mut self, key: &str, value: impl Into<String>) {
+        debug_assert!(!self.has(key));
+        self.entries.push((key.into(), value.into()));
+    }
+
     /// Fails if a key was not consumed.
     pub fn finish(self) -> Result<(), OptionError> {
         match self.entries.into_iter().next() {
@@ -201,6 +228,27 @@ fn flatten_json(prefix: &str, value: &serde_json::Value, out: &mut Vec<(String, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn groups_split_off_by_prefix() {
+        let mut o = OptionMap::parse(
+            "--blockdev",
+            r#"{"driver": "qcow2", "node-name": "q", "file": {"driver": "file", "filename": "/x", "cache": {"direct": true}}}"#,
+        )
+        .unwrap();
+        let mut file = o.take_group("file").unwrap();
+        assert_eq!(file.context(), "--blockdev node-name=q file");
+        assert_eq!(file.take("filename").as_deref(), Some("/x"));
+        assert_eq!(file.take("cache.direct").as_deref(), Some("on"));
+        assert!(file.has("driver") && !o.has("file.driver"));
+        assert!(o.take_group("backing").is_none());
+        let mut o = OptionMap::parse("--blockdev", "driver=raw,file.driver=file,filename-x=1,files.x=2").unwrap();
+        let group = o.take_group("file").unwrap();
+        assert_eq!(group.entries, [("driver".to_string(), "file".to_string())]);
+        assert!(o.has("filename-x") && o.has("files.x"), "only keys under 'file.'");
+        o.insert("file", "f0");
+        assert_eq!(o.take("file").as_deref(), Some("f0"));
+    }
 
     #[test]
     fn key_values_with_escaped_commas() {

@@ -593,3 +593,50 @@ fn inner_nodes_count_metadata_io_and_failures() {
         assert_eq!(stats["rd_bytes"], 0, "{name}: failed reads transfer nothing");
     }
 }
+
+/// The names of the nodes `query-named-block-nodes` lists.
+fn node_names(socket: &Path) -> Vec<String> {
+    let nodes = qmp(socket, "query-named-block-nodes", json!({}));
+    returned(&nodes).as_array().unwrap().iter().map(|n| n["node-name"].as_str().unwrap().to_string()).collect()
+}
+
+/// Children defined inline, as QEMU takes them: dotted keys on the command
+/// line, a nested object in `blockdev-add` (QEMU's Python client). They
+/// become nodes named `#block<n>` unless named, and go with their parent.
+#[test]
+fn blockdev_add_takes_children_defined_inline() {
+    let dir = Scratch::new("qmp-inline");
+    let qcow2 = dir.path("disk.qcow2");
+    run("qemu-img", &["create", "-f", "qcow2", qcow2.to_str().unwrap(), "16M"]);
+    let raw = dir.image("disk.img", 16 * MIB);
+    let cli =
+        vec!["--blockdev".into(), format!("driver=raw,node-name=r,file.driver=file,file.filename={}", raw.display())];
+    let (_daemon, qmp_sock) = daemon_with_monitor(&dir, cli);
+    let inline = json!({ "driver": "qcow2", "node-name": "q", "file": { "driver": "file", "filename": qcow2 } });
+    returned(&qmp(&qmp_sock, "blockdev-add", inline));
+    assert_eq!(node_names(&qmp_sock), ["null0", "#block1", "r", "#block2", "q"]);
+
+    let socket = dir.path("q.sock");
+    let export = json!({
+        "type": "vhost-user-blk", "id": "eq", "node-name": "q", "addr": { "type": "unix", "path": socket }, "writable": true,
+    });
+    returned(&qmp(&qmp_sock, "block-export-add", export));
+    let mut client = vsd_bench::Client::connect(&socket, ClientOptions::default()).unwrap();
+    let mut queue = client.take_queue(0).unwrap();
+    let data = pattern(9, 65536);
+    queue.write_at(MIB, &data).unwrap();
+    queue.flush().unwrap();
+    drop(queue);
+    drop(client);
+    let busy = qmp(&qmp_sock, "blockdev-del", json!({ "node-name": "#block2" }));
+    assert!(error_desc(&busy).contains("used as file of 'q'"), "{busy}");
+    returned(&qmp(&qmp_sock, "block-export-del", json!({ "id": "eq" })));
+    returned(&qmp(&qmp_sock, "blockdev-del", json!({ "node-name": "q" })));
+    assert_eq!(node_names(&qmp_sock), ["null0", "#block1", "r"], "the inline file node went with its parent");
+
+    // What vsd wrote is in the image, as qemu-img reads it.
+    let out = dir.path("out.raw");
+    run("qemu-img", &["convert", "-O", "raw", qcow2.to_str().unwrap(), out.to_str().unwrap()]);
+    let back = std::fs::read(&out).unwrap();
+    assert_eq!(&back[MIB as usize..MIB as usize + data.len()], &data[..]);
+}
