@@ -97,6 +97,9 @@ impl BlockNode for AccountedNode {
     fn read_only(&self) -> bool {
         self.inner.read_only()
     }
+    fn cache(&self) -> crate::Cache {
+        self.inner.cache()
+    }
     fn filename(&self) -> Option<&str> {
         self.inner.filename()
     }

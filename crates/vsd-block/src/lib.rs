@@ -35,6 +35,11 @@ pub trait BlockNode: Send + Sync {
     fn size(&self) -> u64;
     /// Whether writes are refused.
     fn read_only(&self) -> bool;
+    /// The node's own cache options (`cache.direct`, `cache.no-flush`):
+    /// only file nodes take them.
+    fn cache(&self) -> Cache {
+        Cache::default()
+    }
     /// The host file behind the node, if it is a `file` node (format
     /// drivers resolve relative backing file names against it).
     fn filename(&self) -> Option<&str> {
@@ -68,6 +73,15 @@ pub trait BlockNode: Send + Sync {
     fn stats(&self) -> Option<QueueSnapshot> {
         None
     }
+}
+
+/// A node's cache options, as QEMU's `BlockdevCacheInfo` reports them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cache {
+    /// `cache.direct=on`: O_DIRECT, bypassing the host's page cache.
+    pub direct: bool,
+    /// `cache.no-flush=on`: flushes succeed without doing anything.
+    pub no_flush: bool,
 }
 
 /// Why a node could not be added.

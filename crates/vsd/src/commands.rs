@@ -211,6 +211,8 @@ impl Daemon {
                 "node-name": node.name(),
                 "drv": node.driver(),
                 "ro": node.read_only(),
+                // Nodes write back; only an export's writethrough differs.
+                "cache": { "writeback": true, "direct": node.cache().direct, "no-flush": node.cache().no_flush },
                 "file": node.filename().unwrap_or(""),
                 "encrypted": false,
                 "detect_zeroes": "off",

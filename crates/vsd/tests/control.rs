@@ -609,12 +609,24 @@ fn blockdev_add_takes_children_defined_inline() {
     let qcow2 = dir.path("disk.qcow2");
     run("qemu-img", &["create", "-f", "qcow2", qcow2.to_str().unwrap(), "16M"]);
     let raw = dir.image("disk.img", 16 * MIB);
-    let cli =
-        vec!["--blockdev".into(), format!("driver=raw,node-name=r,file.driver=file,file.filename={}", raw.display())];
+    let cli = vec![
+        "--blockdev".into(),
+        format!("driver=raw,node-name=r,file.driver=file,file.filename={},file.cache.no-flush=on", raw.display()),
+    ];
     let (_daemon, qmp_sock) = daemon_with_monitor(&dir, cli);
     let inline = json!({ "driver": "qcow2", "node-name": "q", "file": { "driver": "file", "filename": qcow2 } });
     returned(&qmp(&qmp_sock, "blockdev-add", inline));
     assert_eq!(node_names(&qmp_sock), ["null0", "#block1", "r", "#block2", "q"]);
+    let nodes = qmp(&qmp_sock, "query-named-block-nodes", json!({}));
+    let cache = |name: &str| {
+        returned(&nodes).as_array().unwrap().iter().find(|n| n["node-name"] == name).unwrap()["cache"].clone()
+    };
+    assert_eq!(
+        cache("#block1"),
+        json!({ "writeback": true, "direct": false, "no-flush": true }),
+        "the inline node's own options"
+    );
+    assert_eq!(cache("#block2"), json!({ "writeback": true, "direct": false, "no-flush": false }));
 
     let socket = dir.path("q.sock");
     let export = json!({

@@ -25,6 +25,7 @@ pub(crate) struct FileNode {
     file: Arc<File>,
     size: AtomicU64,
     read_only: bool,
+    direct: bool,
     policy: FilePolicy,
     /// Only for `aio=threads`: shared by all of the node's queues.
     pool: Option<Arc<ThreadPool>>,
@@ -81,6 +82,7 @@ impl FileNode {
             file: Arc::new(file),
             size: AtomicU64::new(size),
             read_only,
+            direct,
             policy: FilePolicy { no_flush, unmap },
             pool: (aio == Aio::Threads).then(ThreadPool::new),
         })
@@ -131,6 +133,10 @@ impl BlockNode for FileNode {
 
     fn read_only(&self) -> bool {
         self.read_only
+    }
+
+    fn cache(&self) -> crate::Cache {
+        crate::Cache { direct: self.direct, no_flush: self.policy.no_flush }
     }
 
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
