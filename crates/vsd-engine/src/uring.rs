@@ -186,6 +186,13 @@ impl IoQueue for UringQueue {
                 out.push(done);
             }
         }
+        // A zeroing request's next step was queued: it must reach the
+        // kernel now, as the owner may sleep until this request completes.
+        if self.queued > 0
+            && let Err(e) = self.submit()
+        {
+            log::warn!("io_uring submit failed: {e}");
+        }
     }
 
     fn wait(&mut self) -> io::Result<()> {

@@ -68,9 +68,17 @@ fn patterns_on_four_queues_with_the_thread_pool() {
     patterns_on_queues(",aio=threads", 4);
 }
 
+/// On a disk file system and on tmpfs, which has no ZERO_RANGE: write-
+/// zeroes then takes a second step (punching a hole), which must not wait
+/// for the next request to be submitted.
 #[test]
 fn flush_discard_and_write_zeroes() {
-    let dir = Scratch::new("ranges");
+    for parent in [std::env::temp_dir(), "/dev/shm".into()] {
+        flush_discard_and_write_zeroes_in(Scratch::new_in(&parent, "ranges"));
+    }
+}
+
+fn flush_discard_and_write_zeroes_in(dir: Scratch) {
     let image = dir.image("disk.img", 16 * MIB);
     let args = file_export(&image, &dir.path("s.sock"), ",discard=unmap", ",writable=on");
     let daemon = Daemon::vsd(&dir, &args);

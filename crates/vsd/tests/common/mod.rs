@@ -20,7 +20,12 @@ pub struct Scratch(pub PathBuf);
 
 impl Scratch {
     pub fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("vsd-test-{name}-{}", std::process::id()));
+        Self::new_in(&std::env::temp_dir(), name)
+    }
+
+    /// A scratch directory under `parent` (e.g. /dev/shm, for tmpfs).
+    pub fn new_in(parent: &Path, name: &str) -> Self {
+        let dir = parent.join(format!("vsd-test-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         Self(dir)
