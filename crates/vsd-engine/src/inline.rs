@@ -12,6 +12,10 @@
 //!   locks, block allocation): only those are handed over;
 //! - **O_DIRECT**: none, as every transfer waits for the device.
 //!
+//! io_uring makes the `RWF_NOWAIT` attempt itself, inside `io_uring_enter`,
+//! on file systems that take it: its engine completes inline only the
+//! requests of in-memory files.
+//!
 //! Durable (writethrough) writes, flushes, discards and zeroing always go
 //! to the engine.
 
@@ -39,15 +43,35 @@ pub(crate) struct Inline {
 }
 
 impl Inline {
-    /// The policy for `file`, from where its data lives.
-    pub(crate) fn for_file(file: &File) -> io::Result<Self> {
+    /// The policy of a thread-pool engine on `file`.
+    pub(crate) fn for_threads(file: &File) -> io::Result<Self> {
+        Self::for_file(file, Mode::NoWait)
+    }
+
+    /// The policy of an io_uring engine on `file`.
+    pub(crate) fn for_ring(file: &File) -> io::Result<Self> {
+        Self::for_file(file, Mode::Never)
+    }
+
+    /// The policy for `file`, from where its data lives; `buffered` is the
+    /// mode for files in the page cache of a disk.
+    fn for_file(file: &File, buffered: Mode) -> io::Result<Self> {
         let place = vsd_sys::residence(file)?;
         let mode = match place {
             _ if place.direct => Mode::Never,
             _ if place.in_memory => Mode::Always,
-            _ => Mode::NoWait,
+            _ => buffered,
         };
         Ok(Self { reads: mode, writes: mode })
+    }
+
+    /// Whether `op` is of a kind that may complete inline.
+    pub(crate) fn may_take(&self, op: &IoOp) -> bool {
+        match op {
+            IoOp::Read { .. } => self.reads != Mode::Never,
+            IoOp::Write { durable: false, .. } => self.writes != Mode::Never,
+            _ => false,
+        }
     }
 
     /// Whether any request may complete inline.

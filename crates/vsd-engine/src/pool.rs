@@ -149,7 +149,7 @@ impl PoolQueue {
             ready: Condvar::new(),
             notify: EventFd::new(EFD_NONBLOCK)?,
         });
-        let inline = Inline::for_file(&file)?;
+        let inline = Inline::for_threads(&file)?;
         Ok(Self {
             pool,
             file,

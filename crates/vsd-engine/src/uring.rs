@@ -1,14 +1,20 @@
 //! The io_uring engine: one ring per queue, owned by the queue's thread.
+//!
+//! Reads and plain writes of in-memory files (tmpfs) complete on the
+//! queue's thread instead ([`Inline`]): such files do not take io_uring's
+//! non-blocking attempt, so the ring would hand each of them to a kernel
+//! worker thread, which then competes with the queue's thread for the CPUs.
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::Arc;
 
 use io_uring::{IoUring, opcode, squeue, types};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_sys::falloc;
 
+use crate::inline::Inline;
 use crate::{Completion, IoOp, IoQueue};
 
 /// The file is registered as fixed file 0, which saves the kernel a file
@@ -35,13 +41,18 @@ struct InFlight {
 /// A queue on its own io_uring, with completions signalled on an eventfd.
 pub struct UringQueue {
     ring: IoUring,
-    _file: Arc<File>,
+    file: Arc<File>,
     notify: EventFd,
     requests: Vec<InFlight>,
     in_flight: usize,
     queued: usize,
     /// `io_uring_enter` calls made so far.
     entries: u64,
+    inline: Inline,
+    /// Tags pushed to be completed inline at the next submit.
+    deferred: Vec<u32>,
+    /// Completed inline, not reaped yet.
+    ready: Vec<Completion>,
 }
 
 impl UringQueue {
@@ -56,15 +67,36 @@ impl UringQueue {
         let notify = EventFd::new(EFD_NONBLOCK)?;
         ring.submitter().register_eventfd(notify.as_raw_fd())?;
         let idle = InFlight { op: IoOp::Flush, step: Step::Idle };
+        let depth = usize::from(depth.max(1));
         Ok(Self {
             ring,
-            _file: file,
+            inline: Inline::for_ring(&file)?,
+            file,
             notify,
-            requests: vec![idle; usize::from(depth.max(1))],
+            requests: vec![idle; depth],
             in_flight: 0,
             queued: 0,
             entries: 0,
+            deferred: Vec::with_capacity(depth),
+            ready: Vec::with_capacity(depth),
         })
+    }
+
+    /// Completes the deferred requests inline, or queues them on the ring
+    /// if they turn out to be the ring's to do.
+    fn run_deferred(&mut self) {
+        let mut deferred = std::mem::take(&mut self.deferred);
+        for tag in deferred.drain(..) {
+            match self.inline.complete(self.file.as_fd(), self.requests[tag as usize].op) {
+                Some(errno) => {
+                    self.requests[tag as usize].step = Step::Idle;
+                    self.in_flight -= 1;
+                    self.ready.push(Completion { tag, errno });
+                }
+                None => self.queue_sqe(tag, Step::Main),
+            }
+        }
+        self.deferred = deferred;
     }
 
     /// Checks that io_uring can be used here, for a clear error at startup
@@ -162,10 +194,18 @@ impl IoQueue for UringQueue {
         assert!(self.in_flight < self.requests.len(), "more requests than the queue depth");
         self.requests[tag as usize] = InFlight { op, step: Step::Main };
         self.in_flight += 1;
-        self.queue_sqe(tag, Step::Main);
+        if self.inline.may_take(&op) {
+            // Done at submit, not here: the time is the I/O's, not the push's.
+            self.deferred.push(tag);
+        } else {
+            self.queue_sqe(tag, Step::Main);
+        }
     }
 
     fn submit(&mut self) -> io::Result<()> {
+        if !self.deferred.is_empty() {
+            self.run_deferred();
+        }
         if self.queued == 0 {
             return Ok(());
         }
@@ -175,6 +215,7 @@ impl IoQueue for UringQueue {
     }
 
     fn reap(&mut self, out: &mut Vec<Completion>) {
+        out.append(&mut self.ready);
         loop {
             let cqe = {
                 let mut cq = self.ring.completion();
@@ -196,6 +237,14 @@ impl IoQueue for UringQueue {
     }
 
     fn wait(&mut self) -> io::Result<()> {
+        if !self.deferred.is_empty() {
+            self.run_deferred();
+        }
+        if !self.ready.is_empty() || self.in_flight == 0 {
+            // Something to reap already: hand the ring what is queued
+            // without waiting for it.
+            return self.submit();
+        }
         self.queued = 0;
         self.entries += 1;
         self.ring.submit_and_wait(1).map(drop)
