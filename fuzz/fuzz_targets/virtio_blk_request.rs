@@ -309,6 +309,7 @@ fuzz_target!(|data: &[u8]| {
 
     let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
     let mut iov = [empty; MAX_IOVECS];
+    let mut parser = request::Parser::new();
     // The guest may keep the ring full: a bounded number of requests.
     for _ in 0..2 * usize::from(size).min(64) {
         let chain = match queue.iter(&mem) {
@@ -320,7 +321,7 @@ fuzz_target!(|data: &[u8]| {
         };
         let head = chain.head_index();
         let descs: Vec<Descriptor> = chain.clone().collect();
-        let result = request::parse(chain, &mem, &limits, &mut iov);
+        let result = parser.parse(chain, &mem, &limits, &mut iov);
         check(&mem, &limits, &descs, &result, &iov);
         if *DEBUG.get_or_init(|| std::env::var_os("VSD_FUZZ_DEBUG").is_some()) {
             eprintln!("chain {head}: {} descriptors -> {result:?}", descs.len());

@@ -159,25 +159,57 @@ impl<'a> Region<'a> {
     }
 }
 
-/// Parses one descriptor chain.
-///
-/// `descriptors` yields the chain as the queue walks it (which stops at
-/// loops, over-long chains and bad indirect tables); data buffers are mapped
-/// into `iov`. Host pointers in `iov` stay valid while `mem`'s mappings do.
-pub fn parse<M: GuestMemoryBackend>(
+/// Parses descriptor chains, with its working space allocated once (a
+/// zeroed array of spans per request cost about 130 instructions, 5 % of
+/// a null-co request).
+pub struct Parser {
+    spans: Vec<Span>,
+}
+
+impl Default for Parser {
+    fn default() -> Self {
+        Self { spans: Vec::with_capacity(MAX_DESCRIPTORS) }
+    }
+}
+
+impl Parser {
+    /// A parser for one thread's requests.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Parses one descriptor chain.
+    ///
+    /// `descriptors` yields the chain as the queue walks it (which stops at
+    /// loops, over-long chains and bad indirect tables); data buffers are
+    /// mapped into `iov`. Host pointers in `iov` stay valid while `mem`'s
+    /// mappings do.
+    pub fn parse<M: GuestMemoryBackend>(
+        &mut self,
+        descriptors: impl Iterator<Item = Descriptor>,
+        mem: &M,
+        limits: &Limits,
+        iov: &mut [libc::iovec; MAX_IOVECS],
+    ) -> Result<Request, NoStatus> {
+        self.spans.clear();
+        parse(descriptors, mem, limits, iov, &mut self.spans)
+    }
+}
+
+fn parse<M: GuestMemoryBackend>(
     descriptors: impl Iterator<Item = Descriptor>,
     mem: &M,
     limits: &Limits,
     iov: &mut [libc::iovec; MAX_IOVECS],
+    spans: &mut Vec<Span>,
 ) -> Result<Request, NoStatus> {
-    let mut spans = [Span::default(); MAX_DESCRIPTORS];
     let mut count = 0usize;
     let mut first_writable = None;
     let mut misordered = false;
     let mut last = None;
     for desc in descriptors {
         if count < MAX_DESCRIPTORS {
-            spans[count] = Span { addr: desc.addr().0, len: u64::from(desc.len()) };
+            spans.push(Span { addr: desc.addr().0, len: u64::from(desc.len()) });
         }
         match (desc.is_write_only(), first_writable) {
             (true, None) => first_writable = Some(count),
@@ -360,7 +392,7 @@ mod tests {
 
     fn parse_with(descs: Vec<Descriptor>, mem: &GuestMemoryMmap, limits: &Limits) -> Result<Request, NoStatus> {
         let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOVECS];
-        parse(descs.into_iter(), mem, limits, &mut iov)
+        Parser::new().parse(descs.into_iter(), mem, limits, &mut iov)
     }
 
     fn status_of(descs: Vec<Descriptor>, mem: &GuestMemoryMmap, limits: &Limits) -> Option<u8> {
@@ -541,7 +573,7 @@ mod tests {
         header(&mem, 0x1000, VIRTIO_BLK_T_GET_ID, 0);
         let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOVECS];
         let descs = chain(&[(0x1000, 16, R), (0x2000, 20, W), (0x3000, 1, W)]);
-        let req = parse(descs.into_iter(), &mem, &limits(), &mut iov).unwrap();
+        let req = Parser::new().parse(descs.into_iter(), &mem, &limits(), &mut iov).unwrap();
         assert_eq!(req.action, Action::GetId);
         // SAFETY: parse just mapped these iovecs into `mem`, alive here.
         let n = unsafe { write_id(&iov[..req.iovcnt], &id_bytes("serial-1")) };

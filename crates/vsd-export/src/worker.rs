@@ -204,6 +204,7 @@ struct QueueWorker {
     slots: Vec<Slot>,
     /// One iovec array per slot, allocated once.
     iovecs: Vec<[libc::iovec; MAX_IOVECS]>,
+    parser: request::Parser,
     free: Vec<u16>,
     completions: Vec<Completion>,
     /// Used entries published since the guest was last signalled.
@@ -297,6 +298,7 @@ impl QueueWorker {
         Ok(Self {
             slots: (0..depth).map(|_| idle()).collect(),
             iovecs: vec![[empty; MAX_IOVECS]; depth],
+            parser: request::Parser::new(),
             free: (0..depth as u16).rev().collect(),
             completions: Vec::with_capacity(depth),
             stats,
@@ -608,7 +610,7 @@ impl QueueWorker {
         let Some(tag) = self.free.pop() else { return };
         self.stats.requests.add(1);
         let iov = &mut self.iovecs[usize::from(tag)];
-        let request = match request::parse(chain, &**mem, limits, iov) {
+        let request = match self.parser.parse(chain, &**mem, limits, iov) {
             Ok(request) => request,
             Err(NoStatus) => {
                 log::debug!("queue {}: chain {head} has no status byte", self.run.index);
