@@ -9,7 +9,8 @@ throughput: sequential 64k writes at iodepth 32 into an empty qcow2 image,
 so every write allocates a cluster. Daemon on CPU 0, vsd-bench on CPU 1.
 
 Usage: scripts/bench-qcow2.py [--seconds 5] [--reps 3] [--out FILE.jsonl]
-       [--disk-dir /var/tmp] [--places tmpfs,disk]
+       [--disk-dir /var/tmp] [--places tmpfs,disk] [--cases randwrite:32,...]
+       [--no-first-write] [--target-dir DIR]
        scripts/bench-qcow2.py --report ROWS.jsonl
 Prints Markdown tables for BENCHMARKS.md.
 """
@@ -23,12 +24,13 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import QSD, VSD, serve_and_bench  # noqa: E402
+import benchlib  # noqa: E402
+from benchlib import QSD, serve_and_bench  # noqa: E402
 
 SIZE = "1G"
 FIRST_WRITE_SIZE = "8G"
 TARGETS = [("vsd", "raw"), ("vsd", "qcow2"), ("qsd", "qcow2"), ("qsd", "raw")]
-PROGRAMS = {"vsd": VSD, "qsd": QSD}
+ALL_CASES = [(rw, depth) for rw in ("randread", "randwrite") for depth in (1, 32)]
 
 
 def blockdevs(fmt, image, direct):
@@ -49,17 +51,29 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--disk-dir", default="/var/tmp")
     parser.add_argument("--places", default="tmpfs,disk", help="comma-separated subset of tmpfs,disk")
+    parser.add_argument("--cases", default=None,
+                        help="comma-separated subset of RW:IODEPTH, e.g. randwrite:32,randread:32 (default: all four)")
+    parser.add_argument("--no-first-write", action="store_true", help="skip the first-write runs")
+    parser.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR"),
+                        help="cargo target directory holding release/vsd and release/vsd-bench "
+                             "(default: $CARGO_TARGET_DIR, else the repository's target/)")
     parser.add_argument("--report", metavar="ROWS.jsonl", help="only print the tables of an earlier run")
     opts = parser.parse_args()
     if opts.report:
         return report_file(opts.report)
+    if opts.target_dir:
+        benchlib.VSD = os.path.join(opts.target_dir, "release", "vsd")
+        benchlib.BENCH = os.path.join(opts.target_dir, "release", "vsd-bench")
+    programs = {"vsd": benchlib.VSD, "qsd": QSD}
+    cases = ALL_CASES
+    if opts.cases:
+        cases = [(rw, int(depth)) for rw, depth in (c.split(":") for c in opts.cases.split(","))]
 
     dirs = {"tmpfs": ("/dev/shm", False), "disk": (opts.disk_dir, True)}
     places = {p: (tempfile.mkdtemp(prefix="vsd-q2-", dir=dirs[p][0]), dirs[p][1]) for p in opts.places.split(",")}
     for where, (workdir, _) in places.items():
         for fmt in ("raw", "qcow2"):
             make_image(os.path.join(workdir, f"disk.{fmt}"), fmt, SIZE, "full")
-    cases = [(rw, depth) for rw in ("randread", "randwrite") for depth in (1, 32)]
     rows = {}
     out = open(opts.out, "a") if opts.out else None
 
@@ -78,15 +92,17 @@ def main():
                     for daemon, fmt in targets:
                         image = os.path.join(workdir, f"disk.{fmt}")
                         bench = ["--rw", rw, "--bs", "4k", "--iodepth", str(depth)]
-                        result = serve_and_bench(PROGRAMS[daemon], blockdevs(fmt, image, direct), bench,
+                        result = serve_and_bench(programs[daemon], blockdevs(fmt, image, direct), bench,
                                                  opts.seconds, workdir)
                         record((where, rw, depth, daemon, fmt), result, rep=rep, place=where, rw=rw,
                                iodepth=depth, daemon=daemon, format=fmt)
+                if opts.no_first_write:
+                    continue
                 for daemon in ("vsd", "qsd") if rep % 2 == 0 else ("qsd", "vsd"):
                     image = os.path.join(workdir, "fresh.qcow2")
                     make_image(image, "qcow2", FIRST_WRITE_SIZE, "off")
                     bench = ["--rw", "write", "--bs", "64k", "--iodepth", "32"]
-                    result = serve_and_bench(PROGRAMS[daemon], blockdevs("qcow2", image, direct), bench,
+                    result = serve_and_bench(programs[daemon], blockdevs("qcow2", image, direct), bench,
                                              opts.seconds, workdir)
                     os.unlink(image)
                     record((where, "first-write", daemon), result, rep=rep, place=where, rw="first-write 64k",
@@ -117,15 +133,18 @@ def report(rows, places, cases):
             cells = [med((where, rw, depth, d, f)) / 1000 for d, f in TARGETS]
             print(f"| {where} | {rw} | {depth} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
     print("\nPaired ratios (median of the per-repetition ratios; per repetition in brackets):\n")
-    print("| place | 4k | iodepth | vsd qcow2 / vsd raw | vsd qcow2 / QSD qcow2 |")
-    print("|---|---|---|---|---|")
+    print("| place | 4k | iodepth | vsd qcow2 / vsd raw | vsd qcow2 / QSD qcow2 | vsd raw / QSD raw |")
+    print("|---|---|---|---|---|---|")
     for where in places:
         for rw, depth in cases:
             cells = []
-            for other in (("vsd", "raw"), ("qsd", "qcow2")):
-                m, each = paired(rows, (where, rw, depth, "vsd", "qcow2"), (where, rw, depth, *other))
+            for num, den in ((("vsd", "qcow2"), ("vsd", "raw")), (("vsd", "qcow2"), ("qsd", "qcow2")),
+                             (("vsd", "raw"), ("qsd", "raw"))):
+                m, each = paired(rows, (where, rw, depth, *num), (where, rw, depth, *den))
                 cells.append(f"{m:.2f} [" + " ".join(f"{x:.2f}" for x in each) + "]")
-            print(f"| {where} | {rw} | {depth} | {cells[0]} | {cells[1]} |")
+            print(f"| {where} | {rw} | {depth} | " + " | ".join(cells) + " |")
+    if not any(key[1] == "first-write" for key in rows):
+        return
     print("\nFirst write into an empty qcow2 image, 64k sequential, iodepth 32 (MiB/s per repetition, median):\n")
     print("| place | vsd | QSD | vsd/QSD (paired median) |")
     print("|---|---|---|---|")
