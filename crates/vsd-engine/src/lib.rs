@@ -228,6 +228,11 @@ pub trait IoQueue: Send {
     /// A descriptor that becomes readable when completions may be ready, if
     /// the engine completes asynchronously. [`IoQueue::rearm`] makes it
     /// unreadable again.
+    ///
+    /// Requests that complete within [`IoQueue::submit`] (inline, on the
+    /// caller's thread) do not make it readable: after a submit, reap
+    /// before waiting on it. A queue stacked on others that submits to
+    /// them inside its own `reap` reaps them again before it returns.
     fn notify_fd(&self) -> Option<BorrowedFd<'_>>;
 
     /// Consumes the readiness of [`IoQueue::notify_fd`] after it woke the

@@ -82,6 +82,15 @@ impl UringQueue {
         })
     }
 
+    /// Turns completion signals back on if requests are left in the kernel
+    /// (more in flight than completions waiting to be reaped).
+    fn signal_the_rest(&mut self) {
+        let cq = self.ring.completion();
+        if self.in_flight > cq.len() {
+            cq.enable_eventfd();
+        }
+    }
+
     /// Completes the deferred requests inline, or queues them on the ring
     /// if they turn out to be the ring's to do.
     fn run_deferred(&mut self) {
@@ -211,7 +220,13 @@ impl IoQueue for UringQueue {
         }
         self.queued = 0;
         self.entries += 1;
-        self.ring.submit().map(drop)
+        // What completes inside the call (io_uring reads cached data of a
+        // buffered file there) is reaped right after it, as IoQueue's
+        // contract asks: signalling it would only wake the owner once more.
+        self.ring.completion().disable_eventfd();
+        let submitted = self.ring.submit().map(drop);
+        self.signal_the_rest();
+        submitted
     }
 
     fn reap(&mut self, out: &mut Vec<Completion>) {
@@ -222,17 +237,22 @@ impl IoQueue for UringQueue {
                 cq.sync();
                 cq.next()
             };
-            let Some(cqe) = cqe else { break };
-            if let Some(done) = self.complete(cqe.user_data() as u32, cqe.result()) {
-                out.push(done);
+            if let Some(cqe) = cqe {
+                if let Some(done) = self.complete(cqe.user_data() as u32, cqe.result()) {
+                    out.push(done);
+                }
+                continue;
             }
-        }
-        // A zeroing request's next step was queued: it must reach the
-        // kernel now, as the owner may sleep until this request completes.
-        if self.queued > 0
-            && let Err(e) = self.submit()
-        {
-            log::warn!("io_uring submit failed: {e}");
+            if self.queued == 0 {
+                break;
+            }
+            // A zeroing request's next step was queued: it must reach the
+            // kernel now, as the owner may sleep until this request
+            // completes; and what that submit completed is reaped here.
+            if let Err(e) = self.submit() {
+                log::warn!("io_uring submit failed: {e}");
+                break;
+            }
         }
     }
 
@@ -247,6 +267,8 @@ impl IoQueue for UringQueue {
         }
         self.queued = 0;
         self.entries += 1;
+        // Whatever this leaves in flight signals the owner.
+        self.ring.completion().enable_eventfd();
         self.ring.submit_and_wait(1).map(drop)
     }
 

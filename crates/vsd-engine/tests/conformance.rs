@@ -2,6 +2,7 @@
 //! bytes on disk whichever engine performs them.
 
 use std::fs::File;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,7 +23,10 @@ fn scratch_file_in(dir: &std::path::Path, len: u64) -> Arc<File> {
     Arc::new(file)
 }
 
-/// Runs one request to completion and returns its errno.
+/// Runs one request to completion and returns its errno, as a queue
+/// worker does: push, submit, reap, and sleep on the notify descriptor
+/// only when nothing was reaped, which must then become readable (an
+/// engine that left a completion unsignalled would hang a worker).
 fn run(queue: &mut dyn IoQueue, op: IoOp) -> i32 {
     // SAFETY: the buffers named by `op` belong to the caller's frame and
     // outlive this function, which waits for the completion.
@@ -35,7 +39,16 @@ fn run(queue: &mut dyn IoQueue, op: IoOp) -> i32 {
             assert_eq!(c.tag, 3);
             return c.errno;
         }
-        queue.wait().unwrap();
+        match queue.notify_fd() {
+            Some(fd) => {
+                let mut poll = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                // SAFETY: one pollfd, a live local.
+                let ready = unsafe { libc::poll(&mut poll, 1, 10_000) };
+                assert_eq!(ready, 1, "a request in flight and no completion signalled ({op:?})");
+                queue.rearm();
+            }
+            None => queue.wait().unwrap(),
+        }
     }
     panic!("request never completed");
 }

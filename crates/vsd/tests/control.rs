@@ -330,7 +330,11 @@ fn statistics_count_what_a_client_did_and_time_every_stage() {
     // The client may catch a completion before it sleeps, and then asks
     // for no call (EVENT_IDX): at most one call per request.
     assert!(merged.events.calls > 0 && merged.events.calls <= merged.events.requests);
-    assert!(merged.events.kernel_entries >= served, "io_uring: at least one enter per request at qd1");
+    // One io_uring_enter per request at qd1, except where reads and writes
+    // complete inline (tmpfs, if the temporary directory is one); the
+    // flush always goes through the ring.
+    let entries = merged.events.kernel_entries;
+    assert!((1..=2 * served).contains(&entries), "{entries} kernel entries for {served} requests");
 
     // Each node counts what it was sent: the raw node the export's valid
     // requests (the export counted them, kick to call), the file node

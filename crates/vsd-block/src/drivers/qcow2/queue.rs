@@ -340,25 +340,34 @@ impl IoQueue for Qcow2Queue {
     fn reap(&mut self, out: &mut Vec<Completion>) {
         out.append(&mut self.answered);
         let mut reaped = std::mem::take(&mut self.reaped);
-        self.file.reap(&mut reaped);
-        if let Some(data) = &mut self.data {
-            data.reap(&mut reaped);
-        }
-        if let Some(backing) = &mut self.backing {
-            backing.reap(&mut reaped);
-        }
-        for c in reaped.drain(..) {
-            let parent = self.children[c.tag as usize].0;
-            self.free.push(c.tag);
-            self.settle(parent, c.errno, out);
-        }
-        self.reaped = reaped;
-        if !self.deferred.is_empty() {
-            self.send_deferred();
-            if let Err(e) = self.submit() {
-                log::error!("qcow2: submitting deferred requests failed: {e}");
+        // Until a round finds nothing: settling may run metadata I/O that
+        // stashes children's completions, and deferred requests submitted
+        // here may complete at once (inline, on tmpfs). Neither makes a
+        // child's notify_fd readable, so the owner would sleep on them.
+        loop {
+            self.file.reap(&mut reaped);
+            if let Some(data) = &mut self.data {
+                data.reap(&mut reaped);
+            }
+            if let Some(backing) = &mut self.backing {
+                backing.reap(&mut reaped);
+            }
+            if reaped.is_empty() {
+                break;
+            }
+            for c in reaped.drain(..) {
+                let parent = self.children[c.tag as usize].0;
+                self.free.push(c.tag);
+                self.settle(parent, c.errno, out);
+            }
+            if !self.deferred.is_empty() {
+                self.send_deferred();
+                if let Err(e) = self.submit() {
+                    log::error!("qcow2: submitting deferred requests failed: {e}");
+                }
             }
         }
+        self.reaped = reaped;
     }
 
     fn wait(&mut self) -> io::Result<()> {
