@@ -101,6 +101,19 @@ impl Layout {
         if self.extended { self.cluster_bits - 5 } else { self.cluster_bits }
     }
 
+    /// The host cluster, and whether it may be written in place, of a
+    /// standard entry that plainly maps data: not compressed, not zero, no
+    /// reserved bit, aligned, at a non-zero offset. That is what nearly
+    /// every lookup finds, decoded here without building an [`L2Entry`]
+    /// (a third of the mapping's cost); `None` leaves the entry to
+    /// [`Layout::decode`].
+    #[inline]
+    pub fn plain_data(&self, entry: u64) -> Option<(u64, bool)> {
+        let offset = entry & OFFSET_MASK;
+        let special = entry & (COMPRESSED | ZERO | L2_RESERVED) != 0 || offset & ((1 << self.cluster_bits) - 1) != 0;
+        (!self.extended && !special && offset != 0).then_some((offset, entry & COPIED != 0))
+    }
+
     /// Decodes an L2 entry and, for extended entries, its bitmap.
     pub fn decode(&self, entry: u64, bitmap: u64) -> Result<L2Entry, EntryError> {
         let copied = entry & COPIED != 0;
@@ -187,6 +200,41 @@ mod tests {
 
     const STD: Layout = Layout { cluster_bits: 16, extended: false, data_file: false };
     const EXT: Layout = Layout { cluster_bits: 16, extended: true, data_file: false };
+
+    /// The fast decoder agrees with the full one wherever it answers, and
+    /// answers for every plainly allocated standard entry.
+    #[test]
+    fn plain_data_agrees_with_decode() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let crafted = [0, 0x50000, 0x50000 | COPIED, 0x50000 | ZERO, 0x50200, COPIED, 0x50000 | COMPRESSED, 1 << 57];
+        let random = (0..100_000).map(|i| {
+            let r = next();
+            // Mostly aligned offsets with random flags, some raw noise.
+            if i % 4 == 0 { r } else { (r & (COPIED | ZERO | (1 << 1))) | ((r >> 8) & OFFSET_MASK & !0xffff) }
+        });
+        let mut plain = 0;
+        for entry in crafted.into_iter().chain(random) {
+            let full = STD.decode(entry, 0);
+            let is_plain = matches!(&full, Ok(e) if e.compressed.is_none() && e.alloc == 1 && e.zero == 0 && e.host.is_some_and(|h| h != 0));
+            match STD.plain_data(entry) {
+                Some((host, copied)) => {
+                    plain += 1;
+                    let e = full.unwrap();
+                    assert_eq!((e.host, e.copied, e.alloc, e.zero), (Some(host), copied, 1, 0), "{entry:#x}");
+                    assert_eq!(e.subcluster(0, 16), Subcluster::Data(host));
+                }
+                None => assert!(!is_plain, "{entry:#x} is plain data, the fast path said no"),
+            }
+            assert_eq!(EXT.plain_data(entry), None, "extended entries take the full path");
+        }
+        assert!(plain > 10_000, "the sample has plain entries: {plain}");
+    }
 
     #[test]
     fn standard_entries() {

@@ -75,6 +75,16 @@ impl L2Table {
         layout.decode(entry, bitmap)
     }
 
+    /// Entry `index` if it plainly maps data ([`Layout::plain_data`]) and
+    /// does not point into metadata.
+    #[inline]
+    pub(super) fn plain_data(&self, layout: &Layout, index: usize) -> Option<(u64, bool)> {
+        if layout.extended || self.bad[index / 64] & (1 << (index % 64)) != 0 {
+            return None;
+        }
+        layout.plain_data(self.words[index].load(Ordering::Acquire))
+    }
+
     /// Replaces entry `index` in memory; returns the byte range of the
     /// table that changed.
     pub(super) fn set(&self, layout: &Layout, index: usize, e: &L2Entry) -> std::ops::Range<usize> {

@@ -240,11 +240,19 @@ impl Image {
     /// subclusters that map the same way.
     fn walk(&self, table: &L2Table, offset: u64, limit: u64) -> Extent {
         let cb = self.header.cluster_bits;
+        // The common case, without the general walk: a range within one
+        // cluster that plainly holds data.
+        if limit <= ((offset >> cb) + 1) << cb
+            && let Some((host, in_place)) = table.plain_data(&self.layout, self.l2_index(offset))
+        {
+            let within = offset & ((1 << cb) - 1);
+            return Extent { mapping: Mapping::Data { host: host + within, in_place }, len: limit - offset };
+        }
         let scb = self.layout.subcluster_bits();
         let mut first: Option<Mapping> = None;
         let mut pos = offset;
         while pos < limit {
-            let index = ((pos >> cb) & ((1 << self.l2_bits) - 1)) as usize;
+            let index = self.l2_index(pos);
             let e = match table.decode(&self.layout, index) {
                 Ok(e) => e,
                 Err(e) if first.is_none() => return self.invalid(e, offset, (pos | (self.cluster_size() - 1)) + 1),
@@ -277,6 +285,11 @@ impl Image {
             }
         }
         Extent { mapping: first.expect("the loop runs at least once"), len: pos.min(limit) - offset }
+    }
+
+    /// The index in its L2 table of the entry mapping guest `offset`.
+    fn l2_index(&self, offset: u64) -> usize {
+        ((offset >> self.header.cluster_bits) & ((1 << self.l2_bits) - 1)) as usize
     }
 
     fn invalid(&self, e: impl std::fmt::Display, offset: u64, end: u64) -> Extent {
