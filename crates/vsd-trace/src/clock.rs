@@ -61,6 +61,13 @@ fn read_tsc() -> u64 {
     crate::now_ns()
 }
 
+/// A clock with whole ticks per nanosecond (faster than 1 GHz, as a TSC
+/// is), for tests of scaling.
+#[cfg(test)]
+pub(crate) fn with_ticks_per_ns(ticks: u64) -> Clock {
+    Clock { ns_per_tick: (1 << 32) / ticks, tsc: false }
+}
+
 /// A clock with whole nanoseconds per tick, for tests of scaling.
 #[cfg(test)]
 pub(crate) fn with_ns_per_tick(ns: u64) -> Clock {
