@@ -159,14 +159,16 @@ impl AccountedQueue {
     }
 }
 
-/// How a request is counted: its kind, as QEMU's accounting sees it, and its bytes.
-fn counted_as(op: &IoOp) -> (OpKind, u64) {
-    match *op {
-        IoOp::Read { len, .. } => (OpKind::Read, len),
-        IoOp::Write { len, .. } | IoOp::WriteZeroes { len, .. } => (OpKind::Write, len),
-        IoOp::Flush => (OpKind::Flush, 0),
-        IoOp::Discard { len, .. } => (OpKind::Unmap, len),
-    }
+/// How a request is counted, by exports and nodes alike: its kind, as
+/// QEMU's accounting sees it (write-zeroes are writes), and its bytes.
+pub fn counted_as(op: &IoOp) -> (OpKind, u64) {
+    let kind = match op {
+        IoOp::Read { .. } => OpKind::Read,
+        IoOp::Write { .. } | IoOp::WriteZeroes { .. } => OpKind::Write,
+        IoOp::Flush => OpKind::Flush,
+        IoOp::Discard { .. } => OpKind::Unmap,
+    };
+    (kind, op.extent().map_or(0, |(_, len)| len))
 }
 
 impl IoQueue for AccountedQueue {

@@ -20,6 +20,7 @@ pub mod options;
 use std::io;
 use std::sync::Arc;
 
+pub use accounting::counted_as;
 pub use vsd_engine::{Completion, IoOp, IoQueue, IoVecs};
 
 use options::{OptionError, OptionMap};

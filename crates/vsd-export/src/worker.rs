@@ -623,16 +623,14 @@ impl QueueWorker {
         // lives as long as the worker; the slot holds the guest memory they
         // point into until the request completes.
         let data = unsafe { IoVecs::new(iov.as_ptr(), request.iovcnt) };
-        let (op, kind, data_len) = match request.action {
-            Action::Read { offset, len } => (IoOp::Read { offset, len, iov: data }, OpKind::Read, len as u32),
+        let (op, data_len) = match request.action {
+            Action::Read { offset, len } => (IoOp::Read { offset, len, iov: data }, len as u32),
             Action::Write { offset, len } => {
-                (IoOp::Write { offset, len, iov: data, durable: !self.device.writeback() }, OpKind::Write, 0)
+                (IoOp::Write { offset, len, iov: data, durable: !self.device.writeback() }, 0)
             }
-            Action::Flush => (IoOp::Flush, OpKind::Flush, 0),
-            Action::Discard { offset, len } => (IoOp::Discard { offset, len }, OpKind::Unmap, 0),
-            Action::WriteZeroes { offset, len, unmap } => {
-                (IoOp::WriteZeroes { offset, len, may_unmap: unmap }, OpKind::Write, 0)
-            }
+            Action::Flush => (IoOp::Flush, 0),
+            Action::Discard { offset, len } => (IoOp::Discard { offset, len }, 0),
+            Action::WriteZeroes { offset, len, unmap } => (IoOp::WriteZeroes { offset, len, may_unmap: unmap }, 0),
             Action::GetId => {
                 // SAFETY: the iovecs were just mapped by `parse` for this
                 // GET_ID request and `mem` keeps them mapped.
@@ -648,13 +646,14 @@ impl QueueWorker {
                 return;
             }
         };
+        let (kind, bytes) = vsd_block::counted_as(&op);
         let slot = &mut self.slots[usize::from(tag)];
         *slot = Slot {
             head,
             status: request.status,
             used_len: data_len + 1,
             kind,
-            bytes: op.extent().map_or(0, |(_, len)| len),
+            bytes,
             stamps: Stamps { kicked: self.woke_at, popped: self.popping_at, submitted: 0 },
             mem: Some(mem.clone()),
         };
