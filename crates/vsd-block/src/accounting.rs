@@ -76,11 +76,13 @@ impl Drop for Lease {
 pub(crate) struct AccountedNode {
     inner: Arc<dyn BlockNode>,
     stats: Arc<NodeStats>,
+    /// The node's cache options, which the graph parses for every driver.
+    cache: crate::Cache,
 }
 
 impl AccountedNode {
-    pub(crate) fn new(inner: Arc<dyn BlockNode>) -> Self {
-        Self { inner, stats: Arc::default() }
+    pub(crate) fn new(inner: Arc<dyn BlockNode>, cache: crate::Cache) -> Self {
+        Self { inner, stats: Arc::default(), cache }
     }
 }
 
@@ -98,7 +100,7 @@ impl BlockNode for AccountedNode {
         self.inner.read_only()
     }
     fn cache(&self) -> crate::Cache {
-        self.inner.cache()
+        self.cache
     }
     fn filename(&self) -> Option<&str> {
         self.inner.filename()

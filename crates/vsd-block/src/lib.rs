@@ -36,8 +36,7 @@ pub trait BlockNode: Send + Sync {
     fn size(&self) -> u64;
     /// Whether writes are refused.
     fn read_only(&self) -> bool;
-    /// The node's own cache options (`cache.direct`, `cache.no-flush`):
-    /// only file nodes take them.
+    /// The node's cache options (`cache.direct`, `cache.no-flush`).
     fn cache(&self) -> Cache {
         Cache::default()
     }
@@ -77,12 +76,36 @@ pub trait BlockNode: Send + Sync {
 }
 
 /// A node's cache options, as QEMU's `BlockdevCacheInfo` reports them.
+///
+/// Every node takes them, as in QEMU, and children defined inline inherit
+/// those they do not set; only file nodes act on them (the others reach
+/// the host through a file node with options of its own).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Cache {
     /// `cache.direct=on`: O_DIRECT, bypassing the host's page cache.
     pub direct: bool,
     /// `cache.no-flush=on`: flushes succeed without doing anything.
     pub no_flush: bool,
+}
+
+impl Cache {
+    const KEYS: [&'static str; 2] = ["cache.direct", "cache.no-flush"];
+
+    fn take(opts: &mut OptionMap) -> Result<Self, OptionError> {
+        let direct = opts.take_bool("cache.direct")?.unwrap_or(false);
+        let no_flush = opts.take_bool("cache.no-flush")?.unwrap_or(false);
+        Ok(Self { direct, no_flush })
+    }
+
+    /// Gives an inline child the cache options of its parent it does not
+    /// set itself (QEMU's inherited options).
+    fn inherit(parent: &OptionMap, child: &mut OptionMap) {
+        for key in Self::KEYS {
+            if let (Some(value), false) = (parent.get(key), child.has(key)) {
+                child.insert(key, value);
+            }
+        }
+    }
 }
 
 /// Why a node could not be added.
@@ -187,6 +210,7 @@ impl BlockGraph {
                     reason: format!("'{role}' is given both by name and inline"),
                 });
             }
+            Cache::inherit(&opts, &mut child);
             if !child.has("node-name") {
                 self.implicit += 1;
                 child.insert("node-name", format!("#block{}", self.implicit));
@@ -200,8 +224,9 @@ impl BlockGraph {
         if self.get(&name).is_some() {
             return Err(GraphError::DuplicateNode { context, name });
         }
+        let cache = Cache::take(&mut opts)?;
         let node: Arc<dyn BlockNode> =
-            Arc::new(accounting::AccountedNode::new(drivers::open(&driver, name, &mut opts, self)?));
+            Arc::new(accounting::AccountedNode::new(drivers::open(&driver, name, cache, &mut opts, self)?, cache));
         opts.finish()?;
         self.nodes.push(node.clone());
         Ok(node)
@@ -269,6 +294,33 @@ mod tests {
             r#"{"driver": "raw", "node-name": "j", "file": {"driver": "null-co", "node-name": "n", "size": 4096}}"#;
         add(&mut graph, json).unwrap();
         assert_eq!(names(&graph), ["#block1", "r", "n", "j"]);
+    }
+
+    #[test]
+    fn every_node_takes_cache_options_and_inline_children_inherit_them() {
+        let dir = std::env::temp_dir().join(format!("vsd-cache-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let image = dir.join("img");
+        std::fs::write(&image, [0u8; 4096]).unwrap();
+        let file = format!("file.driver=file,file.filename={}", image.display());
+        let unsafe_cache = Cache { direct: false, no_flush: true };
+        let mut graph = BlockGraph::new();
+
+        let raw = add(&mut graph, &format!("driver=raw,node-name=r,cache.no-flush=on,{file}")).unwrap();
+        assert_eq!(raw.cache(), unsafe_cache);
+        assert_eq!(raw.children()[0].1.cache(), unsafe_cache, "an inline child inherits");
+
+        let own = add(&mut graph, &format!("driver=raw,node-name=o,cache.no-flush=on,{file},file.cache.no-flush=off"));
+        assert_eq!(own.unwrap().children()[0].1.cache(), Cache::default(), "an inline child's own setting wins");
+
+        add(&mut graph, &format!("driver=file,node-name=f,filename={}", image.display())).unwrap();
+        let named = add(&mut graph, "driver=raw,node-name=n,file=f,cache.no-flush=on").unwrap();
+        assert_eq!(named.cache(), unsafe_cache);
+        assert_eq!(graph.get("f").unwrap().cache(), Cache::default(), "a child given by name keeps its own");
+
+        let null = add(&mut graph, "driver=null-co,node-name=z,size=4096,cache.direct=on").unwrap();
+        assert_eq!(null.cache(), Cache { direct: true, no_flush: false });
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

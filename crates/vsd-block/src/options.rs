@@ -160,6 +160,11 @@ impl OptionMap {
         Some(OptionMap { context: format!("{} {prefix}", self.context), entries })
     }
 
+    /// `key`'s value, left in place.
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.entries.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+    }
+
     /// Whether `key` is present.
     pub fn has(&self, key: &str) -> bool {
         self.entries.iter().any(|(k, _)| k == key)

@@ -10,7 +10,7 @@ use vsd_engine::{IoOp, IoQueue, PoolQueue, ThreadPool, UringQueue};
 
 use super::{Filter, FilteredQueue, Route, out_of_bounds};
 use crate::options::OptionMap;
-use crate::{BlockNode, GraphError};
+use crate::{BlockNode, Cache, GraphError};
 
 /// How requests reach the file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,7 +25,6 @@ pub(crate) struct FileNode {
     file: Arc<File>,
     size: AtomicU64,
     read_only: bool,
-    direct: bool,
     policy: FilePolicy,
     /// Only for `aio=threads`: shared by all of the node's queues.
     pool: Option<Arc<ThreadPool>>,
@@ -45,11 +44,10 @@ struct FilePolicy {
 }
 
 impl FileNode {
-    pub(crate) fn open(name: String, opts: &mut OptionMap) -> Result<Self, GraphError> {
+    pub(crate) fn open(name: String, cache: Cache, opts: &mut OptionMap) -> Result<Self, GraphError> {
         let context = opts.context().to_string();
         let filename = opts.require("filename")?;
-        let direct = opts.take_bool("cache.direct")?.unwrap_or(false);
-        let no_flush = opts.take_bool("cache.no-flush")?.unwrap_or(false);
+        let Cache { direct, no_flush } = cache;
         let read_only = opts.take_bool("read-only")?.unwrap_or(false);
         let aio = match opts.take_choice("aio", &["io_uring", "threads"])? {
             Some("threads") => Aio::Threads,
@@ -82,7 +80,6 @@ impl FileNode {
             file: Arc::new(file),
             size: AtomicU64::new(size),
             read_only,
-            direct,
             policy: FilePolicy { no_flush, unmap },
             pool: (aio == Aio::Threads).then(ThreadPool::new),
         })
@@ -133,10 +130,6 @@ impl BlockNode for FileNode {
 
     fn read_only(&self) -> bool {
         self.read_only
-    }
-
-    fn cache(&self) -> crate::Cache {
-        crate::Cache { direct: self.direct, no_flush: self.policy.no_flush }
     }
 
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {

@@ -14,16 +14,17 @@ use std::sync::Arc;
 use vsd_engine::{Completion, IoOp, IoQueue};
 
 use crate::options::OptionMap;
-use crate::{BlockGraph, BlockNode, GraphError};
+use crate::{BlockGraph, BlockNode, Cache, GraphError};
 
 pub(crate) fn open(
     driver: &str,
     name: String,
+    cache: Cache,
     opts: &mut OptionMap,
     graph: &BlockGraph,
 ) -> Result<Arc<dyn BlockNode>, GraphError> {
     match driver {
-        "file" => Ok(Arc::new(file::FileNode::open(name, opts)?)),
+        "file" => Ok(Arc::new(file::FileNode::open(name, cache, opts)?)),
         "raw" => Ok(Arc::new(raw::RawNode::open(name, opts, graph)?)),
         "qcow2" => Ok(Arc::new(qcow2::Qcow2Node::open(name, opts, graph)?)),
         "null-co" => Ok(Arc::new(null::NullNode::open(name, opts)?)),

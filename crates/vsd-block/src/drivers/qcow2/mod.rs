@@ -212,7 +212,7 @@ fn open_file(path: &Path, read_only: bool) -> Result<Arc<dyn BlockNode>, GraphEr
     })?;
     let text = format!("filename={},read-only={}", filename.replace(',', ",,"), read_only);
     let mut opts = OptionMap::parse("--blockdev", &text)?;
-    let node = FileNode::open(format!("#{filename}"), &mut opts)?;
+    let node = FileNode::open(format!("#{filename}"), crate::Cache::default(), &mut opts)?;
     opts.finish()?;
     Ok(Arc::new(node))
 }
