@@ -168,6 +168,7 @@ impl L2Cache {
     }
 
     /// The cache's current generation.
+    #[inline]
     pub(super) fn generation(&self) -> u64 {
         self.generation.load(Ordering::Acquire)
     }
@@ -181,6 +182,7 @@ impl L2Cache {
     }
 
     /// Marks a table as recently used.
+    #[inline]
     pub(super) fn touch(&self, table: &L2Table) {
         let now = self.clock.load(Ordering::Relaxed);
         if table.stamp.load(Ordering::Relaxed) != now {

@@ -176,11 +176,13 @@ impl Image {
     }
 
     /// The virtual disk size.
+    #[inline]
     pub fn size(&self) -> u64 {
         self.size.load(Ordering::Acquire)
     }
 
     /// Bytes per cluster.
+    #[inline]
     pub fn cluster_size(&self) -> u64 {
         self.header.cluster_size()
     }
@@ -208,27 +210,38 @@ impl Image {
     /// The mapping of the guest bytes from `offset`, for at most `len`
     /// bytes; the returned extent is never empty. `memo` is the calling
     /// queue's own.
+    #[inline(always)]
     pub fn map(&self, memo: &mut MapMemo, io: &mut dyn SyncIo, offset: u64, len: u64) -> io::Result<Extent> {
-        let span_bits = self.header.cluster_bits + self.l2_bits();
-        let l1_index = offset >> span_bits;
-        let limit = offset + len.min(((l1_index + 1) << span_bits) - offset);
+        // Nearly every request ends here, inlined into the caller: no L1
+        // entry decoded, no walk, no extent returned through memory.
+        if let Some(table) = self.memoised(memo, self.l1_index(offset))
+            && let Some(extent) = self.plain(table, offset, len)
+        {
+            self.l2.touch(table);
+            return Ok(extent);
+        }
+        self.map_through_l1(memo, io, offset, len)
+    }
 
-        let l2_offset = match entry::l1(self.l1[l1_index as usize].load(Ordering::Acquire), self.cluster_size()) {
+    /// [`Image::map`] for any range: the L1 entry decoded, the table looked
+    /// up in the cache or loaded, and walked.
+    fn map_through_l1(&self, memo: &mut MapMemo, io: &mut dyn SyncIo, offset: u64, len: u64) -> io::Result<Extent> {
+        let span_bits = self.header.cluster_bits + self.l2_bits();
+        let l1_index = self.l1_index(offset);
+        let limit = offset + len.min((((offset >> span_bits) + 1) << span_bits) - offset);
+
+        let l2_offset = match entry::l1(self.l1[l1_index].load(Ordering::Acquire), self.cluster_size()) {
             Ok(Some((l2_offset, _))) => l2_offset,
             Ok(None) => return Ok(Extent { mapping: Mapping::Unallocated, len: limit - offset }),
             Err(e) => return Ok(self.invalid(e, offset, limit)),
         };
-        let slot = &mut memo.slots[l1_index as usize % MEMO_SLOTS];
-        if let Some((memo_offset, generation, table)) = slot
-            && *memo_offset == l2_offset
-            && *generation == self.l2.generation()
-        {
+        if let Some(table) = self.memoised(memo, l1_index) {
             self.l2.touch(table);
             return Ok(self.walk(table, offset, limit));
         }
         let table = match self.l2.lookup(l2_offset) {
             Some((table, generation)) => {
-                *slot = Some((l2_offset, generation, table.clone()));
+                memo.slots[l1_index % MEMO_SLOTS] = Some((l2_offset, generation, table.clone()));
                 table
             }
             None => self.load_l2(&mut self.lock(), io, l2_offset)?,
@@ -236,18 +249,39 @@ impl Image {
         Ok(self.walk(&table, offset, limit))
     }
 
+    /// The memo's table for L1 entry `l1_index`, if the entry still names
+    /// it and the cache still holds it: then no lock is taken and nothing
+    /// hashed.
+    #[inline]
+    fn memoised<'m>(&self, memo: &'m MapMemo, l1_index: usize) -> Option<&'m L2Table> {
+        let (table_offset, generation, table) = memo.slots[l1_index % MEMO_SLOTS].as_ref()?;
+        // The memoised offset came from a valid entry: an entry equal to it
+        // but for the COPIED flag is valid too, and names the same table.
+        let l1_entry = self.l1.get(l1_index)?.load(Ordering::Acquire);
+        (l1_entry & !entry::COPIED == *table_offset && *generation == self.l2.generation()).then_some(&**table)
+    }
+
+    /// The mapping of a range within one cluster that plainly holds data
+    /// ([`L2Table::plain_data`]), the common case, without the general
+    /// walk; `None` for any other range.
+    #[inline]
+    fn plain(&self, table: &L2Table, offset: u64, len: u64) -> Option<Extent> {
+        let cb = self.header.cluster_bits;
+        let within = offset & ((1 << cb) - 1);
+        if len > (1 << cb) - within {
+            return None;
+        }
+        let (host, in_place) = table.plain_data(&self.layout, self.l2_index(offset))?;
+        Some(Extent { mapping: Mapping::Data { host: host + within, in_place }, len })
+    }
+
     /// Walks `table` from `offset` to `limit` (both within it), merging
     /// subclusters that map the same way.
     fn walk(&self, table: &L2Table, offset: u64, limit: u64) -> Extent {
-        let cb = self.header.cluster_bits;
-        // The common case, without the general walk: a range within one
-        // cluster that plainly holds data.
-        if limit <= ((offset >> cb) + 1) << cb
-            && let Some((host, in_place)) = table.plain_data(&self.layout, self.l2_index(offset))
-        {
-            let within = offset & ((1 << cb) - 1);
-            return Extent { mapping: Mapping::Data { host: host + within, in_place }, len: limit - offset };
+        if let Some(extent) = self.plain(table, offset, limit - offset) {
+            return extent;
         }
+        let cb = self.header.cluster_bits;
         let scb = self.layout.subcluster_bits();
         let mut first: Option<Mapping> = None;
         let mut pos = offset;
@@ -287,7 +321,14 @@ impl Image {
         Extent { mapping: first.expect("the loop runs at least once"), len: pos.min(limit) - offset }
     }
 
+    /// The index in the L1 table of the entry mapping guest `offset`.
+    #[inline]
+    fn l1_index(&self, offset: u64) -> usize {
+        (offset >> (self.header.cluster_bits + self.l2_bits)) as usize
+    }
+
     /// The index in its L2 table of the entry mapping guest `offset`.
+    #[inline]
     fn l2_index(&self, offset: u64) -> usize {
         ((offset >> self.header.cluster_bits) & ((1 << self.l2_bits) - 1)) as usize
     }
@@ -345,6 +386,7 @@ impl Image {
 
     /// Whether metadata changed since the last flush: then a flush must go
     /// through [`Image::flush`] rather than straight to the files.
+    #[inline]
     pub fn metadata_dirty(&self) -> bool {
         self.dirty.load(Ordering::Acquire)
     }
@@ -405,10 +447,14 @@ impl Image {
         }
         let mut raw = AlignedBuf::zeroed(self.cluster_size() as usize);
         io.read_at(&mut raw, l2_offset)?;
-        let cb = self.header.cluster_bits;
-        let is_metadata = |host: u64| self.metadata.contains(host >> cb);
-        let check: Option<&dyn Fn(u64) -> bool> = if self.layout.data_file { None } else { Some(&is_metadata) };
-        let table = Arc::new(L2Table::parse(l2_offset, &raw, &self.layout, check));
+        let table = Arc::new(if self.layout.data_file {
+            L2Table::parse(l2_offset, &raw, &self.layout, None)
+        } else {
+            let cb = self.header.cluster_bits;
+            self.metadata.with_test(|is_metadata| {
+                L2Table::parse(l2_offset, &raw, &self.layout, Some(&|host| is_metadata(host >> cb)))
+            })
+        });
         self.l2.insert(table.clone());
         Ok(table)
     }

@@ -3,7 +3,7 @@
 //! check), so a corrupt table entry can never send guest data over a
 //! table, and the allocator never hands such a cluster out.
 
-use std::sync::RwLock;
+use std::sync::{RwLock, RwLockReadGuard};
 
 /// A bitmap of metadata clusters, growing with the image.
 #[derive(Default)]
@@ -35,15 +35,29 @@ impl MetadataMap {
     }
 
     pub(super) fn contains(&self, cluster: u64) -> bool {
-        let bits = self.bits.read().unwrap_or_else(|e| e.into_inner());
-        bits.get((cluster / 64) as usize).is_some_and(|w| w & (1 << (cluster % 64)) != 0)
+        holds(&self.read(), cluster)
     }
 
     /// Whether any cluster of the byte range `[offset, offset + len)` holds
     /// metadata.
     pub(super) fn overlaps(&self, offset: u64, len: u64, cluster_bits: u32) -> bool {
-        let bits = self.bits.read().unwrap_or_else(|e| e.into_inner());
+        let bits = self.read();
         let last = (offset + len.max(1) - 1) >> cluster_bits;
-        ((offset >> cluster_bits)..=last).any(|c| bits.get((c / 64) as usize).is_some_and(|w| w & (1 << (c % 64)) != 0))
+        ((offset >> cluster_bits)..=last).any(|c| holds(&bits, c))
     }
+
+    /// Runs `f` with a test of whether a cluster holds metadata, locking
+    /// once for all its tests (a table's worth of entries).
+    pub(super) fn with_test<R>(&self, f: impl FnOnce(&dyn Fn(u64) -> bool) -> R) -> R {
+        let bits = self.read();
+        f(&|cluster| holds(&bits, cluster))
+    }
+
+    fn read(&self) -> RwLockReadGuard<'_, Vec<u64>> {
+        self.bits.read().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+fn holds(bits: &[u64], cluster: u64) -> bool {
+    bits.get((cluster / 64) as usize).is_some_and(|w| w & (1 << (cluster % 64)) != 0)
 }

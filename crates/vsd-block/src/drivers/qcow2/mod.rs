@@ -304,12 +304,18 @@ impl BlockNode for Qcow2Node {
     }
 
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
-        // Requests split at cluster boundaries need more child tags than
-        // the guest has requests; beyond these, children wait in line.
-        let child_depth = depth.saturating_mul(2).clamp(8, u16::MAX - 1);
+        // Child tags below `depth` carry guest requests sent whole, under
+        // their own tags. Requests split at cluster boundaries need tags
+        // for their parts; beyond these, parts wait in line. (The child
+        // queue keeps one more tag for blocking requests.)
+        let parts = depth.max(8).min((u16::MAX - 1).saturating_sub(depth));
+        if parts == 0 {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        let child_depth = depth + parts;
         let file = ChildQueue::open(&*self.file, child_depth, u64::MAX)?;
         let data = self.data.as_ref().map(|d| ChildQueue::open(&**d, child_depth, u64::MAX)).transpose()?;
         let backing = self.backing.as_ref().map(|b| ChildQueue::open(&**b, child_depth, b.size())).transpose()?;
-        Ok(Box::new(Qcow2Queue::new(self.image.clone(), file, data, backing, depth, child_depth)?))
+        Ok(Box::new(Qcow2Queue::new(self.image.clone(), file, data, backing, depth, parts)?))
     }
 }

@@ -5,6 +5,11 @@
 //! are filled here. Whatever changes metadata (allocating writes,
 //! write-zeroes, discard) runs synchronously through the image's metadata
 //! path and is answered at once.
+//!
+//! A guest request that maps onto one child request, all of it (the common
+//! case: a read or write within a cluster), goes down under the guest's own
+//! tag, and its completion comes back up as it is. Child tags from the
+//! guest's depth on carry the parts of the other requests.
 
 use std::collections::VecDeque;
 use std::io;
@@ -36,6 +41,9 @@ struct Parent {
     errno: i32,
 }
 
+/// A guest request that is one child request, all of it.
+struct Whole(Target, IoOp);
+
 /// A child request that found no free tag; sent from `reap`.
 struct Deferred {
     parent: u32,
@@ -52,14 +60,17 @@ pub(crate) struct Qcow2Queue {
     /// Watches the children's completion descriptors: ours is readable
     /// while any of theirs is.
     epoll: Epoll,
+    /// The guest's depth: child tags below it are guest requests sent
+    /// whole, the rest are parts.
+    depth: u32,
     parents: Vec<Parent>,
-    /// For each child tag: its parent and, for split requests, the slice
-    /// of the parent's buffers it covers.
-    children: Vec<(u32, Vec<libc::iovec>)>,
+    /// For each part tag (child tag minus the guest's depth): its parent
+    /// and the slice of the parent's buffers it covers.
+    parts: Vec<(u32, Vec<libc::iovec>)>,
+    /// Free part tags.
     free: Vec<u32>,
     deferred: VecDeque<Deferred>,
     answered: Vec<Completion>,
-    reaped: Vec<Completion>,
     /// The last compressed cluster decompressed: (host offset, contents).
     compressed: Option<(u64, AlignedBuf)>,
     /// Extents of the write being routed.
@@ -68,13 +79,15 @@ pub(crate) struct Qcow2Queue {
 }
 
 impl Qcow2Queue {
+    /// A queue for `depth` guest requests on children opened with
+    /// `depth + parts` tags each.
     pub(crate) fn new(
         image: Arc<Image>,
         file: ChildQueue,
         data: Option<ChildQueue>,
         backing: Option<ChildQueue>,
         depth: u16,
-        child_depth: u16,
+        parts: u16,
     ) -> io::Result<Self> {
         let epoll = Epoll::new()?;
         for child in [Some(&file), data.as_ref(), backing.as_ref()].into_iter().flatten() {
@@ -88,12 +101,12 @@ impl Qcow2Queue {
             data,
             backing,
             epoll,
+            depth: u32::from(depth),
             parents: vec![Parent::default(); usize::from(depth)],
-            children: (0..child_depth).map(|_| (0, Vec::new())).collect(),
-            free: (0..u32::from(child_depth)).rev().collect(),
+            parts: (0..parts).map(|_| (0, Vec::new())).collect(),
+            free: (u32::from(depth)..u32::from(depth) + u32::from(parts)).rev().collect(),
             deferred: VecDeque::new(),
             answered: Vec::with_capacity(usize::from(depth)),
-            reaped: Vec::with_capacity(usize::from(child_depth)),
             compressed: None,
             extents: Vec::new(),
             memo: MapMemo::default(),
@@ -119,100 +132,154 @@ impl Qcow2Queue {
         }
     }
 
-    fn fail_with(&mut self, parent: u32, e: &io::Error) {
-        self.fail(parent, e.raw_os_error().unwrap_or(libc::EIO));
-    }
-
-    /// One child request done (or never sent): completes the parent if it
-    /// was the last.
-    fn settle(&mut self, parent: u32, errno: i32, out: &mut Vec<Completion>) {
+    /// One child request of `parent` done (or never sent): the parent's
+    /// completion if it was the last.
+    fn settle(&mut self, parent: u32, errno: i32) -> Option<Completion> {
         if errno != 0 {
             self.fail(parent, errno);
         }
         let p = &mut self.parents[parent as usize];
         p.remaining -= 1;
-        if p.remaining == 0 {
-            out.push(Completion { tag: parent, errno: p.errno });
+        (p.remaining == 0).then_some(Completion { tag: parent, errno: p.errno })
+    }
+
+    /// Ends routing's hold on a guest request: answers it unless parts of
+    /// it are still out.
+    fn release(&mut self, tag: u32, errno: i32) {
+        if let Some(done) = self.settle(tag, errno) {
+            self.answered.push(done);
         }
     }
 
-    /// Sends `op` to a child for the parent. With `part: Some(pos)`, its
-    /// buffers are the parent's bytes from `pos` on, for the op's length;
-    /// with None, all of the parent's buffers.
-    fn issue(&mut self, parent: u32, target: Target, op: IoOp, iov: IoVecs, part: Option<u64>) {
+    /// Sends `op` to a child as a part of `parent`: its buffers, given as
+    /// the parent's, are narrowed to the parent's bytes from `pos` on.
+    fn issue(&mut self, parent: u32, target: Target, op: IoOp, pos: u64) {
         self.parents[parent as usize].remaining += 1;
-        let len = op_len(&op);
+        let (iov, len) = buffers(&op);
+        let slice = iov.range(pos, len);
         let Some(tag) = self.free.pop() else {
-            let slice = iov.range(part.unwrap_or(0), len).collect();
-            self.deferred.push_back(Deferred { parent, target, op, iov: slice });
+            self.deferred.push_back(Deferred { parent, target, op, iov: slice.collect() });
             return;
         };
-        let (owner, storage) = &mut self.children[tag as usize];
+        let storage = self.claim(tag, parent);
+        storage.clear();
+        storage.extend(slice);
+        self.push_part(tag, target, op);
+    }
+
+    /// Sends deferred parts while part tags are free; whether it sent any.
+    fn send_deferred(&mut self) -> bool {
+        let mut sent = false;
+        while !self.free.is_empty() {
+            let Some(d) = self.deferred.pop_front() else { break };
+            let tag = self.free.pop().expect("checked above");
+            // Moving the Vec keeps its heap buffer where it is.
+            *self.claim(tag, d.parent) = d.iov;
+            self.push_part(tag, d.target, d.op);
+            sent = true;
+        }
+        sent
+    }
+
+    /// Gives part tag `tag` to `parent`; returns its buffer slice.
+    fn claim(&mut self, tag: u32, parent: u32) -> &mut Vec<libc::iovec> {
+        let (owner, storage) = &mut self.parts[(tag - self.depth) as usize];
         *owner = parent;
-        let iov = if let Some(pos) = part {
-            storage.clear();
-            storage.extend(iov.range(pos, len));
-            // SAFETY: `storage` lives in self and is not touched again
-            // until this child request completes; the buffers it names are
-            // the parent's, valid until the parent completes.
-            unsafe { IoVecs::new(storage.as_ptr(), storage.len()) }
-        } else {
-            iov
-        };
-        let op = with_iov(op, iov);
-        // SAFETY: as above: the parent's buffers outlive the child request.
+        storage
+    }
+
+    /// Pushes part `tag` with the buffer slice `claim` gave it.
+    fn push_part(&mut self, tag: u32, target: Target, op: IoOp) {
+        let storage = &self.parts[(tag - self.depth) as usize].1;
+        // SAFETY: the slice lives in self and is not touched again until
+        // this part completes; the buffers it names are the parent's,
+        // valid until the parent completes, which is after its parts.
+        let op = with_iov(op, unsafe { IoVecs::new(storage.as_ptr(), storage.len()) });
+        // SAFETY: as above.
         unsafe { self.child(target).push(tag, op) };
     }
 
-    fn send_deferred(&mut self) {
-        while !self.free.is_empty() {
-            let Some(d) = self.deferred.pop_front() else { return };
-            let tag = self.free.pop().expect("checked above");
-            let (owner, storage) = &mut self.children[tag as usize];
-            *owner = d.parent;
-            // Moving the Vec keeps its heap buffer where it is.
-            *storage = d.iov;
-            // SAFETY: as in `issue`.
-            let op = with_iov(d.op, unsafe { IoVecs::new(storage.as_ptr(), storage.len()) });
-            // SAFETY: as in `issue`.
-            unsafe { self.child(d.target).push(tag, op) };
+    /// Turns the children's completions in `out[start..]` into guest
+    /// completions: a whole request's is the guest's own, a part's settles
+    /// its parent.
+    fn settle_parts(&mut self, out: &mut Vec<Completion>, start: usize) {
+        if self.free.len() == self.parts.len() {
+            // No part is out: every completion is a guest's own.
+            return;
+        }
+        let mut kept = start;
+        for i in start..out.len() {
+            let c = out[i];
+            let done = if c.tag < self.depth { Some(c) } else { self.settle_part(c) };
+            if let Some(done) = done {
+                out[kept] = done;
+                kept += 1;
+            }
+        }
+        out.truncate(kept);
+    }
+
+    fn settle_part(&mut self, c: Completion) -> Option<Completion> {
+        let parent = self.parts[(c.tag - self.depth) as usize].0;
+        self.free.push(c.tag);
+        self.settle(parent, c.errno)
+    }
+
+    fn route(&mut self, tag: u32, op: IoOp) -> Routed {
+        if crate::drivers::out_of_bounds(&op, self.image.size()) {
+            return Err(libc::EIO);
+        }
+        match op {
+            IoOp::Read { offset, len, iov } => self.read(tag, offset, len, iov),
+            IoOp::Write { offset, len, iov, durable } => self.write(tag, offset, len, iov, durable),
+            IoOp::Flush if self.image.metadata_dirty() => self.sync(|image, io| image.flush(io)),
+            IoOp::Flush if self.data.is_none() => Ok(Some(Whole(Target::File, IoOp::Flush))),
+            IoOp::Flush => {
+                self.issue(tag, Target::File, IoOp::Flush, 0);
+                self.issue(tag, Target::Data, IoOp::Flush, 0);
+                Ok(None)
+            }
+            IoOp::Discard { offset, len } => self.sync(|image, io| image.discard(io, offset, len)),
+            IoOp::WriteZeroes { offset, len, may_unmap } => {
+                self.sync(|image, io| image.write_zeroes(io, offset, len, may_unmap))
+            }
         }
     }
 
-    fn read(&mut self, tag: u32, offset: u64, len: u64, iov: IoVecs) {
+    fn read(&mut self, tag: u32, offset: u64, len: u64, iov: IoVecs) -> Routed {
         let mut pos = 0;
         while pos < len {
-            let extent = match self.image.map(&mut self.memo, &mut self.file, offset + pos, len - pos) {
-                Ok(extent) => extent,
-                Err(e) => return self.fail_with(tag, &e),
-            };
+            let extent = self.image.map(&mut self.memo, &mut self.file, offset + pos, len - pos).map_err(errno)?;
             let (at, n, whole) = (offset + pos, extent.len, pos == 0 && extent.len == len);
             match extent.mapping {
+                Mapping::Data { host, .. } if whole => {
+                    return Ok(Some(Whole(Target::Data, IoOp::Read { offset: host, len, iov })));
+                }
                 Mapping::Data { host, .. } => {
-                    let op = IoOp::Read { offset: host, len: n, iov };
-                    self.issue(tag, Target::Data, op, iov, (!whole).then_some(pos));
+                    self.issue(tag, Target::Data, IoOp::Read { offset: host, len: n, iov }, pos)
                 }
                 Mapping::Zero => fill(iov, pos, n, None),
                 Mapping::Unallocated => {
                     let below = self.backing.as_ref().map_or(0, |b| b.end().saturating_sub(at).min(n));
+                    if whole && below == n {
+                        return Ok(Some(Whole(Target::Backing, IoOp::Read { offset: at, len, iov })));
+                    }
                     if below > 0 {
-                        let op = IoOp::Read { offset: at, len: below, iov };
-                        self.issue(tag, Target::Backing, op, iov, (!whole || below < n).then_some(pos));
+                        self.issue(tag, Target::Backing, IoOp::Read { offset: at, len: below, iov }, pos);
                     }
                     fill(iov, pos + below, n - below, None);
                 }
                 Mapping::Compressed { host, len: compressed_len } => {
-                    if let Err(e) = self.decompress(host, compressed_len) {
-                        return self.fail_with(tag, &e);
-                    }
+                    self.decompress(host, compressed_len).map_err(errno)?;
                     let within = (at % self.image.cluster_size()) as usize;
                     let (_, cluster) = self.compressed.as_ref().expect("just decompressed");
                     fill(iov, pos, n, Some(&cluster[within..within + n as usize]));
                 }
-                Mapping::Invalid => return self.fail(tag, libc::EIO),
+                Mapping::Invalid => return Err(libc::EIO),
             }
             pos += n;
         }
+        Ok(None)
     }
 
     fn decompress(&mut self, host: u64, len: u64) -> io::Result<()> {
@@ -228,56 +295,55 @@ impl Qcow2Queue {
         result
     }
 
-    fn write(&mut self, tag: u32, offset: u64, len: u64, iov: IoVecs, durable: bool) {
+    fn write(&mut self, tag: u32, offset: u64, len: u64, iov: IoVecs, durable: bool) -> Routed {
         // Fast path: every byte lands on data this image owns.
         self.extents.clear();
         let mut pos = 0;
         while pos < len {
-            match self.image.map(&mut self.memo, &mut self.file, offset + pos, len - pos) {
-                Ok(e) => match e.mapping {
-                    Mapping::Data { host, in_place: true } if self.image.write_hits_metadata(host, e.len) => {
-                        log::error!("qcow2: guest offset {:#x} maps onto metadata at {host:#x}", offset + pos);
-                        return self.fail(tag, libc::EIO);
-                    }
-                    Mapping::Data { host, in_place: true } => self.extents.push((host, pos, e.len)),
-                    Mapping::Invalid => return self.fail(tag, libc::EIO),
-                    _ => break,
-                },
-                Err(e) => return self.fail_with(tag, &e),
+            let e = self.image.map(&mut self.memo, &mut self.file, offset + pos, len - pos).map_err(errno)?;
+            match e.mapping {
+                Mapping::Data { host, in_place: true } if self.image.write_hits_metadata(host, e.len) => {
+                    log::error!("qcow2: guest offset {:#x} maps onto metadata at {host:#x}", offset + pos);
+                    return Err(libc::EIO);
+                }
+                Mapping::Data { host, in_place: true } => self.extents.push((host, pos, e.len)),
+                Mapping::Invalid => return Err(libc::EIO),
+                _ => break,
             }
-            pos += self.extents.last().map_or(0, |e| e.2);
+            pos += e.len;
         }
         // A durable write must not land on a cluster whose allocation is
         // still only in memory: then the metadata path flushes it too.
         if pos == len && !(durable && self.image.metadata_dirty()) {
+            if let [(host, _, _)] = self.extents[..] {
+                return Ok(Some(Whole(Target::Data, IoOp::Write { offset: host, len, iov, durable })));
+            }
             for i in 0..self.extents.len() {
                 let (host, at, n) = self.extents[i];
-                let op = IoOp::Write { offset: host, len: n, iov, durable };
-                self.issue(tag, Target::Data, op, iov, (n != len).then_some(at));
+                self.issue(tag, Target::Data, IoOp::Write { offset: host, len: n, iov, durable }, at);
             }
-            return;
+            return Ok(None);
         }
         // Allocation, copy-on-write, zero flags to clear, or a durable write
         // with metadata to flush: the metadata path.
-        let result = self.with_io(|image, io| {
+        self.sync(|image, io| {
             // SAFETY: a request's buffers stay valid until it completes, which
             // is after this synchronous write.
             image.write(io, offset, len, &mut |at, buf| unsafe { iov.copy_out(at, buf) })?;
             if durable { image.flush(io) } else { Ok(()) }
-        });
-        if let Err(e) = result {
-            self.fail_with(tag, &e);
-        }
+        })
     }
 
-    /// Runs `f` with the image and its files as blocking I/O.
-    fn with_io<R>(&mut self, f: impl FnOnce(&Image, &mut ImageIo) -> R) -> R {
+    /// Runs `f` with the image and its files as blocking I/O; the request
+    /// is answered when it returns.
+    fn sync(&mut self, f: impl FnOnce(&Image, &mut ImageIo) -> io::Result<()>) -> Routed {
         let mut io = ImageIo {
             meta: &mut self.file,
             data: self.data.as_mut().map(|d| d as &mut dyn vsd_qcow2::SyncIo),
             backing: self.backing.as_mut().map(|b| b as &mut dyn vsd_qcow2::SyncIo),
         };
-        f(&self.image, &mut io)
+        f(&self.image, &mut io).map_err(errno)?;
+        Ok(None)
     }
 }
 
@@ -290,40 +356,13 @@ impl IoQueue for Qcow2Queue {
     unsafe fn push(&mut self, tag: u32, op: IoOp) {
         // Held until routing is done, so the parent cannot complete early.
         self.parents[tag as usize] = Parent { remaining: 1, errno: 0 };
-        let size = self.image.size();
-        if crate::drivers::out_of_bounds(&op, size) {
-            self.fail(tag, libc::EIO);
-        } else {
-            match op {
-                IoOp::Read { offset, len, iov } => self.read(tag, offset, len, iov),
-                IoOp::Write { offset, len, iov, durable } => self.write(tag, offset, len, iov, durable),
-                IoOp::Flush if self.image.metadata_dirty() => {
-                    if let Err(e) = self.with_io(|image, io| image.flush(io)) {
-                        self.fail_with(tag, &e);
-                    }
-                }
-                IoOp::Flush => {
-                    let none = IoVecs::default();
-                    self.issue(tag, Target::File, IoOp::Flush, none, None);
-                    if self.data.is_some() {
-                        self.issue(tag, Target::Data, IoOp::Flush, none, None);
-                    }
-                }
-                IoOp::Discard { offset, len } => {
-                    if let Err(e) = self.with_io(|image, io| image.discard(io, offset, len)) {
-                        self.fail_with(tag, &e);
-                    }
-                }
-                IoOp::WriteZeroes { offset, len, may_unmap } => {
-                    if let Err(e) = self.with_io(|image, io| image.write_zeroes(io, offset, len, may_unmap)) {
-                        self.fail_with(tag, &e);
-                    }
-                }
-            }
+        match self.route(tag, op) {
+            // SAFETY: the caller's guarantee for `op` covers the child
+            // request, which names the same buffers (or none).
+            Ok(Some(Whole(target, op))) => unsafe { self.child(target).push(tag, op) },
+            Ok(None) => self.release(tag, 0),
+            Err(errno) => self.release(tag, errno),
         }
-        let mut answered = std::mem::take(&mut self.answered);
-        self.settle(tag, 0, &mut answered);
-        self.answered = answered;
     }
 
     fn submit(&mut self) -> io::Result<()> {
@@ -339,35 +378,26 @@ impl IoQueue for Qcow2Queue {
 
     fn reap(&mut self, out: &mut Vec<Completion>) {
         out.append(&mut self.answered);
-        let mut reaped = std::mem::take(&mut self.reaped);
-        // Until a round finds nothing: settling may run metadata I/O that
-        // stashes children's completions, and deferred requests submitted
-        // here may complete at once (inline, on tmpfs). Neither makes a
-        // child's notify_fd readable, so the owner would sleep on them.
+        // Deferred parts sent here may complete at once (inline, on tmpfs),
+        // which makes no child's notify_fd readable, so the owner would
+        // sleep on them: reap again until none are sent.
         loop {
-            self.file.reap(&mut reaped);
+            let start = out.len();
+            self.file.reap(out);
             if let Some(data) = &mut self.data {
-                data.reap(&mut reaped);
+                data.reap(out);
             }
             if let Some(backing) = &mut self.backing {
-                backing.reap(&mut reaped);
+                backing.reap(out);
             }
-            if reaped.is_empty() {
-                break;
+            self.settle_parts(out, start);
+            if !self.send_deferred() {
+                return;
             }
-            for c in reaped.drain(..) {
-                let parent = self.children[c.tag as usize].0;
-                self.free.push(c.tag);
-                self.settle(parent, c.errno, out);
-            }
-            if !self.deferred.is_empty() {
-                self.send_deferred();
-                if let Err(e) = self.submit() {
-                    log::error!("qcow2: submitting deferred requests failed: {e}");
-                }
+            if let Err(e) = self.submit() {
+                log::error!("qcow2: submitting deferred requests failed: {e}");
             }
         }
-        self.reaped = reaped;
     }
 
     fn wait(&mut self) -> io::Result<()> {
@@ -403,10 +433,20 @@ impl IoQueue for Qcow2Queue {
     }
 }
 
-fn op_len(op: &IoOp) -> u64 {
+/// What routing did with a guest request: sent it whole to one child
+/// (`Some`), sent it in parts or answered it here (`None`), or failed it
+/// with an errno.
+type Routed = Result<Option<Whole>, i32>;
+
+fn errno(e: io::Error) -> i32 {
+    e.raw_os_error().unwrap_or(libc::EIO)
+}
+
+/// The buffers and length of a transfer; none for other requests.
+fn buffers(op: &IoOp) -> (IoVecs, u64) {
     match *op {
-        IoOp::Read { len, .. } | IoOp::Write { len, .. } => len,
-        _ => 0,
+        IoOp::Read { len, iov, .. } | IoOp::Write { len, iov, .. } => (iov, len),
+        _ => (IoVecs::default(), 0),
     }
 }
 

@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""What the qcow2 layer costs over raw, in instructions per request, which
+callgrind repeats exactly where IOPS do not: vsd serves a raw image and a
+fully allocated qcow2 copy of it (both on /dev/shm, aio=io_uring) under
+valgrind --tool=callgrind with one output file per thread, vsd-bench
+drives 4k random reads and writes at iodepth 32 (no ramp), and the queue
+worker's (busiest thread's) instructions are divided by the requests the
+client completed. The callgrind files stay in --work for
+callgrind_annotate.
+
+usage: scripts/bench-qcow2-instr.py [--seconds 10] [--rw randread,randwrite]
+                                    [--target-dir target] [--work /dev/shm/qi]
+"""
+import argparse
+import glob
+import json
+import os
+import re
+import subprocess
+import time
+
+from benchlib import ROOT
+
+IMAGE_MIB = 1024
+
+
+def images(work):
+    """The raw image (random data) and its fully allocated qcow2 copy."""
+    raw, qcow2 = os.path.join(work, "raw.img"), os.path.join(work, "full.qcow2")
+    os.makedirs(work, exist_ok=True)
+    if not os.path.exists(raw):
+        subprocess.run(["dd", "if=/dev/urandom", f"of={raw}", "bs=1M", f"count={IMAGE_MIB}", "status=none"],
+                       check=True)
+    if not os.path.exists(qcow2):
+        subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, qcow2], check=True)
+    return {"raw": raw, "qcow2": qcow2}
+
+
+def blockdevs(fmt, path):
+    return ["--blockdev", f"driver=file,node-name=f0,filename={path},aio=io_uring",
+            "--blockdev", f"driver={fmt},node-name=disk0,file=f0"]
+
+
+def worker_instructions(binaries, work, fmt, path, rw, seconds):
+    """Instructions per request of the busiest vsd thread under callgrind,
+    and the requests counted."""
+    vsd, bench = (os.path.join(binaries, name) for name in ("vsd", "vsd-bench"))
+    sock, pidfile = os.path.join(work, "cg.sock"), os.path.join(work, "cg.pid")
+    out = os.path.join(work, f"callgrind.{fmt}.{rw}")
+    for stale in glob.glob(out + ".*") + [sock, pidfile]:
+        if os.path.exists(stale):
+            os.unlink(stale)
+    daemon = subprocess.Popen(
+        ["valgrind", "--tool=callgrind", "--separate-threads=yes", f"--callgrind-out-file={out}.%p", vsd,
+         *blockdevs(fmt, path),
+         "--export", f"type=vhost-user-blk,id=e0,node-name=disk0,addr.type=unix,addr.path={sock},writable=on,poll-us=0",
+         "--pidfile", pidfile], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while not os.path.exists(pidfile):
+            if daemon.poll() is not None or time.time() > deadline:
+                raise RuntimeError("vsd under valgrind did not start")
+            time.sleep(0.1)
+        res = json.loads(subprocess.run(
+            [bench, "--socket", sock, "--rw", rw, "--bs", "4k", "--iodepth", "32", "--seconds", str(seconds),
+             "--ramp-seconds", "0", "--json"], check=True, capture_output=True, text=True).stdout)["results"]
+    finally:
+        daemon.terminate()
+        daemon.wait()
+    counts = {}
+    for path in glob.glob(out + ".*"):
+        with open(path) as f:
+            summary = re.search(r"^(?:summary|totals): (\d+)", f.read(), re.M)
+        counts[path] = int(summary.group(1)) if summary else 0
+    busiest = max(counts, key=counts.get)
+    return counts[busiest] / max(res["ios"], 1), res["ios"], busiest
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=10)
+    parser.add_argument("--rw", default="randread,randwrite")
+    parser.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")))
+    parser.add_argument("--work", default="/dev/shm/qi")
+    args = parser.parse_args()
+    binaries = os.path.join(args.target_dir, "release")
+    paths = images(args.work)
+    print("| rw | raw instr/request | qcow2 instr/request | qcow2 - raw | requests raw, qcow2 |")
+    print("|---|---|---|---|---|")
+    for rw in args.rw.split(","):
+        raw, n_raw, _ = worker_instructions(binaries, args.work, "raw", paths["raw"], rw, args.seconds)
+        qcow2, n_qcow2, busiest = worker_instructions(binaries, args.work, "qcow2", paths["qcow2"], rw, args.seconds)
+        print(f"| {rw} | {raw:.0f} | {qcow2:.0f} | {qcow2 - raw:+.0f} | {n_raw}, {n_qcow2} |", flush=True)
+        print(f"  (qcow2 worker: {busiest})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
