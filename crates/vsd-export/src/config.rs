@@ -25,6 +25,10 @@ pub struct ExportConfig {
     pub writethrough: bool,
     /// `num-queues=`: virtqueues offered (default 1).
     pub num_queues: u16,
+    /// `num-threads=`: worker threads serving the queues, 1 to
+    /// `num_queues`; queue q is served by thread q % `num_threads`. By
+    /// default one per queue, but no more than the CPUs vsd may run on.
+    pub num_threads: u16,
     /// `logical-block-size=`: 512 or 4096.
     pub logical_block_size: u32,
     /// `serial=`: what GET_ID answers (at most 20 bytes are sent).
@@ -40,8 +44,8 @@ pub struct ExportConfig {
     /// while more of its requests are in flight, so that one interrupt
     /// covers several completions (RSD's call batching); 0 = never hold.
     pub call_batch_us: u32,
-    /// `cpu-affinity=`: CPUs for the queue workers, `0-3` or `1:3`; queue
-    /// q's worker is pinned to the q-th (cycling). Empty: not pinned.
+    /// `cpu-affinity=`: CPUs for the worker threads, `0-3` or `1:3`; thread
+    /// t is pinned to the t-th (cycling). Empty: not pinned.
     pub cpu_affinity: Vec<usize>,
     /// `socket-mode=`: the socket file's permissions, in octal (default
     /// 0600: only the daemon's user may connect).
@@ -78,6 +82,14 @@ impl ExportConfig {
             n @ 1..=64 => n as u16,
             n => return Err(opts.invalid("num-queues", n, &format!("a number from 1 to {MAX_QUEUES}"))),
         };
+        let num_threads = match opts.take_u64("num-threads")? {
+            None => default_threads(num_queues),
+            Some(n) if (1..=u64::from(num_queues)).contains(&n) => n as u16,
+            Some(n) => {
+                let expected = format!("a number from 1 to num-queues ({num_queues})");
+                return Err(opts.invalid("num-threads", n, &expected));
+            }
+        };
         let logical_block_size = match opts.take_size("logical-block-size")?.unwrap_or(512) {
             n @ (512 | 4096) => n as u32,
             n => return Err(opts.invalid("logical-block-size", n, "512 or 4096")),
@@ -108,6 +120,7 @@ impl ExportConfig {
             writable,
             writethrough,
             num_queues,
+            num_threads,
             logical_block_size,
             serial,
             trace,
@@ -118,6 +131,28 @@ impl ExportConfig {
             socket_owner,
             socket_group,
         })
+    }
+}
+
+impl ExportConfig {
+    /// The worker thread that serves queue `queue`.
+    pub(crate) fn thread_of(&self, queue: u16) -> u16 {
+        queue % self.num_threads
+    }
+
+    /// The CPU thread `thread` is pinned to, if `cpu-affinity` was given.
+    pub(crate) fn cpu_of(&self, thread: u16) -> Option<usize> {
+        let cpus = &self.cpu_affinity;
+        (!cpus.is_empty()).then(|| cpus[usize::from(thread) % cpus.len()])
+    }
+}
+
+/// One thread per queue, but no more than the CPUs vsd may run on: more
+/// threads than CPUs only take turns, and each wake-up costs a switch.
+fn default_threads(num_queues: u16) -> u16 {
+    match vsd_sys::allowed_cpus() {
+        Ok(cpus) => num_queues.min(cpus.len().clamp(1, usize::from(MAX_QUEUES)) as u16),
+        Err(_) => num_queues,
     }
 }
 
@@ -185,6 +220,40 @@ mod tests {
         let err = parse("type=vhost-user-blk,id=e,node-name=n,addr.type=unix,addr.path=/s,logical-block-size=1000")
             .unwrap_err();
         assert!(err.to_string().contains("logical-block-size"), "{err}");
+    }
+
+    const BASE: &str = "type=vhost-user-blk,id=e,node-name=n,addr.type=unix,addr.path=/s";
+
+    #[test]
+    fn num_threads_is_from_one_to_num_queues() {
+        let c = parse(&format!("{BASE},num-queues=4,num-threads=2")).unwrap();
+        assert_eq!((c.num_queues, c.num_threads), (4, 2));
+        for bad in ["num-threads=0", "num-queues=4,num-threads=5", "num-threads=2"] {
+            let err = parse(&format!("{BASE},{bad}")).unwrap_err().to_string();
+            assert!(err.contains("num-threads") && err.contains("from 1 to num-queues"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn num_threads_defaults_to_one_per_queue_up_to_the_cpus() {
+        let cpus = vsd_sys::allowed_cpus().unwrap().len();
+        for queues in [1u16, 2, 4, 64] {
+            let c = parse(&format!("{BASE},num-queues={queues}")).unwrap();
+            assert_eq!(usize::from(c.num_threads), usize::from(queues).min(cpus), "num-queues={queues}");
+        }
+    }
+
+    #[test]
+    fn queues_go_round_robin_to_threads_and_threads_to_cpus() {
+        let c = parse(&format!("{BASE},num-queues=5,num-threads=2,cpu-affinity=3:1:2")).unwrap();
+        let threads: Vec<u16> = (0..5).map(|q| c.thread_of(q)).collect();
+        assert_eq!(threads, [0, 1, 0, 1, 0]);
+        assert_eq!((c.cpu_of(0), c.cpu_of(1)), (Some(3), Some(1)));
+        let c = parse(&format!("{BASE},num-queues=4,num-threads=4,cpu-affinity=0-1")).unwrap();
+        let cpus: Vec<_> = (0..4).map(|t| c.cpu_of(t)).collect();
+        assert_eq!(cpus, [Some(0), Some(1), Some(0), Some(1)], "cycling through the list");
+        let c = parse(&format!("{BASE},num-queues=2,num-threads=2")).unwrap();
+        assert_eq!(c.cpu_of(1), None, "not pinned without cpu-affinity");
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //!
 //! | byte | what |
 //! |---|---|
-//! | 0 | bits 0-1 queues - 1; bit 2 writable; bit 3 `poll-us=50` (else 0); bit 4 `call-batch-us=20`; bits 5-7 prefix (below) |
+//! | 0 | bits 0-1 queues - 1 (one worker thread per two queues); bit 2 writable; bit 3 `poll-us=50` (else 0); bit 4 `call-batch-us=20`; bits 5-7 prefix (below) |
 //! | 1 | prefix only: bits 0-3 queue size `2 << (n % 10)`; bit 4 EVENT_IDX off; bits 5-7 requests queued per ring |
 //!
 //! Prefix 0-3: none. 4: a valid set-up as QEMU sends it (owner, features,
@@ -167,13 +167,16 @@ pub struct Outcome {
 pub fn run(input: &[u8]) -> Outcome {
     let mut input = Reader { data: input, at: 0 };
     let (Some(setup), prefix_byte) = (input.u8(), input.u8().unwrap_or(0)) else { return Outcome::default() };
+    let num_queues = u16::from(setup & 3) + 1;
     let config = ExportConfig {
         id: "fuzz".into(),
         node_name: "n".into(),
         socket: PathBuf::new(),
         writable: setup & 4 != 0,
         writethrough: false,
-        num_queues: u16::from(setup & 3) + 1,
+        num_queues,
+        // Two queues to a thread, so that shared threads are exercised too.
+        num_threads: num_queues.div_ceil(2),
         logical_block_size: 512,
         serial: "fuzz-serial".into(),
         trace: true,

@@ -3,8 +3,8 @@
 //! ```text
 //!  front-end (QEMU, libblkio) ── unix socket ──▶ Session (vhost-user messages)
 //!                                                   │ starts/stops
-//!                         kick eventfd ──▶ Worker per virtqueue ──▶ IoQueue ──▶ host
-//!                         call eventfd ◀──┘
+//!                         kick eventfd ──▶ Worker thread ──▶ IoQueue per virtqueue ──▶ host
+//!                         call eventfd ◀──┘  (queue q: thread q % num-threads)
 //! ```
 //!
 //! One connection is served at a time; when it closes, its workers finish

@@ -1,12 +1,18 @@
 //! One front-end connection: the vhost-user messages that set up memory and
-//! rings, and the queue workers they start and stop.
+//! rings, and the worker threads they start and stop.
 //!
 //! This is written on the `vhost` crate directly rather than on
 //! `vhost-user-backend`, whose daemon keeps every vring behind a lock taken
 //! on the request path and does not wait for requests in flight when the
-//! front-end stops a ring (GET_VRING_BASE). Here a worker owns its queue
-//! outright, and stopping it waits for its I/O to finish, so the index
+//! front-end stops a ring (GET_VRING_BASE). Here a worker owns its queues
+//! outright, and stopping it waits for their I/O to finish, so the index
 //! handed back never covers a request still being served.
+//!
+//! Queue q is served by worker thread q % `num-threads`. Starting or
+//! stopping a queue stops its thread and starts a new one with the new set
+//! of queues; the others lose nothing but the time their requests in flight
+//! take to complete. That happens only when the front-end reconfigures a
+//! ring, never on the request path.
 
 use std::fs::File;
 use std::io;
@@ -46,10 +52,10 @@ struct Vring {
     /// Descriptor table, available ring, used ring (guest addresses).
     rings: Option<[u64; 3]>,
     next_avail: u16,
+    /// Taken by the worker while the ring runs.
     kick: Option<File>,
     call: Option<File>,
     enabled: bool,
-    worker: Option<Worker>,
     /// An inflight region was handed over and this ring has not started
     /// since: what a previous back-end left undone is to be recovered.
     recover: bool,
@@ -63,6 +69,8 @@ pub(crate) struct Session {
     mem: GuestMemoryAtomic<GuestMemoryMmap>,
     mappings: Vec<Mapping>,
     vrings: Vec<Vring>,
+    /// The worker threads, by number; `None` while none of its queues runs.
+    threads: Vec<Option<Worker>>,
     /// The front-end's inflight region (SET_INFLIGHT_FD), if any.
     inflight: Option<Arc<InflightRegion>>,
 }
@@ -75,6 +83,7 @@ impl Session {
     pub(crate) fn new(device: Arc<BlkDevice>) -> Self {
         let queues = usize::from(device.config.num_queues);
         Self {
+            threads: (0..device.config.num_threads).map(|_| None).collect(),
             device,
             acked_features: 0,
             acked_protocol_features: 0,
@@ -89,27 +98,71 @@ impl Session {
         self.vrings.get_mut(index as usize).ok_or(ProtocolError::InvalidParam)
     }
 
-    /// Stops a ring's worker, keeping where it got to.
+    /// Stops a ring, keeping where it got to. The other queues of its
+    /// thread go on in a new one.
     fn pause(&mut self, index: u32) -> ProtocolResult<()> {
-        let vring = self.vring(index)?;
-        if let Some(run) = vring.worker.take().and_then(Worker::stop) {
-            vring.next_avail = run.queue.next_avail();
-            vring.kick = Some(run.kick);
-            vring.call = run.call;
+        self.vring(index)?;
+        let (queue, thread) = (index as u16, self.thread_of(index));
+        if !self.threads[thread].as_ref().is_some_and(|worker| worker.serves(queue)) {
+            return Ok(());
         }
+        let mut runs = self.stop_thread(thread);
+        if let Some(at) = runs.iter().position(|run| run.index == queue) {
+            self.park(runs.remove(at));
+        }
+        self.start_thread(thread, runs)
+    }
+
+    /// Starts a ring if the front-end has given it all it needs, restarting
+    /// its thread with it.
+    fn resume(&mut self, index: u32) -> ProtocolResult<()> {
+        let Some(run) = self.queue_run(index)? else { return Ok(()) };
+        let thread = self.thread_of(index);
+        let mut runs = self.stop_thread(thread);
+        runs.push(run);
+        runs.sort_by_key(|run| run.index);
+        self.start_thread(thread, runs)
+    }
+
+    /// The thread that serves ring `index`.
+    fn thread_of(&self, index: u32) -> usize {
+        usize::from(self.device.config.thread_of(index as u16))
+    }
+
+    /// Stops a thread, if it runs; returns its queues.
+    fn stop_thread(&mut self, thread: usize) -> Vec<QueueRun> {
+        self.threads[thread].take().map(Worker::stop).unwrap_or_default()
+    }
+
+    /// Starts a thread serving `runs`, unless there are none.
+    fn start_thread(&mut self, thread: usize, runs: Vec<QueueRun>) -> ProtocolResult<()> {
+        if runs.is_empty() {
+            return Ok(());
+        }
+        let worker = Worker::start(thread as u16, runs, self.mem.clone(), self.device.clone())
+            .map_err(ProtocolError::ReqHandlerError)?;
+        self.threads[thread] = Some(worker);
         Ok(())
     }
 
-    /// Starts a ring's worker if the front-end has given it all it needs.
-    fn resume(&mut self, index: u32) -> ProtocolResult<()> {
+    /// Keeps what a stopped queue's worker handed back in its ring.
+    fn park(&mut self, run: QueueRun) {
+        let vring = &mut self.vrings[usize::from(run.index)];
+        vring.next_avail = run.queue.next_avail();
+        vring.kick = Some(run.kick);
+        vring.call = run.call;
+    }
+
+    /// What a worker needs to run ring `index`, if the ring is ready and
+    /// not running; its kick and call descriptors go with it.
+    fn queue_run(&mut self, index: u32) -> ProtocolResult<Option<QueueRun>> {
         let event_idx = self.acked_features & (1 << VIRTIO_RING_F_EVENT_IDX) != 0;
         let mem = self.mem.memory();
         let device = self.device.clone();
-        let atomic = self.mem.clone();
         let region = self.inflight.clone();
         let vring = self.vring(index)?;
-        let ready = vring.enabled && vring.kick.is_some() && vring.rings.is_some() && vring.worker.is_none();
-        let (Some(rings), true) = (vring.rings, ready) else { return Ok(()) };
+        let ready = vring.enabled && vring.kick.is_some() && vring.rings.is_some();
+        let (Some(rings), true) = (vring.rings, ready) else { return Ok(None) };
         let mut queue = build_queue(vring.size, rings, vring.next_avail, event_idx, &mem)
             .map_err(|e| ProtocolError::ReqHandlerError(io::Error::other(format!("vring {index}: {e}"))))?;
         let mut tracker = region.as_ref().and_then(|r| r.queue(index as u16, vring.size));
@@ -136,15 +189,12 @@ impl Session {
             vring.next_avail = recovery.next_avail;
             resubmit = Some(recovery.resubmit);
         }
-        let (Some(kick), call) = (vring.kick.take(), vring.call.take()) else { return Ok(()) };
+        let (Some(kick), call) = (vring.kick.take(), vring.call.take()) else { return Ok(None) };
         log::debug!("vring {index}: start, size {} next_avail {} rings {rings:x?}", vring.size, vring.next_avail);
-        let run = QueueRun { index: index as u16, queue, kick, call, inflight: tracker, resubmit };
-        let worker = Worker::start(run, atomic, device).map_err(ProtocolError::ReqHandlerError)?;
-        self.vring(index)?.worker = Some(worker);
-        Ok(())
+        Ok(Some(QueueRun { index: index as u16, queue, kick, call, inflight: tracker, resubmit }))
     }
 
-    /// Applies a change to a ring with its worker stopped, then restarts it.
+    /// Applies a change to a ring with it stopped, then restarts it.
     fn reconfigure(&mut self, index: u32, change: impl FnOnce(&mut Vring) -> ProtocolResult<()>) -> ProtocolResult<()> {
         self.pause(index)?;
         change(self.vring(index)?)?;
@@ -152,8 +202,10 @@ impl Session {
     }
 
     fn stop_all(&mut self) {
-        for index in 0..self.vrings.len() as u32 {
-            let _ = self.pause(index);
+        for thread in 0..self.threads.len() {
+            for run in self.stop_thread(thread) {
+                self.park(run);
+            }
         }
     }
 

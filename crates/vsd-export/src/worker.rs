@@ -1,25 +1,34 @@
-//! A queue worker: one thread per virtqueue, owning the queue, its I/O
-//! channel and its request slots, so the request path takes no lock.
+//! Queue workers: each worker thread serves one or more virtqueues (queue q
+//! goes to thread q % `num-threads`) and owns them outright, each with its
+//! own I/O queue, request slots and statistics, so the request path takes
+//! no lock.
 //!
-//! Per wake-up: drain the available ring (with notifications off, EVENT_IDX
-//! style), push every request to the engine, submit the batch with one
-//! call, reap what completed, publish the used entries, and signal the
-//! guest once if it asked to be told.
+//! A thread sleeps on one epoll over the kick and engine descriptors of all
+//! its queues; per wake-up it runs a round of each queue: drain the
+//! available ring (with notifications off, EVENT_IDX style), push every
+//! request to the engine, submit the batch with one call, reap what
+//! completed, publish the used entries, and signal the guest once if it
+//! asked to be told. A thread serving one queue does just that, as a
+//! thread per queue would.
 //!
 //! Each stage is timed (unless `trace=off`) into the queue's own
 //! [`QueueStats`] with clock reads per round, none per request: the
 //! requests of a round share their stamps, so their stage times are equal
 //! and one histogram record covers each run of them ([`Runs`]).
 //!
-//! With `poll-us`, a worker left with nothing to do first polls the ring
-//! for a while ([`PollWindow`]) with guest kicks left off, and only then
-//! turns kicks back on and sleeps.
+//! With `poll-us`, a thread left with nothing to do first polls its rings
+//! for a while ([`PollWindow`], each queue's own; the longest is used)
+//! with guest kicks left off, and only then turns kicks back on and sleeps.
 //!
-//! With `call-batch-us`, a worker that published completions while more
+//! With `call-batch-us`, a queue that published completions while more
 //! requests are in flight holds the guest's notification for up to that
 //! long, spinning on the engine and the ring, so that one interrupt covers
 //! the completions that follow (RSD's call batching): fewer interrupts for
 //! at most that much added latency.
+//!
+//! Starting or stopping a queue restarts its thread (see
+//! [`crate::session`]): the thread's queues finish their requests in
+//! flight and are handed back, and a new thread takes the new set.
 
 use std::fs::File;
 use std::io;
@@ -45,9 +54,37 @@ use crate::request::{self, Action, MAX_IOVECS, NoStatus, status};
 
 type Memory = GuestMemoryMmap;
 
-const TOKEN_KICK: u64 = 0;
-const TOKEN_IO: u64 = 1;
-const TOKEN_STOP: u64 = 2;
+/// The epoll token of the thread's stop; a queue's are below it (see
+/// [`Wake`]).
+const TOKEN_STOP: u64 = u64::MAX;
+
+/// What woke a worker thread, from an epoll token: the stop, or the kick or
+/// engine of the queue at a position in the thread's list (two tokens per
+/// queue).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wake {
+    Stop,
+    Kick(usize),
+    Io(usize),
+}
+
+impl Wake {
+    fn token(self) -> u64 {
+        match self {
+            Wake::Stop => TOKEN_STOP,
+            Wake::Kick(at) => 2 * at as u64,
+            Wake::Io(at) => 2 * at as u64 + 1,
+        }
+    }
+
+    fn from_token(token: u64) -> Self {
+        match (token, (token / 2) as usize) {
+            (TOKEN_STOP, _) => Wake::Stop,
+            (token, at) if token % 2 == 0 => Wake::Kick(at),
+            (_, at) => Wake::Io(at),
+        }
+    }
+}
 
 /// What a worker needs to run a queue, and hands back when it stops.
 pub(crate) struct QueueRun {
@@ -65,8 +102,10 @@ pub(crate) struct QueueRun {
 
 /// A running worker thread.
 pub(crate) struct Worker {
+    /// The queues it serves.
+    queues: Vec<u16>,
     stop: Arc<EventFd>,
-    thread: JoinHandle<QueueRun>,
+    thread: JoinHandle<Vec<QueueRun>>,
     /// Hears when the thread is done.
     done: mpsc::Receiver<()>,
     /// Set while the worker reads or writes a descriptor the front-end
@@ -114,44 +153,56 @@ fn front_end_io<T>(flag: &AtomicBool, io: impl FnOnce() -> T) -> T {
 }
 
 impl Worker {
-    /// Starts a thread serving `run`. The block node's queue is opened on
-    /// that thread; an error doing so is returned here.
-    pub(crate) fn start(run: QueueRun, mem: GuestMemoryAtomic<Memory>, device: Arc<BlkDevice>) -> io::Result<Self> {
+    /// Starts worker thread number `thread` serving `runs`. The block
+    /// node's queues are opened on that thread; an error doing so is
+    /// returned here (and the runs are dropped).
+    pub(crate) fn start(
+        thread: u16,
+        runs: Vec<QueueRun>,
+        mem: GuestMemoryAtomic<Memory>,
+        device: Arc<BlkDevice>,
+    ) -> io::Result<Self> {
+        let queues: Vec<u16> = runs.iter().map(|run| run.index).collect();
         let stop = Arc::new(EventFd::new(EFD_NONBLOCK)?);
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let (done_tx, done) = mpsc::sync_channel(1);
         let flag = Arc::new(AtomicBool::new(false));
         let (stop_fd, worker_flag) = (stop.clone(), flag.clone());
         interrupt_signal();
-        let name = format!("vsd-{}-q{}", device.config.id, run.index);
-        let thread = std::thread::Builder::new().name(name).spawn(move || {
-            let run = match QueueWorker::new(run, mem, device, stop_fd, worker_flag) {
+        let name = thread_name(&device.config.id, &queues);
+        let handle = std::thread::Builder::new().name(name).spawn(move || {
+            let runs = match WorkerThread::new(thread, runs, mem, device, stop_fd, worker_flag) {
                 Ok(mut worker) => {
                     let _ = ready_tx.send(Ok(()));
                     worker.run();
-                    worker.into_run()
+                    worker.into_runs()
                 }
-                Err((run, e)) => {
+                Err(e) => {
                     let _ = ready_tx.send(Err(e));
-                    run
+                    Vec::new()
                 }
             };
             let _ = done_tx.send(());
-            run
+            runs
         })?;
         match ready_rx.recv() {
-            Ok(Ok(())) => Ok(Self { stop, thread, done, front_end_io: flag }),
+            Ok(Ok(())) => Ok(Self { queues, stop, thread: handle, done, front_end_io: flag }),
             Ok(Err(e)) => {
-                let _ = thread.join();
+                let _ = handle.join();
                 Err(e)
             }
             Err(_) => Err(io::Error::other("queue worker died while starting")),
         }
     }
 
+    /// Whether the thread serves queue `index`.
+    pub(crate) fn serves(&self, index: u16) -> bool {
+        self.queues.contains(&index)
+    }
+
     /// Stops the worker after the requests in flight complete, and returns
-    /// the queue with its indexes where the worker left them.
-    pub(crate) fn stop(self) -> Option<QueueRun> {
+    /// its queues with their indexes where the worker left them.
+    pub(crate) fn stop(self) -> Vec<QueueRun> {
         if let Err(e) = self.stop.write(1) {
             log::error!("cannot stop a queue worker: {e}");
         }
@@ -164,8 +215,151 @@ impl Worker {
                 unsafe { libc::pthread_kill(self.thread.as_pthread_t(), signal) };
             }
         }
-        self.thread.join().ok()
+        self.thread.join().unwrap_or_default()
     }
+}
+
+/// `vsd-<export>-q<queues>`: `vsd-e0-q1` for a thread serving queue 1,
+/// `vsd-e0-q0,2` for one serving queues 0 and 2. (Linux keeps 15 bytes.)
+fn thread_name(export: &str, queues: &[u16]) -> String {
+    let list: Vec<String> = queues.iter().map(u16::to_string).collect();
+    format!("vsd-{export}-q{}", list.join(","))
+}
+
+/// A worker thread's side: its queues and what it sleeps on.
+struct WorkerThread {
+    queues: Vec<QueueWorker>,
+    /// Watches the stop and every queue's kick and engine descriptors.
+    epoll: Epoll,
+    events: Vec<EpollEvent>,
+    /// Watched through `epoll`; held so the descriptor stays open.
+    _stop: Arc<EventFd>,
+    mem: GuestMemoryAtomic<Memory>,
+    /// Times polling and sleeps.
+    clock: Clock,
+}
+
+impl WorkerThread {
+    fn new(
+        thread: u16,
+        runs: Vec<QueueRun>,
+        mem: GuestMemoryAtomic<Memory>,
+        device: Arc<BlkDevice>,
+        stop: Arc<EventFd>,
+        front_end_io: Arc<AtomicBool>,
+    ) -> io::Result<Self> {
+        // Pinned before anything else runs on this thread.
+        if let Some(cpu) = device.config.cpu_of(thread) {
+            vsd_sys::set_thread_affinity(&[cpu])?;
+        }
+        let epoll = Epoll::new()?;
+        watch(&epoll, stop.as_raw_fd(), Wake::Stop)?;
+        let mut queues = Vec::with_capacity(runs.len());
+        for (at, run) in runs.into_iter().enumerate() {
+            queues.push(QueueWorker::new(run, at, &epoll, mem.clone(), device.clone(), front_end_io.clone())?);
+        }
+        // Every descriptor may be ready at once: a stop, and a kick and an
+        // engine per queue.
+        let events = vec![EpollEvent::default(); 2 * queues.len() + 1];
+        Ok(Self { queues, epoll, events, _stop: stop, mem, clock: Clock::get() })
+    }
+
+    fn into_runs(self) -> Vec<QueueRun> {
+        self.queues.into_iter().map(QueueWorker::into_run).collect()
+    }
+
+    fn run(&mut self) {
+        for queue in &mut self.queues {
+            queue.begin();
+        }
+        let mut stopping = false;
+        loop {
+            let mem = self.mem.memory().into_inner();
+            let mut again = false;
+            for queue in &mut self.queues {
+                again |= queue.round(&mem, stopping);
+            }
+            if stopping {
+                // Requests in flight complete before the queues are handed back.
+                match self.queues.iter_mut().find(|queue| queue.in_flight() > 0) {
+                    Some(queue) => queue.wait_for_io(),
+                    None => return,
+                }
+                continue;
+            }
+            if again || self.poll_for_work(&mem) || !self.turn_kicks_on(&mem) {
+                continue;
+            }
+            stopping = self.sleep();
+        }
+    }
+
+    /// Spins for up to the longest poll window of its queues until a ring
+    /// has requests; guest kicks stay off meanwhile.
+    ///
+    /// Only with no I/O in flight: buffered io_uring I/O may finish on a
+    /// kernel worker thread that needs this very CPU (on tmpfs, polling
+    /// with reads in flight cost 19 % of IOPS at iodepth 32 on 2 CPUs), so
+    /// in-flight I/O is waited for asleep.
+    fn poll_for_work(&mut self, mem: &Arc<Memory>) -> bool {
+        let window_ns = self.queues.iter().map(QueueWorker::poll_window_ns).max().unwrap_or(0);
+        if window_ns == 0 || self.queues.iter().any(|queue| queue.in_flight() > 0) {
+            return false;
+        }
+        let start = self.clock.now();
+        loop {
+            let mut found = false;
+            for queue in &mut self.queues {
+                found |= queue.poll_ring(mem);
+            }
+            if found {
+                return true;
+            }
+            if self.clock.ns(self.clock.now().saturating_sub(start)) >= window_ns {
+                return false;
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Turns every queue's guest kicks back on before sleeping. Returns
+    /// false if requests arrived meanwhile: take them instead.
+    fn turn_kicks_on(&mut self, mem: &Arc<Memory>) -> bool {
+        let mut quiet = true;
+        for queue in &mut self.queues {
+            quiet &= queue.turn_kicks_on(mem);
+        }
+        quiet
+    }
+
+    /// Sleeps until a kick, a completion or the stop. Returns whether to stop.
+    fn sleep(&mut self) -> bool {
+        let slept_from = self.clock.now();
+        let n = match self.epoll.wait(-1, &mut self.events) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return false,
+            Err(e) => {
+                log::error!("{}: epoll failed: {e}", std::thread::current().name().unwrap_or("queue worker"));
+                return true;
+            }
+        };
+        let mut stop = false;
+        for event in &self.events[..n] {
+            match Wake::from_token(event.data()) {
+                Wake::Stop => stop = true,
+                Wake::Kick(at) => self.queues[at].kicked_awake(slept_from),
+                Wake::Io(at) => self.queues[at].io_ready(),
+            }
+        }
+        for queue in &mut self.queues {
+            queue.count_wakeup();
+        }
+        stop
+    }
+}
+
+fn watch(epoll: &Epoll, fd: RawFd, wake: Wake) -> io::Result<()> {
+    epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, wake.token()))
 }
 
 /// When a request passed the stages up to its submission, in [`Clock`]
@@ -193,14 +387,12 @@ struct Slot {
     mem: Option<Arc<Memory>>,
 }
 
+/// One queue of a worker thread, with everything its rounds need.
 struct QueueWorker {
     run: QueueRun,
     mem: GuestMemoryAtomic<Memory>,
     device: Arc<BlkDevice>,
     io: Box<dyn IoQueue>,
-    epoll: Epoll,
-    /// Watched through `epoll`; held so the descriptor stays open.
-    _stop: Arc<EventFd>,
     slots: Vec<Slot>,
     /// One iovec array per slot, allocated once.
     iovecs: Vec<[libc::iovec; MAX_IOVECS]>,
@@ -228,8 +420,13 @@ struct QueueWorker {
     clock: Clock,
     tracing: bool,
     poll: PollWindow,
+    /// The ring may have requests to take: the guest kicked, polling
+    /// found some, or some were left waiting for a free slot.
+    kicked: bool,
+    /// The thread's last wake-up was (also) for this queue.
+    woken: bool,
     /// Guest kicks are off (left off for polling): they must be turned
-    /// back on before the worker sleeps.
+    /// back on before the thread sleeps.
     kicks_off: bool,
     /// When the last kick was noticed.
     woke_at: u64,
@@ -254,35 +451,23 @@ struct QueueWorker {
 unsafe impl Send for QueueWorker {}
 
 impl QueueWorker {
+    /// Opens the block node's queue for `run` and watches its descriptors
+    /// in `epoll`, as the queue at position `at` of its thread.
     fn new(
         run: QueueRun,
+        at: usize,
+        epoll: &Epoll,
         mem: GuestMemoryAtomic<Memory>,
         device: Arc<BlkDevice>,
-        stop: Arc<EventFd>,
         front_end_io: Arc<AtomicBool>,
-    ) -> Result<Self, (QueueRun, io::Error)> {
+    ) -> io::Result<Self> {
         let depth = run.queue.size();
-        let setup = || -> io::Result<(Box<dyn IoQueue>, Epoll)> {
-            // Pinned before anything else runs on this thread.
-            let cpus = &device.config.cpu_affinity;
-            if !cpus.is_empty() {
-                vsd_sys::set_thread_affinity(&[cpus[usize::from(run.index) % cpus.len()]])?;
-            }
-            // The worker counts its requests; the node need not count them again.
-            let io = device.node.open_uncounted_queue(depth)?;
-            let epoll = Epoll::new()?;
-            let watch = |fd: RawFd, token| epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, token));
-            watch(run.kick.as_raw_fd(), TOKEN_KICK)?;
-            watch(stop.as_raw_fd(), TOKEN_STOP)?;
-            if let Some(fd) = io.notify_fd() {
-                watch(fd.as_raw_fd(), TOKEN_IO)?;
-            }
-            Ok((io, epoll))
-        };
-        let (io, epoll) = match setup() {
-            Ok(parts) => parts,
-            Err(e) => return Err((run, e)),
-        };
+        // The worker counts its requests; the node need not count them again.
+        let io = device.node.open_uncounted_queue(depth)?;
+        watch(epoll, run.kick.as_raw_fd(), Wake::Kick(at))?;
+        if let Some(fd) = io.notify_fd() {
+            watch(epoll, fd.as_raw_fd(), Wake::Io(at))?;
+        }
         let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
         let depth = usize::from(depth);
         let stats = device.stats[usize::from(run.index)].clone();
@@ -307,6 +492,9 @@ impl QueueWorker {
             tracing: device.config.trace,
             poll: PollWindow::new(device.config.poll_us),
             call_batch_ns: u64::from(device.config.call_batch_us) * 1000,
+            // The guest may have queued requests before the thread listened.
+            kicked: true,
+            woken: false,
             kicks_off: false,
             woke_at: 0,
             popping_at: 0,
@@ -319,8 +507,6 @@ impl QueueWorker {
             mem,
             device,
             io,
-            epoll,
-            _stop: stop,
             unsignalled: false,
             unsignalled_since: 0,
             broken: false,
@@ -341,109 +527,89 @@ impl QueueWorker {
         if self.tracing { self.clock.now() } else { 0 }
     }
 
-    fn run(&mut self) {
-        let mut events = [EpollEvent::default(); 4];
-        // The guest may have queued requests before this thread listened.
-        let mut kicked = true;
-        let mut stopping = false;
+    /// Readies the queue for its first round, serving first what a
+    /// back-end that died left in flight.
+    fn begin(&mut self) {
         self.woke_at = self.now();
         if let Some(heads) = self.run.resubmit.take() {
             self.take_over(heads);
         }
-        loop {
-            let mem = self.mem.memory().into_inner();
-            if kicked && !stopping {
-                kicked = self.take_requests(&mem);
+    }
+
+    /// One round: takes the guest's requests if it kicked, submits them,
+    /// reaps what completed, publishes it and signals the guest. Returns
+    /// whether the queue wants another round at once rather than a sleep.
+    fn round(&mut self, mem: &Arc<Memory>, stopping: bool) -> bool {
+        if self.kicked && !stopping {
+            self.kicked = self.take_requests(mem);
+        }
+        self.submit();
+        self.complete_requests(mem);
+        if self.unsignalled {
+            if self.holding_call(stopping) {
+                self.kicked |= self.ring_has_requests(mem);
+                std::hint::spin_loop();
+                return true;
             }
-            self.submit();
-            self.complete_requests(&mem);
-            if self.unsignalled {
-                if self.holding_call(stopping) {
-                    kicked |= self.ring_has_requests(&mem);
-                    std::hint::spin_loop();
-                    continue;
-                }
-                self.signal_guest(&mem);
-            }
-            self.stats.in_flight.set(self.in_flight() as u64);
-            if stopping {
-                if self.in_flight() == 0 {
-                    return;
-                }
-                if let Err(e) = self.io.wait() {
-                    log::error!("queue {}: waiting for I/O failed: {e}", self.run.index);
-                }
-                continue;
-            }
-            if kicked && !self.free.is_empty() {
-                // Requests were left waiting for a slot and completions have
-                // just freed some: take them now. With no slot free, sleep
-                // until the engine completes something.
-                continue;
-            }
-            if self.poll_for_work(&mem) {
-                kicked = true;
-                continue;
-            }
-            if !self.turn_kicks_on(&mem) {
-                // Requests came in while kicks were off.
-                kicked = true;
-                continue;
-            }
-            // Only a sleep with nothing in flight waits for the guest alone:
-            // the kick that ends it tells how long polling would have had to last.
-            let idle = self.in_flight() == 0;
-            let slept_from = self.clock.now();
-            let n = match self.epoll.wait(-1, &mut events) {
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    log::error!("queue {}: epoll failed: {e}", self.run.index);
-                    stopping = true;
-                    continue;
-                }
-            };
-            self.stats.wakeups.add(1);
-            for event in &events[..n] {
-                match event.data() {
-                    TOKEN_KICK => {
-                        if idle {
-                            self.poll.slept(self.clock.ns(self.clock.now().saturating_sub(slept_from)));
-                        }
-                        self.woke_at = self.now();
-                        front_end_io(&self.front_end_io, || drain(self.run.kick.as_fd()));
-                        self.stats.kicks.add(1);
-                        kicked = true;
-                    }
-                    TOKEN_IO => self.io.rearm(),
-                    _ => stopping = true,
-                }
-            }
+            self.signal_guest(mem);
+        }
+        self.stats.in_flight.set(self.in_flight() as u64);
+        // Requests were left waiting for a slot and completions have just
+        // freed some: take them now. With no slot free, sleep until the
+        // engine completes something.
+        !stopping && self.kicked && !self.free.is_empty()
+    }
+
+    /// Blocks until some of the requests in flight may have completed.
+    fn wait_for_io(&mut self) {
+        if let Err(e) = self.io.wait() {
+            log::error!("queue {}: waiting for I/O failed: {e}", self.run.index);
         }
     }
 
-    /// Spins for up to the poll window until the ring has requests; guest
-    /// kicks stay off meanwhile.
-    ///
-    /// Only with no I/O in flight: buffered io_uring I/O may finish on a
-    /// kernel worker thread that needs this very CPU (on tmpfs, polling
-    /// with reads in flight cost 19 % of IOPS at iodepth 32 on 2 CPUs), so
-    /// in-flight I/O is waited for asleep.
-    fn poll_for_work(&mut self, mem: &Arc<Memory>) -> bool {
-        if self.poll.window_ns() == 0 || self.broken || self.in_flight() > 0 {
+    /// How long this queue would have its thread poll: its window, unless
+    /// the ring is broken.
+    fn poll_window_ns(&self) -> u64 {
+        if self.broken { 0 } else { self.poll.window_ns() }
+    }
+
+    /// Looks at the ring while the thread polls; true if it has requests.
+    fn poll_ring(&mut self, mem: &Arc<Memory>) -> bool {
+        if self.broken || !self.ring_has_requests(mem) {
             return false;
         }
-        let start = self.clock.now();
-        loop {
-            if self.ring_has_requests(mem) {
-                self.stats.poll_hits.add(1);
-                self.woke_at = self.now();
-                return true;
-            }
-            if self.clock.ns(self.clock.now().saturating_sub(start)) >= self.poll.window_ns() {
-                return false;
-            }
-            std::hint::spin_loop();
+        self.stats.poll_hits.add(1);
+        self.woke_at = self.now();
+        self.kicked = true;
+        true
+    }
+
+    /// The guest kicked this queue, ending its thread's sleep begun at
+    /// `slept_from`.
+    fn kicked_awake(&mut self, slept_from: u64) {
+        // Only a sleep with nothing in flight waits for the guest alone:
+        // the kick that ends it tells how long polling would have had to
+        // last. (Nothing completes while the thread sleeps.)
+        if self.in_flight() == 0 {
+            self.poll.slept(self.clock.ns(self.clock.now().saturating_sub(slept_from)));
+        }
+        self.woke_at = self.now();
+        front_end_io(&self.front_end_io, || drain(self.run.kick.as_fd()));
+        self.stats.kicks.add(1);
+        self.kicked = true;
+        self.woken = true;
+    }
+
+    /// The engine's descriptor ended the thread's sleep.
+    fn io_ready(&mut self) {
+        self.io.rearm();
+        self.woken = true;
+    }
+
+    /// Counts the wake-up if this queue was among its causes.
+    fn count_wakeup(&mut self) {
+        if std::mem::take(&mut self.woken) {
+            self.stats.wakeups.add(1);
         }
     }
 
@@ -461,15 +627,18 @@ impl QueueWorker {
     }
 
     /// Turns guest kicks back on before sleeping, if polling left them off.
-    /// Returns false if requests arrived meanwhile: take them instead.
+    /// Returns false if requests arrived meanwhile: they are taken in the
+    /// next round instead.
     fn turn_kicks_on(&mut self, mem: &Arc<Memory>) -> bool {
         if !std::mem::take(&mut self.kicks_off) || self.broken {
             return true;
         }
-        match self.run.queue.enable_notification(&**mem) {
+        let quiet = match self.run.queue.enable_notification(&**mem) {
             Ok(more) => !more,
             Err(e) => !self.mark_broken(e),
-        }
+        };
+        self.kicked |= !quiet;
+        quiet
     }
 
     /// Hands the requests pushed so far to the engine.
@@ -815,4 +984,25 @@ pub(crate) fn build_queue(
     let used_idx = queue.used_idx(mem, Ordering::Acquire)?;
     queue.set_next_used(used_idx.0);
     Ok(queue)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_queue_of_a_thread_has_its_own_tokens() {
+        let wakes = [Wake::Stop, Wake::Kick(0), Wake::Io(0), Wake::Kick(1), Wake::Io(1), Wake::Kick(63), Wake::Io(63)];
+        let tokens: Vec<u64> = wakes.iter().map(|wake| wake.token()).collect();
+        assert_eq!(tokens, [u64::MAX, 0, 1, 2, 3, 126, 127]);
+        for wake in wakes {
+            assert_eq!(Wake::from_token(wake.token()), wake);
+        }
+    }
+
+    #[test]
+    fn threads_are_named_after_their_export_and_queues() {
+        assert_eq!(thread_name("e0", &[3]), "vsd-e0-q3");
+        assert_eq!(thread_name("e0", &[0, 2, 4]), "vsd-e0-q0,2,4");
+    }
 }

@@ -213,7 +213,7 @@ fn queue_workers_run_on_the_cpus_cpu_affinity_names() {
         "driver=null-co,node-name=n,read-zeroes=on".into(),
         "--export".into(),
         format!(
-            "type=vhost-user-blk,id=e,node-name=n,addr.type=unix,addr.path={},writable=on,num-queues=3,cpu-affinity=1:0",
+            "type=vhost-user-blk,id=e,node-name=n,addr.type=unix,addr.path={},writable=on,num-queues=3,num-threads=3,cpu-affinity=1:0",
             sock.display()
         ),
     ];
