@@ -158,8 +158,13 @@ impl Daemon {
             .graph
             .get(&args.node_name)
             .ok_or_else(|| QmpError::generic(format!("Failed to find node with node-name='{}'", args.node_name)))?;
-        let exports = &state.exports;
-        let exported = |name: &str| exports.values().find(|e| e.node().name() == name).map(|e| e.config().id.clone());
+        let (exports, stopping) = (&state.exports, &state.stopping);
+        let exported = |name: &str| {
+            let serving = exports.values().find(|e| e.node().name() == name).map(|e| e.config().id.clone());
+            serving.or_else(|| {
+                stopping.iter().find(|(_, node)| *node == name).map(|(id, _)| format!("{id}, shutting down"))
+            })
+        };
         state
             .graph
             .remove(&args.node_name, exported)
@@ -174,7 +179,10 @@ impl Daemon {
     }
 
     fn block_export_del(&self, args: ExportDel) -> Reply {
-        let mut state = self.state();
+        let state = self.state();
+        if state.stopping.contains_key(&args.id) {
+            return Err(QmpError::generic(format!("Export '{}' is already shutting down", args.id)));
+        }
         let export = state
             .exports
             .get(&args.id)
@@ -185,21 +193,17 @@ impl Daemon {
                 args.id
             )));
         }
-        if let Some(export) = state.exports.remove(&args.id) {
-            export.stop();
-        }
-        state.histograms.remove(&args.id);
-        drop(state);
+        self.delete_export(state, &args.id);
         self.events.emit("BLOCK_EXPORT_DELETED", json!({ "id": args.id }));
         Ok(json!({}))
     }
 
     fn query_block_exports(&self) -> Value {
         let state = self.state();
-        let exports = state.exports.values().map(|e| {
-            json!({ "type": "vhost-user-blk", "id": e.config().id, "node-name": e.node().name(), "shutting-down": false })
-        });
-        exports.collect()
+        let entry = |id: &str, node: &str, shutting_down: bool| json!({ "type": "vhost-user-blk", "id": id, "node-name": node, "shutting-down": shutting_down });
+        let serving = state.exports.values().map(|e| entry(&e.config().id, e.node().name(), false));
+        let stopping = state.stopping.iter().map(|(id, node)| entry(id, node, true));
+        serving.chain(stopping).collect()
     }
 
     fn query_named_block_nodes(&self) -> Value {

@@ -2,7 +2,7 @@
 //! by the command line at startup and by QMP commands while running.
 
 use std::collections::BTreeMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard};
 
 use anyhow::{Context, Result};
 use vsd_block::BlockGraph;
@@ -14,6 +14,8 @@ use vsd_trace::HistogramSnapshot;
 /// Everything the daemon serves.
 pub struct Daemon {
     state: Mutex<State>,
+    /// Signalled when an export being deleted has stopped.
+    export_stopped: Condvar,
     pub(crate) events: Events,
 }
 
@@ -21,6 +23,9 @@ pub(crate) struct State {
     pub(crate) graph: BlockGraph,
     /// By id, in id order (as `query-block-exports` lists them).
     pub(crate) exports: BTreeMap<String, VhostUserBlkExport>,
+    /// Exports being deleted, waiting for their requests in flight, with
+    /// the node each serves: their id stays taken and their node busy.
+    pub(crate) stopping: BTreeMap<String, String>,
     /// `block-latency-histogram-set` boundaries, by export id.
     pub(crate) histograms: BTreeMap<String, LatencyBins>,
 }
@@ -41,8 +46,13 @@ pub(crate) struct Bins {
 
 impl Daemon {
     pub fn new() -> Self {
-        let state = State { graph: BlockGraph::new(), exports: BTreeMap::new(), histograms: BTreeMap::new() };
-        Self { state: Mutex::new(state), events: Events::new() }
+        let state = State {
+            graph: BlockGraph::new(),
+            exports: BTreeMap::new(),
+            stopping: BTreeMap::new(),
+            histograms: BTreeMap::new(),
+        };
+        Self { state: Mutex::new(state), export_stopped: Condvar::new(), events: Events::new() }
     }
 
     /// The state, for one command at a time. A panic while holding it
@@ -63,7 +73,7 @@ impl Daemon {
         let config = ExportConfig::from_options(&mut opts)?;
         opts.finish()?;
         let mut state = self.state();
-        if state.exports.contains_key(&config.id) {
+        if state.exports.contains_key(&config.id) || state.stopping.contains_key(&config.id) {
             anyhow::bail!("block export id '{}' is already in use", config.id);
         }
         let node = state
@@ -76,12 +86,30 @@ impl Daemon {
         Ok(())
     }
 
+    /// Deletes export `id` (which `state` must hold) and waits until it has
+    /// stopped: its requests in flight complete first. The state lock is
+    /// released meanwhile, so that other commands and metrics are served;
+    /// the export's id and node stay taken until it has stopped.
+    pub(crate) fn delete_export(&self, mut state: MutexGuard<'_, State>, id: &str) {
+        let Some(export) = state.exports.remove(id) else { return };
+        state.histograms.remove(id);
+        state.stopping.insert(id.to_string(), export.node().name().to_string());
+        drop(state);
+        export.stop();
+        self.state().stopping.remove(id);
+        self.export_stopped.notify_all();
+    }
+
     /// Stops every export (their requests in flight complete first), then
     /// writes back what nodes cache (qcow2 metadata).
     pub fn shutdown(&self) {
         let mut state = self.state();
         for (_, export) in std::mem::take(&mut state.exports) {
             export.stop();
+        }
+        // An export being deleted meanwhile may still use its node.
+        while !state.stopping.is_empty() {
+            state = self.export_stopped.wait(state).unwrap_or_else(|poisoned| poisoned.into_inner());
         }
         for node in state.graph.nodes() {
             if let Err(e) = node.close() {

@@ -414,6 +414,100 @@ fn block_resize_grows_the_image_and_new_clients_see_it() {
     assert!(refuse(json!({ "node-name": "null0", "size": 0 })).contains("multiple of 512"));
 }
 
+#[test]
+fn deleting_an_export_that_waits_for_its_requests_blocks_no_other_command() {
+    let dir = Scratch::new("qmp-slow-stop");
+    let metrics_port = free_port();
+    let (socket, second) = (dir.path("slow.sock"), dir.path("qmp1.sock"));
+    // Every request of this node takes 4 s: deleting its export waits that long.
+    let extra: Vec<String> = vec![
+        "--blockdev".into(),
+        "driver=null-co,node-name=slow,size=16M,latency-ns=4000000000".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=slowexp,node-name=slow,addr.type=unix,addr.path={},writable=on",
+            socket.display()
+        ),
+        "--chardev".into(),
+        format!("socket,id=qmp1,path={},server=on,wait=off", second.display()),
+        "--monitor".into(),
+        "chardev=qmp1".into(),
+        "--metrics".into(),
+        format!("127.0.0.1:{metrics_port}"),
+    ];
+    let (_daemon, qmp_sock) = daemon_with_monitor(&dir, extra);
+    let in_flight = r#"vsd_export_in_flight{export="slowexp",node="slow"} "#;
+    let mut client = vsd_bench::Client::connect(&socket, ClientOptions::default()).unwrap();
+    let mut queue = client.take_queue(0).unwrap();
+    let reading = std::thread::spawn(move || queue.read_at(0, &mut [0; 4096]).map_err(|e| e.to_string()));
+    wait_for(|| http_get(metrics_port, "/metrics").lines().any(|l| l == format!("{in_flight}1")), "the read in flight");
+
+    let started = Instant::now();
+    let deleting = std::thread::spawn(move || {
+        let (reply, event) = qmp_with(
+            &qmp_sock,
+            "block-export-del",
+            json!({ "id": "slowexp", "mode": "hard" }),
+            Some("BLOCK_EXPORT_DELETED"),
+        );
+        (reply, event, started.elapsed())
+    });
+    let mut other = QmpClient::connect(&second).unwrap();
+    wait_for(|| shutting_down(&mut other, "slowexp"), "slowexp listed as shutting down");
+    // While it waits for the read: metrics answer, its node stays busy and
+    // its id taken, and other exports can be added.
+    assert!(http_get(metrics_port, "/metrics").contains("vsd_export_ops_total"));
+    let busy = other.execute("blockdev-del", json!({ "node-name": "slow" })).unwrap_err().to_string();
+    assert!(busy.contains("slowexp, shutting down"), "{busy}");
+    let again = json!({
+        "type": "vhost-user-blk", "id": "slowexp", "node-name": "null0",
+        "addr": { "type": "unix", "path": dir.path("again.sock") },
+    });
+    assert!(other.execute("block-export-add", again).unwrap_err().to_string().contains("already in use"));
+    let twice = other.execute("block-export-del", json!({ "id": "slowexp" })).unwrap_err().to_string();
+    assert!(twice.contains("already shutting down"), "{twice}");
+    let extra_export = json!({
+        "type": "vhost-user-blk", "id": "meanwhile", "node-name": "null0",
+        "addr": { "type": "unix", "path": dir.path("meanwhile.sock") },
+    });
+    other.execute("block-export-add", extra_export).unwrap();
+    assert!(!deleting.is_finished(), "all this happened while the deletion waited");
+
+    let (reply, event, took) = deleting.join().unwrap();
+    returned(&reply);
+    assert_eq!(event.expect("BLOCK_EXPORT_DELETED")["data"]["id"], "slowexp");
+    assert!(took >= Duration::from_secs(2), "the deletion waited for the read ({took:?})");
+    assert!(reading.join().unwrap().is_ok(), "the read in flight completed before the export stopped");
+    assert!(!shutting_down(&mut other, "slowexp"), "gone once stopped");
+    other.execute("blockdev-del", json!({ "node-name": "slow" })).unwrap();
+    other.execute("block-export-del", json!({ "id": "meanwhile" })).unwrap();
+}
+
+fn shutting_down(qmp: &mut QmpClient, id: &str) -> bool {
+    let exports = qmp.execute("query-block-exports", json!({})).unwrap();
+    exports.as_array().unwrap().iter().any(|e| e["id"] == id && e["shutting-down"] == true)
+}
+
+/// Waits up to 20 s for `done`.
+fn wait_for(mut done: impl FnMut() -> bool, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The body of an HTTP GET of `path` on 127.0.0.1:`port`.
+fn http_get(port: u16, path: &str) -> String {
+    use std::io::Read;
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or_default()
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
