@@ -72,29 +72,27 @@ impl Plan {
     }
 }
 
-/// The raw product of a matrix's axes, before fitting; the first axis
-/// (daemons) varies slowest.
+/// The raw product of a matrix's axes, before fitting. The daemons vary
+/// fastest: those of one configuration run back to back, so that a slow
+/// phase of a noisy machine falls on all of them alike.
 fn combinations(spec: &Spec, m: &MatrixSpec) -> Vec<Config> {
-    let daemons = m.daemons.iter().map(|daemon| {
-        let (program, export_options) = spec.program(daemon).expect("daemons are checked when the spec loads");
-        Config {
-            daemon: daemon.clone(),
-            program,
-            export_options: export_options.to_owned(),
-            driver: m.driver,
-            bus: None,
-            backend: Backend::NullCo,
-            format: Format::Raw,
-            cache: None,
-            engine: None,
-            queues: 1,
-            jobs: 1,
-            bs: 4096,
-            rw: Rw::Randread,
-            iodepth: 1,
-        }
-    });
-    let mut all: Vec<Config> = daemons.collect();
+    let base = Config {
+        daemon: String::new(),
+        program: Program::Vsd,
+        export_options: String::new(),
+        driver: m.driver,
+        bus: None,
+        backend: Backend::NullCo,
+        format: Format::Raw,
+        cache: None,
+        engine: None,
+        queues: 1,
+        jobs: 1,
+        bs: 4096,
+        rw: Rw::Randread,
+        iodepth: 1,
+    };
+    let mut all = vec![base];
     if m.driver == Driver::Guest {
         all = product(all, &m.buses, |c, bus| c.bus = Some(bus));
     }
@@ -105,7 +103,18 @@ fn combinations(spec: &Spec, m: &MatrixSpec) -> Vec<Config> {
     all = product(all, &m.queue_job_pairs(), |c, (queues, jobs)| (c.queues, c.jobs) = (queues, jobs));
     all = product(all, &m.bs, |c, bs| c.bs = bs);
     all = product(all, &m.rw, |c, rw| c.rw = rw);
-    product(all, &m.iodepth, |c, iodepth| c.iodepth = iodepth)
+    all = product(all, &m.iodepth, |c, iodepth| c.iodepth = iodepth);
+    let daemons: Vec<(&String, Program, &str)> = m
+        .daemons
+        .iter()
+        .map(|daemon| {
+            let (program, export_options) = spec.program(daemon).expect("daemons are checked when the spec loads");
+            (daemon, program, export_options)
+        })
+        .collect();
+    product(all, &daemons, |c, (daemon, program, export_options)| {
+        (c.daemon, c.program, c.export_options) = (daemon.clone(), program, export_options.to_owned())
+    })
 }
 
 /// Every config of `configs` once with each of `values`.
