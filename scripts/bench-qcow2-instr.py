@@ -12,14 +12,10 @@ usage: scripts/bench-qcow2-instr.py [--seconds 10] [--rw randread,randwrite]
                                     [--target-dir target] [--work /dev/shm/qi]
 """
 import argparse
-import glob
-import json
 import os
-import re
 import subprocess
-import time
 
-from benchlib import ROOT
+from benchlib import ROOT, callgrind_worker
 
 IMAGE_MIB = 1024
 
@@ -36,44 +32,13 @@ def images(work):
     return {"raw": raw, "qcow2": qcow2}
 
 
-def blockdevs(fmt, path):
-    return ["--blockdev", f"driver=file,node-name=f0,filename={path},aio=io_uring",
-            "--blockdev", f"driver={fmt},node-name=disk0,file=f0"]
-
-
 def worker_instructions(binaries, work, fmt, path, rw, seconds):
-    """Instructions per request of the busiest vsd thread under callgrind,
-    and the requests counted."""
+    """Instructions per request of the queue worker, the requests counted,
+    and its callgrind file."""
     vsd, bench = (os.path.join(binaries, name) for name in ("vsd", "vsd-bench"))
-    sock, pidfile = os.path.join(work, "cg.sock"), os.path.join(work, "cg.pid")
-    out = os.path.join(work, f"callgrind.{fmt}.{rw}")
-    for stale in glob.glob(out + ".*") + [sock, pidfile]:
-        if os.path.exists(stale):
-            os.unlink(stale)
-    daemon = subprocess.Popen(
-        ["valgrind", "--tool=callgrind", "--separate-threads=yes", f"--callgrind-out-file={out}.%p", vsd,
-         *blockdevs(fmt, path),
-         "--export", f"type=vhost-user-blk,id=e0,node-name=disk0,addr.type=unix,addr.path={sock},writable=on,poll-us=0",
-         "--pidfile", pidfile], stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 60
-        while not os.path.exists(pidfile):
-            if daemon.poll() is not None or time.time() > deadline:
-                raise RuntimeError("vsd under valgrind did not start")
-            time.sleep(0.1)
-        res = json.loads(subprocess.run(
-            [bench, "--socket", sock, "--rw", rw, "--bs", "4k", "--iodepth", "32", "--seconds", str(seconds),
-             "--ramp-seconds", "0", "--json"], check=True, capture_output=True, text=True).stdout)["results"]
-    finally:
-        daemon.terminate()
-        daemon.wait()
-    counts = {}
-    for path in glob.glob(out + ".*"):
-        with open(path) as f:
-            summary = re.search(r"^(?:summary|totals): (\d+)", f.read(), re.M)
-        counts[path] = int(summary.group(1)) if summary else 0
-    busiest = max(counts, key=counts.get)
-    return counts[busiest] / max(res["ios"], 1), res["ios"], busiest
+    blockdevs = [f"driver=file,node-name=f0,filename={path},aio=io_uring", f"driver={fmt},node-name=disk0,file=f0"]
+    bench_args = ["--rw", rw, "--bs", "4k", "--iodepth", "32"]
+    return callgrind_worker(vsd, bench, work, f"{fmt}.{rw}", blockdevs, bench_args, seconds)
 
 
 def main():

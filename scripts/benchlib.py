@@ -2,8 +2,10 @@
 qemu-storage-daemon pinned to CPU 0, drive it with vsd-bench pinned to
 CPU 1, and report IOPS, latency and daemon CPU per I/O."""
 
+import glob
 import json
 import os
+import re
 import subprocess
 import time
 
@@ -55,3 +57,43 @@ def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk
     ios_with_ramp = max(res["ios"], 1) * (seconds + 1) / seconds
     return {"iops": res["iops"], "bw_mib_s": res["bw_mib_s"], "p50_us": res["lat_us"]["p50"],
             "p99_us": res["lat_us"]["p99"], "cpu_us_per_io": (after - before) * TICK_US / ios_with_ramp}
+
+
+def callgrind_worker(vsd, bench, work, name, blockdevs, bench_args, seconds, export_opts=""):
+    """`vsd` serving `blockdevs` (--blockdev values; the exported node is
+    disk0, with `export_opts` such as ",trace=off") under valgrind
+    --tool=callgrind with one output file per thread, driven by `bench`
+    (vsd-bench, with `bench_args`) for `seconds` without ramp. Returns the
+    instructions per request of the busiest thread (the queue worker), the
+    requests completed, and that thread's callgrind file, which stays in
+    `work` (named after `name`) for callgrind_annotate."""
+    sock, pidfile = os.path.join(work, "cg.sock"), os.path.join(work, "cg.pid")
+    out = os.path.join(work, f"callgrind.{name}")
+    for stale in glob.glob(out + ".*") + [sock, pidfile]:
+        if os.path.exists(stale):
+            os.unlink(stale)
+    args = ["valgrind", "--tool=callgrind", "--separate-threads=yes", f"--callgrind-out-file={out}.%p", vsd]
+    for blockdev in blockdevs:
+        args += ["--blockdev", blockdev]
+    args += ["--export", f"type=vhost-user-blk,id=e0,node-name=disk0,addr.type=unix,addr.path={sock},writable=on,"
+             f"poll-us=0{export_opts}", "--pidfile", pidfile]
+    daemon = subprocess.Popen(args, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while not os.path.exists(pidfile):
+            if daemon.poll() is not None or time.time() > deadline:
+                raise RuntimeError("vsd under valgrind did not start")
+            time.sleep(0.1)
+        res = json.loads(subprocess.run(
+            [bench, "--socket", sock, *bench_args, "--seconds", str(seconds), "--ramp-seconds", "0", "--json"],
+            check=True, capture_output=True, text=True).stdout)["results"]
+    finally:
+        daemon.terminate()
+        daemon.wait()
+    counts = {}
+    for path in glob.glob(out + ".*"):
+        with open(path) as f:
+            summary = re.search(r"^(?:summary|totals): (\d+)", f.read(), re.M)
+        counts[path] = int(summary.group(1)) if summary else 0
+    busiest = max(counts, key=counts.get)
+    return counts[busiest] / max(res["ios"], 1), res["ios"], busiest
