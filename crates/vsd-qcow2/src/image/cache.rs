@@ -16,26 +16,63 @@ pub(super) struct L2Table {
     /// Where the table is in the image file.
     pub(super) offset: u64,
     words: Box<[AtomicU64]>,
-    /// Entries whose data cluster overlaps the image's metadata, found when
-    /// the table was loaded: never followed, never written through.
-    bad: Box<[u64]>,
+    /// Entries whose data cluster overlaps the image's metadata: never
+    /// followed, never written through. Entries only ever join it.
+    bad: Box<[AtomicU64]>,
+    /// The metadata map's version `bad` was last brought up to date with.
+    checked_at: AtomicU64,
     stamp: AtomicU64,
 }
 
+/// `checked_at` of a table never checked.
+const UNCHECKED: u64 = u64::MAX;
+
 impl L2Table {
-    /// Parses a table read from disk. `is_metadata(host)` says whether a
-    /// data cluster offset is a metadata cluster (None: data lives in an
+    /// A table as read from disk, not yet checked against the metadata
+    /// ([`L2Table::check`]).
+    pub(super) fn parse(offset: u64, raw: &[u8]) -> Self {
+        Self::with_words(offset, raw.chunks_exact(8).map(|w| u64::from_be_bytes(w.try_into().unwrap())))
+    }
+
+    /// A table of unallocated entries at `offset`.
+    pub(super) fn empty(offset: u64, cluster_size: u64) -> Self {
+        Self::with_words(offset, (0..cluster_size / 8).map(|_| 0))
+    }
+
+    /// A copy of this table to be written at `offset` (copy-on-write of a
+    /// table shared with a snapshot).
+    pub(super) fn copy_to(&self, offset: u64) -> Self {
+        let table = Self::with_words(offset, self.words.iter().map(|w| w.load(Ordering::Relaxed)));
+        table
+            .bad
+            .iter()
+            .zip(&self.bad)
+            .for_each(|(to, from)| to.store(from.load(Ordering::Relaxed), Ordering::Relaxed));
+        table
+    }
+
+    fn with_words(offset: u64, words: impl Iterator<Item = u64>) -> Self {
+        let words: Box<[AtomicU64]> = words.map(AtomicU64::new).collect();
+        let bad = (0..words.len().div_ceil(64)).map(|_| AtomicU64::new(0)).collect();
+        Self { offset, words, bad, checked_at: AtomicU64::new(UNCHECKED), stamp: AtomicU64::new(0) }
+    }
+
+    /// Whether the table was checked against `version` of the metadata map.
+    #[inline]
+    pub(super) fn checked(&self, version: u64) -> bool {
+        self.checked_at.load(Ordering::Acquire) == version
+    }
+
+    /// Marks the entries whose data lies in metadata as bad, by the
+    /// metadata map at `version`. `is_metadata(host)` says whether a data
+    /// cluster offset is a metadata cluster (None: data lives in an
     /// external file, where nothing can overlap).
-    pub(super) fn parse(offset: u64, raw: &[u8], layout: &Layout, is_metadata: Option<&dyn Fn(u64) -> bool>) -> Self {
-        let words: Box<[AtomicU64]> =
-            raw.chunks_exact(8).map(|w| AtomicU64::new(u64::from_be_bytes(w.try_into().unwrap()))).collect();
-        let stride = if layout.extended { 2 } else { 1 };
-        let entries = words.len() / stride;
-        let mut bad = vec![0u64; entries.div_ceil(64)].into_boxed_slice();
+    pub(super) fn check(&self, layout: &Layout, is_metadata: Option<&dyn Fn(u64) -> bool>, version: u64) {
         if let Some(is_metadata) = is_metadata {
+            let stride = if layout.extended { 2 } else { 1 };
             let cluster_size = 1u64 << layout.cluster_bits;
-            for i in 0..entries {
-                let e = words[i * stride].load(Ordering::Relaxed);
+            for i in 0..self.words.len() / stride {
+                let e = self.words[i * stride].load(Ordering::Acquire);
                 let (start, len) = if e & COMPRESSED != 0 {
                     layout.decode(e, 0).ok().and_then(|d| d.compressed).unwrap_or((0, 0))
                 } else {
@@ -43,32 +80,23 @@ impl L2Table {
                 };
                 let mut clusters = (start / cluster_size..(start + len).div_ceil(cluster_size)).filter(|_| start != 0);
                 if clusters.any(|c| is_metadata(c * cluster_size)) {
-                    bad[i / 64] |= 1 << (i % 64);
+                    self.bad[i / 64].fetch_or(1 << (i % 64), Ordering::Release);
                 }
             }
         }
-        Self { offset, words, bad, stamp: AtomicU64::new(0) }
+        self.checked_at.store(version, Ordering::Release);
     }
 
-    /// A table of unallocated entries at `offset`.
-    pub(super) fn empty(offset: u64, cluster_size: u64) -> Self {
-        let words = (0..cluster_size / 8).map(|_| AtomicU64::new(0)).collect::<Box<[_]>>();
-        let bad = vec![0u64; words.len().div_ceil(64)].into_boxed_slice();
-        Self { offset, words, bad, stamp: AtomicU64::new(0) }
-    }
-
-    /// A copy of this table to be written at `offset` (copy-on-write of a
-    /// table shared with a snapshot).
-    pub(super) fn copy_to(&self, offset: u64) -> Self {
-        let words = self.words.iter().map(|w| AtomicU64::new(w.load(Ordering::Relaxed))).collect();
-        Self { offset, words, bad: self.bad.clone(), stamp: AtomicU64::new(0) }
+    #[inline]
+    fn is_bad(&self, index: usize) -> bool {
+        self.bad[index / 64].load(Ordering::Acquire) & (1 << (index % 64)) != 0
     }
 
     /// Decodes entry `index`.
     pub(super) fn decode(&self, layout: &Layout, index: usize) -> Result<L2Entry, EntryError> {
         let stride = if layout.extended { 2 } else { 1 };
         let entry = self.words[index * stride].load(Ordering::Acquire);
-        if self.bad[index / 64] & (1 << (index % 64)) != 0 {
+        if self.is_bad(index) {
             return Err(EntryError::Metadata(entry));
         }
         let bitmap = if layout.extended { self.words[index * stride + 1].load(Ordering::Acquire) } else { 0 };
@@ -79,7 +107,7 @@ impl L2Table {
     /// does not point into metadata.
     #[inline]
     pub(super) fn plain_data(&self, layout: &Layout, index: usize) -> Option<(u64, bool)> {
-        if layout.extended || self.bad[index / 64] & (1 << (index % 64)) != 0 {
+        if layout.extended || self.is_bad(index) {
             return None;
         }
         layout.plain_data(self.words[index].load(Ordering::Acquire))

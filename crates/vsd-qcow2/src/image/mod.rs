@@ -246,19 +246,23 @@ impl Image {
             }
             None => self.load_l2(&mut self.lock(), io, l2_offset)?,
         };
+        self.check_l2(&table);
         Ok(self.walk(&table, offset, limit))
     }
 
     /// The memo's table for L1 entry `l1_index`, if the entry still names
-    /// it and the cache still holds it: then no lock is taken and nothing
-    /// hashed.
+    /// it, the cache still holds it and no cluster became metadata since it
+    /// was checked: then no lock is taken and nothing hashed.
     #[inline]
     fn memoised<'m>(&self, memo: &'m MapMemo, l1_index: usize) -> Option<&'m L2Table> {
         let (table_offset, generation, table) = memo.slots[l1_index % MEMO_SLOTS].as_ref()?;
         // The memoised offset came from a valid entry: an entry equal to it
         // but for the COPIED flag is valid too, and names the same table.
         let l1_entry = self.l1.get(l1_index)?.load(Ordering::Acquire);
-        (l1_entry & !entry::COPIED == *table_offset && *generation == self.l2.generation()).then_some(&**table)
+        (l1_entry & !entry::COPIED == *table_offset
+            && *generation == self.l2.generation()
+            && table.checked(self.metadata.version()))
+        .then_some(&**table)
     }
 
     /// The mapping of a range within one cluster that plainly holds data
@@ -356,7 +360,7 @@ impl Image {
 
     /// Whether a data write to `[host, host + len)` of the image file would
     /// land on metadata (a corrupt entry): such writes must fail.
-    pub fn write_hits_metadata(&self, host: u64, len: u64) -> bool {
+    fn write_hits_metadata(&self, host: u64, len: u64) -> bool {
         !self.layout.data_file && self.metadata.overlaps(host, len, self.header.cluster_bits)
     }
 
@@ -447,16 +451,24 @@ impl Image {
         }
         let mut raw = AlignedBuf::zeroed(self.cluster_size() as usize);
         io.read_at(&mut raw, l2_offset)?;
-        let table = Arc::new(if self.layout.data_file {
-            L2Table::parse(l2_offset, &raw, &self.layout, None)
-        } else {
-            let cb = self.header.cluster_bits;
-            self.metadata.with_test(|is_metadata| {
-                L2Table::parse(l2_offset, &raw, &self.layout, Some(&|host| is_metadata(host >> cb)))
-            })
-        });
+        let table = Arc::new(L2Table::parse(l2_offset, &raw));
+        self.check_l2(&table);
         self.l2.insert(table.clone());
         Ok(table)
+    }
+
+    /// Brings `table`'s bad entries up to date with the metadata map, if a
+    /// cluster became metadata since it was last checked: guest data is
+    /// then never read from or written over metadata through it.
+    fn check_l2(&self, table: &L2Table) {
+        if table.checked(self.metadata.version()) {
+            return;
+        }
+        let cb = self.header.cluster_bits;
+        self.metadata.with_test(|is_metadata, version| {
+            let test = |host| is_metadata(host >> cb);
+            table.check(&self.layout, (!self.layout.data_file).then_some(&test), version)
+        });
     }
 }
 

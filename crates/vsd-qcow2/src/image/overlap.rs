@@ -2,13 +2,21 @@
 //! metadata mutex: data writes are checked against it (QEMU's overlap
 //! check), so a corrupt table entry can never send guest data over a
 //! table, and the allocator never hands such a cluster out.
+//!
+//! The check is made once per cached L2 table, not once per write: a table
+//! remembers the map's version it was checked against, and only a cluster
+//! turned into metadata since (a new version) makes it check again.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{RwLock, RwLockReadGuard};
 
 /// A bitmap of metadata clusters, growing with the image.
 #[derive(Default)]
 pub(super) struct MetadataMap {
     bits: RwLock<Vec<u64>>,
+    /// How many clusters became metadata so far (changed under `bits`'
+    /// write lock).
+    version: AtomicU64,
 }
 
 impl MetadataMap {
@@ -25,6 +33,14 @@ impl MetadataMap {
             bits.resize(word + 1, 0);
         }
         bits[word] |= 1 << (cluster % 64);
+        self.version.fetch_add(1, Ordering::Release);
+    }
+
+    /// Changes whenever a cluster becomes metadata; removals leave it, as
+    /// they cannot make a checked entry overlap.
+    #[inline]
+    pub(super) fn version(&self) -> u64 {
+        self.version.load(Ordering::Acquire)
     }
 
     pub(super) fn remove(&self, cluster: u64) {
@@ -46,11 +62,12 @@ impl MetadataMap {
         ((offset >> cluster_bits)..=last).any(|c| holds(&bits, c))
     }
 
-    /// Runs `f` with a test of whether a cluster holds metadata, locking
-    /// once for all its tests (a table's worth of entries).
-    pub(super) fn with_test<R>(&self, f: impl FnOnce(&dyn Fn(u64) -> bool) -> R) -> R {
+    /// Runs `f` with a test of whether a cluster holds metadata and the
+    /// version the test answers for, locking once for all its tests (a
+    /// table's worth of entries).
+    pub(super) fn with_test<R>(&self, f: impl FnOnce(&dyn Fn(u64) -> bool, u64) -> R) -> R {
         let bits = self.read();
-        f(&|cluster| holds(&bits, cluster))
+        f(&|cluster| holds(&bits, cluster), self.version.load(Ordering::Relaxed))
     }
 
     fn read(&self) -> RwLockReadGuard<'_, Vec<u64>> {

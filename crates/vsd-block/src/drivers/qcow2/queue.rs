@@ -302,10 +302,6 @@ impl Qcow2Queue {
         while pos < len {
             let e = self.image.map(&mut self.memo, &mut self.file, offset + pos, len - pos).map_err(errno)?;
             match e.mapping {
-                Mapping::Data { host, in_place: true } if self.image.write_hits_metadata(host, e.len) => {
-                    log::error!("qcow2: guest offset {:#x} maps onto metadata at {host:#x}", offset + pos);
-                    return Err(libc::EIO);
-                }
                 Mapping::Data { host, in_place: true } => self.extents.push((host, pos, e.len)),
                 Mapping::Invalid => return Err(libc::EIO),
                 _ => break,
