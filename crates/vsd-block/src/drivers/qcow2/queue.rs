@@ -296,24 +296,26 @@ impl Qcow2Queue {
     }
 
     fn write(&mut self, tag: u32, offset: u64, len: u64, iov: IoVecs, durable: bool) -> Routed {
-        // Fast path: every byte lands on data this image owns.
+        // Fast path: every byte lands on data this image owns. A durable
+        // write must not land on a cluster whose allocation is still only
+        // in memory: then the metadata path flushes it too.
+        let in_place = |image: &Image| !(durable && image.metadata_dirty());
         self.extents.clear();
         let mut pos = 0;
         while pos < len {
             let e = self.image.map(&mut self.memo, &mut self.file, offset + pos, len - pos).map_err(errno)?;
             match e.mapping {
+                // One extent for the whole request (so pos is 0).
+                Mapping::Data { host, in_place: true } if e.len == len && in_place(&self.image) => {
+                    return Ok(Some(Whole(Target::Data, IoOp::Write { offset: host, len, iov, durable })));
+                }
                 Mapping::Data { host, in_place: true } => self.extents.push((host, pos, e.len)),
                 Mapping::Invalid => return Err(libc::EIO),
                 _ => break,
             }
             pos += e.len;
         }
-        // A durable write must not land on a cluster whose allocation is
-        // still only in memory: then the metadata path flushes it too.
-        if pos == len && !(durable && self.image.metadata_dirty()) {
-            if let [(host, _, _)] = self.extents[..] {
-                return Ok(Some(Whole(Target::Data, IoOp::Write { offset: host, len, iov, durable })));
-            }
+        if pos == len && in_place(&self.image) {
             for i in 0..self.extents.len() {
                 let (host, at, n) = self.extents[i];
                 self.issue(tag, Target::Data, IoOp::Write { offset: host, len: n, iov, durable }, at);
