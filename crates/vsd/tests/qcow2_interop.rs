@@ -474,6 +474,54 @@ fn reads_match_qemu_through_backing_chains() {
     read_cases("chain", kinds);
 }
 
+/// The `flags:` of every descriptor `pid` holds open on `path`.
+fn open_flags(pid: u32, path: &Path) -> Vec<i32> {
+    let path = std::fs::canonicalize(path).unwrap();
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap();
+    fds.filter_map(|fd| {
+        let fd = fd.unwrap();
+        (std::fs::read_link(fd.path()).ok()? == path).then_some(())?;
+        let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_str()?)).ok()?;
+        let flags = info.lines().find_map(|l| l.strip_prefix("flags:"))?;
+        i32::from_str_radix(flags.trim(), 8).ok()
+    })
+    .collect()
+}
+
+/// Serves `IMG`, built by `build`, from a qcow2 node with cache.direct=on:
+/// the files it opens from its header (`implicit`) inherit the option, as
+/// QEMU's implicitly opened children do, so vsd holds them with O_DIRECT.
+fn assert_header_files_inherit_direct(case: &str, build: fn(&Scratch), implicit: &[&str]) {
+    let dir = Scratch::new(&format!("q2-inherit-{}", implicit.len()));
+    build(&dir);
+    let args = [
+        "--blockdev".into(),
+        format!(
+            "driver=qcow2,node-name=q0,read-only=on,cache.direct=on,file.driver=file,file.read-only=on,file.filename={}",
+            dir.path(IMG).display()
+        ),
+        "--export".into(),
+        format!("type=vhost-user-blk,id=e0,node-name=q0,addr.type=unix,addr.path={}", dir.path("vsd.sock").display()),
+    ];
+    let daemon = Daemon::vsd(&dir, &args);
+    for name in std::iter::once(&IMG).chain(implicit) {
+        let flags = open_flags(daemon.pid(), &dir.path(name));
+        assert!(!flags.is_empty(), "{case}: vsd does not hold {name} open");
+        assert!(
+            flags.iter().all(|f| f & libc::O_DIRECT != 0),
+            "{case}: {name} is open without O_DIRECT (flags {flags:?}) under a node with cache.direct=on"
+        );
+    }
+    qemu_img(&dir, &["convert", "-O", "raw", IMG, "expected.raw"]);
+    assert_served_equals(&daemon, true, &dir.path("expected.raw"), case);
+}
+
+#[test]
+fn files_opened_from_the_header_inherit_the_nodes_cache_options() {
+    assert_header_files_inherit_direct("backing chain", chain, &["top.qcow2", "mid.qcow2", "base.raw"]);
+    assert_header_files_inherit_direct("external data file", |dir| data_file(dir, false), &["d.raw"]);
+}
+
 #[test]
 fn reads_match_qemu_with_external_data_files() {
     let kinds: Vec<(String, Builder)> = vec![

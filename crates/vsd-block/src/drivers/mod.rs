@@ -26,7 +26,7 @@ pub(crate) fn open(
     match driver {
         "file" => Ok(Arc::new(file::FileNode::open(name, cache, opts)?)),
         "raw" => Ok(Arc::new(raw::RawNode::open(name, opts, graph)?)),
-        "qcow2" => Ok(Arc::new(qcow2::Qcow2Node::open(name, opts, graph)?)),
+        "qcow2" => Ok(Arc::new(qcow2::Qcow2Node::open(name, cache, opts, graph)?)),
         "null-co" => Ok(Arc::new(null::NullNode::open(name, opts)?)),
         "blkdebug" => Ok(Arc::new(blkdebug::BlkdebugNode::open(name, opts, graph)?)),
         _ => Err(GraphError::UnknownDriver { context: opts.context().into(), driver: driver.into() }),

@@ -1,6 +1,6 @@
 //! `driver=qcow2`: the qcow2 format on top of a `file` child, with its
 //! backing chain and external data file opened from the header as QEMU
-//! does, or given as nodes.
+//! does (inheriting the node's cache options), or given as nodes.
 
 mod queue;
 
@@ -15,7 +15,7 @@ use vsd_qcow2::{FormatError, Image, SyncIo};
 use super::child::ChildQueue;
 use super::file::FileNode;
 use crate::options::OptionMap;
-use crate::{BlockGraph, BlockNode, GraphError, IoQueue};
+use crate::{BlockGraph, BlockNode, Cache, GraphError, IoQueue};
 use queue::Qcow2Queue;
 
 /// Backing chains deeper than this are refused (QEMU has no fixed limit,
@@ -44,6 +44,9 @@ enum Backing {
 #[derive(Clone, Default)]
 struct Settings {
     read_only: bool,
+    /// The node's `cache.direct` and `cache.no-flush`, which the files it
+    /// opens from its header inherit, as in QEMU.
+    cache: Cache,
     l2_cache_bytes: Option<u64>,
     discard_no_unref: bool,
     pass_discard: bool,
@@ -54,7 +57,12 @@ struct Settings {
 }
 
 impl Qcow2Node {
-    pub(crate) fn open(name: String, opts: &mut OptionMap, graph: &BlockGraph) -> Result<Self, GraphError> {
+    pub(crate) fn open(
+        name: String,
+        cache: Cache,
+        opts: &mut OptionMap,
+        graph: &BlockGraph,
+    ) -> Result<Self, GraphError> {
         let context = opts.context().to_string();
         let node =
             |name: String| graph.get(&name).ok_or_else(|| GraphError::NoSuchNode { context: context.clone(), name });
@@ -67,6 +75,7 @@ impl Qcow2Node {
         let data_file = opts.take("data-file").map(node).transpose()?;
         let settings = Settings {
             read_only: opts.take_bool("read-only")?.unwrap_or(false) || file.read_only(),
+            cache,
             l2_cache_bytes: opts.take_size("l2-cache-size")?,
             discard_no_unref: opts.take_bool("discard-no-unref")?.unwrap_or(false),
             pass_discard: opts.take_bool("pass-discard-request")?.unwrap_or(true),
@@ -146,7 +155,7 @@ impl Qcow2Node {
             (true, Some(node), _) => Some(node),
             (true, None, Some(name)) => {
                 let path = resolve(path.as_deref(), name).map_err(invalid)?;
-                Some(open_file(&path, settings.read_only).map_err(|e| {
+                Some(open_file(&path, settings.read_only, settings.cache).map_err(|e| {
                     invalid(format!("cannot open external data file '{}': {}", path.display(), error_chain(&e)))
                 })?)
             }
@@ -205,14 +214,14 @@ fn resolve(image: Option<&Path>, name: &str) -> Result<PathBuf, String> {
 }
 
 /// An implicit `file` node (QEMU names these after the file).
-fn open_file(path: &Path, read_only: bool) -> Result<Arc<dyn BlockNode>, GraphError> {
+fn open_file(path: &Path, read_only: bool, cache: Cache) -> Result<Arc<dyn BlockNode>, GraphError> {
     let filename = path.to_str().ok_or_else(|| GraphError::Invalid {
         context: path.display().to_string(),
         reason: "the file name is not UTF-8".into(),
     })?;
     let text = format!("filename={},read-only={}", filename.replace(',', ",,"), read_only);
     let mut opts = OptionMap::parse("--blockdev", &text)?;
-    let node = FileNode::open(format!("#{filename}"), crate::Cache::default(), &mut opts)?;
+    let node = FileNode::open(format!("#{filename}"), cache, &mut opts)?;
     opts.finish()?;
     Ok(Arc::new(node))
 }
@@ -225,7 +234,7 @@ fn open_backing(
     settings: &Settings,
     chain: &mut Vec<PathBuf>,
 ) -> Result<Arc<dyn BlockNode>, GraphError> {
-    let file = open_file(path, true)?;
+    let file = open_file(path, true, settings.cache)?;
     let format = match format {
         Some(f) => f.to_string(),
         None => probe(&*file).map_err(|e| GraphError::Host {
