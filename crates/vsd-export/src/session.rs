@@ -191,7 +191,7 @@ impl Session {
         }
         let (Some(kick), call) = (vring.kick.take(), vring.call.take()) else { return Ok(None) };
         log::debug!("vring {index}: start, size {} next_avail {} rings {rings:x?}", vring.size, vring.next_avail);
-        Ok(Some(QueueRun { index: index as u16, queue, kick, call, inflight: tracker, resubmit }))
+        Ok(Some(QueueRun { index: index as u16, queue, kick, call, inflight: tracker, resubmit, broken: false }))
     }
 
     /// Applies a change to a ring with it stopped, then restarts it.

@@ -98,6 +98,11 @@ pub(crate) struct QueueRun {
     /// Set when taking over from a back-end that died: the heads it left
     /// in flight, oldest first, served before anything else.
     pub(crate) resubmit: Option<Vec<u16>>,
+    /// The guest broke the ring: no more requests are taken from it until
+    /// the front-end sets the queue up again. Kept here, with the queue,
+    /// so that a restart of its thread for another queue's sake does not
+    /// forget it.
+    pub(crate) broken: bool,
 }
 
 /// A running worker thread.
@@ -405,8 +410,6 @@ struct QueueWorker {
     unsignalled_since: u64,
     /// `call-batch-us`, in nanoseconds.
     call_batch_ns: u64,
-    /// The guest broke the ring; stop taking requests from it.
-    broken: bool,
     /// Rounds in a row where the ring announced requests but yielded none
     /// (counted across polling rounds too). Once or twice is a race with
     /// the guest adding more; a third time means an entry that cannot be
@@ -509,7 +512,6 @@ impl QueueWorker {
             io,
             unsignalled: false,
             unsignalled_since: 0,
-            broken: false,
             fruitless: 0,
         })
     }
@@ -570,12 +572,12 @@ impl QueueWorker {
     /// How long this queue would have its thread poll: its window, unless
     /// the ring is broken.
     fn poll_window_ns(&self) -> u64 {
-        if self.broken { 0 } else { self.poll.window_ns() }
+        if self.run.broken { 0 } else { self.poll.window_ns() }
     }
 
     /// Looks at the ring while the thread polls; true if it has requests.
     fn poll_ring(&mut self, mem: &Arc<Memory>) -> bool {
-        if self.broken || !self.ring_has_requests(mem) {
+        if self.run.broken || !self.ring_has_requests(mem) {
             return false;
         }
         self.stats.poll_hits.add(1);
@@ -630,7 +632,7 @@ impl QueueWorker {
     /// Returns false if requests arrived meanwhile: they are taken in the
     /// next round instead.
     fn turn_kicks_on(&mut self, mem: &Arc<Memory>) -> bool {
-        if !std::mem::take(&mut self.kicks_off) || self.broken {
+        if !std::mem::take(&mut self.kicks_off) || self.run.broken {
             return true;
         }
         let quiet = match self.run.queue.enable_notification(&**mem) {
@@ -660,7 +662,7 @@ impl QueueWorker {
     /// Takes requests until the ring is empty or the slots run out.
     /// Returns whether requests are left waiting for a free slot.
     fn take_requests(&mut self, mem: &Arc<Memory>) -> bool {
-        if self.broken {
+        if self.run.broken {
             return false;
         }
         let before = self.stats.requests.get();
@@ -736,7 +738,7 @@ impl QueueWorker {
             self.device.config.id,
             self.run.index
         );
-        self.broken = true;
+        self.run.broken = true;
         false
     }
 

@@ -13,7 +13,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::frontend::{BlkFrontend, GuestMemory};
+use common::frontend::{BlkFrontend, GuestMemory, QUEUE_SIZE};
 use common::{Daemon, Scratch, VSD, file_export, pattern, run};
 use serde_json::json;
 use vhost::VhostBackend;
@@ -249,6 +249,30 @@ fn stopping_one_queue_of_a_thread_completes_the_others_requests_and_keeps_them_s
     for q in 0..2 {
         assert_eq!(fe.io(q, VIRTIO_BLK_T_IN, 16, &mut [0u8; 4096]), Some((ok, 4097)), "queue {q}");
     }
+}
+
+/// A ring the guest broke stays given up when its thread restarts for
+/// another queue's sake (that queue stopped and set up again), even once
+/// the guest makes the ring look sane again.
+#[test]
+fn a_broken_ring_stays_given_up_when_its_thread_restarts() {
+    let dir = Scratch::new("threads-broken");
+    let (daemon, _) = start(&dir, "driver=null-co,read-zeroes=on", ",num-queues=2,num-threads=1");
+    let mut fe = BlkFrontend::connect(&daemon.socket, GuestMemory::new()).unwrap();
+    let silence = Duration::from_millis(300);
+    fe.set_avail_idx(0, QUEUE_SIZE + 1); // more new entries than the ring holds
+    fe.kick(0);
+    assert_eq!(fe.wait_used(0, silence), None, "a broken ring gets no answer");
+    fe.set_avail_idx(0, 0);
+    fe.start_io(0, VIRTIO_BLK_T_IN, 0, &[0u8; 4096]);
+    assert_eq!(fe.wait_used(0, silence), None, "the broken ring is given up");
+
+    fe.conn.get_vring_base(1).unwrap();
+    fe.start_queue(1).unwrap();
+    let ok = VIRTIO_BLK_S_OK as u8;
+    assert_eq!(fe.io(1, VIRTIO_BLK_T_IN, 8, &mut [0u8; 4096]), Some((ok, 4097)), "queue 1 served again");
+    fe.kick(0);
+    assert_eq!(fe.wait_used(0, silence), None, "the restarted thread still leaves the broken ring alone");
 }
 
 #[test]
