@@ -1,6 +1,7 @@
 """Shared by the benchmark scripts: serve a block graph with vsd or
-qemu-storage-daemon pinned to CPU 0, drive it with vsd-bench pinned to
-CPU 1, and report IOPS, latency and daemon CPU per I/O."""
+qemu-storage-daemon pinned to one CPU (0 by default), drive it with
+vsd-bench pinned to the other (1), and report IOPS, latency and daemon CPU
+per I/O."""
 
 import glob
 import json
@@ -22,16 +23,18 @@ def cpu_ticks(pid):
     return int(fields[11]) + int(fields[12])  # utime, stime
 
 
-def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk0", export_opts=""):
+def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk0", export_opts="", cpus=("0", "1")):
     """Runs `program` with `blockdevs` (a list of --blockdev values) and an
     export of `node` (plus `export_opts`, e.g. ",trace=off"), then vsd-bench
-    with `bench_args` for `seconds`."""
+    with `bench_args` for `seconds`; `cpus` are the daemon's and the
+    client's."""
     sock = os.path.join(workdir, "bench.sock")
     pidfile = os.path.join(workdir, "bench.pid")
     for path in (sock, pidfile):
         if os.path.exists(path):
             os.unlink(path)
-    args = ["taskset", "-c", "0", program]
+    daemon_cpu, client_cpu = cpus
+    args = ["taskset", "-c", daemon_cpu, program]
     for blockdev in blockdevs:
         args += ["--blockdev", blockdev]
     args += ["--export", f"type=vhost-user-blk,id=e0,node-name={node},addr.type=unix,addr.path={sock},writable=on{export_opts}",
@@ -45,7 +48,7 @@ def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk
             time.sleep(0.01)
         before = cpu_ticks(daemon.pid)
         out = subprocess.run(
-            ["taskset", "-c", "1", BENCH, "--socket", sock, *bench_args,
+            ["taskset", "-c", client_cpu, BENCH, "--socket", sock, *bench_args,
              "--seconds", str(seconds), "--ramp-seconds", "1", "--json"],
             check=True, capture_output=True, text=True, timeout=seconds + 60).stdout
         after = cpu_ticks(daemon.pid)

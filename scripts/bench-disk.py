@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""vsd and qemu-storage-daemon against the host's fio on a raw file on the
+disk with cache.direct=on, for each placement of the daemon and the client
+on the two CPUs, in one run, interleaved, medians and paired ratios.
+
+Why placements: the disk's completion interrupts arrive on one CPU (on
+these machines virtio-blk has one request queue, and its interrupt is
+bound to CPU 1). fio pinned there completes its I/O where the interrupt
+lands; a daemon on the other CPU is woken across CPUs for every batch of
+completions, one cross-CPU wake-up (25-30 us here) more per round trip
+than fio pays. The script prints where the disk's interrupts went in
+each run, so the table says which CPU took them.
+
+With --poll, vsd-bench runs libblkio's poll mode (the client spins on
+its completions instead of sleeping on the call eventfd).
+
+Usage: scripts/bench-disk.py [--seconds 5] [--reps 5] [--cases randread:32,...]
+       [--poll] [--placements 0/1,1/0] [--disk-dir /var/tmp] [--out FILE.jsonl]
+       scripts/bench-disk.py --report ROWS.jsonl
+Prints a Markdown table for BENCHMARKS.md.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import QSD, VSD, serve_and_bench  # noqa: E402
+
+IMAGE_SIZE = "1G"
+def disk_irqs(path):
+    """The interrupt numbers of the PCI device behind the block device
+    holding `path` (empty if sysfs does not say)."""
+    dev = os.stat(path).st_dev
+    block = os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if os.path.exists(os.path.join(block, "partition")):
+        block = os.path.dirname(block)
+    device = os.path.realpath(os.path.join(block, "device"))
+    for candidate in (device, os.path.dirname(device)):
+        msi = os.path.join(candidate, "msi_irqs")
+        if os.path.isdir(msi):
+            return set(os.listdir(msi))
+    return set()
+
+
+def irq_counts(irqs):
+    """Interrupts so far of `irqs`, per CPU."""
+    with open("/proc/interrupts") as f:
+        cpus = len(f.readline().split())
+        totals = [0] * cpus
+        for line in f:
+            fields = line.split()
+            if fields and fields[0].rstrip(":") in irqs:
+                totals = [t + int(n) for t, n in zip(totals, fields[1:1 + cpus])]
+    return totals
+
+
+def run_fio(image, rw, depth, seconds, cpu):
+    out = subprocess.run(
+        ["taskset", "-c", cpu, "fio", "--name=floor", f"--filename={image}", f"--rw={rw}", "--bs=4k",
+         f"--iodepth={depth}", "--ioengine=io_uring", "--direct=1", f"--runtime={seconds}", "--time_based",
+         "--ramp_time=1", "--output-format=json"],
+        check=True, capture_output=True, text=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    iops = job["read"]["iops"] + job["write"]["iops"]
+    side = job["read"] if job["read"]["iops"] else job["write"]
+    return {"iops": iops, "p50_us": side["clat_ns"]["percentile"]["50.000000"] / 1000, "cpu_us_per_io": None}
+
+
+def run_daemon(program, image, rw, depth, seconds, workdir, placement, poll):
+    blockdevs = [f"driver=file,node-name=file0,filename={image},aio=io_uring,cache.direct=on",
+                 "driver=raw,node-name=disk0,file=file0"]
+    bench = ["--rw", rw, "--bs", "4k", "--iodepth", str(depth)] + (["--poll"] if poll else [])
+    return serve_and_bench(program, blockdevs, bench, seconds, workdir, cpus=placement)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--cases", default="randread:32", help="comma-separated RW:IODEPTH")
+    parser.add_argument("--poll", action="store_true", help="libblkio poll mode in the client")
+    parser.add_argument("--placements", default="0/1,1/0",
+                        help="comma-separated DAEMON_CPU/CLIENT_CPU pairs (default: both ways)")
+    parser.add_argument("--disk-dir", default="/var/tmp")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--report", metavar="ROWS.jsonl", help="only print the table of an earlier run")
+    opts = parser.parse_args()
+    if opts.report:
+        with open(opts.report) as f:
+            return report([json.loads(line) for line in f])
+    cases = [(rw, int(depth)) for rw, depth in (c.split(":") for c in opts.cases.split(","))]
+
+    workdir = tempfile.mkdtemp(prefix="vsd-bench-", dir="/dev/shm")
+    image = os.path.join(opts.disk_dir, "vsd-bench-disk.raw")
+    subprocess.run(["qemu-img", "create", "-q", "-f", "raw", "-o", "preallocation=full", image, IMAGE_SIZE],
+                   check=True)
+    irqs = disk_irqs(image)
+    placements = [tuple(p.split("/")) for p in opts.placements.split(",")]
+    targets = [(name, placement) for placement in placements for name in ("vsd", "qsd", "fio")]
+    lines = []
+    out = open(opts.out, "a") if opts.out else None
+    try:
+        for rep in range(opts.reps):
+            order = targets if rep % 2 == 0 else list(reversed(targets))
+            for rw, depth in cases:
+                for name, placement in order:
+                    before = irq_counts(irqs)
+                    if name == "fio":
+                        result = run_fio(image, rw, depth, opts.seconds, placement[1])
+                    else:
+                        program = VSD if name == "vsd" else QSD
+                        result = run_daemon(program, image, rw, depth, opts.seconds, workdir, placement, opts.poll)
+                    irq = [a - b for a, b in zip(irq_counts(irqs), before)]
+                    line = {"rep": rep, "rw": rw, "iodepth": depth, "target": name, "daemon_cpu": placement[0],
+                            "client_cpu": placement[1], "client_poll": opts.poll, "disk_irqs_per_cpu": irq, **result}
+                    lines.append(line)
+                    print(json.dumps(line), file=sys.stderr)
+                    if out:
+                        print(json.dumps(line), file=out, flush=True)
+    finally:
+        subprocess.run(["rm", "-rf", workdir, image])
+
+    report(lines)
+
+
+def report(lines):
+    """Prints the table of `lines` (rows as written to --out)."""
+    rows = {}
+    for line in lines:
+        placement = (line["daemon_cpu"], line["client_cpu"])
+        rows.setdefault((line["client_poll"], line["rw"], line["iodepth"], placement), {}).setdefault(
+            line["target"], []).append(line)
+    print("| 4k | client | daemon CPU / client CPU | vsd | QSD | fio (on the client CPU) | vsd/fio, paired median "
+          "| QSD/fio, paired median | vsd/QSD, paired median | disk interrupts on CPU 0 / 1 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (poll, rw, depth, placement), by_target in sorted(rows.items()):
+        v, q, f = (by_target[name] for name in ("vsd", "qsd", "fio"))
+
+        def paired(a, b):
+            return statistics.median(x["iops"] / y["iops"] for x, y in zip(a, b))
+
+        def med(runs):
+            return statistics.median(r["iops"] for r in runs) / 1000
+
+        irq = [statistics.median(r["disk_irqs_per_cpu"][i] for r in v) for i in range(2)]
+        share = irq[0] / max(sum(irq), 1)
+        print(f"| {rw} qd{depth} | {'poll' if poll else 'interrupt'} | {placement[0]} / {placement[1]} "
+              f"| {med(v):.1f}k | {med(q):.1f}k | {med(f):.1f}k | {paired(v, f):.2f} | {paired(q, f):.2f} "
+              f"| {paired(v, q):.2f} | {share:.0%} / {1 - share:.0%} |")
+
+if __name__ == "__main__":
+    main()
