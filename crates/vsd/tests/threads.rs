@@ -230,12 +230,18 @@ fn stopping_one_queue_of_a_thread_completes_the_others_requests_and_keeps_them_s
     let dir = Scratch::new("threads-stop");
     let latency = Duration::from_millis(300);
     let node = format!("driver=null-co,read-zeroes=on,latency-ns={}", latency.as_nanos());
-    let (daemon, _) = start(&dir, &node, ",num-queues=2,num-threads=1");
+    let (daemon, qmp) = start(&dir, &node, ",num-queues=2,num-threads=1");
     let mut fe = BlkFrontend::connect(&daemon.socket, GuestMemory::new()).unwrap();
     assert_eq!(thread_names(&daemon), ["vsd-e-q0,1"]);
 
     let started = Instant::now();
     let head = fe.start_io(0, VIRTIO_BLK_T_IN, 0, &[0u8; 4096]);
+    // Stop queue 1 only once the thread has taken the request: one still in
+    // the ring would be taken after the restart, not drained by the stop.
+    while queue_stats(&qmp).queues[0].events.in_flight == 0 {
+        assert!(started.elapsed() < latency, "queue 0's request was not taken within its latency");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     fe.conn.get_vring_base(1).unwrap();
     let used = fe.wait_used(0, Duration::ZERO).expect("queue 0's request completed before queue 1 stopped");
     assert!(started.elapsed() >= latency, "the request took its latency: {:?}", started.elapsed());
