@@ -11,11 +11,19 @@ completions, one cross-CPU wake-up (25-30 us here) more per round trip
 than fio pays. The script prints where the disk's interrupts went in
 each run, so the table says which CPU took them.
 
+It also reads the disk's own statistics (sysfs `stat`) around every run:
+the mean time a request spent in the block layer and the device (device
+await), whoever sent it. Comparing it across vsd, QSD and fio separates
+time the daemons add on their side from time the disk itself takes.
+
 With --poll, vsd-bench runs libblkio's poll mode (the client spins on
-its completions instead of sleeping on the call eventfd).
+its completions instead of sleeping on the call eventfd). With --baseline,
+a second vsd binary (an earlier build) runs in the same interleave, as a
+fourth column.
 
 Usage: scripts/bench-disk.py [--seconds 5] [--reps 5] [--cases randread:32,...]
-       [--poll] [--placements 0/1,1/0] [--disk-dir /var/tmp] [--out FILE.jsonl]
+       [--poll] [--placements 0/1,1/0] [--baseline VSD] [--disk-dir /var/tmp]
+       [--out FILE.jsonl]
        scripts/bench-disk.py --report ROWS.jsonl
 Prints a Markdown table for BENCHMARKS.md.
 """
@@ -32,19 +40,40 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import QSD, VSD, serve_and_bench  # noqa: E402
 
 IMAGE_SIZE = "1G"
-def disk_irqs(path):
-    """The interrupt numbers of the PCI device behind the block device
-    holding `path` (empty if sysfs does not say)."""
+def block_device(path):
+    """The sysfs directory of the whole block device holding `path`."""
     dev = os.stat(path).st_dev
     block = os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
     if os.path.exists(os.path.join(block, "partition")):
         block = os.path.dirname(block)
+    return block
+
+
+def disk_irqs(block):
+    """The interrupt numbers of the PCI device behind `block` (empty if
+    sysfs does not say)."""
     device = os.path.realpath(os.path.join(block, "device"))
     for candidate in (device, os.path.dirname(device)):
         msi = os.path.join(candidate, "msi_irqs")
         if os.path.isdir(msi):
             return set(os.listdir(msi))
     return set()
+
+
+def disk_counts(block):
+    """The device's reads and writes completed, and milliseconds spent on
+    them, so far (its `stat` file: fields 1, 4, 5 and 8)."""
+    with open(os.path.join(block, "stat")) as f:
+        fields = [int(n) for n in f.read().split()]
+    return fields[0] + fields[4], fields[3] + fields[7]
+
+
+def device_await_us(before, after):
+    """Mean time a request spent in the block layer and the device between
+    two `disk_counts`, in microseconds: what the disk itself took, whoever
+    sent the request."""
+    ios, ms = after[0] - before[0], after[1] - before[1]
+    return 1000 * ms / ios if ios else None
 
 
 def irq_counts(irqs):
@@ -86,6 +115,7 @@ def main():
     parser.add_argument("--poll", action="store_true", help="libblkio poll mode in the client")
     parser.add_argument("--placements", default="0/1,1/0",
                         help="comma-separated DAEMON_CPU/CLIENT_CPU pairs (default: both ways)")
+    parser.add_argument("--baseline", metavar="VSD", help="another vsd binary to run as target 'base'")
     parser.add_argument("--disk-dir", default="/var/tmp")
     parser.add_argument("--out", default=None)
     parser.add_argument("--report", metavar="ROWS.jsonl", help="only print the table of an earlier run")
@@ -99,9 +129,12 @@ def main():
     image = os.path.join(opts.disk_dir, "vsd-bench-disk.raw")
     subprocess.run(["qemu-img", "create", "-q", "-f", "raw", "-o", "preallocation=full", image, IMAGE_SIZE],
                    check=True)
-    irqs = disk_irqs(image)
+    block = block_device(image)
+    irqs = disk_irqs(block)
     placements = [tuple(p.split("/")) for p in opts.placements.split(",")]
-    targets = [(name, placement) for placement in placements for name in ("vsd", "qsd", "fio")]
+    names = ("vsd", "base", "qsd", "fio") if opts.baseline else ("vsd", "qsd", "fio")
+    programs = {"vsd": VSD, "base": opts.baseline, "qsd": QSD}
+    targets = [(name, placement) for placement in placements for name in names]
     lines = []
     out = open(opts.out, "a") if opts.out else None
     try:
@@ -109,15 +142,16 @@ def main():
             order = targets if rep % 2 == 0 else list(reversed(targets))
             for rw, depth in cases:
                 for name, placement in order:
-                    before = irq_counts(irqs)
+                    before, disk_before = irq_counts(irqs), disk_counts(block)
                     if name == "fio":
                         result = run_fio(image, rw, depth, opts.seconds, placement[1])
                     else:
-                        program = VSD if name == "vsd" else QSD
-                        result = run_daemon(program, image, rw, depth, opts.seconds, workdir, placement, opts.poll)
+                        result = run_daemon(programs[name], image, rw, depth, opts.seconds, workdir, placement,
+                                            opts.poll)
                     irq = [a - b for a, b in zip(irq_counts(irqs), before)]
                     line = {"rep": rep, "rw": rw, "iodepth": depth, "target": name, "daemon_cpu": placement[0],
-                            "client_cpu": placement[1], "client_poll": opts.poll, "disk_irqs_per_cpu": irq, **result}
+                            "client_cpu": placement[1], "client_poll": opts.poll, "disk_irqs_per_cpu": irq,
+                            "device_await_us": device_await_us(disk_before, disk_counts(block)), **result}
                     lines.append(line)
                     print(json.dumps(line), file=sys.stderr)
                     if out:
@@ -128,6 +162,9 @@ def main():
     report(lines)
 
 
+LABELS = {"vsd": "vsd", "base": "vsd (baseline)", "qsd": "QSD", "fio": "fio"}
+
+
 def report(lines):
     """Prints the table of `lines` (rows as written to --out)."""
     rows = {}
@@ -135,23 +172,33 @@ def report(lines):
         placement = (line["daemon_cpu"], line["client_cpu"])
         rows.setdefault((line["client_poll"], line["rw"], line["iodepth"], placement), {}).setdefault(
             line["target"], []).append(line)
-    print("| 4k | client | daemon CPU / client CPU | vsd | QSD | fio (on the client CPU) | vsd/fio, paired median "
-          "| QSD/fio, paired median | vsd/QSD, paired median | disk interrupts on CPU 0 / 1 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    names = [n for n in LABELS if any(n in by_target for by_target in rows.values())]
+    daemons = [n for n in names if n != "fio"]
+    pairs = [(n, "fio") for n in daemons] + [("vsd", n) for n in daemons if n != "vsd"]
+    header = (["4k", "client", "daemon CPU / client CPU"] + [f"{LABELS[n]} IOPS" for n in names]
+              + [f"{LABELS[a]}/{LABELS[b]}, paired median" for a, b in pairs]
+              + [f"CPU µs/IO, {' / '.join(LABELS[n] for n in daemons)}",
+                 f"device await µs, {' / '.join(LABELS[n] for n in names)}", "disk interrupts on CPU 0 / 1"])
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
     for (poll, rw, depth, placement), by_target in sorted(rows.items()):
-        v, q, f = (by_target[name] for name in ("vsd", "qsd", "fio"))
-
         def paired(a, b):
-            return statistics.median(x["iops"] / y["iops"] for x, y in zip(a, b))
+            return f"{statistics.median(x['iops'] / y['iops'] for x, y in zip(by_target[a], by_target[b])):.2f}"
 
-        def med(runs):
-            return statistics.median(r["iops"] for r in runs) / 1000
+        def med(name, key, scale=1, digits=1):
+            # Rows of runs before the script recorded a figure have none.
+            values = [r[key] for r in by_target[name] if r.get(key)]
+            return f"{statistics.median(values) / scale:.{digits}f}" if values else "-"
 
-        irq = [statistics.median(r["disk_irqs_per_cpu"][i] for r in v) for i in range(2)]
+        irq = [statistics.median(r["disk_irqs_per_cpu"][i] for r in by_target["vsd"]) for i in range(2)]
         share = irq[0] / max(sum(irq), 1)
-        print(f"| {rw} qd{depth} | {'poll' if poll else 'interrupt'} | {placement[0]} / {placement[1]} "
-              f"| {med(v):.1f}k | {med(q):.1f}k | {med(f):.1f}k | {paired(v, f):.2f} | {paired(q, f):.2f} "
-              f"| {paired(v, q):.2f} | {share:.0%} / {1 - share:.0%} |")
+        cells = ([f"{rw} qd{depth}", "poll" if poll else "interrupt", f"{placement[0]} / {placement[1]}"]
+                 + [med(n, "iops", 1000) + "k" for n in names] + [paired(a, b) for a, b in pairs]
+                 + [" / ".join(med(n, "cpu_us_per_io", 1, 2) for n in daemons),
+                    " / ".join(med(n, "device_await_us", 1, 0) for n in names),
+                    f"{share:.0%} / {1 - share:.0%}"])
+        print("| " + " | ".join(cells) + " |")
+
 
 if __name__ == "__main__":
     main()

@@ -232,6 +232,10 @@ impl IoQueue for AccountedQueue {
         self.inner.rearm()
     }
 
+    fn submit_each(&self) -> bool {
+        self.inner.submit_each()
+    }
+
     fn kernel_entries(&self) -> u64 {
         self.inner.kernel_entries()
     }

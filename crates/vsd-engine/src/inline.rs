@@ -19,9 +19,10 @@
 //! Durable (writethrough) writes, flushes, discards and zeroing always go
 //! to the engine.
 
-use std::fs::File;
 use std::io;
 use std::os::fd::BorrowedFd;
+
+use vsd_sys::Residence;
 
 use crate::{IoOp, run_sync};
 
@@ -43,26 +44,25 @@ pub(crate) struct Inline {
 }
 
 impl Inline {
-    /// The policy of a thread-pool engine on `file`.
-    pub(crate) fn for_threads(file: &File) -> io::Result<Self> {
-        Self::for_file(file, Mode::NoWait)
+    /// The policy of a thread-pool engine on a file living at `place`.
+    pub(crate) fn for_threads(place: Residence) -> Self {
+        Self::for_file(place, Mode::NoWait)
     }
 
-    /// The policy of an io_uring engine on `file`.
-    pub(crate) fn for_ring(file: &File) -> io::Result<Self> {
-        Self::for_file(file, Mode::Never)
+    /// The policy of an io_uring engine on a file living at `place`.
+    pub(crate) fn for_ring(place: Residence) -> Self {
+        Self::for_file(place, Mode::Never)
     }
 
-    /// The policy for `file`, from where its data lives; `buffered` is the
-    /// mode for files in the page cache of a disk.
-    fn for_file(file: &File, buffered: Mode) -> io::Result<Self> {
-        let place = vsd_sys::residence(file)?;
+    /// The policy for a file living at `place`; `buffered` is the mode for
+    /// files in the page cache of a disk.
+    fn for_file(place: Residence, buffered: Mode) -> Self {
         let mode = match place {
             _ if place.direct => Mode::Never,
             _ if place.in_memory => Mode::Always,
             _ => buffered,
         };
-        Ok(Self { reads: mode, writes: mode })
+        Self { reads: mode, writes: mode }
     }
 
     /// Whether `op` is of a kind that may complete inline.

@@ -246,6 +246,14 @@ pub trait IoQueue: Send {
         }
     }
 
+    /// Whether the owner should submit each request as soon as it is
+    /// pushed, rather than once for its whole batch: the engine's requests
+    /// go to a device that serves them faster one by one (see
+    /// [`crate::UringQueue`]).
+    fn submit_each(&self) -> bool {
+        false
+    }
+
     /// How many times the queue has entered the kernel to submit or wait
     /// (`io_uring_enter`), for the events-per-I/O statistics.
     fn kernel_entries(&self) -> u64 {

@@ -149,7 +149,7 @@ impl PoolQueue {
             ready: Condvar::new(),
             notify: EventFd::new(EFD_NONBLOCK)?,
         });
-        let inline = Inline::for_threads(&file)?;
+        let inline = Inline::for_threads(vsd_sys::residence(&file)?);
         Ok(Self {
             pool,
             file,

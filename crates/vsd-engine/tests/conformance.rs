@@ -3,7 +3,7 @@
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -134,6 +134,25 @@ fn uring_engine_serves_tmpfs_inline() {
     assert_eq!(completed_within_submit(&mut queue, op), Some(0));
     assert_eq!(back, pattern);
     assert_eq!(queue.kernel_entries(), 0, "no io_uring_enter for inline requests");
+}
+
+/// The io_uring engine asks for requests to an O_DIRECT file one by one
+/// (they go to the device as they come), and batches the others.
+#[test]
+fn uring_engine_submits_direct_requests_one_by_one() {
+    let buffered = scratch_file(1 << 20);
+    let direct = File::options()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(format!("/proc/self/fd/{}", buffered.as_raw_fd()))
+        .unwrap();
+    let in_memory = scratch_file_in("/dev/shm".as_ref(), 1 << 20);
+    let asks = |file: Arc<File>| UringQueue::new(file, DEPTH).unwrap().submit_each();
+    assert!(asks(Arc::new(direct)), "O_DIRECT");
+    assert!(!asks(buffered), "buffered");
+    assert!(!asks(in_memory), "tmpfs");
+    assert!(!PoolQueue::new(ThreadPool::new(), scratch_file(1 << 20), DEPTH).unwrap().submit_each());
 }
 
 #[test]

@@ -62,6 +62,10 @@ impl ChildQueue {
         self.inner.rearm()
     }
 
+    pub(crate) fn submit_each(&self) -> bool {
+        self.inner.submit_each()
+    }
+
     pub(crate) fn kernel_entries(&self) -> u64 {
         self.inner.kernel_entries()
     }

@@ -91,6 +91,10 @@ impl<F: Filter> IoQueue for FilteredQueue<F> {
         self.inner.rearm()
     }
 
+    fn submit_each(&self) -> bool {
+        self.inner.submit_each()
+    }
+
     fn kernel_entries(&self) -> u64 {
         self.inner.kernel_entries()
     }

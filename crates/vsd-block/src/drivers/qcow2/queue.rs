@@ -426,6 +426,10 @@ impl IoQueue for Qcow2Queue {
         }
     }
 
+    fn submit_each(&self) -> bool {
+        self.children().any(ChildQueue::submit_each)
+    }
+
     fn kernel_entries(&self) -> u64 {
         self.children().map(ChildQueue::kernel_entries).sum()
     }
