@@ -642,7 +642,13 @@ impl QueueWorker {
             Ok(more) => !more,
             Err(e) => !self.mark_broken(e),
         };
-        self.kicked |= !quiet;
+        if !quiet {
+            // Requests the guest added without a kick (kicks were off)
+            // are noticed now: their kick -> pop stage starts here, not at
+            // the queue's last kick.
+            self.woke_at = self.now();
+            self.kicked = true;
+        }
         quiet
     }
 
