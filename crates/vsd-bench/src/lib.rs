@@ -112,7 +112,7 @@ mod sys;
 pub use buffer::Buffer;
 pub use client::{Client, ClientOptions, DeviceInfo};
 pub use error::{Error, Op, Result};
-pub use queue::Queue;
+pub use queue::{BatchOp, Queue};
 
 /// The libblkio driver used for every connection.
 pub const DRIVER: &str = "virtio-blk-vhost-user";

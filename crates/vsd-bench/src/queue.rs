@@ -19,8 +19,9 @@ use crate::buffer::{Buffer, SharedBlkio};
 use crate::client::DeviceInfo;
 use crate::error::{Error, Op, Result, errno_text};
 
-/// `user_data` of requests submitted by the blocking helpers.
-const BLOCKING_TOKEN: usize = usize::MAX;
+/// `user_data` of requests submitted by the blocking helpers (one at a
+/// time, so the first token of a batch of one).
+const BLOCKING_TOKEN: usize = 0;
 
 /// Smallest bounce buffer allocated, so small requests do not remap memory.
 const MIN_BOUNCE_LEN: usize = 64 * 1024;
@@ -31,6 +32,16 @@ const MIN_BOUNCE_LEN: usize = 64 * 1024;
 pub(crate) struct Reaped {
     pub(crate) token: usize,
     pub(crate) ret: i32,
+}
+
+/// One request of a batch ([`Queue::run_batch`]); offsets and lengths in
+/// bytes.
+#[derive(Clone, Copy, Debug)]
+pub enum BatchOp<'a> {
+    /// Write these bytes at this offset.
+    Write(u64, &'a [u8]),
+    /// Zero this many bytes at this offset (the device may unmap them).
+    WriteZeroes(u64, u64),
 }
 
 /// One virtqueue of a [`crate::Client`], owned by one thread at a time.
@@ -170,32 +181,74 @@ impl Queue {
         result
     }
 
+    /// Submits every request of `batch` at once and waits for them all, so
+    /// that they are in flight together (as a guest's are at depth); fails
+    /// naming the first one that failed, in `batch` order.
+    pub fn run_batch(&mut self, batch: &[BatchOp<'_>]) -> Result<()> {
+        let data_len = batch.iter().map(|op| if let BatchOp::Write(_, src) = op { src.len() } else { 0 }).sum();
+        let mut bounce = self.take_bounce(data_len)?;
+        let mut at = 0;
+        for (token, op) in batch.iter().enumerate() {
+            match *op {
+                BatchOp::Write(offset, src) => {
+                    bounce[at..at + src.len()].copy_from_slice(src);
+                    self.blkioq.write(offset, bounce[at..].as_ptr(), src.len(), token, ReqFlags::empty());
+                    at += src.len();
+                }
+                BatchOp::WriteZeroes(offset, len) => self.blkioq.write_zeroes(offset, len, token, ReqFlags::empty()),
+            }
+        }
+        let outcome = self.wait_for(Op::Write, batch.len());
+        self.return_bounce(bounce);
+        for (op, (ret, message)) in batch.iter().zip(outcome?) {
+            let (kind, offset, len) = match *op {
+                BatchOp::Write(offset, src) => (Op::Write, offset, src.len() as u64),
+                BatchOp::WriteZeroes(offset, len) => (Op::WriteZeroes, offset, len),
+            };
+            completion_result(kind, offset, len, ret, message)?;
+        }
+        Ok(())
+    }
+
     /// Submits one request with `submit`, waits for it and maps its status.
     fn run(&mut self, op: Op, offset: u64, len: u64, submit: impl FnOnce(&mut Blkioq)) -> Result<()> {
         self.ensure_usable()?;
         submit(&mut self.blkioq);
-        let reaped = self.wait_for_one(op)?;
-        completion_result(op, offset, len, reaped.ret, self.error_message(0))
+        let (ret, message) = self.wait_for(op, 1)?.remove(0);
+        completion_result(op, offset, len, ret, message)
     }
 
-    fn wait_for_one(&mut self, op: Op) -> Result<Reaped> {
-        match self.reap(1, Some(self.timeout)) {
-            Ok(_) => match self.completion(0) {
-                Some(reaped) if reaped.token == BLOCKING_TOKEN => Ok(reaped),
-                _ => {
+    /// Waits for the `n` requests submitted with tokens `0..n` (`op` names
+    /// them in errors); returns each one's `ret` and libblkio's message, by
+    /// token. Any failure to wait leaves the queue broken.
+    fn wait_for(&mut self, op: Op, n: usize) -> Result<Vec<(i32, Option<String>)>> {
+        let mut done = vec![None; n];
+        let mut pending = n;
+        while pending > 0 {
+            let reaped = match self.reap(1, Some(self.timeout)) {
+                Ok(reaped) => reaped,
+                Err(e) => {
                     self.broken = true;
-                    Err(Error::QueueBroken(self.index))
+                    return Err(match e.errno() {
+                        Errno::TIME => Error::Timeout { op, queue: self.index, timeout: self.timeout },
+                        _ => Error::setup(format!("waiting for a {op} on queue {}", self.index), &e),
+                    });
                 }
-            },
-            Err(e) if e.errno() == Errno::TIME => {
-                self.broken = true;
-                Err(Error::Timeout { op, queue: self.index, timeout: self.timeout })
-            }
-            Err(e) => {
-                self.broken = true;
-                Err(Error::setup(format!("waiting for a {op} on queue {}", self.index), &e))
+            };
+            for i in 0..reaped {
+                let Some(Reaped { token, ret }) = self.completion(i) else { continue };
+                match done.get_mut(token) {
+                    Some(slot @ None) => *slot = Some((ret, self.error_message(i))),
+                    // A completion nobody waits for: the ring cannot be trusted.
+                    _ => {
+                        self.broken = true;
+                        return Err(Error::QueueBroken(self.index));
+                    }
+                }
+                pending -= 1;
             }
         }
+        Ok(done.into_iter().flatten().collect())
     }
 
     fn ensure_usable(&self) -> Result<()> {
