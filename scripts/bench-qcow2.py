@@ -5,13 +5,18 @@ same qcow2 image, in one run, interleaved, medians.
 Images are 1 GiB, fully allocated (preallocation=full), on tmpfs (page
 cache, cache.direct=off) and on the disk (ext4, cache.direct=on).
 4k randread and randwrite at iodepth 1 and 32, 1 queue; then first-write
-throughput: sequential 64k writes at iodepth 32 into an empty qcow2 image,
-so every write allocates a cluster. Daemon on CPU 0, vsd-bench on CPU 1.
+throughput at iodepth 32 into an empty 8 GiB qcow2 image (64 KiB
+clusters): sequential 64k writes, each allocating a whole cluster, and
+random 4k writes, each allocating a cluster around 4 KiB of data. Daemon on
+CPU 0, vsd-bench on CPU 1.
 
 Usage: scripts/bench-qcow2.py [--seconds 5] [--reps 3] [--out FILE.jsonl]
        [--disk-dir /var/tmp] [--places tmpfs,disk] [--cases randwrite:32,...]
-       [--no-first-write] [--target-dir DIR]
+       [--first-writes write:64k,randwrite:4k] [--no-first-write]
+       [--baseline VSD] [--target-dir DIR]
        scripts/bench-qcow2.py --report ROWS.jsonl
+--cases '' runs the first writes alone; --baseline runs another vsd binary
+(an earlier build) in the first-write interleave, as "base".
 Prints Markdown tables for BENCHMARKS.md.
 """
 
@@ -54,6 +59,8 @@ def main():
     parser.add_argument("--cases", default=None,
                         help="comma-separated subset of RW:IODEPTH, e.g. randwrite:32,randread:32 (default: all four)")
     parser.add_argument("--no-first-write", action="store_true", help="skip the first-write runs")
+    parser.add_argument("--first-writes", default="write:64k,randwrite:4k", help="comma-separated RW:BS")
+    parser.add_argument("--baseline", metavar="VSD", help="another vsd binary for the first writes, as 'base'")
     parser.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR"),
                         help="cargo target directory holding release/vsd and release/vsd-bench "
                              "(default: $CARGO_TARGET_DIR, else the repository's target/)")
@@ -64,10 +71,12 @@ def main():
     if opts.target_dir:
         benchlib.VSD = os.path.join(opts.target_dir, "release", "vsd")
         benchlib.BENCH = os.path.join(opts.target_dir, "release", "vsd-bench")
-    programs = {"vsd": benchlib.VSD, "qsd": QSD}
+    programs = {"vsd": benchlib.VSD, "qsd": QSD, "base": opts.baseline}
     cases = ALL_CASES
-    if opts.cases:
-        cases = [(rw, int(depth)) for rw, depth in (c.split(":") for c in opts.cases.split(","))]
+    if opts.cases is not None:
+        cases = [(rw, int(depth)) for rw, depth in (c.split(":") for c in opts.cases.split(",") if c)]
+    first_writes = [tuple(c.split(":")) for c in opts.first_writes.split(",")]
+    writers = ["vsd", "qsd"] + (["base"] if opts.baseline else [])
 
     dirs = {"tmpfs": ("/dev/shm", False), "disk": (opts.disk_dir, True)}
     places = {p: (tempfile.mkdtemp(prefix="vsd-q2-", dir=dirs[p][0]), dirs[p][1]) for p in opts.places.split(",")}
@@ -98,15 +107,17 @@ def main():
                                iodepth=depth, daemon=daemon, format=fmt)
                 if opts.no_first_write:
                     continue
-                for daemon in ("vsd", "qsd") if rep % 2 == 0 else ("qsd", "vsd"):
-                    image = os.path.join(workdir, "fresh.qcow2")
-                    make_image(image, "qcow2", FIRST_WRITE_SIZE, "off")
-                    bench = ["--rw", "write", "--bs", "64k", "--iodepth", "32"]
-                    result = serve_and_bench(programs[daemon], blockdevs("qcow2", image, direct), bench,
-                                             opts.seconds, workdir)
-                    os.unlink(image)
-                    record((where, "first-write", daemon), result, rep=rep, place=where, rw="first-write 64k",
-                           iodepth=32, daemon=daemon, format="qcow2")
+                for rw, bs in first_writes:
+                    for daemon in writers if rep % 2 == 0 else reversed(writers):
+                        image = os.path.join(workdir, "fresh.qcow2")
+                        make_image(image, "qcow2", FIRST_WRITE_SIZE, "off")
+                        bench = ["--rw", rw, "--bs", bs, "--iodepth", "32"]
+                        result = serve_and_bench(programs[daemon], blockdevs("qcow2", image, direct), bench,
+                                                 opts.seconds, workdir)
+                        os.unlink(image)
+                        name = first_write_name(rw, bs)
+                        record((where, name, daemon), result, rep=rep, place=where, rw=name, iodepth=32,
+                               daemon=daemon, format="qcow2")
     finally:
         for workdir, _ in places.values():
             subprocess.run(["rm", "-rf", workdir])
@@ -143,19 +154,31 @@ def report(rows, places, cases):
                 m, each = paired(rows, (where, rw, depth, *num), (where, rw, depth, *den))
                 cells.append(f"{m:.2f} [" + " ".join(f"{x:.2f}" for x in each) + "]")
             print(f"| {where} | {rw} | {depth} | " + " | ".join(cells) + " |")
-    if not any(key[1] == "first-write" for key in rows):
+    names = sorted({key[1] for key in rows if key[1].startswith("first-write")})
+    if not names:
         return
-    print("\nFirst write into an empty qcow2 image, 64k sequential, iodepth 32 (MiB/s per repetition, median):\n")
-    print("| place | vsd | QSD | vsd/QSD (paired median) |")
-    print("|---|---|---|---|")
+    base = any(key[2] == "base" for key in rows if len(key) == 3)
+    print("\nFirst write into an empty qcow2 image, iodepth 32 (MiB/s per repetition, median):\n")
+    print("| place | writes | vsd | QSD | vsd/QSD (paired median) |" + (" vsd (baseline) | vsd/baseline |" if base else ""))
+    print("|---|---|---|---|---|" + ("---|---|" if base else ""))
     def each(key):
         return ", ".join(f"{r['bw_mib_s']:.0f}" for r in rows.get(key, []))
 
     for where in places:
-        v, q = (where, "first-write", "vsd"), (where, "first-write", "qsd")
-        ratio, _ = paired(rows, v, q, "bw_mib_s")
-        print(f"| {where} | {each(v)} → **{med(v, 'bw_mib_s'):.0f}** | {each(q)} → **{med(q, 'bw_mib_s'):.0f}** "
-              f"| {ratio:.2f}x |")
+        for name in names:
+            v, q, b = (where, name, "vsd"), (where, name, "qsd"), (where, name, "base")
+            ratio, _ = paired(rows, v, q, "bw_mib_s")
+            line = (f"| {where} | {name[len('first-write '):]} | {each(v)} → **{med(v, 'bw_mib_s'):.0f}** "
+                    f"| {each(q)} → **{med(q, 'bw_mib_s'):.0f}** | {ratio:.2f}x |")
+            if base:
+                line += f" {each(b)} → **{med(b, 'bw_mib_s'):.0f}** | {paired(rows, v, b, 'bw_mib_s')[0]:.2f}x |"
+            print(line)
+
+
+def first_write_name(rw, bs):
+    """The row name of a first-write run; the first version of this script
+    ran only sequential 64k writes, named "first-write 64k"."""
+    return f"first-write {bs}" if rw == "write" else f"first-write {rw} {bs}"
 
 
 def report_file(path):
@@ -167,7 +190,7 @@ def report_file(path):
             if r["place"] not in places:
                 places.append(r["place"])
             if r["rw"].startswith("first-write"):
-                key = (r["place"], "first-write", r["daemon"])
+                key = (r["place"], r["rw"], r["daemon"])
             else:
                 key = (r["place"], r["rw"], r["iodepth"], r["daemon"], r["format"])
                 if (r["rw"], r["iodepth"]) not in cases:

@@ -17,8 +17,12 @@
 //! ```
 //! Reads and in-place writes of allocated clusters only take the L2 cache's
 //! read lock for a lookup, never a lock held across I/O. Everything that
-//! changes metadata runs under one mutex, synchronously, through
-//! [`SyncIo`]. Changed refcounts and table entries stay in memory until a
+//! changes metadata runs under one mutex, through [`SyncIo`], except the
+//! data of a new cluster: [`Image::start_write`] allocates clusters and
+//! fills their new contents, the caller writes them asynchronously, and
+//! [`Image::finish_allocation`] links each into its table once written, so
+//! that allocating writes overlap on the device like any others. Changed
+//! refcounts and table entries stay in memory until a
 //! flush (a guest FLUSH, a writethrough write, or the daemon stopping),
 //! which writes them in dependency order with a file flush between steps:
 //! data and refcount increments, L2 tables, L1 entries, then refcount
@@ -41,7 +45,7 @@ pub mod refcount;
 
 use std::io;
 
-pub use image::{Extent, Image, ImageIo, MapMemo, Mapping, Options};
+pub use image::{Allocation, Busy, Extent, Image, ImageIo, MapMemo, Mapping, Options};
 
 /// Why an image cannot be opened (or a range of it used).
 #[derive(Debug, thiserror::Error)]

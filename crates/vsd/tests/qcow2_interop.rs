@@ -22,7 +22,7 @@ use std::path::Path;
 use std::process::{Command, ExitStatus};
 
 use common::{Daemon, Scratch, pattern};
-use vsd_bench::{ClientOptions, Queue};
+use vsd_bench::{BatchOp, ClientOptions, Queue};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -885,6 +885,112 @@ fn vsd_writes_with_1_bit_refcounts() {
     vsd_writes_qemu_checks("refcount1", 4 * KIB, true, false, Extra::default(), |dir| {
         filled(dir, "refcount_bits=1,cluster_size=4096", 16 * MIB, 104)
     });
+}
+
+/// Allocating writes in flight together: two queues at depth 32 write
+/// 4 KiB blocks of the same fresh clusters at once (queue q the blocks
+/// numbered q modulo 2, so no two requests share a byte), with every eighth
+/// block zeroed instead, then write them all again in place. Requests wait
+/// for allocations of their cluster in flight, on their own queue and on
+/// the other: every write lands, no cluster leaks, and QEMU reads what a
+/// raw reference got.
+#[test]
+fn allocating_writes_in_flight_together_on_shared_clusters() {
+    let cases: Vec<(String, Box<dyn FnOnce() + '_>)> = vec![
+        (
+            "64 KiB clusters".into(),
+            Box::new(|| allocations_in_flight("64k", false, |dir| create(dir, IMG, "", None, Some(8 * MIB)))),
+        ),
+        (
+            "64 KiB clusters, O_DIRECT".into(),
+            Box::new(|| allocations_in_flight("64k-direct", true, |dir| create(dir, IMG, "", None, Some(8 * MIB)))),
+        ),
+        (
+            "over a raw backing file".into(),
+            Box::new(|| {
+                allocations_in_flight("backing", false, |dir| {
+                    std::fs::write(dir.path("base.raw"), pattern(91, 8 * MIB as usize)).unwrap();
+                    create(dir, IMG, "", Some(("base.raw", "raw")), None);
+                })
+            }),
+        ),
+        (
+            "extended L2, 128 KiB clusters".into(),
+            Box::new(|| {
+                allocations_in_flight("extl2", false, |dir| {
+                    create(dir, IMG, "extended_l2=on,cluster_size=131072", None, Some(8 * MIB))
+                })
+            }),
+        ),
+    ];
+    run_cases(cases);
+}
+
+fn allocations_in_flight(name: &str, direct: bool, build: impl FnOnce(&Scratch)) {
+    const BLOCK: u64 = 4 * KIB;
+    const DEPTH: u64 = 32;
+    let what = format!("allocations in flight, {name}");
+    let dir = Scratch::new(&format!("q2-inflight-{name}"));
+    build(&dir);
+    qemu_img(&dir, &["convert", "-O", "raw", IMG, REFERENCE]);
+    let daemon = Daemon::vsd(&dir, &vsd_args(&dir, true, direct, 2));
+    let mut client = daemon.connect(ClientOptions { num_queues: 2, queue_size: Some(128), ..Default::default() });
+    let rounds = 2 * MIB / (2 * DEPTH * BLOCK);
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+    let threads: Vec<_> = client
+        .take_queues()
+        .into_iter()
+        .enumerate()
+        .map(|(q, mut queue)| {
+            let (reference, barrier, what) = (dir.path(REFERENCE), barrier.clone(), format!("{what}, queue {q}"));
+            std::thread::spawn(move || {
+                let reference = OpenOptions::new().write(true).open(reference).unwrap();
+                // Started together, the queues go through the same clusters
+                // at about the same pace.
+                barrier.wait();
+                // Twice over the same 2 MiB: allocations first, then overwrites in place.
+                for pass in 0..2 {
+                    for round in 0..rounds {
+                        let window = round * 2 * DEPTH * BLOCK;
+                        let mut rng = Rng::new(pass * 1000 + round * 10 + q as u64);
+                        let mut blocks: Vec<u64> = (0..DEPTH).map(|i| window + (2 * i + q as u64) * BLOCK).collect();
+                        for i in (1..blocks.len()).rev() {
+                            blocks.swap(i, rng.below(i as u64 + 1) as usize);
+                        }
+                        let data: Vec<Vec<u8>> = blocks.iter().map(|&at| pattern(at ^ pass, BLOCK as usize)).collect();
+                        let batch: Vec<BatchOp> = blocks
+                            .iter()
+                            .zip(&data)
+                            .map(|(&at, data)| {
+                                if at / BLOCK % 8 == 5 {
+                                    BatchOp::WriteZeroes(at, BLOCK)
+                                } else {
+                                    BatchOp::Write(at, data)
+                                }
+                            })
+                            .collect();
+                        queue.run_batch(&batch).unwrap_or_else(|e| panic!("{what}: pass {pass} round {round}: {e}"));
+                        for op in &batch {
+                            match *op {
+                                BatchOp::Write(at, data) => reference.write_all_at(data, at).unwrap(),
+                                BatchOp::WriteZeroes(at, len) => {
+                                    reference.write_all_at(&vec![0; len as usize], at).unwrap()
+                                }
+                            }
+                        }
+                    }
+                }
+                queue.flush().unwrap_or_else(|e| panic!("{what}: flush: {e}"));
+            })
+        })
+        .collect();
+    let failed = threads.into_iter().map(|t| t.join()).filter(Result::is_err).count();
+    assert_eq!(failed, 0, "{what}: {failed} queue(s) failed, see above");
+    drop(client);
+    assert_served_equals(&daemon, false, &dir.path(REFERENCE), &what);
+    assert!(daemon.stop().success(), "{what}: vsd exit status");
+    assert_check_clean(&dir, &what);
+    assert_compare_identical(&dir, REFERENCE, &what);
 }
 
 // ---------------------------------------------------------------------------

@@ -54,6 +54,13 @@ impl ChildQueue {
         self.inner.reap(out);
     }
 
+    /// Whether completions wait in the stash: they arrived while a
+    /// blocking request waited, and the next [`ChildQueue::reap`] returns
+    /// them without the notify descriptor saying so.
+    pub(crate) fn has_stash(&self) -> bool {
+        !self.stash.is_empty()
+    }
+
     pub(crate) fn notify_fd(&self) -> Option<BorrowedFd<'_>> {
         self.inner.notify_fd()
     }

@@ -1,6 +1,7 @@
 //! An open image: the header, the active L1 table, the L2 cache, and the
 //! metadata state that allocation changes.
 
+mod allocate;
 mod cache;
 mod open;
 mod overlap;
@@ -9,10 +10,11 @@ mod refcounts;
 mod resize;
 mod write;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::Waker;
 
 use cache::{L2Cache, L2Table};
 use overlap::MetadataMap;
@@ -22,6 +24,8 @@ use crate::SyncIo;
 use crate::buf::AlignedBuf;
 use crate::entry::{self, Layout, Subcluster};
 use crate::header::{Compression, Header};
+
+pub use allocate::{Allocation, Busy};
 
 /// How the image is used, from the `--blockdev` options.
 #[derive(Clone, Debug, Default)]
@@ -149,6 +153,8 @@ pub struct Image {
     dirty: AtomicBool,
     /// Lazy refcounts are in use.
     lazy: bool,
+    /// Allocations finished so far (see [`Image::wake_after`]).
+    finished: AtomicU64,
 }
 
 /// Everything allocation changes, behind the metadata mutex.
@@ -167,6 +173,10 @@ struct Meta {
     header_chunk: AlignedBuf,
     /// The dirty bit is set on disk (lazy refcounts, until a clean close).
     dirty_bit: bool,
+    /// Guest clusters (byte offsets) with an allocation in flight.
+    allocating: HashSet<u64>,
+    /// Requests waiting for an allocation to finish, woken when one does.
+    waiters: Vec<Waker>,
 }
 
 impl Image {

@@ -1,7 +1,7 @@
 //! Opening an image: header, tables, and a map of every metadata cluster,
 //! checked before the first guest request.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
@@ -97,6 +97,8 @@ impl Image {
             dirty_l2: Default::default(),
             dirty_l1: Default::default(),
             decrements: Vec::new(),
+            allocating: HashSet::new(),
+            waiters: Vec::new(),
         };
         if opts.writable {
             prepare_for_writing(io, &header, &mut meta)?;
@@ -123,6 +125,7 @@ impl Image {
             meta: Mutex::new(meta),
             dirty: Default::default(),
             lazy,
+            finished: AtomicU64::new(0),
         })
     }
 }

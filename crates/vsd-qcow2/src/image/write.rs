@@ -1,6 +1,8 @@
 //! Requests that change metadata: allocating writes (with copy-on-write
 //! from the backing file, compressed clusters and snapshot-shared
-//! clusters), write-zeroes and discard. All run under the metadata mutex.
+//! clusters), write-zeroes and discard. All run under the metadata mutex,
+//! and all fail with [`super::Busy`] if a cluster they touch has an
+//! allocation in flight (see `allocate.rs`).
 
 use std::collections::BTreeSet;
 use std::io;
@@ -22,7 +24,7 @@ fn eio(e: impl std::fmt::Display) -> io::Error {
 }
 
 impl Image {
-    fn check_writable(&self) -> io::Result<()> {
+    pub(super) fn check_writable(&self) -> io::Result<()> {
         if self.opts.writable { Ok(()) } else { Err(io::Error::from_raw_os_error(libc::EROFS)) }
     }
 
@@ -32,6 +34,7 @@ impl Image {
     pub fn write(&self, io: &mut ImageIo, offset: u64, len: u64, fill: Fill) -> io::Result<()> {
         self.check_writable()?;
         let mut meta = self.lock();
+        self.check_idle(&meta, offset, len)?;
         self.prepare_change(&mut meta, io)?;
         let result = self.for_each_cluster(offset, len, |image, cluster, within, n| {
             let base = cluster + within - offset;
@@ -46,6 +49,9 @@ impl Image {
     /// images, raw external data files).
     pub fn write_zeroes(&self, io: &mut ImageIo, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
         self.check_writable()?;
+        // Checked for the whole range first, so that a busy cluster in the
+        // middle does not leave the head done and the rest not.
+        self.check_idle(&self.lock(), offset, len)?;
         let zeroes: Fill = &mut |_, buf| buf.fill(0);
         if (self.header.version < 3 && !self.layout.extended) || self.raw_data_file() {
             return self.write(io, offset, len, zeroes);
@@ -59,6 +65,7 @@ impl Image {
         }
         if tail_start > head_end {
             let mut meta = self.lock();
+            self.check_idle(&meta, head_end, tail_start - head_end)?;
             self.prepare_change(&mut meta, io)?;
             let result = self.for_each_cluster(head_end, tail_start - head_end, |image, cluster, within, n| {
                 image.zero_in_cluster(&mut meta, io, cluster, within, n, may_unmap)
@@ -87,6 +94,7 @@ impl Image {
             return self.write(io, start, end - start, &mut |_, buf| buf.fill(0));
         }
         let mut meta = self.lock();
+        self.check_idle(&meta, start, end - start)?;
         self.prepare_change(&mut meta, io)?;
         let result = self
             .for_each_cluster(start, end - start, |image, cluster, _, _| image.discard_cluster(&mut meta, io, cluster));
@@ -96,7 +104,7 @@ impl Image {
 
     /// Calls `f(self, cluster, offset within it, length)` for each cluster
     /// of a range.
-    fn for_each_cluster(
+    pub(super) fn for_each_cluster(
         &self,
         offset: u64,
         len: u64,
@@ -120,14 +128,14 @@ impl Image {
     }
 
     /// Subclusters `within..within + n` of a cluster, as a bitmask.
-    fn touched(&self, within: u64, n: u64) -> u32 {
+    pub(super) fn touched(&self, within: u64, n: u64) -> u32 {
         let scb = self.layout.subcluster_bits();
         let (first, last) = (within >> scb, (within + n - 1) >> scb);
         let bits = (last - first + 1) as u32;
         (if bits == 32 { u32::MAX } else { (1 << bits) - 1 }) << first
     }
 
-    fn all_subclusters(&self) -> u32 {
+    pub(super) fn all_subclusters(&self) -> u32 {
         if self.layout.extended { u32::MAX } else { 1 }
     }
 
@@ -157,21 +165,12 @@ impl Image {
                 Ok(())
             }
             _ => {
-                // Read what is there before allocating, so a damaged source
-                // fails the write without leaking a cluster.
-                let mut buf = AlignedBuf::zeroed(self.cluster_size() as usize);
-                self.read_cluster(io, &old, cluster, &mut buf, (within, n))?;
-                let host = if self.layout.data_file { cluster } else { meta.alloc(io.meta, 1)? };
-                fill(0, &mut buf[within as usize..(within + n) as usize]);
-                io.data().write_at(&buf, host)?;
-                let (alloc, zero) = match old.compressed {
-                    Some(_) => (self.all_subclusters(), 0),
-                    None => (old.alloc | touched, old.zero & !touched),
-                };
-                let new = L2Entry { host: Some(host), copied: true, compressed: None, alloc, zero };
-                self.set_l2(meta, &table, index, &new);
-                self.release(meta, &old);
-                Ok(())
+                let a = self.allocate(meta, io, (cluster, within, n), (table.offset, index, old), fill)?;
+                if let Err(e) = io.data().write_at(&a.contents, a.host) {
+                    self.give_back(meta, &a);
+                    return Err(e);
+                }
+                self.link(meta, io.meta, &a)
             }
         }
     }
@@ -211,7 +210,7 @@ impl Image {
 
     /// What a cluster reads as, into `buf`, except the subclusters wholly
     /// inside `skip` (they are about to be overwritten).
-    fn read_cluster(
+    pub(super) fn read_cluster(
         &self,
         io: &mut ImageIo,
         e: &L2Entry,
@@ -241,7 +240,7 @@ impl Image {
 
     /// Drops the references an entry held, after the table stopped naming
     /// them.
-    fn release(&self, meta: &mut Meta, old: &L2Entry) {
+    pub(super) fn release(&self, meta: &mut Meta, old: &L2Entry) {
         let cb = self.header.cluster_bits;
         let discard = self.opts.pass_discard;
         if let Some((host, len)) = old.compressed {
@@ -317,7 +316,7 @@ impl Image {
 
     /// The L2 table mapping guest `cluster` (made changeable), the
     /// cluster's index in it, and its current entry.
-    fn entry_for_write(
+    pub(super) fn entry_for_write(
         &self,
         meta: &mut Meta,
         io: &mut ImageIo,
@@ -365,7 +364,7 @@ impl Image {
     }
 
     /// Changes an L2 entry in memory; the next flush writes it.
-    fn set_l2(&self, meta: &mut Meta, table: &Arc<L2Table>, index: usize, e: &L2Entry) {
+    pub(super) fn set_l2(&self, meta: &mut Meta, table: &Arc<L2Table>, index: usize, e: &L2Entry) {
         let chunk = self.chunk_of(table.set(&self.layout, index, e));
         meta.dirty_l2.entry(table.offset).or_insert_with(|| (table.clone(), BTreeSet::new())).1.insert(chunk.start);
     }

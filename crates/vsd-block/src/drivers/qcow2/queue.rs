@@ -2,9 +2,18 @@
 //!
 //! Reads and in-place writes are split by [`Image::map`] into extents and
 //! sent to the child queues asynchronously; zero and unallocated extents
-//! are filled here. Whatever changes metadata (allocating writes,
-//! write-zeroes, discard) runs synchronously through the image's metadata
-//! path and is answered at once.
+//! are filled here. A write into clusters the image does not own yet gets
+//! them allocated ([`Image::start_write`]) and their new contents sent to
+//! the data child asynchronously too; each is linked into its table when
+//! its write completes. The rest of what changes metadata (write-zeroes,
+//! discard, writethrough allocations, writes mixing owned and new
+//! clusters) runs synchronously through the image's metadata path and is
+//! answered at once.
+//!
+//! A request that would change the metadata of a cluster whose allocation
+//! is in flight (on any queue) is held back and routed again once an
+//! allocation finishes: the image wakes this queue through an eventfd in
+//! its epoll set.
 //!
 //! A guest request that maps onto one child request, all of it (the common
 //! case: a read or write within a cluster), goes down under the guest's own
@@ -15,11 +24,13 @@ use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::Arc;
+use std::task::{Wake, Waker};
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_engine::{Completion, IoOp, IoQueue, IoVecs};
 use vsd_qcow2::buf::AlignedBuf;
-use vsd_qcow2::{Image, ImageIo, MapMemo, Mapping};
+use vsd_qcow2::{Allocation, Busy, Image, ImageIo, MapMemo, Mapping};
 
 use crate::drivers::child::ChildQueue;
 
@@ -50,6 +61,40 @@ struct Deferred {
     target: Target,
     op: IoOp,
     iov: Vec<libc::iovec>,
+    allocation: Option<Allocation>,
+}
+
+/// A child request carrying part of a guest request.
+struct Part {
+    parent: u32,
+    /// The slice of the parent's buffers it covers (or the allocation's).
+    iov: Vec<libc::iovec>,
+    /// The allocation whose contents it writes, linked when it completes.
+    allocation: Option<Allocation>,
+}
+
+/// A guest request held back by an allocation in flight: routed again
+/// once allocations finished since `seen`.
+struct Blocked {
+    tag: u32,
+    op: IoOp,
+    seen: u64,
+}
+
+/// Wakes the queue's owner when an allocation it waits for finishes (on
+/// whichever thread): the eventfd is in the queue's epoll set.
+struct WakeFd(EventFd);
+
+impl Wake for WakeFd {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        if let Err(e) = self.0.write(1) {
+            log::warn!("qcow2: cannot wake a queue: {e}");
+        }
+    }
 }
 
 pub(crate) struct Qcow2Queue {
@@ -64,13 +109,16 @@ pub(crate) struct Qcow2Queue {
     /// whole, the rest are parts.
     depth: u32,
     parents: Vec<Parent>,
-    /// For each part tag (child tag minus the guest's depth): its parent
-    /// and the slice of the parent's buffers it covers.
-    parts: Vec<(u32, Vec<libc::iovec>)>,
+    /// By part tag (child tag minus the guest's depth).
+    parts: Vec<Part>,
     /// Free part tags.
     free: Vec<u32>,
     deferred: VecDeque<Deferred>,
     answered: Vec<Completion>,
+    blocked: Vec<Blocked>,
+    /// Wakes this queue for `blocked`.
+    unblocked: Arc<WakeFd>,
+    waker: Waker,
     /// The last compressed cluster decompressed: (host offset, contents).
     compressed: Option<(u64, AlignedBuf)>,
     /// Extents of the write being routed.
@@ -90,10 +138,10 @@ impl Qcow2Queue {
         parts: u16,
     ) -> io::Result<Self> {
         let epoll = Epoll::new()?;
-        for child in [Some(&file), data.as_ref(), backing.as_ref()].into_iter().flatten() {
-            if let Some(fd) = child.notify_fd() {
-                epoll.ctl(ControlOperation::Add, fd.as_raw_fd(), EpollEvent::new(EventSet::IN, 0))?;
-            }
+        let unblocked = Arc::new(WakeFd(EventFd::new(EFD_NONBLOCK)?));
+        let children = [Some(&file), data.as_ref(), backing.as_ref()].into_iter().flatten();
+        for fd in children.filter_map(ChildQueue::notify_fd).map(|fd| fd.as_raw_fd()).chain([unblocked.0.as_raw_fd()]) {
+            epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, 0))?;
         }
         Ok(Self {
             image,
@@ -103,10 +151,13 @@ impl Qcow2Queue {
             epoll,
             depth: u32::from(depth),
             parents: vec![Parent::default(); usize::from(depth)],
-            parts: (0..parts).map(|_| (0, Vec::new())).collect(),
+            parts: (0..parts).map(|_| Part { parent: 0, iov: Vec::new(), allocation: None }).collect(),
             free: (u32::from(depth)..u32::from(depth) + u32::from(parts)).rev().collect(),
             deferred: VecDeque::new(),
             answered: Vec::with_capacity(usize::from(depth)),
+            blocked: Vec::new(),
+            waker: Waker::from(unblocked.clone()),
+            unblocked,
             compressed: None,
             extents: Vec::new(),
             memo: MapMemo::default(),
@@ -158,13 +209,34 @@ impl Qcow2Queue {
         let (iov, len) = buffers(&op);
         let slice = iov.range(pos, len);
         let Some(tag) = self.free.pop() else {
-            self.deferred.push_back(Deferred { parent, target, op, iov: slice.collect() });
+            self.deferred.push_back(Deferred { parent, target, op, iov: slice.collect(), allocation: None });
             return;
         };
-        let storage = self.claim(tag, parent);
-        storage.clear();
-        storage.extend(slice);
+        let part = self.claim(tag, parent);
+        part.iov.clear();
+        part.iov.extend(slice);
         self.push_part(tag, target, op);
+    }
+
+    /// Sends an allocation's new contents to the data child as a part of
+    /// `parent`.
+    fn issue_allocation(&mut self, parent: u32, allocation: Allocation) {
+        self.parents[parent as usize].remaining += 1;
+        let contents = &allocation.contents;
+        let iov = libc::iovec { iov_base: contents.as_ptr().cast_mut().cast(), iov_len: contents.len() };
+        let op =
+            IoOp::Write { offset: allocation.host, len: contents.len() as u64, iov: IoVecs::default(), durable: false };
+        let Some(tag) = self.free.pop() else {
+            let (target, allocation) = (Target::Data, Some(allocation));
+            self.deferred.push_back(Deferred { parent, target, op, iov: vec![iov], allocation });
+            return;
+        };
+        let part = self.claim(tag, parent);
+        part.iov.clear();
+        part.iov.push(iov);
+        // Moving the allocation keeps its contents' heap buffer in place.
+        part.allocation = Some(allocation);
+        self.push_part(tag, Target::Data, op);
     }
 
     /// Sends deferred parts while part tags are free; whether it sent any.
@@ -173,24 +245,27 @@ impl Qcow2Queue {
         while !self.free.is_empty() {
             let Some(d) = self.deferred.pop_front() else { break };
             let tag = self.free.pop().expect("checked above");
-            // Moving the Vec keeps its heap buffer where it is.
-            *self.claim(tag, d.parent) = d.iov;
+            let part = self.claim(tag, d.parent);
+            // Moving the Vec (and the allocation) keeps their heap buffers
+            // where they are.
+            part.iov = d.iov;
+            part.allocation = d.allocation;
             self.push_part(tag, d.target, d.op);
             sent = true;
         }
         sent
     }
 
-    /// Gives part tag `tag` to `parent`; returns its buffer slice.
-    fn claim(&mut self, tag: u32, parent: u32) -> &mut Vec<libc::iovec> {
-        let (owner, storage) = &mut self.parts[(tag - self.depth) as usize];
-        *owner = parent;
-        storage
+    /// Gives part tag `tag` to `parent`.
+    fn claim(&mut self, tag: u32, parent: u32) -> &mut Part {
+        let part = &mut self.parts[(tag - self.depth) as usize];
+        part.parent = parent;
+        part
     }
 
     /// Pushes part `tag` with the buffer slice `claim` gave it.
     fn push_part(&mut self, tag: u32, target: Target, op: IoOp) {
-        let storage = &self.parts[(tag - self.depth) as usize].1;
+        let storage = &self.parts[(tag - self.depth) as usize].iov;
         // SAFETY: the slice lives in self and is not touched again until
         // this part completes; the buffers it names are the parent's,
         // valid until the parent completes, which is after its parts.
@@ -220,14 +295,56 @@ impl Qcow2Queue {
     }
 
     fn settle_part(&mut self, c: Completion) -> Option<Completion> {
-        let parent = self.parts[(c.tag - self.depth) as usize].0;
+        let part = &mut self.parts[(c.tag - self.depth) as usize];
+        let (parent, allocation) = (part.parent, part.allocation.take());
         self.free.push(c.tag);
-        self.settle(parent, c.errno)
+        let mut errno = c.errno;
+        if let Some(allocation) = allocation
+            && let Err(e) = self.image.finish_allocation(&mut self.file, allocation, errno == 0)
+        {
+            errno = e.raw_os_error().unwrap_or(libc::EIO);
+        }
+        self.settle(parent, errno)
+    }
+
+    /// Routes a guest request, and sends it on, answers it, or holds it
+    /// back until an allocation it waits for finishes.
+    fn start(&mut self, tag: u32, op: IoOp) {
+        // Held until routing is done, so the parent cannot complete early.
+        self.parents[tag as usize] = Parent { remaining: 1, errno: 0 };
+        let seen = self.image.allocations_finished();
+        match self.route(tag, op) {
+            // SAFETY: the caller's guarantee for `op` (see `push`) covers
+            // the child request, which names the same buffers (or none).
+            Ok(Some(Whole(target, op))) => unsafe { self.child(target).push(tag, op) },
+            Ok(None) => self.release(tag, 0),
+            Err(Refused::Failed(errno)) => self.release(tag, errno),
+            Err(Refused::Busy) => {
+                self.image.wake_after(seen, &self.waker);
+                self.blocked.push(Blocked { tag, op, seen });
+            }
+        }
+    }
+
+    /// Routes again the held-back requests that allocations finished
+    /// since; whether there were any.
+    fn retry_blocked(&mut self) -> bool {
+        let now = self.image.allocations_finished();
+        if self.blocked.iter().all(|b| b.seen == now) {
+            return false;
+        }
+        let (retry, wait): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.blocked).into_iter().partition(|b| b.seen != now);
+        self.blocked = wait;
+        for b in retry {
+            self.start(b.tag, b.op);
+        }
+        true
     }
 
     fn route(&mut self, tag: u32, op: IoOp) -> Routed {
         if crate::drivers::out_of_bounds(&op, self.image.size()) {
-            return Err(libc::EIO);
+            return Err(Refused::Failed(libc::EIO));
         }
         match op {
             IoOp::Read { offset, len, iov } => self.read(tag, offset, len, iov),
@@ -249,7 +366,7 @@ impl Qcow2Queue {
     fn read(&mut self, tag: u32, offset: u64, len: u64, iov: IoVecs) -> Routed {
         let mut pos = 0;
         while pos < len {
-            let extent = self.image.map(&mut self.memo, &mut self.file, offset + pos, len - pos).map_err(errno)?;
+            let extent = self.image.map(&mut self.memo, &mut self.file, offset + pos, len - pos).map_err(refused)?;
             let (at, n, whole) = (offset + pos, extent.len, pos == 0 && extent.len == len);
             match extent.mapping {
                 Mapping::Data { host, .. } if whole => {
@@ -270,12 +387,12 @@ impl Qcow2Queue {
                     fill(iov, pos + below, n - below, None);
                 }
                 Mapping::Compressed { host, len: compressed_len } => {
-                    self.decompress(host, compressed_len).map_err(errno)?;
+                    self.decompress(host, compressed_len).map_err(refused)?;
                     let within = (at % self.image.cluster_size()) as usize;
                     let (_, cluster) = self.compressed.as_ref().expect("just decompressed");
                     fill(iov, pos, n, Some(&cluster[within..within + n as usize]));
                 }
-                Mapping::Invalid => return Err(libc::EIO),
+                Mapping::Invalid => return Err(Refused::Failed(libc::EIO)),
             }
             pos += n;
         }
@@ -303,14 +420,14 @@ impl Qcow2Queue {
         self.extents.clear();
         let mut pos = 0;
         while pos < len {
-            let e = self.image.map(&mut self.memo, &mut self.file, offset + pos, len - pos).map_err(errno)?;
+            let e = self.image.map(&mut self.memo, &mut self.file, offset + pos, len - pos).map_err(refused)?;
             match e.mapping {
                 // One extent for the whole request (so pos is 0).
                 Mapping::Data { host, in_place: true } if e.len == len && in_place(&self.image) => {
                     return Ok(Some(Whole(Target::Data, IoOp::Write { offset: host, len, iov, durable })));
                 }
                 Mapping::Data { host, in_place: true } => self.extents.push((host, pos, e.len)),
-                Mapping::Invalid => return Err(libc::EIO),
+                Mapping::Invalid => return Err(Refused::Failed(libc::EIO)),
                 _ => break,
             }
             pos += e.len;
@@ -322,12 +439,20 @@ impl Qcow2Queue {
             }
             return Ok(None);
         }
-        // Allocation, copy-on-write, zero flags to clear, or a durable write
-        // with metadata to flush: the metadata path.
+        if !durable {
+            // Clusters to allocate: their contents go down asynchronously.
+            let started = self.with_io(|image, io| image.start_write(io, offset, len, &mut copy_from(iov)));
+            if let Some(allocations) = started.map_err(refused)? {
+                for allocation in allocations {
+                    self.issue_allocation(tag, allocation);
+                }
+                return Ok(None);
+            }
+        }
+        // Owned clusters with subclusters to fill, or a durable write with
+        // metadata to flush: the metadata path, all at once.
         self.sync(|image, io| {
-            // SAFETY: a request's buffers stay valid until it completes, which
-            // is after this synchronous write.
-            image.write(io, offset, len, &mut |at, buf| unsafe { iov.copy_out(at, buf) })?;
+            image.write(io, offset, len, &mut copy_from(iov))?;
             if durable { image.flush(io) } else { Ok(()) }
         })
     }
@@ -335,13 +460,18 @@ impl Qcow2Queue {
     /// Runs `f` with the image and its files as blocking I/O; the request
     /// is answered when it returns.
     fn sync(&mut self, f: impl FnOnce(&Image, &mut ImageIo) -> io::Result<()>) -> Routed {
+        self.with_io(f).map_err(refused)?;
+        Ok(None)
+    }
+
+    /// Runs `f` with the image and its files as blocking I/O.
+    fn with_io<T>(&mut self, f: impl FnOnce(&Image, &mut ImageIo) -> T) -> T {
         let mut io = ImageIo {
             meta: &mut self.file,
             data: self.data.as_mut().map(|d| d as &mut dyn vsd_qcow2::SyncIo),
             backing: self.backing.as_mut().map(|b| b as &mut dyn vsd_qcow2::SyncIo),
         };
-        f(&self.image, &mut io).map_err(errno)?;
-        Ok(None)
+        f(&self.image, &mut io)
     }
 }
 
@@ -352,15 +482,7 @@ unsafe impl Send for Qcow2Queue {}
 
 impl IoQueue for Qcow2Queue {
     unsafe fn push(&mut self, tag: u32, op: IoOp) {
-        // Held until routing is done, so the parent cannot complete early.
-        self.parents[tag as usize] = Parent { remaining: 1, errno: 0 };
-        match self.route(tag, op) {
-            // SAFETY: the caller's guarantee for `op` covers the child
-            // request, which names the same buffers (or none).
-            Ok(Some(Whole(target, op))) => unsafe { self.child(target).push(tag, op) },
-            Ok(None) => self.release(tag, 0),
-            Err(errno) => self.release(tag, errno),
-        }
+        self.start(tag, op);
     }
 
     fn submit(&mut self) -> io::Result<()> {
@@ -389,7 +511,13 @@ impl IoQueue for Qcow2Queue {
                 backing.reap(out);
             }
             self.settle_parts(out, start);
-            if !self.send_deferred() {
+            let sent = self.send_deferred() | self.retry_blocked();
+            out.append(&mut self.answered);
+            // Linking an allocation or routing a held-back request may have
+            // done blocking I/O on a child, which keeps the completions
+            // that arrived meanwhile: reap again for them too.
+            let stashed = self.children().any(ChildQueue::has_stash);
+            if !sent && !stashed {
                 return;
             }
             if let Err(e) = self.submit() {
@@ -417,6 +545,8 @@ impl IoQueue for Qcow2Queue {
     }
 
     fn rearm(&mut self) {
+        // Non-blocking: nothing to read is not an error here.
+        let _ = self.unblocked.0.read();
         self.file.rearm();
         if let Some(data) = &mut self.data {
             data.rearm();
@@ -436,12 +566,20 @@ impl IoQueue for Qcow2Queue {
 }
 
 /// What routing did with a guest request: sent it whole to one child
-/// (`Some`), sent it in parts or answered it here (`None`), or failed it
-/// with an errno.
-type Routed = Result<Option<Whole>, i32>;
+/// (`Some`), sent it in parts or answered it here (`None`), or refused it.
+type Routed = Result<Option<Whole>, Refused>;
 
-fn errno(e: io::Error) -> i32 {
-    e.raw_os_error().unwrap_or(libc::EIO)
+/// Why routing stopped short of a guest request.
+enum Refused {
+    /// The request fails with this errno.
+    Failed(i32),
+    /// A cluster it would change has an allocation in flight: retry it
+    /// once one finishes.
+    Busy,
+}
+
+fn refused(e: io::Error) -> Refused {
+    if Busy::is(&e) { Refused::Busy } else { Refused::Failed(e.raw_os_error().unwrap_or(libc::EIO)) }
 }
 
 /// The buffers and length of a transfer; none for other requests.
@@ -459,6 +597,14 @@ fn with_iov(op: IoOp, iov: IoVecs) -> IoOp {
         IoOp::Write { offset, len, durable, .. } => IoOp::Write { offset, len, iov, durable },
         other => other,
     }
+}
+
+/// Copies bytes of a write request's buffers, from the given position on.
+fn copy_from(iov: IoVecs) -> impl FnMut(u64, &mut [u8]) {
+    // SAFETY: a request's buffers stay valid until it completes, which is
+    // after routing made every copy of them it needs (the new contents of
+    // its allocations, or its synchronous write).
+    move |at, buf| unsafe { iov.copy_out(at, buf) }
 }
 
 /// Fills bytes `pos..pos + len` of a read request's buffers from `src`, or

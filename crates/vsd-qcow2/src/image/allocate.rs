@@ -1,0 +1,329 @@
+//! Cluster allocation, synchronous or with the data write left to the
+//! caller.
+//!
+//! A write into a cluster this image does not own yet (unallocated, zero,
+//! compressed, or shared with a snapshot) gets a new host cluster, filled
+//! with the guest's bytes and, around them, what the cluster read as
+//! before; once that is written, the L2 entry is switched to it. The
+//! synchronous path ([`Image::write`]) does it all under the metadata
+//! mutex. [`Image::start_write`] lets the caller write the new contents
+//! asynchronously, as a data request among the others, so that allocating
+//! writes (a fresh image being filled) keep the device's queue full rather
+//! than going one at a time.
+//!
+//! While an allocation is in flight its table entry is unchanged: reads
+//! see what the cluster held before, which is what the new contents hold
+//! outside the write's own bytes. Any request that would change the
+//! cluster's metadata meanwhile (another allocating write, an overwrite of
+//! part of it, write-zeroes, discard) fails with [`Busy`] and is retried
+//! once an allocation finishes ([`Image::wake_after`]): otherwise two
+//! allocations of one cluster would race, and one write would be lost
+//! with its cluster leaked.
+
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::Waker;
+
+use super::{Image, ImageIo, Meta};
+use crate::SyncIo;
+use crate::buf::AlignedBuf;
+use crate::entry::L2Entry;
+
+use super::write::Fill;
+
+/// A request touched a cluster whose allocation is in flight: retry it
+/// after [`Image::wake_after`] says one finished.
+#[derive(Debug, thiserror::Error)]
+#[error("a cluster of the range is being allocated")]
+pub struct Busy;
+
+impl Busy {
+    /// Whether `e` is this error.
+    pub fn is(e: &io::Error) -> bool {
+        e.get_ref().is_some_and(|inner| inner.is::<Busy>())
+    }
+}
+
+/// A new host cluster for a guest cluster, with its contents, not linked
+/// into the L2 table yet.
+pub struct Allocation {
+    /// The guest cluster (byte offset).
+    cluster: u64,
+    /// The L2 table mapping it (its offset in the image file; the table
+    /// stays owned by this image, but may leave the cache meanwhile).
+    table: u64,
+    index: usize,
+    old: L2Entry,
+    new: L2Entry,
+    /// Where the contents go in the data file (the image file unless the
+    /// image has an external data file).
+    pub host: u64,
+    /// The cluster's new contents.
+    pub contents: AlignedBuf,
+}
+
+impl Image {
+    /// Starts a write into clusters that all need a new allocation: each
+    /// gets its host cluster and contents, and is marked in flight. The
+    /// caller writes every [`Allocation::contents`] at its
+    /// [`Allocation::host`] in the data file, then hands each to
+    /// [`Image::finish_allocation`] (which it must, written or not: until
+    /// then the cluster stays in flight).
+    ///
+    /// `Ok(None)`: some cluster is owned already (or the request is
+    /// partial in a way only [`Image::write`] handles): use that instead.
+    /// Fails with [`Busy`] if a cluster of the range is in flight.
+    pub fn start_write(
+        &self,
+        io: &mut ImageIo,
+        offset: u64,
+        len: u64,
+        fill: Fill,
+    ) -> io::Result<Option<Vec<Allocation>>> {
+        self.check_writable()?;
+        let mut meta = self.lock();
+        self.check_idle(&meta, offset, len)?;
+        self.prepare_change(&mut meta, io)?;
+        let result = self.allocate_all(&mut meta, io, offset, len, fill);
+        if let Ok(Some(allocations)) = &result {
+            meta.allocating.extend(allocations.iter().map(|a| a.cluster));
+        }
+        self.note_dirty(&meta);
+        result
+    }
+
+    fn allocate_all(
+        &self,
+        meta: &mut Meta,
+        io: &mut ImageIo,
+        offset: u64,
+        len: u64,
+        fill: Fill,
+    ) -> io::Result<Option<Vec<Allocation>>> {
+        let mut found = Vec::new();
+        self.for_each_cluster(offset, len, |image, cluster, within, n| {
+            let (table, index, old) = image.entry_for_write(meta, io, cluster)?;
+            found.push((cluster, within, n, table.offset, index, old));
+            Ok(())
+        })?;
+        if found.iter().any(|&(.., old)| old.host.is_some() && old.copied) {
+            return Ok(None);
+        }
+        let mut allocations = Vec::with_capacity(found.len());
+        for (cluster, within, n, table, index, old) in found {
+            let base = cluster + within - offset;
+            match self
+                .allocate(meta, io, (cluster, within, n), (table, index, old), &mut |at, buf| fill(base + at, buf))
+            {
+                Ok(a) => allocations.push(a),
+                Err(e) => {
+                    for a in allocations {
+                        self.give_back(meta, &a);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Some(allocations))
+    }
+
+    /// Ends an allocation from [`Image::start_write`]: links it into its
+    /// table if its contents were `written`, else gives its cluster back;
+    /// either way the cluster is no longer in flight. `io` is the image
+    /// file, for reloading the table if it left the cache.
+    pub fn finish_allocation(&self, io: &mut dyn SyncIo, allocation: Allocation, written: bool) -> io::Result<()> {
+        let mut meta = self.lock();
+        let result = if written { self.link(&mut meta, io, &allocation) } else { Ok(()) };
+        if !written || result.is_err() {
+            self.give_back(&mut meta, &allocation);
+        }
+        meta.allocating.remove(&allocation.cluster);
+        self.finished.fetch_add(1, Ordering::Release);
+        for waker in meta.waiters.drain(..) {
+            waker.wake();
+        }
+        self.note_dirty(&meta);
+        result
+    }
+
+    /// How many allocations have finished so far: read it before a request
+    /// that may fail with [`Busy`], and pass it to [`Image::wake_after`].
+    pub fn allocations_finished(&self) -> u64 {
+        self.finished.load(Ordering::Acquire)
+    }
+
+    /// Wakes `waker` once an allocation finishes after `seen` of them had
+    /// (at once if one already has): for a request that failed with
+    /// [`Busy`].
+    pub fn wake_after(&self, seen: u64, waker: &Waker) {
+        let mut meta = self.lock();
+        if self.finished.load(Ordering::Acquire) != seen {
+            drop(meta);
+            waker.wake_by_ref();
+        } else if !meta.waiters.iter().any(|w| w.will_wake(waker)) {
+            meta.waiters.push(waker.clone());
+        }
+    }
+
+    /// Fails with [`Busy`] if an allocation of a cluster of the range is in
+    /// flight.
+    pub(super) fn check_idle(&self, meta: &Meta, offset: u64, len: u64) -> io::Result<()> {
+        if meta.allocating.is_empty() {
+            return Ok(());
+        }
+        let cs = self.cluster_size();
+        let busy = (offset & !(cs - 1)..offset + len).step_by(cs as usize).any(|c| meta.allocating.contains(&c));
+        if busy { Err(io::Error::other(Busy)) } else { Ok(()) }
+    }
+
+    /// A host cluster for guest `cluster` (found at `index` of `table`,
+    /// mapped by `old`), with its new contents: `fill` supplies bytes
+    /// `within..within + n`, the rest is what the cluster reads as now.
+    pub(super) fn allocate(
+        &self,
+        meta: &mut Meta,
+        io: &mut ImageIo,
+        (cluster, within, n): (u64, u64, u64),
+        (table, index, old): (u64, usize, L2Entry),
+        fill: Fill,
+    ) -> io::Result<Allocation> {
+        // Read what is there before allocating, so a damaged source fails
+        // the write without leaking a cluster.
+        let mut contents = AlignedBuf::zeroed(self.cluster_size() as usize);
+        self.read_cluster(io, &old, cluster, &mut contents, (within, n))?;
+        let host = if self.layout.data_file { cluster } else { meta.alloc(io.meta, 1)? };
+        fill(0, &mut contents[within as usize..(within + n) as usize]);
+        let touched = self.touched(within, n);
+        let (alloc, zero) = match old.compressed {
+            Some(_) => (self.all_subclusters(), 0),
+            None => (old.alloc | touched, old.zero & !touched),
+        };
+        let new = L2Entry { host: Some(host), copied: true, compressed: None, alloc, zero };
+        Ok(Allocation { cluster, table, index, old, new, host, contents })
+    }
+
+    /// Points the table entry at the allocation's cluster (its contents
+    /// written) and drops the references the old entry held.
+    pub(super) fn link(&self, meta: &mut Meta, io: &mut dyn SyncIo, a: &Allocation) -> io::Result<()> {
+        let table: Arc<_> = self.load_l2(meta, io, a.table)?;
+        self.set_l2(meta, &table, a.index, &a.new);
+        self.release(meta, &a.old);
+        Ok(())
+    }
+
+    /// Returns an allocation's cluster unused.
+    pub(super) fn give_back(&self, meta: &mut Meta, a: &Allocation) {
+        if !self.layout.data_file {
+            meta.decref(a.host >> self.header.cluster_bits, false);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+    use std::task::Wake;
+
+    use super::*;
+    use crate::mem::MemFile;
+    use crate::{Mapping, Options};
+
+    const KIB: u64 = 1024;
+
+    /// A new 4 MiB image with 64 KiB clusters, made by qemu-img, in memory.
+    fn fresh_image(name: &str) -> (Image, MemFile) {
+        let path = std::env::temp_dir().join(format!("vsd-qcow2-{name}-{}.qcow2", std::process::id()));
+        let status = std::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2"])
+            .arg(&path)
+            .arg("4M")
+            .status()
+            .expect("qemu-img runs");
+        assert!(status.success());
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let mut file = MemFile::new(bytes, 64 << 20);
+        let len = file.bytes.len() as u64;
+        let opts = Options { writable: true, ..Options::default() };
+        (Image::open(&mut file, len, opts).unwrap(), file)
+    }
+
+    fn io(file: &mut MemFile) -> ImageIo<'_> {
+        ImageIo { meta: file, data: None, backing: None }
+    }
+
+    #[derive(Default)]
+    struct Count(AtomicUsize);
+
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn map(image: &Image, file: &mut MemFile, offset: u64) -> Mapping {
+        image.map(&mut Default::default(), file, offset, 512).unwrap().mapping
+    }
+
+    #[test]
+    fn a_cluster_in_flight_holds_back_changes_to_it_until_it_is_linked() {
+        let (image, mut file) = fresh_image("inflight");
+        let data = |_, buf: &mut [u8]| buf.fill(0xa5);
+        let mut started = image.start_write(&mut io(&mut file), 8 * KIB, 4 * KIB, &mut { data }).unwrap().unwrap();
+        assert_eq!(started.len(), 1);
+        let a = started.pop().unwrap();
+        assert_eq!(&a.contents[8 * 1024..12 * 1024], &[0xa5; 4096][..], "the write's bytes");
+        assert!(a.contents[..8 * 1024].iter().chain(&a.contents[12 * 1024..]).all(|&b| b == 0), "zeroes around");
+
+        // Every change to the cluster waits; another cluster does not.
+        let busy = |r: io::Result<()>| r.is_err_and(|e| Busy::is(&e));
+        assert!(busy(image.start_write(&mut io(&mut file), 0, 4 * KIB, &mut { data }).map(drop)));
+        assert!(busy(image.write(&mut io(&mut file), 60 * KIB, 8 * KIB, &mut { data })), "straddling into it");
+        assert!(busy(image.write_zeroes(&mut io(&mut file), 0, 4 * KIB, true)));
+        assert!(busy(image.discard(&mut io(&mut file), 0, 64 * KIB)));
+        let other = image.start_write(&mut io(&mut file), 64 * KIB, 4 * KIB, &mut { data }).unwrap().unwrap();
+
+        // Reads see the old contents until the allocation is linked; the
+        // waiting requests are woken then, and only then.
+        assert_eq!(map(&image, &mut file, 8 * KIB), Mapping::Unallocated);
+        let count = Arc::new(Count::default());
+        let waker = Waker::from(count.clone());
+        image.wake_after(image.allocations_finished(), &waker);
+        assert_eq!(count.0.load(Ordering::SeqCst), 0);
+        file.write_at(&a.contents, a.host).unwrap();
+        let host = a.host;
+        image.finish_allocation(&mut file, a, true).unwrap();
+        assert_eq!(count.0.load(Ordering::SeqCst), 1, "woken once the allocation finished");
+        assert_eq!(map(&image, &mut file, 8 * KIB), Mapping::Data { host: host + 8 * KIB, in_place: true });
+        image.write(&mut io(&mut file), 0, 4 * KIB, &mut { data }).unwrap();
+
+        // A late registration for what already finished wakes at once.
+        let seen = image.allocations_finished() - 1;
+        image.wake_after(seen, &waker);
+        assert_eq!(count.0.load(Ordering::SeqCst), 2);
+        for a in other {
+            image.finish_allocation(&mut file, a, false).unwrap();
+        }
+    }
+
+    #[test]
+    fn an_allocation_whose_write_failed_leaves_the_cluster_unallocated_and_free() {
+        let (image, mut file) = fresh_image("failed");
+        let data = |_, buf: &mut [u8]| buf.fill(0x5a);
+        let a = image.start_write(&mut io(&mut file), 0, 64 * KIB, &mut { data }).unwrap().unwrap().remove(0);
+        image.finish_allocation(&mut file, a, false).unwrap();
+        assert_eq!(map(&image, &mut file, 0), Mapping::Unallocated);
+        // A cluster allocated after it puts it inside the file, where
+        // qemu-img check looks for leaks.
+        image.write(&mut io(&mut file), 64 * KIB, 64 * KIB, &mut { data }).unwrap();
+        image.close(&mut io(&mut file)).unwrap();
+        // QEMU finds no leak: the cluster's reference was dropped.
+        let path = std::env::temp_dir().join(format!("vsd-qcow2-failed-check-{}.qcow2", std::process::id()));
+        std::fs::write(&path, &file.bytes).unwrap();
+        let out = std::process::Command::new("qemu-img").arg("check").arg(&path).output().expect("qemu-img runs");
+        std::fs::remove_file(&path).unwrap();
+        let report = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && report.contains("No errors were found"), "qemu-img check: {report}");
+    }
+}
