@@ -4,7 +4,12 @@
 //! A write into a cluster this image does not own yet (unallocated, zero,
 //! compressed, or shared with a snapshot) gets a new host cluster, filled
 //! with the guest's bytes and, around them, what the cluster read as
-//! before; once that is written, the L2 entry is switched to it. The
+//! before; once that is written, the L2 entry is switched to it. When the
+//! cluster read as zeroes around the write and the new one lies past
+//! everything the file ever held (it reads as zeroes already), only the
+//! guest's bytes are written, straight from the request's buffers: a
+//! fresh image filled by small random writes writes each once, not a
+//! whole cluster around each. The
 //! synchronous path ([`Image::write`]) does it all under the metadata
 //! mutex. [`Image::start_write`] lets the caller write the new contents
 //! asynchronously, as a data request among the others, so that allocating
@@ -27,8 +32,8 @@ use std::task::Waker;
 
 use super::{Image, ImageIo, Meta};
 use crate::SyncIo;
-use crate::buf::AlignedBuf;
-use crate::entry::L2Entry;
+use crate::buf::{ALIGN, AlignedBuf};
+use crate::entry::{L2Entry, Subcluster};
 
 use super::write::Fill;
 
@@ -56,18 +61,31 @@ pub struct Allocation {
     index: usize,
     old: L2Entry,
     new: L2Entry,
-    /// Where the contents go in the data file (the image file unless the
+    /// Where the cluster is in the data file (the image file unless the
     /// image has an external data file).
     pub host: u64,
-    /// The cluster's new contents.
-    pub contents: AlignedBuf,
+    /// The cluster's new contents, to write at `host`; `None` when only
+    /// the request's own bytes need writing ([`Allocation::request_bytes`]).
+    pub contents: Option<AlignedBuf>,
+    /// The request's bytes in the cluster: from `within`, `len` of them.
+    within: u64,
+    len: u64,
+}
+
+impl Allocation {
+    /// The request's bytes this allocation holds: the guest offset of the
+    /// first, where it goes in the data file, and how many there are.
+    pub fn request_bytes(&self) -> (u64, u64, u64) {
+        (self.cluster + self.within, self.host + self.within, self.len)
+    }
 }
 
 impl Image {
     /// Starts a write into clusters that all need a new allocation: each
     /// gets its host cluster and contents, and is marked in flight. The
-    /// caller writes every [`Allocation::contents`] at its
-    /// [`Allocation::host`] in the data file, then hands each to
+    /// caller writes every allocation's [`Allocation::contents`] at its
+    /// [`Allocation::host`] in the data file (or, without contents, the
+    /// request's [`Allocation::request_bytes`]), then hands each to
     /// [`Image::finish_allocation`] (which it must, written or not: until
     /// then the cluster stays in flight).
     ///
@@ -180,6 +198,7 @@ impl Image {
     /// A host cluster for guest `cluster` (found at `index` of `table`,
     /// mapped by `old`), with its new contents: `fill` supplies bytes
     /// `within..within + n`, the rest is what the cluster reads as now.
+    /// Without contents (see [`Allocation::contents`]) `fill` is not called.
     pub(super) fn allocate(
         &self,
         meta: &mut Meta,
@@ -188,19 +207,54 @@ impl Image {
         (table, index, old): (u64, usize, L2Entry),
         fill: Fill,
     ) -> io::Result<Allocation> {
-        // Read what is there before allocating, so a damaged source fails
-        // the write without leaking a cluster.
-        let mut contents = AlignedBuf::zeroed(self.cluster_size() as usize);
-        self.read_cluster(io, &old, cluster, &mut contents, (within, n))?;
+        let aligned = within.is_multiple_of(ALIGN as u64) && n.is_multiple_of(ALIGN as u64);
+        let contents = if aligned && !self.layout.data_file && self.zero_around(&old, within, n) {
+            None
+        } else {
+            // Read what is there before allocating, so a damaged source
+            // fails the write without leaking a cluster.
+            let mut contents = AlignedBuf::zeroed(self.cluster_size() as usize);
+            self.read_cluster(io, &old, cluster, &mut contents, (within, n))?;
+            Some(contents)
+        };
+        let fresh_from = meta.fresh_from();
         let host = if self.layout.data_file { cluster } else { meta.alloc(io.meta, 1)? };
-        fill(0, &mut contents[within as usize..(within + n) as usize]);
+        let contents = match contents {
+            None if host >= fresh_from => None,
+            // Reused file space may hold old bytes: write the zeroes too.
+            None => Some(AlignedBuf::zeroed(self.cluster_size() as usize)),
+            some => some,
+        };
+        let contents = contents.map(|mut buf| {
+            fill(0, &mut buf[within as usize..(within + n) as usize]);
+            buf
+        });
         let touched = self.touched(within, n);
         let (alloc, zero) = match old.compressed {
             Some(_) => (self.all_subclusters(), 0),
             None => (old.alloc | touched, old.zero & !touched),
         };
         let new = L2Entry { host: Some(host), copied: true, compressed: None, alloc, zero };
-        Ok(Allocation { cluster, table, index, old, new, host, contents })
+        Ok(Allocation { cluster, table, index, old, new, host, contents, within, len: n })
+    }
+
+    /// Whether a cluster mapped by `old` reads as zeroes outside bytes
+    /// `within..within + n`.
+    fn zero_around(&self, old: &L2Entry, within: u64, n: u64) -> bool {
+        if old.host.is_some() || old.compressed.is_some() {
+            return false;
+        }
+        if !self.has_backing {
+            return true;
+        }
+        // Over a backing file only subclusters flagged zero read as zeroes.
+        let scb = self.layout.subcluster_bits();
+        let scs = 1u64 << scb;
+        (0..self.layout.subclusters()).all(|sc| {
+            let start = u64::from(sc) * scs;
+            let covered = start >= within && start + scs <= within + n;
+            covered || old.subcluster(sc, scb) == Subcluster::Zero
+        })
     }
 
     /// Points the table entry at the allocation's cluster (its contents
@@ -230,6 +284,7 @@ mod tests {
     use crate::{Mapping, Options};
 
     const KIB: u64 = 1024;
+    const MIB: u64 = 1024 * KIB;
 
     /// A new 4 MiB image with 64 KiB clusters, made by qemu-img, in memory.
     fn fresh_image(name: &str) -> (Image, MemFile) {
@@ -266,15 +321,36 @@ mod tests {
         image.map(&mut Default::default(), file, offset, 512).unwrap().mapping
     }
 
+    /// Writes an allocation's contents, or the request bytes `byte` fills.
+    fn write_out(file: &mut MemFile, a: &Allocation, byte: u8) {
+        match &a.contents {
+            Some(contents) => file.write_at(contents, a.host).unwrap(),
+            None => file.write_at(&vec![byte; a.request_bytes().2 as usize], a.request_bytes().1).unwrap(),
+        }
+    }
+
+    fn read(image: &Image, file: &mut MemFile, offset: u64, len: usize) -> Vec<u8> {
+        let Mapping::Data { host, .. } = image.map(&mut Default::default(), file, offset, len as u64).unwrap().mapping
+        else {
+            panic!("not data at {offset:#x}");
+        };
+        let mut buf = vec![0; len];
+        file.read_at(&mut buf, host).unwrap();
+        buf
+    }
+
     #[test]
     fn a_cluster_in_flight_holds_back_changes_to_it_until_it_is_linked() {
         let (image, mut file) = fresh_image("inflight");
         let data = |_, buf: &mut [u8]| buf.fill(0xa5);
-        let mut started = image.start_write(&mut io(&mut file), 8 * KIB, 4 * KIB, &mut { data }).unwrap().unwrap();
+        // Not 4 KiB aligned: the whole cluster is written.
+        let mut started =
+            image.start_write(&mut io(&mut file), 8 * KIB + 512, 4 * KIB, &mut { data }).unwrap().unwrap();
         assert_eq!(started.len(), 1);
         let a = started.pop().unwrap();
-        assert_eq!(&a.contents[8 * 1024..12 * 1024], &[0xa5; 4096][..], "the write's bytes");
-        assert!(a.contents[..8 * 1024].iter().chain(&a.contents[12 * 1024..]).all(|&b| b == 0), "zeroes around");
+        let contents = a.contents.as_ref().expect("a whole cluster");
+        assert_eq!(&contents[8 * 1024 + 512..12 * 1024 + 512], &[0xa5; 4096][..], "the write's bytes");
+        assert!(contents[..8704].iter().chain(&contents[12800..]).all(|&b| b == 0), "zeroes around");
 
         // Every change to the cluster waits; another cluster does not.
         let busy = |r: io::Result<()>| r.is_err_and(|e| Busy::is(&e));
@@ -291,7 +367,7 @@ mod tests {
         let waker = Waker::from(count.clone());
         image.wake_after(image.allocations_finished(), &waker);
         assert_eq!(count.0.load(Ordering::SeqCst), 0);
-        file.write_at(&a.contents, a.host).unwrap();
+        write_out(&mut file, &a, 0xa5);
         let host = a.host;
         image.finish_allocation(&mut file, a, true).unwrap();
         assert_eq!(count.0.load(Ordering::SeqCst), 1, "woken once the allocation finished");
@@ -305,6 +381,59 @@ mod tests {
         for a in other {
             image.finish_allocation(&mut file, a, false).unwrap();
         }
+    }
+
+    /// An aligned write into a cluster that read as zeroes, allocated past
+    /// all the file ever held, writes only its own bytes; the rest of the
+    /// cluster reads as zeroes from the file.
+    #[test]
+    fn a_fresh_cluster_gets_only_the_request_bytes() {
+        let (image, mut file) = fresh_image("fresh");
+        let data = |_, buf: &mut [u8]| buf.fill(0x3c);
+        let a = image.start_write(&mut io(&mut file), 128 * KIB + 8 * KIB, 4 * KIB, &mut { data }).unwrap().unwrap();
+        let a = a.into_iter().next().unwrap();
+        assert!(a.contents.is_none(), "no contents to write");
+        assert_eq!(a.request_bytes(), (136 * KIB, a.host + 8 * KIB, 4 * KIB));
+        write_out(&mut file, &a, 0x3c);
+        image.finish_allocation(&mut file, a, true).unwrap();
+        let got = read(&image, &mut file, 128 * KIB, 64 * 1024);
+        assert!(
+            got[..8192].iter().chain(&got[12288..]).all(|&b| b == 0) && got[8192..12288].iter().all(|&b| b == 0x3c)
+        );
+    }
+
+    /// A free cluster inside the file (freed by QEMU, reused after reopening)
+    /// may hold old bytes: the whole cluster is written, zeroes included.
+    #[test]
+    fn reused_file_space_gets_its_zeroes_written() {
+        let path = std::env::temp_dir().join(format!("vsd-qcow2-reused-{}.qcow2", std::process::id()));
+        let qemu =
+            |args: &[&str]| assert!(std::process::Command::new(args[0]).args(&args[1..]).status().unwrap().success());
+        let image_path = path.to_str().unwrap();
+        qemu(&["qemu-img", "create", "-q", "-f", "qcow2", image_path, "4M"]);
+        qemu(&[
+            "qemu-io",
+            "-c",
+            "write -q -P 0xee 0 64k",
+            "-c",
+            "write -q -P 0xdd 64k 64k",
+            "-c",
+            "discard -q 0 64k",
+            image_path,
+        ]);
+        let mut file = MemFile::new(std::fs::read(&path).unwrap(), 64 << 20);
+        std::fs::remove_file(&path).unwrap();
+        let len = file.bytes.len() as u64;
+        let image = Image::open(&mut file, len, Options { writable: true, ..Options::default() }).unwrap();
+        let data = |_, buf: &mut [u8]| buf.fill(0x3c);
+        let a = image.start_write(&mut io(&mut file), MIB, 4 * KIB, &mut { data }).unwrap().unwrap().remove(0);
+        assert!(a.host + 64 * KIB <= len, "the freed cluster is reused");
+        let contents = a.contents.as_ref().expect("the whole cluster, zeroes included");
+        assert!(contents[4096..].iter().all(|&b| b == 0) && contents[..4096].iter().all(|&b| b == 0x3c));
+        write_out(&mut file, &a, 0x3c);
+        image.finish_allocation(&mut file, a, true).unwrap();
+        let got = read(&image, &mut file, MIB, 64 * 1024);
+        assert!(got[4096..].iter().all(|&b| b == 0), "no old bytes show through");
     }
 
     #[test]

@@ -29,7 +29,9 @@ pub(super) struct Refcounts {
     /// Allocation scans from here; it never moves back, so clusters freed
     /// while the image is open are not reused (see the crate docs).
     hint: u64,
-    /// Clusters up to here may hold something (the file's initial length).
+    /// Clusters up to here may hold something: the file's initial length,
+    /// then past every cluster handed out since. Clusters from here on
+    /// were never written, and read as zeroes.
     file_end: u64,
     /// Chunks of blocks changed in memory only: (block index, byte offset).
     dirty: BTreeSet<(u64, usize)>,
@@ -181,6 +183,12 @@ impl Meta {
         Err(corrupt(format!(
             "allocating {n} clusters did not settle after {ALLOC_ROUNDS} rounds of new refcount metadata"
         )))
+    }
+
+    /// The first cluster (byte offset) that may never have been written:
+    /// every cluster from there on reads as zeroes until allocated.
+    pub(super) fn fresh_from(&self) -> u64 {
+        self.refcounts.file_end << self.refcounts.cluster_bits
     }
 
     /// The first run of `n` free clusters from the hint.

@@ -166,7 +166,15 @@ impl Image {
             }
             _ => {
                 let a = self.allocate(meta, io, (cluster, within, n), (table.offset, index, old), fill)?;
-                if let Err(e) = io.data().write_at(&a.contents, a.host) {
+                let written = match &a.contents {
+                    Some(contents) => io.data().write_at(contents, a.host),
+                    None => {
+                        let mut bytes = AlignedBuf::zeroed(n as usize);
+                        fill(0, &mut bytes);
+                        io.data().write_at(&bytes, a.request_bytes().1)
+                    }
+                };
+                if let Err(e) = written {
                     self.give_back(meta, &a);
                     return Err(e);
                 }

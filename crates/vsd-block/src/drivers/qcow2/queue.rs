@@ -205,38 +205,50 @@ impl Qcow2Queue {
     /// Sends `op` to a child as a part of `parent`: its buffers, given as
     /// the parent's, are narrowed to the parent's bytes from `pos` on.
     fn issue(&mut self, parent: u32, target: Target, op: IoOp, pos: u64) {
-        self.parents[parent as usize].remaining += 1;
         let (iov, len) = buffers(&op);
-        let slice = iov.range(pos, len);
-        let Some(tag) = self.free.pop() else {
-            self.deferred.push_back(Deferred { parent, target, op, iov: slice.collect(), allocation: None });
-            return;
-        };
-        let part = self.claim(tag, parent);
-        part.iov.clear();
-        part.iov.extend(slice);
-        self.push_part(tag, target, op);
+        self.send_part(parent, target, op, iov.range(pos, len), None);
     }
 
-    /// Sends an allocation's new contents to the data child as a part of
-    /// `parent`.
-    fn issue_allocation(&mut self, parent: u32, allocation: Allocation) {
+    /// Sends what an allocation of guest request `parent` (at `offset`, in
+    /// buffers `iov`) writes to the data child: the cluster's new
+    /// contents, or the request's own bytes in it.
+    fn issue_allocation(&mut self, parent: u32, offset: u64, iov: IoVecs, allocation: Allocation) {
+        let (op, slice) = match &allocation.contents {
+            Some(contents) => {
+                let whole = libc::iovec { iov_base: contents.as_ptr().cast_mut().cast(), iov_len: contents.len() };
+                let len = contents.len() as u64;
+                (IoOp::Write { offset: allocation.host, len, iov: IoVecs::default(), durable: false }, vec![whole])
+            }
+            None => {
+                let (guest, host, len) = allocation.request_bytes();
+                (IoOp::Write { offset: host, len, iov, durable: false }, iov.range(guest - offset, len).collect())
+            }
+        };
+        // Moving the allocation keeps its contents' heap buffer in place.
+        self.send_part(parent, Target::Data, op, slice.into_iter(), Some(allocation));
+    }
+
+    /// Sends `op` with buffers `iov` to a child as a part of `parent`, or
+    /// defers it while no part tag is free; `allocation` is linked when
+    /// it completes.
+    fn send_part(
+        &mut self,
+        parent: u32,
+        target: Target,
+        op: IoOp,
+        iov: impl Iterator<Item = libc::iovec>,
+        allocation: Option<Allocation>,
+    ) {
         self.parents[parent as usize].remaining += 1;
-        let contents = &allocation.contents;
-        let iov = libc::iovec { iov_base: contents.as_ptr().cast_mut().cast(), iov_len: contents.len() };
-        let op =
-            IoOp::Write { offset: allocation.host, len: contents.len() as u64, iov: IoVecs::default(), durable: false };
         let Some(tag) = self.free.pop() else {
-            let (target, allocation) = (Target::Data, Some(allocation));
-            self.deferred.push_back(Deferred { parent, target, op, iov: vec![iov], allocation });
+            self.deferred.push_back(Deferred { parent, target, op, iov: iov.collect(), allocation });
             return;
         };
         let part = self.claim(tag, parent);
         part.iov.clear();
-        part.iov.push(iov);
-        // Moving the allocation keeps its contents' heap buffer in place.
-        part.allocation = Some(allocation);
-        self.push_part(tag, Target::Data, op);
+        part.iov.extend(iov);
+        part.allocation = allocation;
+        self.push_part(tag, target, op);
     }
 
     /// Sends deferred parts while part tags are free; whether it sent any.
@@ -444,7 +456,7 @@ impl Qcow2Queue {
             let started = self.with_io(|image, io| image.start_write(io, offset, len, &mut copy_from(iov)));
             if let Some(allocations) = started.map_err(refused)? {
                 for allocation in allocations {
-                    self.issue_allocation(tag, allocation);
+                    self.issue_allocation(tag, offset, iov, allocation);
                 }
                 return Ok(None);
             }
