@@ -1,7 +1,12 @@
 //! A guest's virtqueue: a split ring and the requests it names, all in
 //! guest memory the input fills, popped and parsed as a queue worker does
-//! (`Queue::iter`, `vsd_export::request::parse`), then completed (status
-//! byte, GET_ID answer, used entry).
+//! (`vsd_export::ring::SplitQueue` for the head, `vsd_export::chain::Chain`
+//! over `vsd_export::ram::GuestRam` for the descriptors, then
+//! `vsd_export::request::parse`), then completed (status byte, GET_ID
+//! answer, used entry, notification). Differentially: vsd's ring must
+//! accept the same set-ups, take the same heads, write the same used
+//! entries and notify when virtio-queue's `Queue` does, and vsd's chain
+//! walker must yield exactly the descriptors virtio-queue's yields.
 //!
 //! Input: a 48-byte header, then the first bytes of guest memory.
 //!
@@ -13,7 +18,8 @@
 //! | 4-11 | capacity in bytes (rounded down to whole blocks) |
 //! | 12-15, 16-19 | max discard, max write-zeroes sectors |
 //! | 20-27, 28-35, 36-43 | descriptor table, available ring, used ring addresses |
-//! | 44-47 | unused |
+//! | 44 | bit 0: ask whether to notify after each used entry (else only at the end) |
+//! | 45-47 | unused |
 //!
 //! Guest memory is 64 KiB at 0, filled from the rest of the input (zero
 //! beyond it), and maybe a second region holding the same bytes: right
@@ -42,7 +48,9 @@ use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, MemoryRegionAddress};
 use vsd_export::MAX_QUEUE_SIZE;
+use vsd_export::ram::GuestRam;
 use vsd_export::request::{self, Action, Limits, MAX_DESCRIPTORS, MAX_IOVECS, NoStatus, Request, SECTOR_SIZE, status};
+use vsd_export::ring::{RingError, SplitQueue};
 
 const HEADER: usize = 48;
 
@@ -288,40 +296,73 @@ fuzz_target!(|data: &[u8]| {
     };
     let mem = memory((flags >> 4) & 7, image);
 
-    // The ring as the session sets it up (worker.rs, build_queue).
+    // The ring as the session sets it up (session.rs), and virtio-queue's
+    // `Queue` on the same rings.
     let size = 1u16 << (header[1] % 11);
     assert!(size <= MAX_QUEUE_SIZE);
+    let rings = [u64_at(header, 20), u64_at(header, 28), u64_at(header, 36)];
+    let (next_avail, event_idx) = (u16::from_le_bytes([header[2], header[3]]), flags & 2 != 0);
+    let ram = GuestRam::new(std::sync::Arc::new(mem.clone()));
+    let ours = SplitQueue::new(size, rings, next_avail, event_idx, &ram);
     let mut queue = Queue::new(MAX_QUEUE_SIZE).expect("a queue");
     queue.set_size(size);
     let split = |a: u64| (Some(a as u32), Some((a >> 32) as u32));
-    let (lo, hi) = split(u64_at(header, 20));
+    let (lo, hi) = split(rings[0]);
     queue.set_desc_table_address(lo, hi);
-    let (lo, hi) = split(u64_at(header, 28));
+    let (lo, hi) = split(rings[1]);
     queue.set_avail_ring_address(lo, hi);
-    let (lo, hi) = split(u64_at(header, 36));
+    let (lo, hi) = split(rings[2]);
     queue.set_used_ring_address(lo, hi);
-    queue.set_event_idx(flags & 2 != 0);
-    queue.set_next_avail(u16::from_le_bytes([header[2], header[3]]));
+    queue.set_event_idx(event_idx);
+    queue.set_next_avail(next_avail);
     queue.set_ready(true);
-    if !queue.is_valid(&mem) {
-        return; // the session refuses such a ring
+    // virtio-queue ignores a misaligned address (keeping its default), so
+    // the two only compare on aligned rings.
+    let aligned = rings[0] % 16 == 0 && rings[1] % 2 == 0 && rings[2] % 4 == 0;
+    if aligned {
+        assert_eq!(ours.is_ok(), queue.is_valid(&mem), "ring set-up {rings:x?}, size {size}: {ours:?}");
     }
+    let Ok(mut ours) = ours else {
+        return; // the session refuses such a ring
+    };
+    // Nothing to compare against where virtio-queue cannot serve a ring
+    // vsd serves: it takes an available ring at 0 for one never set up,
+    // and its atomic accesses fail on fields that are not host-aligned,
+    // as in a region at an odd guest address (layout 4).
+    let odd_region = |at: u64| mem.find_region(GuestAddress(at)).is_some_and(|r| r.start_addr().0 % 2 == 1);
+    if rings[1] == 0 || rings.iter().any(|&at| odd_region(at)) {
+        return;
+    }
+    queue.set_next_used(ours.next_used());
 
     let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
     let mut iov = [empty; MAX_IOVECS];
     let mut parser = request::Parser::new();
     // The guest may keep the ring full: a bounded number of requests.
     for _ in 0..2 * usize::from(size).min(64) {
-        let chain = match queue.iter(&mem) {
-            Ok(mut chains) => match chains.next() {
-                Some(chain) => chain,
-                None => break,
-            },
-            Err(_) => break, // a broken ring: the worker stops taking requests
+        let available = ours.available(&ram);
+        let theirs = queue.iter(&mem).map(|mut chains| chains.next());
+        let chain = match (available, theirs) {
+            (Ok(0), Ok(None)) => break,
+            (Ok(n), Ok(Some(chain))) if n > 0 => chain,
+            (Err(RingError::AvailTooFar(_)), Err(_)) => break, // a broken ring: the worker stops taking requests
+            (ours, theirs) => panic!("available entries: vsd {ours:?}, virtio-queue {:?}", theirs.map(|c| c.is_some())),
         };
         let head = chain.head_index();
-        let descs: Vec<Descriptor> = chain.clone().collect();
-        let result = parser.parse(chain, &mem, &limits, &mut iov);
+        match ours.pop(&ram) {
+            Ok(popped) => assert_eq!(popped, head, "the heads taken differ"),
+            Err(RingError::HeadOutOfRange(h)) if h == head && head >= size => break, // the worker stops too
+            Err(e) => panic!("head {head}: {e}"),
+        }
+        let descs: Vec<Descriptor> = chain.collect();
+        let chain: Vec<Descriptor> = ours.chain(&ram, head).collect();
+        let fields = |d: &Descriptor| (d.addr().0, d.len(), d.flags(), d.next());
+        assert_eq!(
+            chain.iter().map(fields).collect::<Vec<_>>(),
+            descs.iter().map(fields).collect::<Vec<_>>(),
+            "chain {head}: vsd's walker and virtio-queue's disagree"
+        );
+        let result = parser.parse(chain.into_iter(), &ram, &limits, &mut iov);
         check(&mem, &limits, &descs, &result, &iov);
         if *DEBUG.get_or_init(|| std::env::var_os("VSD_FUZZ_DEBUG").is_some()) {
             eprintln!("chain {head}: {} descriptors -> {result:?}", descs.len());
@@ -344,8 +385,22 @@ fuzz_target!(|data: &[u8]| {
                 len
             }
         };
-        if queue.add_used(&mem, head, used_len).is_err() {
-            break;
+        // Both publish into the same used ring: what vsd wrote must be
+        // what virtio-queue then writes over it, and both must agree on
+        // whether the guest wants to hear of it.
+        let slot = u64::from(queue.next_used() % size);
+        let entry = GuestAddress(rings[2] + 4 + 8 * slot);
+        let read_back = || (mem.read_obj::<[u32; 2]>(entry).ok(), mem.read_obj::<u16>(GuestAddress(rings[2] + 2)).ok());
+        ours.push_used(&ram, head, used_len).expect("the used ring is in memory");
+        let written = read_back();
+        queue.add_used(&mem, head, used_len).expect("the used ring is in memory");
+        assert_eq!(written, read_back(), "used entry {slot}");
+        assert_eq!(written, (Some([u32::from(head), used_len]), Some(ours.next_used())));
+        if header[44] & 1 != 0 {
+            let wanted = queue.needs_notification(&mem).expect("the avail ring is in memory");
+            assert_eq!(ours.needs_notification(&ram), Ok(wanted), "notification after used entry {slot}");
         }
     }
+    let wanted = queue.needs_notification(&mem).expect("the avail ring is in memory");
+    assert_eq!(ours.needs_notification(&ram), Ok(wanted), "notification at the end");
 });

@@ -35,9 +35,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU16, AtomicU64, Ordering};
 
 use vhost::vhost_user::message::VhostUserInflight;
-use virtio_queue::desc::split::Descriptor;
+use vm_memory::FileOffset;
 use vm_memory::mmap::MmapRegion;
-use vm_memory::{Address, Bytes, FileOffset, GuestAddress, GuestMemoryMmap};
 
 /// The layout version written into a queue's header once it is in use; a
 /// region fresh from GET_INFLIGHT_FD reads 0.
@@ -246,68 +245,8 @@ impl InflightQueue {
     }
 }
 
-/// The descriptors of the chain at `head` of a split ring's descriptor
-/// table (with indirect tables), for requests served again by their head:
-/// virtio-queue builds chains only as it pops them from the available ring.
-pub(crate) struct Chain<'m> {
-    mem: &'m GuestMemoryMmap,
-    table: GuestAddress,
-    len: u16,
-    next: u16,
-    /// Descriptors left before the walk gives up (a looping chain).
-    ttl: u16,
-    indirect: bool,
-}
-
-impl<'m> Chain<'m> {
-    pub(crate) fn new(mem: &'m GuestMemoryMmap, table: GuestAddress, queue_size: u16, head: u16) -> Self {
-        Self { mem, table, len: queue_size, next: head, ttl: queue_size, indirect: false }
-    }
-}
-
-impl Iterator for Chain<'_> {
-    type Item = Descriptor;
-
-    fn next(&mut self) -> Option<Descriptor> {
-        loop {
-            if self.ttl == 0 || self.next >= self.len {
-                return None;
-            }
-            let at = self.table.checked_add(u64::from(self.next) * DESC_LEN as u64)?;
-            let Ok(desc) = self.mem.read_obj::<Descriptor>(at) else {
-                self.ttl = 0;
-                return None;
-            };
-            if desc.refers_to_indirect_table() {
-                // One level only, a whole number of descriptors.
-                let entries = desc.len() / DESC_LEN as u32;
-                if self.indirect
-                    || !desc.len().is_multiple_of(DESC_LEN as u32)
-                    || entries == 0
-                    || entries > u32::from(u16::MAX)
-                {
-                    self.ttl = 0;
-                    return None;
-                }
-                (self.table, self.len, self.next, self.ttl) = (desc.addr(), entries as u16, 0, entries as u16);
-                self.indirect = true;
-                continue;
-            }
-            if desc.has_next() {
-                self.next = desc.next();
-                self.ttl -= 1;
-            } else {
-                self.ttl = 0;
-            }
-            return Some(desc);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use virtio_bindings::virtio_ring::{VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
-
     use super::*;
 
     /// A queue's states in an ordinary buffer.
@@ -491,34 +430,5 @@ mod tests {
         assert_eq!(region.queue(0, 128).unwrap().recover(0, 128), None, "queue 0 untouched");
         let short = VhostUserInflight::new(100, 0, 2, 128);
         assert!(InflightRegion::map(vsd_sys::memfd("t").unwrap(), &short).is_err());
-    }
-
-    fn guest_memory() -> GuestMemoryMmap {
-        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap()
-    }
-
-    fn put(mem: &GuestMemoryMmap, table: u64, index: u16, desc: Descriptor) {
-        mem.write_obj(desc, GuestAddress(table + 16 * u64::from(index))).unwrap();
-    }
-
-    #[test]
-    fn chains_are_walked_from_their_head() {
-        let mem = guest_memory();
-        let (next, write) = (VRING_DESC_F_NEXT as u16, VRING_DESC_F_WRITE as u16);
-        put(&mem, 0, 5, Descriptor::new(0x1000, 16, next, 2));
-        put(&mem, 0, 2, Descriptor::new(0x2000, 512, next | write, 7));
-        put(&mem, 0, 7, Descriptor::new(0x3000, 1, write, 0));
-        let addrs: Vec<u64> = Chain::new(&mem, GuestAddress(0), 8, 5).map(|d| d.addr().0).collect();
-        assert_eq!(addrs, [0x1000, 0x2000, 0x3000]);
-        // Indirect: the head points at a table of two.
-        put(&mem, 0, 3, Descriptor::new(0x4000, 32, VRING_DESC_F_INDIRECT as u16, 0));
-        put(&mem, 0x4000, 0, Descriptor::new(0x5000, 16, next, 1));
-        put(&mem, 0x4000, 1, Descriptor::new(0x6000, 1, write, 0));
-        let addrs: Vec<u64> = Chain::new(&mem, GuestAddress(0), 8, 3).map(|d| d.addr().0).collect();
-        assert_eq!(addrs, [0x5000, 0x6000]);
-        // A loop ends after the table's size; a head past the table yields nothing.
-        put(&mem, 0, 1, Descriptor::new(0x1000, 1, next, 1));
-        assert_eq!(Chain::new(&mem, GuestAddress(0), 8, 1).count(), 8);
-        assert_eq!(Chain::new(&mem, GuestAddress(0), 8, 8).count(), 0);
     }
 }

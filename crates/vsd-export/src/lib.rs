@@ -12,6 +12,7 @@
 
 #![deny(missing_docs)]
 
+pub mod chain;
 mod channel;
 mod config;
 mod device;
@@ -19,7 +20,9 @@ mod device;
 pub mod fuzzing;
 mod inflight;
 mod poll;
+pub mod ram;
 pub mod request;
+pub mod ring;
 mod session;
 mod worker;
 

@@ -14,7 +14,9 @@ use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
 };
 use virtio_queue::desc::split::Descriptor;
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend};
+use vm_memory::GuestAddress;
+
+use crate::ram::GuestRam;
 
 /// Sectors are always 512 bytes in virtio-blk, whatever the block size.
 pub const SECTOR_SIZE: u64 = 512;
@@ -127,15 +129,28 @@ impl<'a> Region<'a> {
         })
     }
 
+    /// The region's first 16 bytes (a header or a segment), or `None` if
+    /// it is shorter or leaves guest memory.
+    fn read_16(self, ram: &GuestRam) -> Option<[u8; 16]> {
+        match self.pieces().next() {
+            // Nearly always: all 16 bytes in the first piece.
+            Some((addr, len)) if len >= 16 => ram.read_array(addr),
+            _ => {
+                let mut out = [0u8; 16];
+                self.read(ram, &mut out).then_some(out)
+            }
+        }
+    }
+
     /// Copies the region's first `out.len()` bytes out of guest memory.
-    fn read<M: GuestMemoryBackend>(self, mem: &M, out: &mut [u8]) -> bool {
+    fn read(self, ram: &GuestRam, out: &mut [u8]) -> bool {
         let mut done = 0;
         for (addr, len) in self.pieces() {
             let n = len.min((out.len() - done) as u64) as usize;
             if n == 0 {
                 break;
             }
-            if mem.read_slice(&mut out[done..done + n], GuestAddress(addr)).is_err() {
+            if !ram.read(addr, &mut out[done..done + n]) {
                 return false;
             }
             done += n;
@@ -145,14 +160,19 @@ impl<'a> Region<'a> {
 
     /// Maps the region to host iovecs; `None` if it leaves guest memory or
     /// needs more than `iov.len()` of them.
-    fn map<M: GuestMemoryBackend>(self, mem: &M, iov: &mut [libc::iovec]) -> Option<usize> {
+    fn map(self, ram: &GuestRam, iov: &mut [libc::iovec]) -> Option<usize> {
         let mut count = 0;
         for (addr, len) in self.pieces() {
-            for slice in mem.get_slices(GuestAddress(addr), usize::try_from(len).ok()?) {
-                let slice = slice.ok()?;
-                *iov.get_mut(count)? =
-                    libc::iovec { iov_base: slice.ptr_guard_mut().as_ptr().cast(), iov_len: slice.len() };
-                count += 1;
+            let mapped = ram.pieces(addr, len, |host, n| match iov.get_mut(count) {
+                Some(v) => {
+                    *v = libc::iovec { iov_base: host.cast(), iov_len: n };
+                    count += 1;
+                    true
+                }
+                None => false,
+            });
+            if !mapped {
+                return None;
             }
         }
         Some(count)
@@ -181,24 +201,24 @@ impl Parser {
     /// Parses one descriptor chain.
     ///
     /// `descriptors` yields the chain as the queue walks it (which stops at
-    /// loops, over-long chains and bad indirect tables); data buffers are
-    /// mapped into `iov`. Host pointers in `iov` stay valid while `mem`'s
-    /// mappings do.
-    pub fn parse<M: GuestMemoryBackend>(
+    /// loops, over-long chains and bad indirect tables, see
+    /// [`crate::chain::Chain`]); data buffers are mapped into `iov`. Host
+    /// pointers in `iov` stay valid while `ram`'s memory map does.
+    pub fn parse(
         &mut self,
         descriptors: impl Iterator<Item = Descriptor>,
-        mem: &M,
+        ram: &GuestRam,
         limits: &Limits,
         iov: &mut [libc::iovec; MAX_IOVECS],
     ) -> Result<Request, NoStatus> {
         self.spans.clear();
-        parse(descriptors, mem, limits, iov, &mut self.spans)
+        parse(descriptors, ram, limits, iov, &mut self.spans)
     }
 }
 
-fn parse<M: GuestMemoryBackend>(
+fn parse(
     descriptors: impl Iterator<Item = Descriptor>,
-    mem: &M,
+    ram: &GuestRam,
     limits: &Limits,
     iov: &mut [libc::iovec; MAX_IOVECS],
     spans: &mut Vec<Span>,
@@ -222,10 +242,11 @@ fn parse<M: GuestMemoryBackend>(
     // The walk stops early on a broken chain: then its last descriptor
     // still points onwards, and what looks like the status byte is not.
     let last = last.filter(|d| !d.has_next() && d.is_write_only() && d.len() > 0).ok_or(NoStatus)?;
-    let status = GuestAddress(last.addr().0).checked_add(u64::from(last.len()) - 1).ok_or(NoStatus)?;
-    if !mem.check_range(status, 1) {
+    let status = last.addr().0.checked_add(u64::from(last.len()) - 1).ok_or(NoStatus)?;
+    if ram.host(status, 1).is_none() {
         return Err(NoStatus);
     }
+    let status = GuestAddress(status);
     let done = |code| Ok(Request { status, action: Action::Done(code), iovcnt: 0 });
     if count > MAX_DESCRIPTORS || misordered {
         return done(status::IOERR);
@@ -235,10 +256,9 @@ fn parse<M: GuestMemoryBackend>(
     let readable = Region { spans: &spans[..first_writable], skip: 0 };
     let writable = Region { spans: &spans[first_writable..count], skip: 0 };
 
-    let mut header = [0u8; HEADER_LEN as usize];
-    if !readable.read(mem, &mut header) {
+    let Some(header) = readable.read_16(ram) else {
         return done(status::IOERR);
-    }
+    };
     let kind = u32::from_le_bytes(header[0..4].try_into().unwrap_or_default());
     let sector = u64::from_le_bytes(header[8..16].try_into().unwrap_or_default());
     let payload = readable.after(HEADER_LEN);
@@ -256,14 +276,14 @@ fn parse<M: GuestMemoryBackend>(
         VIRTIO_BLK_T_FLUSH => (Action::Flush, None),
         VIRTIO_BLK_T_GET_ID if writable.len() == 0 => return done(status::IOERR),
         VIRTIO_BLK_T_GET_ID => (Action::GetId, Some(writable)),
-        VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES => match range_command(kind, payload, mem, limits) {
+        VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES => match range_command(kind, payload, ram, limits) {
             Ok(action) => (action, None),
             Err(code) => return done(code),
         },
         _ => return done(status::UNSUPP),
     };
     let iovcnt = match data {
-        Some(region) => match region.map(mem, iov) {
+        Some(region) => match region.map(ram, iov) {
             Some(n) => n,
             None => return done(status::IOERR),
         },
@@ -274,22 +294,14 @@ fn parse<M: GuestMemoryBackend>(
 
 /// Checks a discard or write-zeroes payload: exactly one segment
 /// (`max_discard_seg` is 1), known flags, a valid range.
-fn range_command<M: GuestMemoryBackend>(
-    kind: u32,
-    payload: Region<'_>,
-    mem: &M,
-    limits: &Limits,
-) -> Result<Action, u8> {
+fn range_command(kind: u32, payload: Region<'_>, ram: &GuestRam, limits: &Limits) -> Result<Action, u8> {
     if !limits.writable {
         return Err(status::IOERR);
     }
     if payload.len() > SEGMENT_LEN {
         return Err(status::UNSUPP);
     }
-    let mut segment = [0u8; SEGMENT_LEN as usize];
-    if !payload.read(mem, &mut segment) {
-        return Err(status::IOERR);
-    }
+    let segment = payload.read_16(ram).ok_or(status::IOERR)?;
     let sector = u64::from_le_bytes(segment[0..8].try_into().unwrap_or_default());
     let sectors = u32::from_le_bytes(segment[8..12].try_into().unwrap_or_default());
     let flags = u32::from_le_bytes(segment[12..16].try_into().unwrap_or_default());
@@ -352,7 +364,7 @@ pub unsafe fn write_id(iov: &[libc::iovec], id: &[u8]) -> usize {
 mod tests {
     use super::*;
     use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
-    use vm_memory::GuestMemoryMmap;
+    use vm_memory::{Bytes, GuestMemoryMmap};
 
     const MEM_SIZE: u64 = 0x10_0000;
     const R: u16 = 0;
@@ -392,7 +404,8 @@ mod tests {
 
     fn parse_with(descs: Vec<Descriptor>, mem: &GuestMemoryMmap, limits: &Limits) -> Result<Request, NoStatus> {
         let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOVECS];
-        Parser::new().parse(descs.into_iter(), mem, limits, &mut iov)
+        let ram = GuestRam::new(std::sync::Arc::new(mem.clone()));
+        Parser::new().parse(descs.into_iter(), &ram, limits, &mut iov)
     }
 
     fn status_of(descs: Vec<Descriptor>, mem: &GuestMemoryMmap, limits: &Limits) -> Option<u8> {
@@ -573,7 +586,8 @@ mod tests {
         header(&mem, 0x1000, VIRTIO_BLK_T_GET_ID, 0);
         let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOVECS];
         let descs = chain(&[(0x1000, 16, R), (0x2000, 20, W), (0x3000, 1, W)]);
-        let req = Parser::new().parse(descs.into_iter(), &mem, &limits(), &mut iov).unwrap();
+        let ram = GuestRam::new(std::sync::Arc::new(mem.clone()));
+        let req = Parser::new().parse(descs.into_iter(), &ram, &limits(), &mut iov).unwrap();
         assert_eq!(req.action, Action::GetId);
         // SAFETY: parse just mapped these iovecs into `mem`, alive here.
         let n = unsafe { write_id(&iov[..req.iovcnt], &id_bytes("serial-1")) };

@@ -26,14 +26,15 @@ use vhost::vhost_user::message::{
 };
 use vhost::vhost_user::{Error as ProtocolError, GpuBackend, Result as ProtocolResult, VhostUserBackendReqHandlerMut};
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
-use virtio_queue::QueueT;
 use vm_memory::mmap::MmapRegion;
 use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap, GuestRegionMmap};
 
 use crate::config::{MAX_QUEUE_SIZE, MAX_QUEUES};
 use crate::device::BlkDevice;
 use crate::inflight::{self, InflightRegion};
-use crate::worker::{QueueRun, Worker, build_queue};
+use crate::ram::GuestRam;
+use crate::ring::SplitQueue;
+use crate::worker::{QueueRun, Worker};
 
 /// Memory slots offered with CONFIGURE_MEM_SLOTS (the common vhost limit).
 const MAX_MEM_SLOTS: u64 = 509;
@@ -163,7 +164,8 @@ impl Session {
         let vring = self.vring(index)?;
         let ready = vring.enabled && vring.kick.is_some() && vring.rings.is_some();
         let (Some(rings), true) = (vring.rings, ready) else { return Ok(None) };
-        let mut queue = build_queue(vring.size, rings, vring.next_avail, event_idx, &mem)
+        let ram = GuestRam::new(mem.into_inner());
+        let mut queue = SplitQueue::new(vring.size, rings, vring.next_avail, event_idx, &ram)
             .map_err(|e| ProtocolError::ReqHandlerError(io::Error::other(format!("vring {index}: {e}"))))?;
         let mut tracker = region.as_ref().and_then(|r| r.queue(index as u16, vring.size));
         if region.is_some() && tracker.is_none() {

@@ -40,17 +40,18 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use virtio_queue::desc::split::Descriptor;
-use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
-use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_block::{Completion, IoOp, IoQueue, IoVecs};
 use vsd_trace::{Clock, OpKind, QueueStats, Runs, Stage};
 
 use crate::device::BlkDevice;
-use crate::inflight::{Chain, InflightQueue};
+use crate::inflight::InflightQueue;
 use crate::poll::PollWindow;
-use crate::request::{self, Action, MAX_IOVECS, NoStatus, status};
+use crate::ram::GuestRam;
+use crate::request::{self, Action, MAX_IOVECS, status};
+use crate::ring::{RingError, SplitQueue};
 
 type Memory = GuestMemoryMmap;
 
@@ -89,7 +90,7 @@ impl Wake {
 /// What a worker needs to run a queue, and hands back when it stops.
 pub(crate) struct QueueRun {
     pub(crate) index: u16,
-    pub(crate) queue: Queue,
+    pub(crate) queue: SplitQueue,
     pub(crate) kick: File,
     pub(crate) call: Option<File>,
     /// The queue's part of the front-end's inflight region, if it gave one
@@ -239,7 +240,6 @@ struct WorkerThread {
     events: Vec<EpollEvent>,
     /// Watched through `epoll`; held so the descriptor stays open.
     _stop: Arc<EventFd>,
-    mem: GuestMemoryAtomic<Memory>,
     /// Times polling and sleeps.
     clock: Clock,
 }
@@ -266,7 +266,7 @@ impl WorkerThread {
         // Every descriptor may be ready at once: a stop, and a kick and an
         // engine per queue.
         let events = vec![EpollEvent::default(); 2 * queues.len() + 1];
-        Ok(Self { queues, epoll, events, _stop: stop, mem, clock: Clock::get() })
+        Ok(Self { queues, epoll, events, _stop: stop, clock: Clock::get() })
     }
 
     fn into_runs(self) -> Vec<QueueRun> {
@@ -279,10 +279,9 @@ impl WorkerThread {
         }
         let mut stopping = false;
         loop {
-            let mem = self.mem.memory().into_inner();
             let mut again = false;
             for queue in &mut self.queues {
-                again |= queue.round(&mem, stopping);
+                again |= queue.round(stopping);
             }
             if stopping {
                 // Requests in flight complete before the queues are handed back.
@@ -292,7 +291,7 @@ impl WorkerThread {
                 }
                 continue;
             }
-            if again || self.poll_for_work(&mem) || !self.turn_kicks_on(&mem) {
+            if again || self.poll_for_work() || !self.turn_kicks_on() {
                 continue;
             }
             stopping = self.sleep();
@@ -306,7 +305,7 @@ impl WorkerThread {
     /// kernel worker thread that needs this very CPU (on tmpfs, polling
     /// with reads in flight cost 19 % of IOPS at iodepth 32 on 2 CPUs), so
     /// in-flight I/O is waited for asleep.
-    fn poll_for_work(&mut self, mem: &Arc<Memory>) -> bool {
+    fn poll_for_work(&mut self) -> bool {
         let window_ns = self.queues.iter().map(QueueWorker::poll_window_ns).max().unwrap_or(0);
         if window_ns == 0 || self.queues.iter().any(|queue| queue.in_flight() > 0) {
             return false;
@@ -315,7 +314,7 @@ impl WorkerThread {
         loop {
             let mut found = false;
             for queue in &mut self.queues {
-                found |= queue.poll_ring(mem);
+                found |= queue.poll_ring();
             }
             if found {
                 return true;
@@ -329,10 +328,10 @@ impl WorkerThread {
 
     /// Turns every queue's guest kicks back on before sleeping. Returns
     /// false if requests arrived meanwhile: take them instead.
-    fn turn_kicks_on(&mut self, mem: &Arc<Memory>) -> bool {
+    fn turn_kicks_on(&mut self) -> bool {
         let mut quiet = true;
         for queue in &mut self.queues {
-            quiet &= queue.turn_kicks_on(mem);
+            quiet &= queue.turn_kicks_on();
         }
         quiet
     }
@@ -382,20 +381,24 @@ struct Stamps {
 /// Per-request state, kept from pop to completion.
 struct Slot {
     head: u16,
-    status: GuestAddress,
+    /// The status byte, in guest memory that `ram` keeps mapped.
+    status: *mut u8,
     used_len: u32,
     kind: OpKind,
     bytes: u64,
     stamps: Stamps,
     /// Keeps the guest memory the request points into mapped until it
     /// completes, even if the front-end replaces the memory table meanwhile.
-    mem: Option<Arc<Memory>>,
+    ram: Option<Arc<GuestRam>>,
 }
 
 /// One queue of a worker thread, with everything its rounds need.
 struct QueueWorker {
     run: QueueRun,
     mem: GuestMemoryAtomic<Memory>,
+    /// The regions of the memory map requests were last taken with; the
+    /// rings are read and written through it.
+    ram: Arc<GuestRam>,
     device: Arc<BlkDevice>,
     io: Box<dyn IoQueue>,
     slots: Vec<Slot>,
@@ -410,11 +413,6 @@ struct QueueWorker {
     unsignalled_since: u64,
     /// `call-batch-us`, in nanoseconds.
     call_batch_ns: u64,
-    /// Rounds in a row where the ring announced requests but yielded none
-    /// (counted across polling rounds too). Once or twice is a race with
-    /// the guest adding more; a third time means an entry that cannot be
-    /// read, and a worker that would otherwise spin on it.
-    fruitless: u32,
     stats: Arc<QueueStats>,
     /// Set while reading the kick or writing the call descriptor (see
     /// [`front_end_io`]).
@@ -478,12 +476,12 @@ impl QueueWorker {
         let stats = device.stats[usize::from(run.index)].clone();
         let idle = || Slot {
             head: 0,
-            status: GuestAddress(0),
+            status: std::ptr::null_mut(),
             used_len: 0,
             kind: OpKind::Flush,
             bytes: 0,
             stamps: Stamps::default(),
-            mem: None,
+            ram: None,
         };
         Ok(Self {
             slots: (0..depth).map(|_| idle()).collect(),
@@ -510,12 +508,12 @@ impl QueueWorker {
             used_at: 0,
             kernel_entries: 0,
             run,
+            ram: Arc::new(GuestRam::new(mem.memory().into_inner())),
             mem,
             device,
             io,
             unsignalled: false,
             unsignalled_since: 0,
-            fruitless: 0,
         })
     }
 
@@ -544,19 +542,19 @@ impl QueueWorker {
     /// One round: takes the guest's requests if it kicked, submits them,
     /// reaps what completed, publishes it and signals the guest. Returns
     /// whether the queue wants another round at once rather than a sleep.
-    fn round(&mut self, mem: &Arc<Memory>, stopping: bool) -> bool {
+    fn round(&mut self, stopping: bool) -> bool {
         if self.kicked && !stopping {
-            self.kicked = self.take_requests(mem);
+            self.kicked = self.take_requests();
         }
         self.submit();
-        self.complete_requests(mem);
+        self.complete_requests();
         if self.unsignalled {
             if self.holding_call(stopping) {
-                self.kicked |= self.ring_has_requests(mem);
+                self.kicked |= self.ring_has_requests();
                 std::hint::spin_loop();
                 return true;
             }
-            self.signal_guest(mem);
+            self.signal_guest();
         }
         self.stats.in_flight.set(self.in_flight() as u64);
         // Requests were left waiting for a slot and completions have just
@@ -579,8 +577,8 @@ impl QueueWorker {
     }
 
     /// Looks at the ring while the thread polls; true if it has requests.
-    fn poll_ring(&mut self, mem: &Arc<Memory>) -> bool {
-        if self.run.broken || !self.ring_has_requests(mem) {
+    fn poll_ring(&mut self) -> bool {
+        if self.run.broken || !self.ring_has_requests() {
             return false;
         }
         self.stats.poll_hits.add(1);
@@ -627,18 +625,19 @@ impl QueueWorker {
             && self.clock.ns(self.clock.now().saturating_sub(self.unsignalled_since)) < self.call_batch_ns
     }
 
-    fn ring_has_requests(&self, mem: &Arc<Memory>) -> bool {
-        self.run.queue.avail_idx(&**mem, Ordering::Acquire).is_ok_and(|avail| avail.0 != self.run.queue.next_avail())
+    fn ring_has_requests(&self) -> bool {
+        // A broken ring counts too: taking from it marks it broken.
+        self.run.queue.available(&self.ram) != Ok(0)
     }
 
     /// Turns guest kicks back on before sleeping, if polling left them off.
     /// Returns false if requests arrived meanwhile: they are taken in the
     /// next round instead.
-    fn turn_kicks_on(&mut self, mem: &Arc<Memory>) -> bool {
+    fn turn_kicks_on(&mut self) -> bool {
         if !std::mem::take(&mut self.kicks_off) || self.run.broken {
             return true;
         }
-        let quiet = match self.run.queue.enable_notification(&**mem) {
+        let quiet = match self.run.queue.enable_kicks(&self.ram) {
             Ok(more) => !more,
             Err(e) => !self.mark_broken(e),
         };
@@ -670,62 +669,45 @@ impl QueueWorker {
 
     /// Takes requests until the ring is empty or the slots run out.
     /// Returns whether requests are left waiting for a free slot.
-    fn take_requests(&mut self, mem: &Arc<Memory>) -> bool {
+    fn take_requests(&mut self) -> bool {
         if self.run.broken {
             return false;
         }
         let before = self.stats.requests.get();
         self.popping_at = self.now();
-        let waiting = self.take_available(mem);
+        let waiting = self.take_available();
         if self.stats.requests.get() != before {
             self.stats.batches.add(1);
         }
         waiting
     }
 
-    fn take_available(&mut self, mem: &Arc<Memory>) -> bool {
+    fn take_available(&mut self) -> bool {
         let limits = self.device.limits();
         loop {
-            if let Err(e) = self.run.queue.disable_notification(&**mem) {
+            if let Err(e) = self.run.queue.disable_kicks(&self.ram) {
                 return self.mark_broken(e);
             }
-            // The memory map is read after the available index: a front-end
-            // adds a region (and waits for our ack) before it publishes
-            // requests using it, so this map covers every entry up to
-            // `avail`. Entries past it wait for the next round.
-            let avail = match self.run.queue.avail_idx(&**mem, Ordering::Acquire) {
-                Ok(avail) => avail,
+            let announced = match self.run.queue.available(&self.ram) {
+                Ok(n) => n,
                 Err(e) => return self.mark_broken(e),
             };
-            let mem = &self.mem.memory().into_inner();
-            let mut announced = (avail - std::num::Wrapping(self.run.queue.next_avail())).0;
-            let any_announced = announced > 0;
-            let mut taken = 0;
-            while !self.free.is_empty() && announced > 0 {
-                announced -= 1;
-                match pop(&mut self.run.queue, mem) {
-                    Ok(Some(chain)) => {
-                        let head = chain.head_index();
-                        if let Some(inflight) = &mut self.run.inflight {
-                            inflight.begin(head);
-                        }
-                        self.start_request(head, chain, mem, &limits);
-                    }
-                    Ok(None) => break,
+            // The memory map is read after the available index: a front-end
+            // adds a region (and waits for our ack) before it publishes
+            // requests using it, so this map covers every entry announced.
+            let ram = self.current_ram();
+            for _ in 0..usize::from(announced).min(self.free.len()) {
+                let head = match self.run.queue.pop(&ram) {
+                    Ok(head) => head,
                     Err(e) => return self.mark_broken(e),
+                };
+                if let Some(inflight) = &mut self.run.inflight {
+                    inflight.begin(head);
                 }
-                taken += 1;
+                self.start_request(head, self.run.queue.chain(&ram, head), &ram, &limits);
             }
             if self.free.is_empty() {
                 return true;
-            }
-            match (any_announced, taken) {
-                (true, 0) => self.fruitless += 1,
-                (_, 0) => {}
-                _ => self.fruitless = 0,
-            }
-            if self.fruitless > 2 {
-                return self.mark_broken(virtio_queue::Error::InvalidAvailRingIndex);
             }
             if self.poll.enabled() {
                 // Kicks stay off while the worker polls; they are turned
@@ -733,7 +715,7 @@ impl QueueWorker {
                 self.kicks_off = true;
                 return false;
             }
-            match self.run.queue.enable_notification(&**mem) {
+            match self.run.queue.enable_kicks(&self.ram) {
                 Ok(true) => continue,
                 Ok(false) => return false,
                 Err(e) => return self.mark_broken(e),
@@ -741,7 +723,7 @@ impl QueueWorker {
         }
     }
 
-    fn mark_broken(&mut self, error: virtio_queue::Error) -> bool {
+    fn mark_broken(&mut self, error: RingError) -> bool {
         log::error!(
             "export '{}' queue {}: the guest broke the ring ({error}); no more requests are taken from it",
             self.device.config.id,
@@ -770,34 +752,42 @@ impl QueueWorker {
             self.run.index,
             heads.len()
         );
-        let mem = self.mem.memory().into_inner();
+        let ram = self.current_ram();
         let limits = self.device.limits();
         self.popping_at = self.now();
-        let (table, size) = (GuestAddress(self.run.queue.desc_table()), self.run.queue.size());
         for head in heads {
             // There is a slot for every head of the ring.
-            self.start_request(head, Chain::new(&mem, table, size, head), &mem, &limits);
+            self.start_request(head, self.run.queue.chain(&ram, head), &ram, &limits);
         }
+    }
+
+    /// The regions of the current memory map, snapshotted again when the
+    /// front-end changed the map.
+    fn current_ram(&mut self) -> Arc<GuestRam> {
+        let mem = self.mem.memory();
+        if !std::ptr::eq(&**self.ram.memory(), &*mem) {
+            self.ram = Arc::new(GuestRam::new(mem.into_inner()));
+        }
+        self.ram.clone()
     }
 
     fn start_request(
         &mut self,
         head: u16,
         chain: impl Iterator<Item = Descriptor>,
-        mem: &Arc<Memory>,
+        ram: &Arc<GuestRam>,
         limits: &request::Limits,
     ) {
         let Some(tag) = self.free.pop() else { return };
         self.stats.requests.add(1);
         let iov = &mut self.iovecs[usize::from(tag)];
-        let request = match self.parser.parse(chain, &**mem, limits, iov) {
-            Ok(request) => request,
-            Err(NoStatus) => {
-                log::debug!("queue {}: chain {head} has no status byte", self.run.index);
-                self.free.push(tag);
-                self.publish(mem, head, 0);
-                return;
-            }
+        // `parse` found the status byte inside guest memory.
+        let parsed = self.parser.parse(chain, ram, limits, iov).ok();
+        let Some((request, status)) = parsed.and_then(|r| Some((r, ram.host(r.status.0, 1)?))) else {
+            log::debug!("queue {}: chain {head} has no status byte", self.run.index);
+            self.free.push(tag);
+            self.publish(head, 0);
+            return;
         };
         // SAFETY: `parse` filled `iovcnt` iovecs of this slot's array, which
         // lives as long as the worker; the slot holds the guest memory they
@@ -816,13 +806,13 @@ impl QueueWorker {
                 // GET_ID request and `mem` keeps them mapped.
                 let written = unsafe { request::write_id(&iov[..request.iovcnt], &self.device.id) };
                 self.free.push(tag);
-                self.finish(mem, head, request.status, status::OK, written as u32 + 1);
+                self.finish(head, status, status::OK, written as u32 + 1);
                 return;
             }
             Action::Done(code) => {
                 self.stats.invalid.add(1);
                 self.free.push(tag);
-                self.finish(mem, head, request.status, code, 1);
+                self.finish(head, status, code, 1);
                 return;
             }
         };
@@ -830,12 +820,12 @@ impl QueueWorker {
         let slot = &mut self.slots[usize::from(tag)];
         *slot = Slot {
             head,
-            status: request.status,
+            status,
             used_len: data_len + 1,
             kind,
             bytes,
             stamps: Stamps { kicked: self.woke_at, popped: self.popping_at, submitted: 0 },
-            mem: Some(mem.clone()),
+            ram: Some(ram.clone()),
         };
         self.unsubmitted.push(tag);
         // SAFETY: the buffers live in guest memory kept mapped by the slot,
@@ -847,18 +837,21 @@ impl QueueWorker {
         }
     }
 
-    fn complete_requests(&mut self, mem: &Arc<Memory>) {
+    fn complete_requests(&mut self) {
         self.io.reap(&mut self.completions);
         if self.completions.is_empty() {
             return;
         }
+        // The used ring is written through the current memory map.
+        self.current_ram();
         let completed_at = self.now();
         let mut completions = std::mem::take(&mut self.completions);
         for done in completions.iter() {
             self.account(done.tag as usize, done.errno);
             let slot = &mut self.slots[done.tag as usize];
-            let held = slot.mem.take();
-            let (head, status_addr) = (slot.head, slot.status);
+            // Keeps the status byte mapped until it is written.
+            let _held = slot.ram.take();
+            let (head, status) = (slot.head, slot.status);
             let (code, used_len) = if done.errno == 0 { (status::OK, slot.used_len) } else { (status::IOERR, 1) };
             if done.errno != 0 {
                 log::debug!(
@@ -867,7 +860,7 @@ impl QueueWorker {
                     io::Error::from_raw_os_error(done.errno)
                 );
             }
-            self.finish(held.as_ref().unwrap_or(mem), head, status_addr, code, used_len);
+            self.finish(head, status, code, used_len);
             self.free.push(done.tag as u16);
         }
         self.used_at = self.now();
@@ -909,18 +902,18 @@ impl QueueWorker {
     }
 
     /// Writes the status byte and returns the chain to the guest.
-    fn finish(&mut self, mem: &Arc<Memory>, head: u16, status_addr: GuestAddress, code: u8, used_len: u32) {
-        if let Err(e) = mem.write_obj(code, status_addr) {
-            log::warn!("queue {}: cannot write status of request {head}: {e}", self.run.index);
-        }
-        self.publish(mem, head, used_len);
+    fn finish(&mut self, head: u16, status: *mut u8, code: u8, used_len: u32) {
+        // SAFETY: `status` was found inside guest memory when the request
+        // was parsed, and the caller holds that memory map.
+        unsafe { status.write_volatile(code) };
+        self.publish(head, used_len);
     }
 
-    fn publish(&mut self, mem: &Arc<Memory>, head: u16, used_len: u32) {
+    fn publish(&mut self, head: u16, used_len: u32) {
         if let Some(inflight) = &self.run.inflight {
             inflight.publishing(head);
         }
-        match self.run.queue.add_used(&**mem, head, used_len) {
+        match self.run.queue.push_used(&self.ram, head, used_len) {
             Ok(()) => {
                 if let Some(inflight) = &self.run.inflight {
                     inflight.published(head, self.run.queue.next_used());
@@ -936,9 +929,9 @@ impl QueueWorker {
         }
     }
 
-    fn signal_guest(&mut self, mem: &Arc<Memory>) {
+    fn signal_guest(&mut self) {
         self.unsignalled = false;
-        let wanted = self.run.queue.needs_notification(&**mem).unwrap_or(true);
+        let wanted = self.run.queue.needs_notification(&self.ram).unwrap_or(true);
         if let (true, Some(call)) = (wanted, &self.run.call) {
             match front_end_io(&self.front_end_io, || vsd_sys::signal_counter(call.as_fd())) {
                 Ok(()) => self.stats.calls.add(1),
@@ -957,47 +950,10 @@ impl QueueWorker {
     }
 }
 
-/// The next request of the ring, telling an empty ring (`None`) from a
-/// broken one (an available index too far ahead of ours).
-fn pop<'m>(queue: &mut Queue, mem: &'m Memory) -> Result<Option<DescriptorChain<&'m Memory>>, virtio_queue::Error> {
-    Ok(queue.iter(mem)?.next())
-}
-
 fn drain(fd: BorrowedFd<'_>) {
     if let Err(e) = vsd_sys::read_counter(fd) {
         log::warn!("cannot read an event counter: {e}");
     }
-}
-
-/// Builds a ready queue from the front-end's ring setup.
-pub(crate) fn build_queue(
-    size: u16,
-    rings: [u64; 3],
-    next_avail: u16,
-    event_idx: bool,
-    mem: &Memory,
-) -> Result<Queue, virtio_queue::Error> {
-    let mut queue = Queue::new(crate::config::MAX_QUEUE_SIZE)?;
-    queue.set_size(size);
-    let [desc, avail, used] = rings;
-    let split = |a: u64| (Some(a as u32), Some((a >> 32) as u32));
-    let (lo, hi) = split(desc);
-    queue.set_desc_table_address(lo, hi);
-    let (lo, hi) = split(avail);
-    queue.set_avail_ring_address(lo, hi);
-    let (lo, hi) = split(used);
-    queue.set_used_ring_address(lo, hi);
-    queue.set_event_idx(event_idx);
-    queue.set_next_avail(next_avail);
-    queue.set_ready(true);
-    if !queue.is_valid(mem) {
-        return Err(virtio_queue::Error::QueueNotReady);
-    }
-    // The used index in guest memory is the truth after a reconnect: the
-    // previous back-end may have published entries this one never saw.
-    let used_idx = queue.used_idx(mem, Ordering::Acquire)?;
-    queue.set_next_used(used_idx.0);
-    Ok(queue)
 }
 
 #[cfg(test)]
