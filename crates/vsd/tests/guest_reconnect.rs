@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use common::{Scratch, VSD, file_export};
 
 const MIB: u64 = 1 << 20;
-const KILLS: usize = 5;
+const KILLS: usize = 8;
 
 /// One vsd process, its log appended to `log`.
 struct Vsd(Child);
@@ -117,9 +117,11 @@ fn guest_fio_verify_survives_back_end_kills_mid_io() {
     let mut kills = Vec::new();
     let mut written = allocated(&image);
     'kills: for n in 0..KILLS {
-        // Let the new back-end reconnect and serve a while: fio's writes
-        // allocate the sparse image's blocks.
-        std::thread::sleep(Duration::from_millis(1500 + 500 * n as u64));
+        // Let the new back-end reconnect (QEMU retries every 500 ms) and
+        // serve a while: fio's writes allocate the sparse image's blocks.
+        // Kills come often enough for several to land in the write pass:
+        // whether one catches requests in flight is chance, per kill.
+        std::thread::sleep(Duration::from_millis(800 + 200 * n as u64));
         while allocated(&image) == written {
             if console_has(&console, "fio_verify_status=") || guest.is_finished() {
                 break 'kills;
