@@ -101,7 +101,7 @@ impl SplitQueue {
             next_used: Wrapping(0),
             unnotified: Wrapping(0),
         };
-        queue.next_used = Wrapping(queue.load_u16(ram, used_ring + 2)?);
+        queue.next_used = Wrapping(load_u16(ram, used_ring + 2)?);
         fence(Ordering::Acquire);
         Ok(queue)
     }
@@ -131,18 +131,10 @@ impl SplitQueue {
         Chain::new(ram, self.desc_table, self.size, head)
     }
 
-    fn load_u16(&self, ram: &GuestRam, addr: u64) -> Result<u16, RingError> {
-        ram.load_u16(addr).ok_or(RingError::Unreadable)
-    }
-
-    fn store_u16(&self, ram: &GuestRam, addr: u64, value: u16) -> Result<(), RingError> {
-        ram.store_u16(addr, value).then_some(()).ok_or(RingError::Unreadable)
-    }
-
     /// How many requests the guest made available past the device's
     /// place. Their entries (and chains) may be read once this returns.
     pub fn available(&self, ram: &GuestRam) -> Result<u16, RingError> {
-        let idx = self.load_u16(ram, self.avail_ring + 2)?;
+        let idx = load_u16(ram, self.avail_ring + 2)?;
         fence(Ordering::Acquire);
         match (Wrapping(idx) - self.next_avail).0 {
             ahead if ahead > self.size => Err(RingError::AvailTooFar(ahead)),
@@ -154,7 +146,7 @@ impl SplitQueue {
     /// [`Self::available`] said there is one.
     pub fn pop(&mut self, ram: &GuestRam) -> Result<u16, RingError> {
         let slot = u64::from(self.next_avail.0 % self.size);
-        let head = self.load_u16(ram, self.avail_ring + HEADER + AVAIL_ENTRY * slot)?;
+        let head = load_u16(ram, self.avail_ring + HEADER + AVAIL_ENTRY * slot)?;
         if head >= self.size {
             return Err(RingError::HeadOutOfRange(head));
         }
@@ -175,7 +167,7 @@ impl SplitQueue {
         self.unnotified += 1;
         // The entry is visible before the index that announces it.
         fence(Ordering::Release);
-        self.store_u16(ram, self.used_ring + 2, self.next_used.0)
+        store_u16(ram, self.used_ring + 2, self.next_used.0)
     }
 
     /// Whether the guest asked to be notified of the entries published
@@ -188,7 +180,7 @@ impl SplitQueue {
         if !self.event_idx {
             return Ok(true);
         }
-        let used_event = Wrapping(self.load_u16(ram, self.avail_ring + HEADER + AVAIL_ENTRY * u64::from(self.size))?);
+        let used_event = Wrapping(load_u16(ram, self.avail_ring + HEADER + AVAIL_ENTRY * u64::from(self.size))?);
         // Notify if used_event + 1 is among the indices just published
         // (the guest wants to hear once its used_event-th entry is there).
         Ok(self.next_used - used_event - Wrapping(1) < published)
@@ -200,7 +192,7 @@ impl SplitQueue {
         // the avail_event last written.
         match self.event_idx {
             true => Ok(()),
-            false => self.store_u16(ram, self.used_ring, VRING_USED_F_NO_NOTIFY as u16),
+            false => store_u16(ram, self.used_ring, VRING_USED_F_NO_NOTIFY as u16),
         }
     }
 
@@ -210,14 +202,22 @@ impl SplitQueue {
         match self.event_idx {
             true => {
                 let avail_event = self.used_ring + HEADER + USED_ENTRY * u64::from(self.size);
-                self.store_u16(ram, avail_event, self.next_avail.0)?;
+                store_u16(ram, avail_event, self.next_avail.0)?;
             }
-            false => self.store_u16(ram, self.used_ring, 0)?,
+            false => store_u16(ram, self.used_ring, 0)?,
         }
         // The request for kicks is visible before the index is read again.
         fence(Ordering::SeqCst);
-        Ok(self.load_u16(ram, self.avail_ring + 2)? != self.next_avail.0)
+        Ok(load_u16(ram, self.avail_ring + 2)? != self.next_avail.0)
     }
+}
+
+fn load_u16(ram: &GuestRam, addr: u64) -> Result<u16, RingError> {
+    ram.load_u16(addr).ok_or(RingError::Unreadable)
+}
+
+fn store_u16(ram: &GuestRam, addr: u64, value: u16) -> Result<(), RingError> {
+    ram.store_u16(addr, value).then_some(()).ok_or(RingError::Unreadable)
 }
 
 #[cfg(test)]

@@ -184,17 +184,26 @@ fn clients_come_and_go_and_data_stays() {
     }
 }
 
-#[test]
-fn null_co_serves_reads_and_writes() {
-    let dir = Scratch::new("null");
+/// vsd serving a writable null-co node `n` (with `node_opts`) as export
+/// `e` (with `export_opts`) on `dir`'s s.sock.
+fn null_co_daemon(dir: &Scratch, node_opts: &str, export_opts: &str) -> Daemon {
     let sock = dir.path("s.sock");
     let args: Vec<String> = vec![
         "--blockdev".into(),
-        "driver=null-co,node-name=n,size=1073741824,read-zeroes=on".into(),
+        format!("driver=null-co,node-name=n{node_opts}"),
         "--export".into(),
-        format!("type=vhost-user-blk,id=e,node-name=n,addr.type=unix,addr.path={},writable=on", sock.display()),
+        format!(
+            "type=vhost-user-blk,id=e,node-name=n,addr.type=unix,addr.path={},writable=on{export_opts}",
+            sock.display()
+        ),
     ];
-    let daemon = Daemon::vsd(&dir, &args);
+    Daemon::vsd(dir, &args)
+}
+
+#[test]
+fn null_co_serves_reads_and_writes() {
+    let dir = Scratch::new("null");
+    let daemon = null_co_daemon(&dir, ",size=1073741824,read-zeroes=on", "");
     let mut client = daemon.connect(ClientOptions::default());
     assert_eq!(client.capacity().unwrap(), 1 << 30);
     let mut queue = client.take_queue(0).unwrap();
@@ -211,14 +220,7 @@ fn null_co_serves_reads_and_writes() {
 #[test]
 fn ring_indices_wrap_under_load() {
     let dir = Scratch::new("wrap");
-    let sock = dir.path("s.sock");
-    let args: Vec<String> = vec![
-        "--blockdev".into(),
-        "driver=null-co,node-name=n,size=1073741824".into(),
-        "--export".into(),
-        format!("type=vhost-user-blk,id=e,node-name=n,addr.type=unix,addr.path={},writable=on", sock.display()),
-    ];
-    let daemon = Daemon::vsd(&dir, &args);
+    let daemon = null_co_daemon(&dir, ",size=1073741824", "");
     let mut client = daemon.connect(ClientOptions::default());
     let mut queue = client.take_queue(0).unwrap();
     let batch: Vec<BatchOp> = (0..32).map(|i| BatchOp::WriteZeroes(i * 4096, 4096)).collect();
@@ -231,17 +233,7 @@ fn ring_indices_wrap_under_load() {
 #[test]
 fn queue_workers_run_on_the_cpus_cpu_affinity_names() {
     let dir = Scratch::new("affinity");
-    let sock = dir.path("s.sock");
-    let args: Vec<String> = vec![
-        "--blockdev".into(),
-        "driver=null-co,node-name=n,read-zeroes=on".into(),
-        "--export".into(),
-        format!(
-            "type=vhost-user-blk,id=e,node-name=n,addr.type=unix,addr.path={},writable=on,num-queues=3,num-threads=3,cpu-affinity=1:0",
-            sock.display()
-        ),
-    ];
-    let daemon = Daemon::vsd(&dir, &args);
+    let daemon = null_co_daemon(&dir, ",read-zeroes=on", ",num-queues=3,num-threads=3,cpu-affinity=1:0");
     let opts = ClientOptions { num_queues: 3, ..ClientOptions::default() };
     let mut client = daemon.connect(opts);
     let mut queue = client.take_queue(2).unwrap();
