@@ -19,10 +19,12 @@ time the daemons add on their side from time the disk itself takes.
 With --poll, vsd-bench runs libblkio's poll mode (the client spins on
 its completions instead of sleeping on the call eventfd). With --baseline,
 a second vsd binary (an earlier build) runs in the same interleave, as a
-fourth column.
+fourth column; each --variant NAME=PROGRAM adds one more (a build, or a
+wrapper script that sets an environment variable and execs vsd).
 
 Usage: scripts/bench-disk.py [--seconds 5] [--reps 5] [--cases randread:32,...]
-       [--poll] [--placements 0/1,1/0] [--baseline VSD] [--disk-dir /var/tmp]
+       [--poll] [--placements 0/1,1/0] [--baseline VSD] [--variant NAME=VSD ...]
+       [--disk-dir /var/tmp]
        [--out FILE.jsonl]
        scripts/bench-disk.py --report ROWS.jsonl
 Prints a Markdown table for BENCHMARKS.md.
@@ -116,6 +118,8 @@ def main():
     parser.add_argument("--placements", default="0/1,1/0",
                         help="comma-separated DAEMON_CPU/CLIENT_CPU pairs (default: both ways)")
     parser.add_argument("--baseline", metavar="VSD", help="another vsd binary to run as target 'base'")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=VSD",
+                        help="one more vsd program to run as target NAME (repeatable)")
     parser.add_argument("--disk-dir", default="/var/tmp")
     parser.add_argument("--out", default=None)
     parser.add_argument("--report", metavar="ROWS.jsonl", help="only print the table of an earlier run")
@@ -132,8 +136,9 @@ def main():
     block = block_device(image)
     irqs = disk_irqs(block)
     placements = [tuple(p.split("/")) for p in opts.placements.split(",")]
-    names = ("vsd", "base", "qsd", "fio") if opts.baseline else ("vsd", "qsd", "fio")
-    programs = {"vsd": VSD, "base": opts.baseline, "qsd": QSD}
+    variants = dict(v.split("=", 1) for v in opts.variant)
+    programs = {"vsd": VSD, **({"base": opts.baseline} if opts.baseline else {}), **variants, "qsd": QSD}
+    names = (*programs, "fio")
     targets = [(name, placement) for placement in placements for name in names]
     lines = []
     out = open(opts.out, "a") if opts.out else None
@@ -165,6 +170,11 @@ def main():
 LABELS = {"vsd": "vsd", "base": "vsd (baseline)", "qsd": "QSD", "fio": "fio"}
 
 
+def label(name):
+    """A target's column name: variants go by their own names."""
+    return LABELS.get(name, name)
+
+
 def report(lines):
     """Prints the table of `lines` (rows as written to --out)."""
     rows = {}
@@ -172,13 +182,15 @@ def report(lines):
         placement = (line["daemon_cpu"], line["client_cpu"])
         rows.setdefault((line["client_poll"], line["rw"], line["iodepth"], placement), {}).setdefault(
             line["target"], []).append(line)
-    names = [n for n in LABELS if any(n in by_target for by_target in rows.values())]
+    present = {n for by_target in rows.values() for n in by_target}
+    names = [n for n in LABELS if n in present and n not in ("qsd", "fio")]
+    names += sorted(present - set(LABELS)) + [n for n in ("qsd", "fio") if n in present]
     daemons = [n for n in names if n != "fio"]
     pairs = [(n, "fio") for n in daemons] + [("vsd", n) for n in daemons if n != "vsd"]
-    header = (["4k", "client", "daemon CPU / client CPU"] + [f"{LABELS[n]} IOPS" for n in names]
-              + [f"{LABELS[a]}/{LABELS[b]}, paired median" for a, b in pairs]
-              + [f"CPU µs/IO, {' / '.join(LABELS[n] for n in daemons)}",
-                 f"device await µs, {' / '.join(LABELS[n] for n in names)}", "disk interrupts on CPU 0 / 1"])
+    header = (["4k", "client", "daemon CPU / client CPU"] + [f"{label(n)} IOPS" for n in names]
+              + [f"{label(a)}/{label(b)}, paired median" for a, b in pairs]
+              + [f"CPU µs/IO, {' / '.join(label(n) for n in daemons)}",
+                 f"device await µs, {' / '.join(label(n) for n in names)}", "disk interrupts on CPU 0 / 1"])
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for (poll, rw, depth, placement), by_target in sorted(rows.items()):

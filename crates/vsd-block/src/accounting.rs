@@ -232,8 +232,8 @@ impl IoQueue for AccountedQueue {
         self.inner.rearm()
     }
 
-    fn submit_each(&self) -> bool {
-        self.inner.submit_each()
+    fn max_batch(&self) -> usize {
+        self.inner.max_batch()
     }
 
     fn kernel_entries(&self) -> u64 {

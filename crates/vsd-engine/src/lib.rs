@@ -24,7 +24,7 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 
 pub use null::NullQueue;
 pub use pool::{PoolQueue, ThreadPool};
-pub use uring::UringQueue;
+pub use uring::{DIRECT_BATCH, UringQueue};
 
 /// One request, as an engine sees it: byte offsets into the target.
 #[derive(Clone, Copy, Debug)]
@@ -246,12 +246,11 @@ pub trait IoQueue: Send {
         }
     }
 
-    /// Whether the owner should submit each request as soon as it is
-    /// pushed, rather than once for its whole batch: the engine's requests
-    /// go to a device that serves them faster one by one (see
-    /// [`crate::UringQueue`]).
-    fn submit_each(&self) -> bool {
-        false
+    /// How many requests the owner should push at most before it submits
+    /// them, rather than once for its whole batch: the engine's requests
+    /// go to a device that serves bursts slower (see [`crate::UringQueue`]).
+    fn max_batch(&self) -> usize {
+        usize::MAX
     }
 
     /// How many times the queue has entered the kernel to submit or wait

@@ -5,17 +5,18 @@
 //! non-blocking attempt, so the ring would hand each of them to a kernel
 //! worker thread, which then competes with the queue's thread for the CPUs.
 //!
-//! Requests to a file opened with O_DIRECT go to the kernel one by one, as
-//! the queue's owner pushes them ([`IoQueue::submit_each`]), not in one
-//! `io_uring_enter` per batch. A batch reaches the disk as one burst (the
-//! block layer plugs it), and the virtio disks measured here served bursts
-//! slower: at iodepth 32, 4k random reads spent 467 µs per request in the
-//! device against 336 µs when submitted one by one, and one by one gave
-//! 13 % more IOPS, reads and writes alike (BENCHMARKS.md, 2026-11-23). The
-//! price is a system call per request, about 1.5 µs of the daemon's CPU,
-//! small beside a device's latency. Buffered files keep their batches:
-//! their reads mostly complete inside the call, where batching saves the
-//! calls.
+//! Requests to a file opened with O_DIRECT go to the kernel in groups of
+//! at most [`DIRECT_BATCH`], as the queue's owner pushes them
+//! ([`IoQueue::max_batch`]), not in one `io_uring_enter` per batch. A batch
+//! reaches the disk as one burst (the block layer plugs it), and the virtio
+//! disks measured here served long bursts slower: at iodepth 32, 4k random
+//! reads spent 467 µs per request in the device in bursts of ~16 against
+//! 336 µs one by one, and one by one gave 13 % more IOPS (BENCHMARKS.md,
+//! 2026-11-23). Groups of three or four kept one by one's IOPS at 15 % less
+//! of the daemon's CPU per request (fewer system calls and device
+//! notifications; BENCHMARKS.md, 2026-11-24, session 10). Buffered files
+//! keep their batches: their reads mostly complete inside the call, where
+//! batching saves the calls.
 
 use std::fs::File;
 use std::io;
@@ -28,6 +29,11 @@ use vsd_sys::falloc;
 
 use crate::inline::Inline;
 use crate::{Completion, IoOp, IoQueue};
+
+/// The most requests per `io_uring_enter` to an O_DIRECT file: a burst
+/// short enough for the device, long enough to save most of the calls
+/// (see the module's comment).
+pub const DIRECT_BATCH: usize = 4;
 
 /// The file is registered as fixed file 0, which saves the kernel a file
 /// table lookup and reference count per request.
@@ -288,8 +294,8 @@ impl IoQueue for UringQueue {
         self.ring.submit_and_wait(1).map(drop)
     }
 
-    fn submit_each(&self) -> bool {
-        self.direct
+    fn max_batch(&self) -> usize {
+        if self.direct { DIRECT_BATCH } else { usize::MAX }
     }
 
     fn kernel_entries(&self) -> u64 {

@@ -435,8 +435,9 @@ struct QueueWorker {
     popping_at: u64,
     /// Tags pushed to the engine since its last submit.
     unsubmitted: Vec<u16>,
-    /// The engine asks for each request on its own ([`IoQueue::submit_each`]).
-    submit_each: bool,
+    /// How many requests the engine takes per submit at most
+    /// ([`IoQueue::max_batch`]).
+    max_batch: usize,
     /// The stamps of the requests being completed, for their stages.
     completing: Runs<Stamps>,
     /// Requests published since the guest was last signalled: when their
@@ -502,7 +503,7 @@ impl QueueWorker {
             woke_at: 0,
             popping_at: 0,
             unsubmitted: Vec::with_capacity(depth),
-            submit_each: io.submit_each(),
+            max_batch: io.max_batch(),
             completing: Runs::with_capacity(depth),
             awaiting_call: Runs::with_capacity(depth),
             used_at: 0,
@@ -832,7 +833,7 @@ impl QueueWorker {
         // and the iovec array is the slot's own; both outlive the request,
         // which completes before the slot is reused or the worker drops.
         unsafe { self.io.push(u32::from(tag), op) };
-        if self.submit_each {
+        if self.unsubmitted.len() >= self.max_batch {
             self.submit();
         }
     }

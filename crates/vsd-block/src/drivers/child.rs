@@ -69,8 +69,8 @@ impl ChildQueue {
         self.inner.rearm()
     }
 
-    pub(crate) fn submit_each(&self) -> bool {
-        self.inner.submit_each()
+    pub(crate) fn max_batch(&self) -> usize {
+        self.inner.max_batch()
     }
 
     pub(crate) fn kernel_entries(&self) -> u64 {

@@ -91,8 +91,8 @@ impl<F: Filter> IoQueue for FilteredQueue<F> {
         self.inner.rearm()
     }
 
-    fn submit_each(&self) -> bool {
-        self.inner.submit_each()
+    fn max_batch(&self) -> usize {
+        self.inner.max_batch()
     }
 
     fn kernel_entries(&self) -> u64 {

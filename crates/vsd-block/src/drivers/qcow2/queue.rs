@@ -568,8 +568,8 @@ impl IoQueue for Qcow2Queue {
         }
     }
 
-    fn submit_each(&self) -> bool {
-        self.children().any(ChildQueue::submit_each)
+    fn max_batch(&self) -> usize {
+        self.children().map(ChildQueue::max_batch).min().unwrap_or(usize::MAX)
     }
 
     fn kernel_entries(&self) -> u64 {
