@@ -246,9 +246,9 @@ pub trait IoQueue: Send {
         }
     }
 
-    /// How many requests the owner should push at most before it submits
-    /// them, rather than once for its whole batch: the engine's requests
-    /// go to a device that serves bursts slower (see [`crate::UringQueue`]).
+    /// The most requests the owner should push between two submits. No
+    /// limit by default (one submit per batch); an engine whose device
+    /// serves long bursts slower asks for less (see [`crate::UringQueue`]).
     fn max_batch(&self) -> usize {
         usize::MAX
     }
