@@ -34,6 +34,7 @@ def load(path):
 
 
 def summarize(results):
+    """The medians of one configuration's repetitions."""
     def med(values):
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
@@ -54,8 +55,8 @@ def iops(cell):
     return cell.get("iops")
 
 
-def kilo(iops):
-    return f"{iops / 1000:.1f}k" if iops else "-"
+def kilo(value):
+    return f"{value / 1000:.1f}k" if value else "-"
 
 
 def table(cells, matrix, before):
