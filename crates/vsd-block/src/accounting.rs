@@ -15,6 +15,7 @@
 
 use std::io;
 use std::os::fd::BorrowedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use vsd_engine::{Completion, IoOp, IoQueue};
@@ -78,11 +79,14 @@ pub(crate) struct AccountedNode {
     stats: Arc<NodeStats>,
     /// The node's cache options, which the graph parses for every driver.
     cache: crate::Cache,
+    /// Whether the node is active ([`BlockNode::active`]): the graph keeps
+    /// this for every driver.
+    active: AtomicBool,
 }
 
 impl AccountedNode {
-    pub(crate) fn new(inner: Arc<dyn BlockNode>, cache: crate::Cache) -> Self {
-        Self { inner, stats: Arc::default(), cache }
+    pub(crate) fn new(inner: Arc<dyn BlockNode>, cache: crate::Cache, active: bool) -> Self {
+        Self { inner, stats: Arc::default(), cache, active: AtomicBool::new(active) }
     }
 }
 
@@ -113,6 +117,22 @@ impl BlockNode for AccountedNode {
     }
     fn close(&self) -> io::Result<()> {
         self.inner.close()
+    }
+    fn refresh_size(&self) -> io::Result<u64> {
+        self.inner.refresh_size()
+    }
+    fn active(&self) -> bool {
+        self.active.load(Ordering::Acquire)
+    }
+    fn inactivate(&self) -> io::Result<()> {
+        self.inner.inactivate()?;
+        self.active.store(false, Ordering::Release);
+        Ok(())
+    }
+    fn activate(&self) -> io::Result<()> {
+        self.inner.activate()?;
+        self.active.store(true, Ordering::Release);
+        Ok(())
     }
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
         let inner = self.inner.open_queue(depth)?;

@@ -60,6 +60,30 @@ pub trait BlockNode: Send + Sync {
     fn close(&self) -> io::Result<()> {
         Ok(())
     }
+    /// Reads the size again from the host (a file grown by the format
+    /// above it, or by another process while the node was inactive) and
+    /// returns it; nodes whose size only they change answer [`Self::size`].
+    fn refresh_size(&self) -> io::Result<u64> {
+        Ok(self.size())
+    }
+    /// Whether the node is active: inactive, its image belongs to another
+    /// process (the other end of a live migration) and is not to be used.
+    /// The graph keeps this state ([`BlockGraph::set_active`]).
+    fn active(&self) -> bool {
+        true
+    }
+    /// Hands the image over: writes back what the node keeps in memory and
+    /// forgets it, so that nothing it holds can go stale while another
+    /// process writes the image. This node only, not its children; call it
+    /// once no queue has requests in flight.
+    fn inactivate(&self) -> io::Result<()> {
+        Ok(())
+    }
+    /// Takes the image back: reads again what the node keeps in memory.
+    /// Queues opened before keep what they had: open new ones.
+    fn activate(&self) -> io::Result<()> {
+        Ok(())
+    }
     /// Opens a channel for one thread with at most `depth` requests in
     /// flight. Call it from that thread: engines may bind to their creator.
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>>;
@@ -159,6 +183,32 @@ pub enum GraphError {
     },
 }
 
+/// Why a node's activation could not be changed, in QEMU's words.
+#[derive(Debug, thiserror::Error)]
+pub enum ActivationError {
+    /// No node has that name.
+    #[error("Failed to find node with node-name='{0}'")]
+    NoSuchNode(String),
+    /// A node above it is still active, so it is still in use.
+    #[error("Node has active parent node")]
+    ActiveParent,
+    /// A user that needs it active (an export without `allow-inactive`)
+    /// uses it, or a node that would go inactive with it.
+    #[error("Failed to inactivate node: Operation not permitted")]
+    InUse,
+    /// The driver could not write its state back or read it again.
+    #[error("Failed to {what} node '{node}': {source}")]
+    Host {
+        /// "activate" or "inactivate".
+        what: &'static str,
+        /// The node.
+        node: String,
+        /// The host's answer.
+        #[source]
+        source: io::Error,
+    },
+}
+
 /// Why a node could not be removed.
 #[derive(Debug, thiserror::Error)]
 pub enum RemoveError {
@@ -211,6 +261,10 @@ impl BlockGraph {
                 });
             }
             Cache::inherit(&opts, &mut child);
+            // Children defined inline are handed over with their parent.
+            if let (Some(active), false) = (opts.get("active"), child.has("active")) {
+                child.insert("active", active);
+            }
             if !child.has("node-name") {
                 self.implicit += 1;
                 child.insert("node-name", format!("#block{}", self.implicit));
@@ -225,11 +279,90 @@ impl BlockGraph {
             return Err(GraphError::DuplicateNode { context, name });
         }
         let cache = Cache::take(&mut opts)?;
-        let node: Arc<dyn BlockNode> =
-            Arc::new(accounting::AccountedNode::new(drivers::open(&driver, name, cache, &mut opts, self)?, cache));
+        let active = opts.take_bool("active")?.unwrap_or(true);
+        if active {
+            self.refuse_inactive_children(&opts, &name)?;
+        }
+        let opened = drivers::open(&driver, name, cache, active, &mut opts, self)?;
+        let node: Arc<dyn BlockNode> = Arc::new(accounting::AccountedNode::new(opened, cache, active));
         opts.finish()?;
         self.nodes.push(node.clone());
         Ok(node)
+    }
+
+    /// An active node cannot sit on an inactive one (QEMU's rule and
+    /// wording): it would use an image another process owns.
+    fn refuse_inactive_children(&self, opts: &OptionMap, name: &str) -> Result<(), GraphError> {
+        for role in CHILD_ROLES {
+            if let Some(child) = opts.get(role).and_then(|child| self.get(child)).filter(|c| !c.active()) {
+                return Err(GraphError::Invalid {
+                    context: opts.context().into(),
+                    reason: format!("Inactive '{}' can't be a {role} child of active '{name}'", child.name()),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Activates or inactivates node `name`, as QMP `blockdev-set-active`
+    /// does (every node if `None`). Inactivating a node inactivates the
+    /// children no active node uses any more; it is refused while an active
+    /// node uses it, or while any node it would inactivate is `pinned` (an
+    /// export needs it active). Activating a node activates its children
+    /// first. Call it with no request in flight on the nodes concerned.
+    pub fn set_active(
+        &self,
+        name: Option<&str>,
+        active: bool,
+        pinned: impl Fn(&str) -> bool,
+    ) -> Result<(), ActivationError> {
+        let targets: Vec<Arc<dyn BlockNode>> = match name {
+            Some(name) => vec![self.get(name).ok_or_else(|| ActivationError::NoSuchNode(name.into()))?],
+            // Parents were added after their children: these go first.
+            None => self.nodes.iter().rev().cloned().collect(),
+        };
+        if active {
+            return targets.iter().try_for_each(activate);
+        }
+        // Every node going inactive, parents before children, all checked
+        // before any is touched.
+        let mut going = Vec::new();
+        for node in &targets {
+            if self.has_active_parent(&**node, &going) {
+                return Err(ActivationError::ActiveParent);
+            }
+            self.collect_inactivation(node, &mut going);
+        }
+        if going.iter().any(|node| pinned(node.name())) {
+            return Err(ActivationError::InUse);
+        }
+        for node in going {
+            node.inactivate().map_err(|source| ActivationError::Host {
+                what: "inactivate",
+                node: node.name().into(),
+                source,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Whether a node that stays active uses `node` (those in `going` will not).
+    fn has_active_parent(&self, node: &dyn BlockNode, going: &[Arc<dyn BlockNode>]) -> bool {
+        let uses = |parent: &Arc<dyn BlockNode>| parent.children().iter().any(|(_, c)| c.name() == node.name());
+        self.nodes.iter().any(|p| p.active() && !going.iter().any(|g| g.name() == p.name()) && uses(p))
+    }
+
+    /// Adds `node` to `going`, and its children that no active node would use.
+    fn collect_inactivation(&self, node: &Arc<dyn BlockNode>, going: &mut Vec<Arc<dyn BlockNode>>) {
+        if !node.active() || going.iter().any(|g| g.name() == node.name()) {
+            return;
+        }
+        going.push(node.clone());
+        for (_, child) in node.children() {
+            if !self.has_active_parent(&*child, going) {
+                self.collect_inactivation(&child, going);
+            }
+        }
     }
 
     /// The node called `name`.
@@ -269,6 +402,17 @@ impl BlockGraph {
     pub fn nodes(&self) -> impl Iterator<Item = &Arc<dyn BlockNode>> {
         self.nodes.iter()
     }
+}
+
+/// Activates `node`, its children first.
+fn activate(node: &Arc<dyn BlockNode>) -> Result<(), ActivationError> {
+    for (_, child) in node.children() {
+        activate(&child)?;
+    }
+    if node.active() {
+        return Ok(());
+    }
+    node.activate().map_err(|source| ActivationError::Host { what: "activate", node: node.name().into(), source })
 }
 
 #[cfg(test)]
@@ -334,6 +478,37 @@ mod tests {
         let both = add(&mut graph, "driver=raw,node-name=r,file=x,file.driver=null-co");
         assert!(both.err().unwrap().to_string().contains("both by name and inline"));
         assert!(names(&graph).is_empty());
+    }
+
+    #[test]
+    fn nodes_are_handed_over_with_their_children_and_never_under_an_active_parent() {
+        let mut graph = BlockGraph::new();
+        add(&mut graph, "driver=null-co,node-name=n,size=1M").unwrap();
+        add(&mut graph, "driver=raw,node-name=r,file=n").unwrap();
+        let active = |graph: &BlockGraph| ["n", "r"].map(|name| graph.get(name).unwrap().active());
+        let no_pins = |_: &str| false;
+
+        let refused = graph.set_active(Some("n"), false, no_pins);
+        assert!(matches!(refused, Err(ActivationError::ActiveParent)), "{refused:?}");
+        let pinned = graph.set_active(Some("r"), false, |name| name == "n");
+        assert_eq!(pinned.unwrap_err().to_string(), "Failed to inactivate node: Operation not permitted");
+        assert_eq!(active(&graph), [true, true], "a refusal changes nothing");
+
+        graph.set_active(Some("r"), false, no_pins).unwrap();
+        assert_eq!(active(&graph), [false, false], "the child goes with its only parent");
+        let over = add(&mut graph, "driver=raw,node-name=o,file=n").err().unwrap().to_string();
+        assert!(over.contains("Inactive 'n' can't be a file child of active 'o'"), "{over}");
+        add(&mut graph, "driver=raw,node-name=o,file=n,active=off").unwrap();
+        graph.set_active(Some("r"), true, no_pins).unwrap();
+        assert_eq!(active(&graph), [true, true], "activating a node activates its children first");
+        assert!(!graph.get("o").unwrap().active(), "other parents stay as they were");
+
+        let inline = add(&mut graph, "driver=raw,node-name=i,active=off,file.driver=null-co,file.size=1M").unwrap();
+        assert!(!inline.children()[0].1.active(), "an inline child is handed over with its parent");
+        graph.set_active(None, true, no_pins).unwrap();
+        assert!(graph.nodes().all(|node| node.active()));
+        graph.set_active(None, false, no_pins).unwrap();
+        assert!(graph.nodes().all(|node| !node.active()), "every node, parents first");
     }
 
     #[test]

@@ -55,6 +55,12 @@ pub struct ExportConfig {
     pub socket_owner: Option<u32>,
     /// `socket-group=`: the gid the socket file belongs to, as `socket_owner`.
     pub socket_group: Option<u32>,
+    /// `allow-inactive=`: the node may be inactive (the destination of a
+    /// live migration, before it takes the image over): the front-end may
+    /// connect and set up its rings, whose requests wait until the node is
+    /// activated. Without it, exporting an inactive node activates it and
+    /// the node cannot be inactivated, as in QEMU.
+    pub allow_inactive: bool,
 }
 
 /// The default `poll-us`: Cloud Hypervisor's fixed window, here a ceiling.
@@ -113,6 +119,7 @@ impl ExportConfig {
         };
         let socket_owner = take_id(opts, "socket-owner", "a user name or uid", vsd_sys::user_by_name, |u| u.uid)?;
         let socket_group = take_id(opts, "socket-group", "a group name or gid", vsd_sys::group_by_name, |g| g)?;
+        let allow_inactive = opts.take_bool("allow-inactive")?.unwrap_or(false);
         Ok(Self {
             id,
             node_name,
@@ -130,6 +137,7 @@ impl ExportConfig {
             socket_mode,
             socket_owner,
             socket_group,
+            allow_inactive,
         })
     }
 }

@@ -103,7 +103,10 @@ impl BlkDevice {
             blk |= 1 << VIRTIO_BLK_F_RO;
         }
         let ring = (1 << VIRTIO_F_VERSION_1) | (1 << VIRTIO_RING_F_EVENT_IDX) | (1 << VIRTIO_RING_F_INDIRECT_DESC);
-        u64::from(blk) | ring | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+        // LOG_ALL: the back-end can log its writes to guest memory for a
+        // live migration (with the LOG_SHMFD protocol feature).
+        let vhost = VhostUserVirtioFeatures::PROTOCOL_FEATURES | VhostUserVirtioFeatures::LOG_ALL;
+        u64::from(blk) | ring | vhost.bits()
     }
 
     /// The config space (`struct virtio_blk_config`) as the guest reads it.

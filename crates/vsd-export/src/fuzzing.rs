@@ -186,6 +186,7 @@ pub fn run(input: &[u8]) -> Outcome {
         socket_mode: 0o600,
         socket_owner: None,
         socket_group: None,
+        allow_inactive: false,
     };
     let node = BlockGraph::new()
         .add(OptionMap::parse("--blockdev", "driver=null-co,node-name=n,size=1M,read-zeroes=on").expect("options"))

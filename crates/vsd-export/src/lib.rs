@@ -16,6 +16,7 @@ pub mod chain;
 mod channel;
 mod config;
 mod device;
+pub mod dirty_log;
 #[doc(hidden)]
 pub mod fuzzing;
 mod inflight;
@@ -30,7 +31,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
 use vhost::vhost_user::BackendReqHandler;
@@ -106,6 +107,8 @@ struct Client {
     stream: UnixStream,
     /// The back-end request channel, once the front-end has sent one.
     channel: Option<BackendChannel>,
+    /// The connection's rings and workers.
+    session: Arc<Mutex<Session>>,
 }
 
 impl VhostUserBlkExport {
@@ -169,6 +172,18 @@ impl VhostUserBlkExport {
             channel.config_changed()?;
         }
         Ok(capacity)
+    }
+
+    /// Runs `f` with the export's queues stopped: their requests in flight
+    /// complete first, and none is taken until `f` returns. Queues of an
+    /// inactive node stay stopped after, their requests waiting in the
+    /// rings until the node is activated and this is called again.
+    pub fn with_queues_stopped<T>(&self, f: impl FnOnce() -> T) -> T {
+        let session = self.shared.client.lock().ok().and_then(|client| Some(client.as_ref()?.session.clone()));
+        match session {
+            Some(session) => session.lock().unwrap_or_else(PoisonError::into_inner).with_queues_stopped(f),
+            None => f(),
+        }
     }
 
     /// Stops accepting front-ends, disconnects the one being served (its
@@ -261,8 +276,8 @@ fn serve_connection(stream: UnixStream, device: Arc<BlkDevice>, shared: &Shared)
             return;
         }
     };
-    set_client(shared, Some(Client { stream: control, channel: None }));
     let session = Arc::new(Mutex::new(Session::new(device)));
+    set_client(shared, Some(Client { stream: control, channel: None, session: session.clone() }));
     let mut handler = BackendReqHandler::from_stream(stream, session.clone());
     loop {
         match BackendChannel::intercept(&peek) {

@@ -64,6 +64,15 @@ impl GuestRam {
         })
     }
 
+    /// The guest address of host byte `host`, if it lies in guest memory
+    /// (the dirty log marks guest pages from the buffers of a request).
+    pub fn guest_addr(&self, host: *const u8) -> Option<u64> {
+        self.regions.iter().find_map(|r| {
+            let off = (host.addr()).wrapping_sub(r.host.addr()) as u64;
+            (off < r.len).then(|| r.start + off)
+        })
+    }
+
     /// The host address of guest bytes `addr..addr + len` (`len` > 0), if
     /// all of them lie in one region.
     #[inline]
@@ -268,6 +277,16 @@ mod tests {
         }));
         assert_eq!(pieces, [0x10, 0x10]);
         assert!(!ram.pieces(0x3ff0, 0x20, |_, _| true));
+    }
+
+    #[test]
+    fn host_addresses_map_back_to_guest_addresses() {
+        let ram = ram();
+        for addr in [0x1000, 0x2fff, 0x3000, 0x3fff, LAST] {
+            assert_eq!(ram.guest_addr(ram.host(addr, 1).unwrap()), Some(addr));
+        }
+        let outside = [0u8; 1];
+        assert_eq!(ram.guest_addr(outside.as_ptr()), None);
     }
 
     #[test]

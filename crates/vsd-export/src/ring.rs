@@ -13,12 +13,14 @@
 //! The chains themselves are walked by [`crate::chain::Chain`].
 
 use std::num::Wrapping;
+use std::sync::Arc;
 use std::sync::atomic::{Ordering, fence};
 
 use virtio_bindings::virtio_ring::VRING_USED_F_NO_NOTIFY;
 
 use crate::chain::Chain;
 use crate::config::MAX_QUEUE_SIZE;
+use crate::dirty_log::DirtyLog;
 use crate::ram::GuestRam;
 
 /// What can be wrong with a ring the front-end set up or the guest wrote.
@@ -60,6 +62,11 @@ pub struct SplitQueue {
     /// Used entries published since the guest was last considered for a
     /// notification.
     unnotified: Wrapping<u16>,
+    /// During a migration: the dirty log, and the guest address at which
+    /// the front-end wants the used ring's writes logged.
+    used_log: Option<(Arc<DirtyLog>, u64)>,
+    /// The used entries before this one are marked in the log.
+    logged_used: Wrapping<u16>,
 }
 
 impl SplitQueue {
@@ -100,8 +107,11 @@ impl SplitQueue {
             next_avail: Wrapping(next_avail),
             next_used: Wrapping(0),
             unnotified: Wrapping(0),
+            used_log: None,
+            logged_used: Wrapping(0),
         };
         queue.next_used = Wrapping(load_u16(ram, used_ring + 2)?);
+        queue.logged_used = queue.next_used;
         fence(Ordering::Acquire);
         Ok(queue)
     }
@@ -124,6 +134,35 @@ impl SplitQueue {
     /// Resumes taking requests at available entry `next_avail`.
     pub fn set_next_avail(&mut self, next_avail: u16) {
         self.next_avail = Wrapping(next_avail);
+    }
+
+    /// Logs the used ring's writes from now on in a dirty log, at the
+    /// guest address the front-end gave (VHOST_VRING_F_LOG's
+    /// `log_guest_addr`), or no longer (`None`).
+    pub fn set_used_log(&mut self, used_log: Option<(Arc<DirtyLog>, u64)>) {
+        self.used_log = used_log;
+        self.logged_used = self.next_used;
+    }
+
+    /// Marks the used entries published since the last call, and the used
+    /// index, in the dirty log (if the ring is logged): once per batch,
+    /// not per entry, so that an unlogged ring pays one branch.
+    pub fn mark_published(&mut self) {
+        let Some((log, base)) = &self.used_log else { return };
+        while self.logged_used != self.next_used {
+            let slot = u64::from(self.logged_used.0 % self.size);
+            log.mark(base + HEADER + USED_ENTRY * slot, USED_ENTRY);
+            self.logged_used += 1;
+        }
+        log.mark(base + 2, 2);
+    }
+
+    /// Marks the used ring's field at `offset` (flags, avail_event) in the
+    /// dirty log, if the ring is logged.
+    fn mark_used_field(&self, offset: u64) {
+        if let Some((log, base)) = &self.used_log {
+            log.mark(base + offset, 2);
+        }
     }
 
     /// The chain at `head` of the descriptor table.
@@ -190,22 +229,23 @@ impl SplitQueue {
     pub fn disable_kicks(&mut self, ram: &GuestRam) -> Result<(), RingError> {
         // With EVENT_IDX, kicks stop by themselves once the guest passes
         // the avail_event last written.
-        match self.event_idx {
-            true => Ok(()),
-            false => store_u16(ram, self.used_ring, VRING_USED_F_NO_NOTIFY as u16),
+        if !self.event_idx {
+            store_u16(ram, self.used_ring, VRING_USED_F_NO_NOTIFY as u16)?;
+            self.mark_used_field(0);
         }
+        Ok(())
     }
 
     /// Asks for kicks again. Returns whether requests arrived meanwhile
     /// (which the guest may not kick for): take them before sleeping.
     pub fn enable_kicks(&mut self, ram: &GuestRam) -> Result<bool, RingError> {
-        match self.event_idx {
-            true => {
-                let avail_event = self.used_ring + HEADER + USED_ENTRY * u64::from(self.size);
-                store_u16(ram, avail_event, self.next_avail.0)?;
-            }
-            false => store_u16(ram, self.used_ring, 0)?,
-        }
+        let field = match self.event_idx {
+            true => HEADER + USED_ENTRY * u64::from(self.size),
+            false => 0,
+        };
+        let value = if self.event_idx { self.next_avail.0 } else { 0 };
+        store_u16(ram, self.used_ring + field, value)?;
+        self.mark_used_field(field);
         // The request for kicks is visible before the index is read again.
         fence(Ordering::SeqCst);
         Ok(load_u16(ram, self.avail_ring + 2)? != self.next_avail.0)

@@ -31,6 +31,7 @@ use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryM
 
 use crate::config::{MAX_QUEUE_SIZE, MAX_QUEUES};
 use crate::device::BlkDevice;
+use crate::dirty_log::DirtyLog;
 use crate::inflight::{self, InflightRegion};
 use crate::ram::GuestRam;
 use crate::ring::SplitQueue;
@@ -60,6 +61,9 @@ struct Vring {
     /// An inflight region was handed over and this ring has not started
     /// since: what a previous back-end left undone is to be recovered.
     recover: bool,
+    /// VHOST_VRING_F_LOG: the guest address at which the used ring's
+    /// writes are logged while the dirty log is on.
+    log_addr: Option<u64>,
 }
 
 /// The state of one connection.
@@ -74,6 +78,9 @@ pub(crate) struct Session {
     threads: Vec<Option<Worker>>,
     /// The front-end's inflight region (SET_INFLIGHT_FD), if any.
     inflight: Option<Arc<InflightRegion>>,
+    /// The front-end's dirty log (SET_LOG_BASE), if any; written to while
+    /// VHOST_F_LOG_ALL is on.
+    log: Option<Arc<DirtyLog>>,
 }
 
 fn invalid(reason: &str) -> ProtocolError {
@@ -92,6 +99,7 @@ impl Session {
             mappings: Vec::new(),
             vrings: (0..queues).map(|_| Vring::default()).collect(),
             inflight: None,
+            log: None,
         }
     }
 
@@ -146,6 +154,35 @@ impl Session {
         Ok(())
     }
 
+    /// The dirty log, while the front-end has logging on.
+    fn active_log(&self) -> Option<Arc<DirtyLog>> {
+        let logging = self.acked_features & VhostUserVirtioFeatures::LOG_ALL.bits() != 0;
+        self.log.clone().filter(|_| logging)
+    }
+
+    /// Gives a queue the dirty log as it now stands: for the requests'
+    /// writes, and for the used ring's if the ring asked for it.
+    fn apply_log(&self, run: &mut QueueRun) {
+        run.log = self.active_log();
+        let log_addr = self.vrings[usize::from(run.index)].log_addr;
+        run.queue.set_used_log(run.log.clone().zip(log_addr));
+    }
+
+    /// Starts or stops logging, or moves to a new log, on every running
+    /// queue. Each thread stops first, so the requests it has in flight
+    /// complete into the log it had; its queues then carry on where they
+    /// were, with the new one.
+    fn relog(&mut self) -> ProtocolResult<()> {
+        for thread in 0..self.threads.len() {
+            let mut runs = self.stop_thread(thread);
+            for run in &mut runs {
+                self.apply_log(run);
+            }
+            self.start_thread(thread, runs)?;
+        }
+        Ok(())
+    }
+
     /// Keeps what a stopped queue's worker handed back in its ring.
     fn park(&mut self, run: QueueRun) {
         let vring = &mut self.vrings[usize::from(run.index)];
@@ -154,9 +191,36 @@ impl Session {
         vring.call = run.call;
     }
 
+    /// Runs `f` with every queue stopped (their requests in flight complete
+    /// first), then lets them go on. While the node is inactive they stay
+    /// stopped: requests wait in their rings until it is activated.
+    pub(crate) fn with_queues_stopped<T>(&mut self, f: impl FnOnce() -> T) -> T {
+        let stopped: Vec<Vec<QueueRun>> = (0..self.threads.len()).map(|thread| self.stop_thread(thread)).collect();
+        let out = f();
+        let active = self.device.node.active();
+        for (thread, runs) in stopped.into_iter().enumerate() {
+            if !active {
+                runs.into_iter().for_each(|run| self.park(run));
+            } else if let Err(e) = self.start_thread(thread, runs) {
+                log::error!("export '{}': cannot restart queue worker {thread}: {e}", self.device.config.id);
+            }
+        }
+        // Rings held while the node was inactive start now.
+        for index in 0..self.vrings.len() as u32 {
+            if let Err(e) = self.resume(index) {
+                log::error!("export '{}': cannot start vring {index}: {e}", self.device.config.id);
+            }
+        }
+        out
+    }
+
     /// What a worker needs to run ring `index`, if the ring is ready and
     /// not running; its kick and call descriptors go with it.
     fn queue_run(&mut self, index: u32) -> ProtocolResult<Option<QueueRun>> {
+        if !self.device.node.active() {
+            log::debug!("vring {index}: held while node '{}' is inactive", self.device.node.name());
+            return Ok(None);
+        }
         let event_idx = self.acked_features & (1 << VIRTIO_RING_F_EVENT_IDX) != 0;
         let mem = self.mem.memory();
         let device = self.device.clone();
@@ -193,7 +257,10 @@ impl Session {
         }
         let (Some(kick), call) = (vring.kick.take(), vring.call.take()) else { return Ok(None) };
         log::debug!("vring {index}: start, size {} next_avail {} rings {rings:x?}", vring.size, vring.next_avail);
-        Ok(Some(QueueRun { index: index as u16, queue, kick, call, inflight: tracker, resubmit, broken: false }))
+        let mut run =
+            QueueRun { index: index as u16, queue, kick, call, inflight: tracker, resubmit, broken: false, log: None };
+        self.apply_log(&mut run);
+        Ok(Some(run))
     }
 
     /// Applies a change to a ring with it stopped, then restarts it.
@@ -269,6 +336,14 @@ impl VhostUserBackendReqHandlerMut for Session {
         if features & !self.device.features() != 0 {
             return Err(ProtocolError::InvalidParam);
         }
+        let log_all = VhostUserVirtioFeatures::LOG_ALL.bits();
+        if (features ^ self.acked_features) & !log_all == 0 {
+            // QEMU turns logging on and off with the rings running: they
+            // carry on, with or without the log.
+            self.acked_features = features;
+            log::debug!("dirty logging {}", if features & log_all != 0 { "on" } else { "off" });
+            return self.relog();
+        }
         self.stop_all();
         self.acked_features = features;
         // Without PROTOCOL_FEATURES rings start enabled (vhost-user spec,
@@ -324,15 +399,24 @@ impl VhostUserBackendReqHandlerMut for Session {
     fn set_vring_addr(
         &mut self,
         index: u32,
-        _flags: VhostUserVringAddrFlags,
+        flags: VhostUserVringAddrFlags,
         descriptor: u64,
         used: u64,
         available: u64,
-        _log: u64,
+        log: u64,
     ) -> ProtocolResult<()> {
         let rings = [self.to_guest_addr(descriptor)?, self.to_guest_addr(available)?, self.to_guest_addr(used)?];
+        let log_addr = flags.contains(VhostUserVringAddrFlags::VHOST_VRING_F_LOG).then_some(log);
+        if let Some(addr) = log_addr
+            && !self.mappings.iter().any(|m| addr.wrapping_sub(m.guest_addr) < m.size)
+        {
+            return Err(invalid(&format!(
+                "vring {index}: the used ring's log address {addr:#x} is not in guest memory"
+            )));
+        }
         self.reconfigure(index, |v| {
             v.rings = Some(rings);
+            v.log_addr = log_addr;
             Ok(())
         })
     }
@@ -379,7 +463,8 @@ impl VhostUserBackendReqHandlerMut for Session {
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             | VhostUserProtocolFeatures::BACKEND_REQ
-            | VhostUserProtocolFeatures::INFLIGHT_SHMFD)
+            | VhostUserProtocolFeatures::INFLIGHT_SHMFD
+            | VhostUserProtocolFeatures::LOG_SHMFD)
     }
 
     fn set_protocol_features(&mut self, features: u64) -> ProtocolResult<()> {
@@ -509,7 +594,19 @@ impl VhostUserBackendReqHandlerMut for Session {
         Err(ProtocolError::InvalidOperation("shared memory regions are not supported"))
     }
 
-    fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> ProtocolResult<()> {
-        Err(ProtocolError::InvalidOperation("dirty logging is not supported"))
+    fn set_log_base(&mut self, region: &VhostUserLog, file: File) -> ProtocolResult<()> {
+        let (size, offset) = (region.mmap_size, region.mmap_offset);
+        let log = DirtyLog::map(file, size, offset).map_err(ProtocolError::ReqHandlerError)?;
+        let memory_end = self.mappings.iter().map(|m| m.guest_addr.saturating_add(m.size)).max().unwrap_or(0);
+        if !log.covers(memory_end) {
+            return Err(invalid(&format!(
+                "dirty log: {size} bytes cannot cover guest memory up to {memory_end:#x} (one bit per 4 KiB page)"
+            )));
+        }
+        log::debug!("dirty log: {size} bytes at offset {offset}");
+        // The old log stays mapped until every worker has moved to the new
+        // one; the front-end reads it a last time once answered.
+        self.log = Some(Arc::new(log));
+        self.relog()
     }
 }

@@ -47,6 +47,7 @@ use vsd_block::{Completion, IoOp, IoQueue, IoVecs};
 use vsd_trace::{Clock, OpKind, QueueStats, Runs, Stage};
 
 use crate::device::BlkDevice;
+use crate::dirty_log::{DirtyLog, GuestWrites, Unlogged};
 use crate::inflight::InflightQueue;
 use crate::poll::PollWindow;
 use crate::ram::GuestRam;
@@ -104,6 +105,10 @@ pub(crate) struct QueueRun {
     /// so that a restart of its thread for another queue's sake does not
     /// forget it.
     pub(crate) broken: bool,
+    /// During a migration, the dirty log that every guest page the
+    /// requests write is marked in (the used ring's writes are the
+    /// queue's own, see [`SplitQueue::log_used_ring`]).
+    pub(crate) log: Option<Arc<DirtyLog>>,
 }
 
 /// A running worker thread.
@@ -384,6 +389,8 @@ struct Slot {
     /// The status byte, in guest memory that `ram` keeps mapped.
     status: *mut u8,
     used_len: u32,
+    /// How many of the slot's iovecs the device writes (a read's buffers).
+    device_writes: usize,
     kind: OpKind,
     bytes: u64,
     stamps: Stamps,
@@ -479,6 +486,7 @@ impl QueueWorker {
             head: 0,
             status: std::ptr::null_mut(),
             used_len: 0,
+            device_writes: 0,
             kind: OpKind::Flush,
             bytes: 0,
             stamps: Stamps::default(),
@@ -794,6 +802,7 @@ impl QueueWorker {
         // lives as long as the worker; the slot holds the guest memory they
         // point into until the request completes.
         let data = unsafe { IoVecs::new(iov.as_ptr(), request.iovcnt) };
+        let device_writes = if matches!(request.action, Action::Read { .. }) { request.iovcnt } else { 0 };
         let (op, data_len) = match request.action {
             Action::Read { offset, len } => (IoOp::Read { offset, len, iov: data }, len as u32),
             Action::Write { offset, len } => {
@@ -806,14 +815,23 @@ impl QueueWorker {
                 // SAFETY: the iovecs were just mapped by `parse` for this
                 // GET_ID request and `mem` keeps them mapped.
                 let written = unsafe { request::write_id(&iov[..request.iovcnt], &self.device.id) };
+                if let Some(log) = &self.run.log {
+                    mark_buffers(&**log, ram, &iov[..request.iovcnt]);
+                }
                 self.free.push(tag);
                 self.finish(head, status, status::OK, written as u32 + 1);
+                if let Some(log) = &self.run.log {
+                    log.wrote(ram, status, 1);
+                }
                 return;
             }
             Action::Done(code) => {
                 self.stats.invalid.add(1);
                 self.free.push(tag);
                 self.finish(head, status, code, 1);
+                if let Some(log) = &self.run.log {
+                    log.wrote(ram, status, 1);
+                }
                 return;
             }
         };
@@ -823,6 +841,7 @@ impl QueueWorker {
             head,
             status,
             used_len: data_len + 1,
+            device_writes,
             kind,
             bytes,
             stamps: Stamps { kicked: self.woke_at, popped: self.popping_at, submitted: 0 },
@@ -847,22 +866,10 @@ impl QueueWorker {
         self.current_ram();
         let completed_at = self.now();
         let mut completions = std::mem::take(&mut self.completions);
-        for done in completions.iter() {
-            self.account(done.tag as usize, done.errno);
-            let slot = &mut self.slots[done.tag as usize];
-            // Keeps the status byte mapped until it is written.
-            let _held = slot.ram.take();
-            let (head, status) = (slot.head, slot.status);
-            let (code, used_len) = if done.errno == 0 { (status::OK, slot.used_len) } else { (status::IOERR, 1) };
-            if done.errno != 0 {
-                log::debug!(
-                    "queue {}: request {head} failed: {}",
-                    self.run.index,
-                    io::Error::from_raw_os_error(done.errno)
-                );
-            }
-            self.finish(head, status, code, used_len);
-            self.free.push(done.tag as u16);
+        // Chosen once per batch: without a log, nothing per request.
+        match self.run.log.clone() {
+            Some(log) => self.finish_completed(&completions, &*log),
+            None => self.finish_completed(&completions, &Unlogged),
         }
         self.used_at = self.now();
         if self.tracing {
@@ -872,6 +879,35 @@ impl QueueWorker {
         }
         completions.clear();
         self.completions = completions;
+    }
+
+    /// Writes the status of each completed request and returns it to the
+    /// guest, recording in `writes` the guest memory it wrote.
+    fn finish_completed(&mut self, completions: &[Completion], writes: &impl GuestWrites) {
+        for done in completions {
+            let tag = done.tag as usize;
+            self.account(tag, done.errno);
+            let slot = &mut self.slots[tag];
+            // Keeps the buffers and the status byte mapped until they are
+            // written and marked.
+            let held = slot.ram.take();
+            let (head, status, device_writes) = (slot.head, slot.status, slot.device_writes);
+            let (code, used_len) = if done.errno == 0 { (status::OK, slot.used_len) } else { (status::IOERR, 1) };
+            if done.errno != 0 {
+                log::debug!(
+                    "queue {}: request {head} failed: {}",
+                    self.run.index,
+                    io::Error::from_raw_os_error(done.errno)
+                );
+            }
+            self.finish(head, status, code, used_len);
+            if let Some(ram) = &held {
+                // Even a failed read may have written part of its buffers.
+                mark_buffers(writes, ram, &self.iovecs[tag][..device_writes]);
+                writes.wrote(ram, status, 1);
+            }
+            self.free.push(done.tag as u16);
+        }
     }
 
     /// Counts a completed request and records its stages up to completion.
@@ -932,6 +968,7 @@ impl QueueWorker {
 
     fn signal_guest(&mut self) {
         self.unsignalled = false;
+        self.run.queue.mark_published();
         let wanted = self.run.queue.needs_notification(&self.ram).unwrap_or(true);
         if let (true, Some(call)) = (wanted, &self.run.call) {
             match front_end_io(&self.front_end_io, || vsd_sys::signal_counter(call.as_fd())) {
@@ -948,6 +985,13 @@ impl QueueWorker {
             }
             self.stats.stage(Stage::Call).record_n(called_at.saturating_sub(self.used_at), requests);
         }
+    }
+}
+
+/// Records the buffers of `iov` as written by the device.
+fn mark_buffers(writes: &impl GuestWrites, ram: &GuestRam, iov: &[libc::iovec]) {
+    for v in iov {
+        writes.wrote(ram, v.iov_base.cast(), v.iov_len);
     }
 }
 

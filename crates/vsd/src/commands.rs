@@ -18,6 +18,7 @@ const COMMANDS: &[&str] = &[
     "query-commands",
     "blockdev-add",
     "blockdev-del",
+    "blockdev-set-active",
     "block-export-add",
     "block-export-del",
     "query-block-exports",
@@ -36,6 +37,7 @@ impl Dispatch for Daemon {
             "query-commands" => Ok(COMMANDS.iter().map(|name| json!({ "name": name })).collect()),
             "blockdev-add" => self.blockdev_add(args),
             "blockdev-del" => self.blockdev_del(parse(args)?),
+            "blockdev-set-active" => self.blockdev_set_active(parse(args)?),
             "block-export-add" => self.block_export_add(args),
             "block-export-del" => self.block_export_del(parse(args)?),
             "query-block-exports" => no_arguments(&args).map(|()| self.query_block_exports()),
@@ -102,6 +104,14 @@ struct Flat {
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 struct NodeName {
     node_name: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct SetActive {
+    /// Every node if absent.
+    node_name: Option<String>,
+    active: bool,
 }
 
 #[derive(Deserialize)]
@@ -173,6 +183,11 @@ impl Daemon {
         Ok(json!({}))
     }
 
+    fn blockdev_set_active(&self, args: SetActive) -> Reply {
+        self.set_active(args.node_name.as_deref(), args.active).map_err(generic)?;
+        Ok(json!({}))
+    }
+
     fn block_export_add(&self, args: Value) -> Reply {
         self.add_export(options("block-export-add", &args)?).map_err(generic)?;
         Ok(json!({}))
@@ -215,6 +230,7 @@ impl Daemon {
                 "node-name": node.name(),
                 "drv": node.driver(),
                 "ro": node.read_only(),
+                "active": node.active(),
                 // Nodes write back; only an export's writethrough differs.
                 "cache": { "writeback": true, "direct": node.cache().direct, "no-flush": node.cache().no_flush },
                 "file": node.filename().unwrap_or(""),
@@ -296,6 +312,9 @@ impl Daemon {
         let node = state.graph.get(&name).ok_or_else(|| {
             QmpError::new(ErrorClass::DeviceNotFound, format!("Cannot find device='' nor node-name='{name}'"))
         })?;
+        if !node.active() {
+            return Err(QmpError::generic("Permission 'resize' unavailable on inactive node"));
+        }
         node.resize(size).map_err(|e| QmpError::generic(format!("Cannot resize node '{name}': {e}")))?;
         for export in state.exports.values() {
             if let Err(e) = export.capacity_changed() {

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 use anyhow::{Context, Result};
-use vsd_block::BlockGraph;
 use vsd_block::options::OptionMap;
+use vsd_block::{ActivationError, BlockGraph};
 use vsd_control::qmp::Events;
 use vsd_export::{ExportConfig, VhostUserBlkExport};
 use vsd_trace::HistogramSnapshot;
@@ -80,10 +80,30 @@ impl Daemon {
             .graph
             .get(&config.node_name)
             .with_context(|| format!("export '{}': no node named '{}'", config.id, config.node_name))?;
+        if !node.active() && !config.allow_inactive {
+            // As QEMU: an export that does not allow an inactive node takes
+            // the image over.
+            state.graph.set_active(Some(node.name()), true, |_| false)?;
+        }
         let export = VhostUserBlkExport::start(config, node)?;
         log::info!("export '{}' listening on {}", export.config().id, export.config().socket.display());
         state.exports.insert(export.config().id.clone(), export);
         Ok(())
+    }
+
+    /// Activates or inactivates node `name` (every node if `None`), with
+    /// every export's queues stopped meanwhile, as QEMU drains all I/O
+    /// first; queues of nodes left inactive stay stopped, their requests
+    /// waiting in the rings. A node served by an export without
+    /// `allow-inactive` cannot be inactivated.
+    pub(crate) fn set_active(&self, name: Option<&str>, active: bool) -> Result<(), ActivationError> {
+        let state = self.state();
+        let pinned = |node: &str| {
+            state.exports.values().any(|e| !e.config().allow_inactive && e.node().name() == node)
+                || state.stopping.values().any(|stopping| stopping == node)
+        };
+        let exports: Vec<&VhostUserBlkExport> = state.exports.values().collect();
+        with_queues_stopped(&exports, || state.graph.set_active(name, active, pinned))
     }
 
     /// Deletes export `id` (which `state` must hold) and waits until it has
@@ -116,5 +136,13 @@ impl Daemon {
                 log::error!("node '{}': writing back cached state failed: {e}", node.name());
             }
         }
+    }
+}
+
+/// Runs `f` with the queues of every export in `exports` stopped.
+fn with_queues_stopped<T>(exports: &[&VhostUserBlkExport], f: impl FnOnce() -> T) -> T {
+    match exports.split_first() {
+        None => f(),
+        Some((first, rest)) => first.with_queues_stopped(|| with_queues_stopped(rest, f)),
     }
 }

@@ -132,6 +132,17 @@ impl BlockNode for FileNode {
         self.read_only
     }
 
+    fn refresh_size(&self) -> io::Result<u64> {
+        let size = vsd_sys::file_size(&self.file)?;
+        self.size.store(size, Ordering::Relaxed);
+        Ok(size)
+    }
+
+    fn activate(&self) -> io::Result<()> {
+        // Another process may have resized the file meanwhile.
+        self.refresh_size().map(drop)
+    }
+
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
         let engine: Box<dyn IoQueue> = match &self.pool {
             Some(pool) => Box::new(PoolQueue::new(pool.clone(), self.file.clone(), depth)?),

@@ -16,17 +16,20 @@ use vsd_engine::{Completion, IoOp, IoQueue};
 use crate::options::OptionMap;
 use crate::{BlockGraph, BlockNode, Cache, GraphError};
 
+/// Opens a `driver` node; `active` is false for a node opened inactive
+/// (`active=off`), which must write nothing to its image.
 pub(crate) fn open(
     driver: &str,
     name: String,
     cache: Cache,
+    active: bool,
     opts: &mut OptionMap,
     graph: &BlockGraph,
 ) -> Result<Arc<dyn BlockNode>, GraphError> {
     match driver {
         "file" => Ok(Arc::new(file::FileNode::open(name, cache, opts)?)),
         "raw" => Ok(Arc::new(raw::RawNode::open(name, opts, graph)?)),
-        "qcow2" => Ok(Arc::new(qcow2::Qcow2Node::open(name, cache, opts, graph)?)),
+        "qcow2" => Ok(Arc::new(qcow2::Qcow2Node::open(name, cache, active, opts, graph)?)),
         "null-co" => Ok(Arc::new(null::NullNode::open(name, opts)?)),
         "blkdebug" => Ok(Arc::new(blkdebug::BlkdebugNode::open(name, opts, graph)?)),
         _ => Err(GraphError::UnknownDriver { context: opts.context().into(), driver: driver.into() }),

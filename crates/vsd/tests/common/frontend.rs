@@ -17,9 +17,11 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use vhost::vhost_user::message::{VhostUserHeaderFlag, VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::message::{
+    VhostUserHeaderFlag, VhostUserProtocolFeatures, VhostUserVirtioFeatures, VhostUserVringAddrFlags,
+};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
-use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use vhost::{VhostBackend, VhostUserDirtyLogRegion, VhostUserMemoryRegionInfo, VringConfigData};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
@@ -226,11 +228,14 @@ pub struct BlkFrontend {
     pub queues: Vec<Queue>,
     /// The virtio features the device offered.
     pub offered: u64,
+    /// The virtio features acked.
+    pub acked: u64,
 }
 
 impl BlkFrontend {
     /// Connects and negotiates: features (all offered but EVENT_IDX, so
-    /// that every completion is signalled), MQ, REPLY_ACK, CONFIG.
+    /// that every completion is signalled, and LOG_ALL, which a migration
+    /// turns on), MQ, REPLY_ACK, CONFIG, LOG_SHMFD.
     /// No memory table and no rings yet.
     pub fn negotiate(socket: &Path, mem: GuestMemory) -> vhost::Result<Self> {
         // More queues than the device has, so that out-of-range indexes
@@ -238,16 +243,19 @@ impl BlkFrontend {
         let mut conn = Frontend::connect(socket, 8)?;
         conn.set_owner()?;
         let offered = conn.get_features()?;
-        conn.set_features(offered & !(1 << VIRTIO_RING_F_EVENT_IDX))?;
+        let acked = offered & !(1 << VIRTIO_RING_F_EVENT_IDX) & !VhostUserVirtioFeatures::LOG_ALL.bits();
+        conn.set_features(acked)?;
         assert!(offered & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0);
         let protocol = conn.get_protocol_features()?;
-        let wanted =
-            VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::REPLY_ACK | VhostUserProtocolFeatures::CONFIG;
+        let wanted = VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::LOG_SHMFD;
         assert!(protocol.contains(wanted), "protocol features {protocol:?}");
         conn.set_protocol_features(wanted)?;
         conn.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
         let queues = (0..QUEUES).map(Queue::new).collect();
-        Ok(Self { conn, mem, queues, offered })
+        Ok(Self { conn, mem, queues, offered, acked })
     }
 
     /// Connects, shares memory and starts every queue.
@@ -267,21 +275,62 @@ impl BlkFrontend {
         self.mem.write_bytes(queue.desc, &vec![0; 16 * size as usize]);
         self.mem.write_bytes(queue.avail, &vec![0; 6 + 2 * size as usize]);
         self.mem.write_bytes(queue.used, &vec![0; 6 + 8 * size as usize]);
-        let config = VringConfigData {
-            queue_max_size: QUEUE_SIZE,
-            queue_size: QUEUE_SIZE,
-            flags: 0,
-            desc_table_addr: self.mem.host_addr(queue.desc),
-            used_ring_addr: self.mem.host_addr(queue.used),
-            avail_ring_addr: self.mem.host_addr(queue.avail),
-            log_addr: None,
-        };
         self.conn.set_vring_num(q, QUEUE_SIZE)?;
-        self.conn.set_vring_addr(q, &config)?;
+        self.set_vring_addr(q, None)?;
         self.conn.set_vring_base(q, 0)?;
+        let queue = &self.queues[q];
         self.conn.set_vring_call(q, &queue.call)?;
         self.conn.set_vring_kick(q, &queue.kick)?;
         self.conn.set_vring_enable(q, true)
+    }
+
+    /// Hands queue `q`'s ring addresses over, with the used ring logged at
+    /// `log_addr` if given (VHOST_VRING_F_LOG).
+    pub fn set_vring_addr(&self, q: usize, log_addr: Option<u64>) -> vhost::Result<()> {
+        let queue = &self.queues[q];
+        let flags = if log_addr.is_some() { VhostUserVringAddrFlags::VHOST_VRING_F_LOG.bits() } else { 0 };
+        let config = VringConfigData {
+            queue_max_size: QUEUE_SIZE,
+            queue_size: QUEUE_SIZE,
+            flags,
+            desc_table_addr: self.mem.host_addr(queue.desc),
+            used_ring_addr: self.mem.host_addr(queue.used),
+            avail_ring_addr: self.mem.host_addr(queue.avail),
+            log_addr,
+        };
+        self.conn.set_vring_addr(q, &config)
+    }
+
+    /// Shares `log` (`size` bytes of bitmap) as the dirty log, as QEMU
+    /// does when a migration starts or guest memory grows.
+    pub fn set_log_base(&mut self, log: &File, size: u64) -> vhost::Result<()> {
+        let region = VhostUserDirtyLogRegion { mmap_size: size, mmap_offset: 0, mmap_handle: log.as_raw_fd() };
+        self.conn.set_log_base(0, Some(region))
+    }
+
+    /// Turns VHOST_F_LOG_ALL on or off.
+    pub fn set_logging(&mut self, on: bool) -> vhost::Result<()> {
+        let log_all = VhostUserVirtioFeatures::LOG_ALL.bits();
+        self.acked = if on { self.acked | log_all } else { self.acked & !log_all };
+        self.conn.set_features(self.acked)
+    }
+
+    /// Starts a migration's dirty logging as QEMU does: the log, LOG_ALL,
+    /// then every ring's used ring logged at its guest address.
+    pub fn start_logging(&mut self, log: &File, size: u64) -> vhost::Result<()> {
+        self.set_log_base(log, size)?;
+        self.set_logging(true)?;
+        for q in 0..QUEUES {
+            self.set_vring_addr(q, Some(self.queues[q].used))?;
+        }
+        Ok(())
+    }
+
+    /// Queue `q`'s scratch area: the request header (the status byte is
+    /// 0x100 past it) and the data buffer.
+    pub fn scratch_area(q: usize) -> (u64, u64) {
+        let (header, _, buffer) = Self::scratch(q);
+        (header, buffer)
     }
 
     /// Writes descriptor `index` of queue `q`.

@@ -6,7 +6,7 @@ mod queue;
 
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
 use vsd_qcow2::buf::AlignedBuf;
@@ -24,7 +24,14 @@ const MAX_CHAIN: usize = 256;
 
 pub(crate) struct Qcow2Node {
     name: String,
-    image: Arc<Image>,
+    /// The image as last read from its file. Inactive (handed to another
+    /// process during a migration), it is open read-only, with nothing
+    /// cached that the other process could make stale; activating reads
+    /// it again. Queues hold the image they were opened with.
+    image: RwLock<Arc<Image>>,
+    /// How to open it again.
+    options: vsd_qcow2::Options,
+    cache_clean_interval: u64,
     file: Arc<dyn BlockNode>,
     data: Option<Arc<dyn BlockNode>>,
     backing: Option<Arc<dyn BlockNode>>,
@@ -54,12 +61,17 @@ struct Settings {
     refcount_cache_bytes: Option<u64>,
     /// Seconds between drops of unused cache entries (0: never).
     cache_clean_interval: u64,
+    /// Opened inactive: read-only until activated.
+    inactive: bool,
 }
 
 impl Qcow2Node {
+    /// Opens the node; an inactive node (`active=off`) reads the image but
+    /// writes nothing to it until it is activated.
     pub(crate) fn open(
         name: String,
         cache: Cache,
+        active: bool,
         opts: &mut OptionMap,
         graph: &BlockGraph,
     ) -> Result<Self, GraphError> {
@@ -83,6 +95,7 @@ impl Qcow2Node {
             refcount_cache_bytes: opts.take_size("refcount-cache-size")?,
             // QEMU's default on Linux: 10 minutes.
             cache_clean_interval: opts.take_u64("cache-clean-interval")?.unwrap_or(600),
+            inactive: !active,
         };
         Self::build(name, &context, file, backing, data_file, &settings, &mut Vec::new())
     }
@@ -111,7 +124,6 @@ impl Qcow2Node {
             chain.push(path.clone());
         }
 
-        let mut io = ChildQueue::open(&*file, 1, u64::MAX).map_err(|e| host("cannot open a queue".into(), e))?;
         let has_backing = match &backing {
             Backing::FromHeader => None,
             Backing::Null => Some(false),
@@ -126,11 +138,11 @@ impl Qcow2Node {
             lazy_refcounts: settings.lazy_refcounts,
             refcount_cache_bytes: settings.refcount_cache_bytes,
         };
-        let image = Image::open(&mut io, file.size(), options).map_err(|e| match e {
+        let opened = if settings.inactive { read_only(&options) } else { options.clone() };
+        let image = read_image(&*file, opened).map_err(|e| match e {
             FormatError::Io(e) => host("cannot read the image".into(), e),
             e => invalid(e.to_string()),
         })?;
-        drop(io);
         let header = image.header().clone();
 
         let backing = match backing {
@@ -163,13 +175,52 @@ impl Qcow2Node {
                 return Err(invalid("the image needs an external data file and names none: give data-file=".into()));
             }
         };
-        let image = Arc::new(image);
-        if settings.cache_clean_interval > 0 {
-            clean_caches_every(Duration::from_secs(settings.cache_clean_interval), Arc::downgrade(&image))
-                .map_err(|e| host("cannot start the cache cleaner".into(), e))?;
-        }
-        Ok(Self { name, image, file, data, backing })
+        let node = Self {
+            name,
+            image: RwLock::new(Arc::new(image)),
+            options,
+            cache_clean_interval: settings.cache_clean_interval,
+            file,
+            data,
+            backing,
+        };
+        node.clean_caches().map_err(|e| host("cannot start the cache cleaner".into(), e))?;
+        Ok(node)
     }
+
+    /// The image as it stands.
+    fn image(&self) -> Arc<Image> {
+        self.image.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Reads the image from its file again, writable or not, in place of
+    /// the one open, with empty caches.
+    fn reopen(&self, options: vsd_qcow2::Options) -> io::Result<()> {
+        let image = read_image(&*self.file, options)?;
+        *self.image.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(image);
+        self.clean_caches()
+    }
+
+    /// Drops unused cache entries of the image now open every
+    /// `cache-clean-interval` seconds, for as long as it stays open.
+    fn clean_caches(&self) -> io::Result<()> {
+        if self.cache_clean_interval == 0 {
+            return Ok(());
+        }
+        clean_caches_every(Duration::from_secs(self.cache_clean_interval), Arc::downgrade(&self.image()))
+    }
+}
+
+/// The options of an image opened read-only: nothing is written to it.
+fn read_only(options: &vsd_qcow2::Options) -> vsd_qcow2::Options {
+    vsd_qcow2::Options { writable: false, ..options.clone() }
+}
+
+/// Opens the image on `file`.
+fn read_image(file: &dyn BlockNode, options: vsd_qcow2::Options) -> Result<Image, FormatError> {
+    let mut io = ChildQueue::open(file, 1, u64::MAX)?;
+    // The format above the file grows it: its size as of now.
+    Image::open(&mut io, file.refresh_size()?, options)
 }
 
 /// Drops unused cache entries of `image` every `interval`, for as long as
@@ -270,11 +321,12 @@ impl Qcow2Node {
     /// Runs `f` with synchronous channels to the image's files, for work
     /// done outside the queues (writing metadata back, growing).
     fn with_io<T>(&self, f: impl FnOnce(&Image, &mut vsd_qcow2::ImageIo) -> io::Result<T>) -> io::Result<T> {
+        let image = self.image();
         let mut file = ChildQueue::open(&*self.file, 1, u64::MAX)?;
         let mut data = self.data.as_ref().map(|d| ChildQueue::open(&**d, 1, u64::MAX)).transpose()?;
         let mut io =
             vsd_qcow2::ImageIo { meta: &mut file, data: data.as_mut().map(|d| d as &mut dyn SyncIo), backing: None };
-        f(&self.image, &mut io)
+        f(&image, &mut io)
     }
 }
 
@@ -288,11 +340,11 @@ impl BlockNode for Qcow2Node {
     }
 
     fn size(&self) -> u64 {
-        self.image.size()
+        self.image().size()
     }
 
     fn read_only(&self) -> bool {
-        !self.image.writable()
+        !self.options.writable
     }
 
     fn children(&self) -> Vec<(&'static str, Arc<dyn BlockNode>)> {
@@ -302,10 +354,21 @@ impl BlockNode for Qcow2Node {
     }
 
     fn close(&self) -> io::Result<()> {
-        if !self.image.writable() {
+        if !self.image().writable() {
             return Ok(());
         }
         self.with_io(|image, io| image.close(io))
+    }
+
+    fn inactivate(&self) -> io::Result<()> {
+        // Metadata written back and the image marked clean, as at a clean
+        // stop; then nothing cached is kept.
+        self.close()?;
+        self.reopen(read_only(&self.options))
+    }
+
+    fn activate(&self) -> io::Result<()> {
+        self.reopen(self.options.clone())
     }
 
     fn resize(&self, size: u64) -> io::Result<()> {
@@ -325,6 +388,6 @@ impl BlockNode for Qcow2Node {
         let file = ChildQueue::open(&*self.file, child_depth, u64::MAX)?;
         let data = self.data.as_ref().map(|d| ChildQueue::open(&**d, child_depth, u64::MAX)).transpose()?;
         let backing = self.backing.as_ref().map(|b| ChildQueue::open(&**b, child_depth, b.size())).transpose()?;
-        Ok(Box::new(Qcow2Queue::new(self.image.clone(), file, data, backing, depth, parts)?))
+        Ok(Box::new(Qcow2Queue::new(self.image(), file, data, backing, depth, parts)?))
     }
 }
