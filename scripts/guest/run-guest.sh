@@ -39,6 +39,12 @@
 #   --device-opts STR  extra ",key=value" properties for the disk's -device
 #                      (vhost-user-blk-pci, virtio-blk-pci, scsi-hd, ide-hd)
 #   --append STR       extra kernel command line words
+#   --qmp SOCK         a QMP monitor listening on SOCK, for a test that drives
+#                      QEMU itself (a live migration): the guest may move to
+#                      another QEMU and its facts be split between consoles,
+#                      so the job is not judged here; the exit status is QEMU's
+#   --incoming URI     start as a live migration's destination (-incoming URI),
+#                      paused until QMP 'cont'; needs --qmp
 #   --verbose          stream the console to stderr while the guest runs
 #
 # How each bus is wired (the q35 machine; NODES is -blockdev driver=file
@@ -132,6 +138,7 @@ bus=vhost-user-blk socket='' image='' format=raw cache=writeback aio=threads
 queues=2 smp='' job=verify size=64M bs=4k numjobs='' iodepth=16
 ioengine=libaio rw=randread runtime=10 timeout_s=120 log=''
 outdir=$repo/build/guest device_opts='' append='' verbose='' reconnect_ms=''
+qmp='' incoming=''
 while [ "$#" -gt 0 ]; do
     case "$1" in
     --bus) bus=${2-} ;;
@@ -156,6 +163,8 @@ while [ "$#" -gt 0 ]; do
     --outdir) outdir=${2-} ;;
     --device-opts) device_opts=${2-} ;;
     --append) append=${2-} ;;
+    --qmp) qmp=${2-} ;;
+    --incoming) incoming=${2-} ;;
     --verbose) verbose=1; shift; continue ;;
     -h | --help) usage ;;
     *) echo "run-guest: unknown option $1" >&2; usage ;;
@@ -202,6 +211,7 @@ esac
 [ -n "$smp" ] || smp=$queues
 [[ "$smp" =~ ^[1-9][0-9]*$ ]] || die "--smp must be a positive integer"
 [[ "$timeout_s" =~ ^[1-9][0-9]*$ ]] || die "--timeout must be a positive integer"
+[ -z "$incoming" ] || [ -n "$qmp" ] || die "--incoming needs --qmp (the test resumes the guest with 'cont')"
 # Kernel command line words can't hold spaces; fio parses the values itself.
 for v in "$size" "$bs" "$numjobs" "$iodepth" "$ioengine"; do
     [[ "$v" =~ ^[A-Za-z0-9_.-]*$ ]] || die "bad value: '$v'"
@@ -247,6 +257,9 @@ qemu_args=(
     -kernel "$kernel" -initrd "$outdir/initramfs.cpio" -append "$cmdline"
     -serial stdio
 )
+[ -z "$qmp" ] || qemu_args+=(-qmp "unix:$(qemu_str "$qmp"),server=on,wait=off")
+# Paused after the migration too (-S), so that the images change hands first.
+[ -z "$incoming" ] || qemu_args+=(-incoming "$incoming" -S)
 if [ "$bus" = vhost-user-blk ]; then
     qemu_args+=(
         -chardev "socket,id=vu0,path=$(qemu_str "$socket")${reconnect_ms:+,reconnect-ms=$reconnect_ms}"
@@ -307,7 +320,10 @@ facts=$(tr -d '\r' <"$log" | grep -a '^VSD-GUEST ' || true)
 
 fact() { printf '%s\n' "$facts" | sed -n "s/^VSD-GUEST $1=//p" | tail -n 1; }
 why=
-if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+if [ -n "$qmp" ]; then
+    # Driven from outside: the caller judges the job from every console.
+    [ "$rc" -eq 0 ] || why="QEMU exited with status $rc"
+elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
     why="timed out after ${timeout_s}s"
 elif [ -n "$(fact fatal)" ]; then
     why="guest: $(fact fatal)"

@@ -1,0 +1,232 @@
+//! Live migration of a real Linux guest (QEMU under TCG) whose disk vsd
+//! serves: the guest runs fio write + crc32c verify on a 2-queue disk while
+//! it moves from a QEMU on vsd A to a QEMU on vsd B, both serving the same
+//! qcow2 image, and back, the image changing hands between the daemons at
+//! each switch-over (`blockdev-set-active`), as a management tool does.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Daemon, Scratch};
+use serde_json::{Value, json};
+use vsd_control::client::QmpClient;
+
+/// Migration bandwidth: slow enough that fio's I/O overlaps the pre-copy.
+const MAX_BANDWIDTH: u64 = 64 << 20;
+
+/// One vsd serving `image` as qcow2 node `q0` on `name.sock`, with a QMP
+/// monitor on `name-qmp.sock`; an inactive one until it takes the image.
+fn vsd(dir: &Scratch, name: &str, image: &Path, active: bool) -> (Daemon, QmpClient) {
+    let on = if active { "on" } else { "off" };
+    let qmp = dir.path(&format!("{name}-qmp.sock"));
+    let args = [
+        "--blockdev".into(),
+        format!("driver=file,node-name=f0,filename={},active={on}", image.display()),
+        "--blockdev".into(),
+        format!("driver=qcow2,node-name=q0,file=f0,active={on}"),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=e0,node-name=q0,addr.type=unix,addr.path={},writable=on,num-queues=2,allow-inactive=on",
+            dir.path(&format!("{name}.sock")).display()
+        ),
+        "--chardev".into(),
+        format!("socket,id=m,path={},server=on,wait=off", qmp.display()),
+        "--monitor".into(),
+        "chardev=m".into(),
+    ];
+    let daemon = Daemon::vsd(dir, &args);
+    let client = QmpClient::connect(&qmp).unwrap();
+    (daemon, client)
+}
+
+/// A QEMU running (or, with `incoming`, waiting for) the test guest, driven
+/// over QMP.
+struct Qemu {
+    child: Child,
+    qmp: QmpClient,
+    log: PathBuf,
+}
+
+impl Qemu {
+    fn start(dir: &Scratch, name: &str, socket: &Path, incoming: Option<&str>) -> Self {
+        let qmp = dir.path(&format!("{name}.qmp"));
+        let log = dir.path(&format!("{name}.log"));
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/guest/run-guest.sh");
+        let mut command = Command::new(script);
+        command
+            .args([
+                "--timeout",
+                "900",
+                "--queues",
+                "2",
+                "--smp",
+                "2",
+                "--size",
+                "256M",
+                "--bs",
+                "4k",
+                "--iodepth",
+                "32",
+            ])
+            .arg("--socket")
+            .arg(socket)
+            .arg("--qmp")
+            .arg(&qmp)
+            .arg("--log")
+            .arg(&log)
+            .stdout(Stdio::null())
+            // A destination whose migration is cancelled fails on purpose;
+            // what matters is in the console logs.
+            .stderr(Stdio::null());
+        if let Some(uri) = incoming {
+            command.args(["--incoming", uri]);
+        }
+        let child = command.spawn().expect("run scripts/guest/run-guest.sh");
+        let qmp = wait_for(Duration::from_secs(120), &format!("{name}'s QMP socket"), || QmpClient::connect(&qmp).ok());
+        Self { child, qmp, log }
+    }
+
+    fn run(&mut self, command: &str, args: Value) -> Value {
+        self.qmp.execute(command, args).unwrap_or_else(|e| panic!("{command}: {e}"))
+    }
+
+    /// Migrates the guest to the QEMU listening at `uri` and waits until
+    /// QEMU says it is done; returns the final `query-migrate`.
+    fn migrate(&mut self, uri: &str) -> Value {
+        self.run("migrate-set-parameters", json!({ "max-bandwidth": MAX_BANDWIDTH }));
+        self.run("migrate", json!({ "uri": uri }));
+        wait_for(Duration::from_secs(300), "the migration", || {
+            let info = self.run("query-migrate", Value::Null);
+            match info["status"].as_str() {
+                Some("completed") => Some(info),
+                Some("failed" | "cancelled") => panic!("migration: {info}"),
+                _ => None,
+            }
+        })
+    }
+
+    /// Quits QEMU (a source whose guest has left) and waits for it.
+    fn quit(mut self) {
+        let _ = self.qmp.execute("quit", Value::Null);
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "QEMU exited with {status}");
+    }
+}
+
+fn wait_for<T>(limit: Duration, what: &str, mut ready: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(value) = ready() {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "waited {limit:?} for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Requests of these kinds (`rd_operations`, `wr_operations`) the guest
+/// made through a daemon's export so far.
+fn requests(vsd: &mut QmpClient, kinds: &[&str]) -> u64 {
+    let stats = vsd.execute("query-blockstats", Value::Null).unwrap();
+    kinds.iter().map(|kind| stats[0]["stats"][kind].as_u64().unwrap()).sum()
+}
+
+const ANY: &[&str] = &["rd_operations", "wr_operations"];
+const READS: &[&str] = &["rd_operations"];
+
+/// Waits until the guest has made `more` requests of `kinds` through `vsd`
+/// since now.
+fn wait_for_requests(vsd: &mut QmpClient, kinds: &[&str], more: u64, what: &str) {
+    let from = requests(vsd, kinds);
+    wait_for(Duration::from_secs(300), what, || (requests(vsd, kinds) >= from + more).then_some(()));
+}
+
+/// Hands the image from one daemon to the other: the source lets it go
+/// (writing its metadata back), then the destination takes it.
+fn hand_over(from: &mut QmpClient, to: &mut QmpClient) {
+    from.execute("blockdev-set-active", json!({ "node-name": "q0", "active": false })).unwrap();
+    to.execute("blockdev-set-active", json!({ "node-name": "q0", "active": true })).unwrap();
+}
+
+/// The guest's facts, from every console it printed to, in order.
+fn facts(logs: &[&Path]) -> HashMap<String, String> {
+    let text: String = logs.iter().map(|log| std::fs::read_to_string(log).unwrap_or_default()).collect();
+    text.lines()
+        .filter_map(|l| l.trim_end_matches('\r').strip_prefix("VSD-GUEST "))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+#[test]
+fn a_guest_under_fio_verify_migrates_between_two_vsds_and_back() {
+    let dir = Scratch::new("guest-migration");
+    let image = dir.path("disk.qcow2");
+    let out = common::run("qemu-img", &["create", "-f", "qcow2", image.to_str().unwrap(), "512M"]);
+    assert!(out.status.success(), "{out:?}");
+    let (vsd_a, mut qmp_a) = vsd(&dir, "a", &image, true);
+    let (vsd_b, mut qmp_b) = vsd(&dir, "b", &image, false);
+
+    let mut first = Qemu::start(&dir, "qemu1", &vsd_a.socket, None);
+    wait_for_requests(&mut qmp_a, ANY, 2000, "the guest's requests on vsd A");
+
+    // A migration cancelled half-way: the source goes on serving.
+    let cancelled = format!("unix:{}", dir.path("mig0.sock").display());
+    let mut abandoned = Qemu::start(&dir, "qemu0", &vsd_b.socket, Some(&cancelled));
+    first.run("migrate-set-parameters", json!({ "max-bandwidth": 1 << 20 }));
+    first.run("migrate", json!({ "uri": cancelled }));
+    wait_for_requests(&mut qmp_a, ANY, 500, "the guest's requests on vsd A while RAM is being sent");
+    first.run("migrate_cancel", Value::Null);
+    wait_for(Duration::from_secs(60), "the cancellation", || {
+        (first.run("query-migrate", Value::Null)["status"] == "cancelled").then_some(())
+    });
+    // The destination gives up once its source does.
+    let _ = abandoned.child.wait();
+    wait_for_requests(&mut qmp_a, ANY, 500, "the guest's requests on vsd A after the cancellation");
+
+    let mig1 = format!("unix:{}", dir.path("mig1.sock").display());
+    let mut second = Qemu::start(&dir, "qemu2", &vsd_b.socket, Some(&mig1));
+    let there = first.migrate(&mig1);
+    hand_over(&mut qmp_a, &mut qmp_b);
+    second.run("cont", Value::Null);
+    let first_log = first.log.clone();
+    first.quit();
+    // Back while fio reads what it wrote: the reads completed during the
+    // switch-over reach the destination only through the dirty log.
+    wait_for_requests(&mut qmp_b, READS, 2000, "the guest's reads on vsd B");
+
+    // And back: a new QEMU on vsd A, whose export the first one left.
+    let mig2 = format!("unix:{}", dir.path("mig2.sock").display());
+    let mut third = Qemu::start(&dir, "qemu3", &vsd_a.socket, Some(&mig2));
+    let back = second.migrate(&mig2);
+    hand_over(&mut qmp_b, &mut qmp_a);
+    third.run("cont", Value::Null);
+    let second_log = second.log.clone();
+    second.quit();
+    wait_for_requests(&mut qmp_a, ANY, 1000, "the guest's requests on vsd A after the return");
+    let status = third.child.wait().unwrap();
+    assert!(status.success(), "the last QEMU: {status}");
+
+    let facts = facts(&[&first_log, &second_log, &third.log]);
+    assert_eq!(facts["queues"], "2", "the guest uses both virtqueues");
+    assert_eq!(facts["fio_write_status"], "0", "{facts:?}");
+    assert_eq!(facts["fio_verify_status"], "0", "{facts:?}");
+    assert_eq!(facts["fio_verify_read_bytes"], facts["fio_expected_bytes"]);
+    assert_eq!(facts["fio_write_write_bytes"], facts["fio_expected_bytes"]);
+    let log3 = std::fs::read_to_string(&third.log).unwrap();
+    assert!(log3.lines().any(|l| l.trim_end() == "VSD-GUEST done"), "the guest finished on the third QEMU");
+    // Both migrations moved RAM while the guest kept writing.
+    for info in [&there, &back] {
+        assert!(info["ram"]["transferred"].as_u64().unwrap() > 0, "{info}");
+    }
+
+    assert_eq!(vsd_a.stop().code(), Some(0));
+    assert_eq!(vsd_b.stop().code(), Some(0));
+    let check = common::run("qemu-img", &["check", image.to_str().unwrap()]);
+    let report = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success() && report.contains("No errors were found"), "{report}");
+}
