@@ -2,7 +2,9 @@
 //! serves: the guest runs fio write + crc32c verify on a 2-queue disk while
 //! it moves from a QEMU on vsd A to a QEMU on vsd B, both serving the same
 //! qcow2 image, and back, the image changing hands between the daemons at
-//! each switch-over (`blockdev-set-active`), as a management tool does.
+//! each switch-over (`blockdev-set-active`), as a management tool does. On
+//! the way, a migration is cancelled half-way, and vsd B is killed and
+//! restarted under the guest, which its in-flight region must survive.
 
 mod common;
 
@@ -58,20 +60,8 @@ impl Qemu {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/guest/run-guest.sh");
         let mut command = Command::new(script);
         command
-            .args([
-                "--timeout",
-                "900",
-                "--queues",
-                "2",
-                "--smp",
-                "2",
-                "--size",
-                "256M",
-                "--bs",
-                "4k",
-                "--iodepth",
-                "32",
-            ])
+            .args(["--timeout", "900", "--queues", "2", "--smp", "2", "--iodepth", "32"])
+            .args(["--size", "256M", "--bs", "4k", "--reconnect-ms", "200"])
             .arg("--socket")
             .arg(socket)
             .arg("--qmp")
@@ -169,7 +159,7 @@ fn a_guest_under_fio_verify_migrates_between_two_vsds_and_back() {
     let out = common::run("qemu-img", &["create", "-f", "qcow2", image.to_str().unwrap(), "512M"]);
     assert!(out.status.success(), "{out:?}");
     let (vsd_a, mut qmp_a) = vsd(&dir, "a", &image, true);
-    let (vsd_b, mut qmp_b) = vsd(&dir, "b", &image, false);
+    let (mut vsd_b, mut qmp_b) = vsd(&dir, "b", &image, false);
 
     let mut first = Qemu::start(&dir, "qemu1", &vsd_a.socket, None);
     wait_for_requests(&mut qmp_a, ANY, 2000, "the guest's requests on vsd A");
@@ -198,6 +188,11 @@ fn a_guest_under_fio_verify_migrates_between_two_vsds_and_back() {
     // Back while fio reads what it wrote: the reads completed during the
     // switch-over reach the destination only through the dirty log.
     wait_for_requests(&mut qmp_b, READS, 2000, "the guest's reads on vsd B");
+    // vsd B dies with requests in flight; its successor takes over from the
+    // in-flight region QEMU kept, as without a migration.
+    vsd_b.kill();
+    (vsd_b, qmp_b) = vsd(&dir, "b", &image, true);
+    wait_for_requests(&mut qmp_b, READS, 2000, "the guest's reads on the restarted vsd B");
 
     // And back: a new QEMU on vsd A, whose export the first one left.
     let mig2 = format!("unix:{}", dir.path("mig2.sock").display());

@@ -105,6 +105,12 @@ impl Daemon {
         Client::connect(&self.socket, opts).unwrap_or_else(|e| panic!("connect to {}: {e}", self.socket.display()))
     }
 
+    /// Kills the daemon with SIGKILL, as a crash would, and reaps it.
+    pub fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
     /// Stops the daemon with SIGTERM and returns its exit status.
     pub fn stop(mut self) -> std::process::ExitStatus {
         self.terminate()
