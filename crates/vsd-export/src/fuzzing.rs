@@ -74,7 +74,7 @@ use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 use vsd_block::options::OptionMap;
 use vsd_block::{BlockGraph, BlockNode};
 
-use crate::channel::BackendChannel;
+use crate::channel::{self, BackendChannel, Intercepted};
 use crate::config::ExportConfig;
 use crate::device::BlkDevice;
 use crate::inflight::queue_region_len;
@@ -92,6 +92,7 @@ const MAX_PAUSES: usize = 8;
 /// One front-end connection served as the export serves it.
 pub struct Connection {
     handler: BackendReqHandler<Mutex<Session>>,
+    session: Arc<Mutex<Session>>,
     /// Second handle on the socket, to peek at messages.
     peek: UnixStream,
     channel: Option<BackendChannel>,
@@ -104,15 +105,19 @@ impl Connection {
         let peek = stream.try_clone()?;
         let device = Arc::new(BlkDevice::new(config, node));
         let session = Arc::new(Mutex::new(Session::new(device.clone())));
-        Ok(Self { handler: BackendReqHandler::from_stream(stream, session), peek, channel: None, device })
+        let handler = BackendReqHandler::from_stream(stream, session.clone());
+        Ok(Self { handler, session, peek, channel: None, device })
     }
 
     /// Handles the next message as the export's connection loop does: keeps
     /// a copy of a back-end channel it hands over, then lets the handler
     /// read and answer it. It blocks until the message has arrived.
     pub fn handle_next(&mut self) -> Result<(), ProtocolError> {
-        if let Ok(Some(channel)) = BackendChannel::intercept(&self.peek) {
-            self.channel = Some(channel);
+        match channel::intercept(&self.peek, &self.session) {
+            Ok(Intercepted::Channel(channel)) => self.channel = Some(channel),
+            Ok(Intercepted::Taken) => return Ok(()),
+            Ok(Intercepted::Nothing) => {}
+            Err(e) => return Err(ProtocolError::ReqHandlerError(e)),
         }
         self.handler.handle_request()
     }

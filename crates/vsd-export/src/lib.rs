@@ -41,7 +41,7 @@ use vsd_block::BlockNode;
 use vsd_sys::ListenError;
 pub use vsd_trace::ExportSnapshot;
 
-use channel::BackendChannel;
+use channel::{BackendChannel, Intercepted};
 pub use config::{ExportConfig, MAX_QUEUE_SIZE, MAX_QUEUES};
 use device::BlkDevice;
 use session::Session;
@@ -280,13 +280,14 @@ fn serve_connection(stream: UnixStream, device: Arc<BlkDevice>, shared: &Shared)
     set_client(shared, Some(Client { stream: control, channel: None, session: session.clone() }));
     let mut handler = BackendReqHandler::from_stream(stream, session.clone());
     loop {
-        match BackendChannel::intercept(&peek) {
-            Ok(Some(channel)) => {
+        match channel::intercept(&peek, &session) {
+            Ok(Intercepted::Channel(channel)) => {
                 if let Ok(Some(client)) = shared.client.lock().as_deref_mut() {
                     client.channel = Some(channel);
                 }
             }
-            Ok(None) => {}
+            Ok(Intercepted::Taken) => continue,
+            Ok(Intercepted::Nothing) => {}
             Err(e) => log::warn!("export '{id}': cannot look at the next message: {e}"),
         }
         match handler.handle_request() {

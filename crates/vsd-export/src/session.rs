@@ -16,6 +16,7 @@
 
 use std::fs::File;
 use std::io;
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use vhost::VhostUserMemoryRegionBase;
@@ -81,6 +82,8 @@ pub(crate) struct Session {
     /// The front-end's dirty log (SET_LOG_BASE), if any; written to while
     /// VHOST_F_LOG_ALL is on.
     log: Option<Arc<DirtyLog>>,
+    /// An eventfd to signal once a batch wrote to the log (SET_LOG_FD).
+    log_call: Option<Arc<File>>,
 }
 
 fn invalid(reason: &str) -> ProtocolError {
@@ -100,6 +103,7 @@ impl Session {
             vrings: (0..queues).map(|_| Vring::default()).collect(),
             inflight: None,
             log: None,
+            log_call: None,
         }
     }
 
@@ -164,6 +168,7 @@ impl Session {
     /// writes, and for the used ring's if the ring asked for it.
     fn apply_log(&self, run: &mut QueueRun) {
         run.log = self.active_log();
+        run.log_call = self.log_call.clone().filter(|_| run.log.is_some());
         let log_addr = self.vrings[usize::from(run.index)].log_addr;
         run.queue.set_used_log(run.log.clone().zip(log_addr));
     }
@@ -181,6 +186,22 @@ impl Session {
             self.start_thread(thread, runs)?;
         }
         Ok(())
+    }
+
+    /// SET_LOG_FD: an eventfd the workers signal after a batch that wrote
+    /// to the dirty log (the `vhost` crate does not pass the message on: see
+    /// [`crate::channel`]).
+    pub(crate) fn set_log_fd(&mut self, file: File) -> io::Result<()> {
+        let target = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))?;
+        if target.as_os_str() != "anon_inode:[eventfd]" {
+            let what = target.display();
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("the log descriptor is {what}, not an eventfd"),
+            ));
+        }
+        self.log_call = Some(Arc::new(file));
+        self.relog().map_err(|e| io::Error::other(e.to_string()))
     }
 
     /// Keeps what a stopped queue's worker handed back in its ring.
@@ -257,8 +278,17 @@ impl Session {
         }
         let (Some(kick), call) = (vring.kick.take(), vring.call.take()) else { return Ok(None) };
         log::debug!("vring {index}: start, size {} next_avail {} rings {rings:x?}", vring.size, vring.next_avail);
-        let mut run =
-            QueueRun { index: index as u16, queue, kick, call, inflight: tracker, resubmit, broken: false, log: None };
+        let mut run = QueueRun {
+            index: index as u16,
+            queue,
+            kick,
+            call,
+            inflight: tracker,
+            resubmit,
+            broken: false,
+            log: None,
+            log_call: None,
+        };
         self.apply_log(&mut run);
         Ok(Some(run))
     }

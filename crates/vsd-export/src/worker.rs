@@ -109,6 +109,9 @@ pub(crate) struct QueueRun {
     /// requests write is marked in (the used ring's writes are the
     /// queue's own, see [`SplitQueue::log_used_ring`]).
     pub(crate) log: Option<Arc<DirtyLog>>,
+    /// With the log: the front-end's eventfd to signal after a batch that
+    /// wrote to it (SET_LOG_FD), if it gave one.
+    pub(crate) log_call: Option<Arc<File>>,
 }
 
 /// A running worker thread.
@@ -868,7 +871,10 @@ impl QueueWorker {
         let mut completions = std::mem::take(&mut self.completions);
         // Chosen once per batch: without a log, nothing per request.
         match self.run.log.clone() {
-            Some(log) => self.finish_completed(&completions, &*log),
+            Some(log) => {
+                self.finish_completed(&completions, &*log);
+                self.signal_log_call();
+            }
             None => self.finish_completed(&completions, &Unlogged),
         }
         self.used_at = self.now();
@@ -907,6 +913,15 @@ impl QueueWorker {
                 writes.wrote(ram, status, 1);
             }
             self.free.push(done.tag as u16);
+        }
+    }
+
+    /// Tells the front-end that the dirty log was written, if it asked to be.
+    fn signal_log_call(&self) {
+        if let Some(call) = &self.run.log_call
+            && let Err(e) = front_end_io(&self.front_end_io, || vsd_sys::signal_counter(call.as_fd()))
+        {
+            log::warn!("queue {}: cannot signal the dirty log's eventfd: {e}", self.run.index);
         }
     }
 

@@ -7,6 +7,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::fs::File;
 use std::ops::Range;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -14,7 +15,9 @@ use std::time::Duration;
 use common::frontend::{BlkFrontend, GuestMemory, QUEUES, REGION_B, REGION_SIZE};
 use common::{Daemon, Scratch, file_export};
 use serde_json::{Value, json};
+use vhost::VhostBackend;
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_control::client::QmpClient;
 
 const PAGE: u64 = 4096;
@@ -243,4 +246,25 @@ fn only_nodes_nothing_active_uses_can_be_inactivated() {
     assert!(!node_active(&mut qmp, "q0"), "an export that allows it leaves the node inactive");
     qmp.execute("block-export-add", export("taking", "")).unwrap();
     assert!(node_active(&mut qmp, "q0"), "an export that does not takes the image over, as in QEMU");
+}
+
+/// SET_LOG_FD: an eventfd vsd signals once a batch wrote to the log; any
+/// other descriptor is refused, and the connection carries on.
+#[test]
+fn the_log_eventfd_is_signalled_after_logged_writes() {
+    let dir = Scratch::new("dirty-log-fd");
+    let daemon = served(&dir);
+    let mut fe = BlkFrontend::connect(&daemon.socket, GuestMemory::new()).unwrap();
+    let (read, _write) = std::io::pipe().unwrap();
+    assert!(fe.conn.set_log_fd(read.as_raw_fd()).is_err(), "a pipe is not an eventfd");
+    let call = EventFd::new(EFD_NONBLOCK).unwrap();
+    fe.conn.set_log_fd(call.as_raw_fd()).unwrap();
+    fe.check_service(0, 0, true).unwrap();
+    assert!(call.read().is_err(), "signalled while logging was off");
+
+    let log = Log::new(LOG_BYTES);
+    fe.start_logging(&log.0, LOG_BYTES).unwrap();
+    fe.check_service(1, 8, true).unwrap();
+    assert!(call.read().unwrap() > 0, "not signalled after logged writes");
+    assert!(!log.take().is_empty());
 }
