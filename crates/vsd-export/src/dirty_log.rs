@@ -99,6 +99,9 @@ impl DirtyLog {
 /// log during a migration, nothing otherwise. The worker picks one per
 /// batch, so that without a log the request path pays nothing per request.
 pub(crate) trait GuestWrites {
+    /// Whether anything is recorded: without, the caller skips working out
+    /// what a request wrote.
+    const RECORDS: bool = true;
     /// Host bytes `host..host + len` of `ram` were written.
     fn wrote(&self, ram: &GuestRam, host: *const u8, len: usize);
 }
@@ -107,6 +110,7 @@ pub(crate) trait GuestWrites {
 pub(crate) struct Unlogged;
 
 impl GuestWrites for Unlogged {
+    const RECORDS: bool = false;
     #[inline(always)]
     fn wrote(&self, _: &GuestRam, _: *const u8, _: usize) {}
 }

@@ -152,7 +152,7 @@ impl GuestRam {
     /// where it is host-aligned (always, but in a region at an odd guest
     /// address); a torn read of an index that moves from 0x3fff to 0x4000
     /// would see 0x40ff.
-    #[inline]
+    #[inline(always)]
     pub fn load_u16(&self, addr: u64) -> Option<u16> {
         match self.host(addr, 2) {
             Some(host) if host.cast::<u16>().is_aligned() => {
@@ -168,7 +168,7 @@ impl GuestRam {
     /// Stores `value` as the little-endian 16-bit field at `addr`, in one
     /// atomic store where it is host-aligned (see [`Self::load_u16`]);
     /// false if it lies outside guest memory.
-    #[inline]
+    #[inline(always)]
     pub fn store_u16(&self, addr: u64, value: u16) -> bool {
         match self.host(addr, 2) {
             Some(host) if host.cast::<u16>().is_aligned() => {

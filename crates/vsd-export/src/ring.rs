@@ -252,10 +252,12 @@ impl SplitQueue {
     }
 }
 
+#[inline]
 fn load_u16(ram: &GuestRam, addr: u64) -> Result<u16, RingError> {
     ram.load_u16(addr).ok_or(RingError::Unreadable)
 }
 
+#[inline]
 fn store_u16(ram: &GuestRam, addr: u64, value: u16) -> Result<(), RingError> {
     ram.store_u16(addr, value).then_some(()).ok_or(RingError::Unreadable)
 }

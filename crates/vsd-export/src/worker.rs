@@ -392,8 +392,6 @@ struct Slot {
     /// The status byte, in guest memory that `ram` keeps mapped.
     status: *mut u8,
     used_len: u32,
-    /// How many of the slot's iovecs the device writes (a read's buffers).
-    device_writes: usize,
     kind: OpKind,
     bytes: u64,
     stamps: Stamps,
@@ -489,7 +487,6 @@ impl QueueWorker {
             head: 0,
             status: std::ptr::null_mut(),
             used_len: 0,
-            device_writes: 0,
             kind: OpKind::Flush,
             bytes: 0,
             stamps: Stamps::default(),
@@ -805,7 +802,6 @@ impl QueueWorker {
         // lives as long as the worker; the slot holds the guest memory they
         // point into until the request completes.
         let data = unsafe { IoVecs::new(iov.as_ptr(), request.iovcnt) };
-        let device_writes = if matches!(request.action, Action::Read { .. }) { request.iovcnt } else { 0 };
         let (op, data_len) = match request.action {
             Action::Read { offset, len } => (IoOp::Read { offset, len, iov: data }, len as u32),
             Action::Write { offset, len } => {
@@ -819,7 +815,9 @@ impl QueueWorker {
                 // GET_ID request and `mem` keeps them mapped.
                 let written = unsafe { request::write_id(&iov[..request.iovcnt], &self.device.id) };
                 if let Some(log) = &self.run.log {
-                    mark_buffers(&**log, ram, &iov[..request.iovcnt]);
+                    for v in &iov[..request.iovcnt] {
+                        log.wrote(ram, v.iov_base.cast(), v.iov_len);
+                    }
                 }
                 self.free.push(tag);
                 self.finish(head, status, status::OK, written as u32 + 1);
@@ -844,7 +842,6 @@ impl QueueWorker {
             head,
             status,
             used_len: data_len + 1,
-            device_writes,
             kind,
             bytes,
             stamps: Stamps { kicked: self.woke_at, popped: self.popping_at, submitted: 0 },
@@ -889,7 +886,7 @@ impl QueueWorker {
 
     /// Writes the status of each completed request and returns it to the
     /// guest, recording in `writes` the guest memory it wrote.
-    fn finish_completed(&mut self, completions: &[Completion], writes: &impl GuestWrites) {
+    fn finish_completed<W: GuestWrites>(&mut self, completions: &[Completion], writes: &W) {
         for done in completions {
             let tag = done.tag as usize;
             self.account(tag, done.errno);
@@ -897,7 +894,7 @@ impl QueueWorker {
             // Keeps the buffers and the status byte mapped until they are
             // written and marked.
             let held = slot.ram.take();
-            let (head, status, device_writes) = (slot.head, slot.status, slot.device_writes);
+            let (head, status) = (slot.head, slot.status);
             let (code, used_len) = if done.errno == 0 { (status::OK, slot.used_len) } else { (status::IOERR, 1) };
             if done.errno != 0 {
                 log::debug!(
@@ -907,13 +904,31 @@ impl QueueWorker {
                 );
             }
             self.finish(head, status, code, used_len);
-            if let Some(ram) = &held {
-                // Even a failed read may have written part of its buffers.
-                mark_buffers(writes, ram, &self.iovecs[tag][..device_writes]);
-                writes.wrote(ram, status, 1);
+            if let (true, Some(ram)) = (W::RECORDS, &held) {
+                self.record_writes(writes, ram, tag);
             }
             self.free.push(done.tag as u16);
         }
+    }
+
+    /// Records what the request in slot `tag` wrote to guest memory: a
+    /// read's buffers (even a failed read may have written part of them)
+    /// and the status byte.
+    fn record_writes(&self, writes: &impl GuestWrites, ram: &GuestRam, tag: usize) {
+        let slot = &self.slots[tag];
+        if slot.kind == OpKind::Read {
+            // A read's used length is its data and the status byte.
+            let mut left = u64::from(slot.used_len.saturating_sub(1));
+            for v in &self.iovecs[tag] {
+                if left == 0 {
+                    break;
+                }
+                let n = left.min(v.iov_len as u64);
+                writes.wrote(ram, v.iov_base.cast(), n as usize);
+                left -= n;
+            }
+        }
+        writes.wrote(ram, slot.status, 1);
     }
 
     /// Tells the front-end that the dirty log was written, if it asked to be.
@@ -1000,13 +1015,6 @@ impl QueueWorker {
             }
             self.stats.stage(Stage::Call).record_n(called_at.saturating_sub(self.used_at), requests);
         }
-    }
-}
-
-/// Records the buffers of `iov` as written by the device.
-fn mark_buffers(writes: &impl GuestWrites, ram: &GuestRam, iov: &[libc::iovec]) {
-    for v in iov {
-        writes.wrote(ram, v.iov_base.cast(), v.iov_len);
     }
 }
 

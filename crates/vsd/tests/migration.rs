@@ -107,13 +107,17 @@ fn every_guest_page_vsd_writes_is_logged_and_no_other() {
     assert_eq!(log.take(), BTreeSet::new(), "the replaced log is not written any more");
     let mut expected: BTreeSet<u64> = [page(write_buffer)].into();
     expected.extend(request_pages(&fe, 0));
-    // Queue 1 moved to the new log too: it wrote its used ring's flags
-    // (kicks off) when it went on.
-    expected.insert(page(fe.queues[1].used));
-    assert_eq!(grown.take(), expected);
+    let marked = grown.take();
+    // Queue 1 moved to the new log too: it writes its used ring's flags
+    // (kicks off) when it goes on, which may not have happened yet.
+    let restarted = BTreeSet::from([page(fe.queues[1].used)]);
+    assert!(marked.is_superset(&expected), "{marked:?} lacks some of {expected:?}");
+    assert!(marked.difference(&expected).all(|p| restarted.contains(p)), "{marked:?}");
 
-    // Logging off: nothing is marked any more.
+    // Logging off: nothing is marked any more. (Once it is off: until then
+    // a worker going to sleep may still mark its used ring's flags.)
     fe.set_logging(false).unwrap();
+    grown.take();
     for q in 0..QUEUES {
         fe.check_service(q, 64, true).unwrap();
     }
