@@ -1,8 +1,8 @@
 //! A guest's virtqueue: a split ring and the requests it names, all in
 //! guest memory the input fills, popped and parsed as a queue worker does
-//! (`vsd_export::ring::SplitQueue` for the head, `vsd_export::chain::Chain`
-//! over `vsd_export::ram::GuestRam` for the descriptors, then
-//! `vsd_export::request::parse`), then completed (status byte, GET_ID
+//! (`vsd_virtio::ring::SplitQueue` for the head, `vsd_virtio::chain::Chain`
+//! over `vsd_virtio::ram::GuestRam` for the descriptors, then
+//! `vsd_virtio::request::parse`), then completed (status byte, GET_ID
 //! answer, used entry, notification). Differentially: vsd's ring must
 //! accept the same set-ups, take the same heads, write the same used
 //! entries and notify when virtio-queue's `Queue` does, and vsd's chain
@@ -47,10 +47,10 @@ use virtio_bindings::virtio_blk::{
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, MemoryRegionAddress};
-use vsd_export::MAX_QUEUE_SIZE;
-use vsd_export::ram::GuestRam;
-use vsd_export::request::{self, Action, Limits, MAX_DESCRIPTORS, MAX_IOVECS, NoStatus, Request, SECTOR_SIZE, status};
-use vsd_export::ring::{RingError, SplitQueue};
+use vsd_virtio::MAX_QUEUE_SIZE;
+use vsd_virtio::ram::GuestRam;
+use vsd_virtio::request::{self, Action, Limits, MAX_DESCRIPTORS, MAX_IOVECS, NoStatus, Request, SECTOR_SIZE, status};
+use vsd_virtio::ring::{RingError, SplitQueue};
 
 const HEADER: usize = 48;
 

@@ -4,8 +4,7 @@ use std::path::PathBuf;
 
 use vsd_block::options::{OptionError, OptionMap};
 
-/// The largest queue a front-end may set up.
-pub const MAX_QUEUE_SIZE: u16 = 1024;
+pub use vsd_virtio::MAX_QUEUE_SIZE;
 /// Queues an export may offer.
 pub const MAX_QUEUES: u16 = 64;
 

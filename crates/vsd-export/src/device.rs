@@ -12,7 +12,7 @@ use vsd_block::BlockNode;
 use vsd_trace::{ExportSnapshot, QueueStats};
 
 use crate::config::ExportConfig;
-use crate::request::{Limits, SECTOR_SIZE, SEG_MAX, id_bytes};
+use vsd_virtio::request::{Limits, SECTOR_SIZE, SEG_MAX, id_bytes};
 
 /// Largest discard and write-zeroes, in sectors (32 MiB, as QEMU's export).
 const MAX_RANGE_SECTORS: u32 = 65536;

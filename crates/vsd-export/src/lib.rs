@@ -12,18 +12,13 @@
 
 #![deny(missing_docs)]
 
-pub mod chain;
 mod channel;
 mod config;
 mod device;
-pub mod dirty_log;
-#[doc(hidden)]
+#[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 mod inflight;
 mod poll;
-pub mod ram;
-pub mod request;
-pub mod ring;
 mod session;
 mod worker;
 

@@ -32,11 +32,11 @@ use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryM
 
 use crate::config::{MAX_QUEUE_SIZE, MAX_QUEUES};
 use crate::device::BlkDevice;
-use crate::dirty_log::DirtyLog;
 use crate::inflight::{self, InflightRegion};
-use crate::ram::GuestRam;
-use crate::ring::SplitQueue;
 use crate::worker::{QueueRun, Worker};
+use vsd_virtio::dirty_log::DirtyLog;
+use vsd_virtio::ram::GuestRam;
+use vsd_virtio::ring::SplitQueue;
 
 /// Memory slots offered with CONFIGURE_MEM_SLOTS (the common vhost limit).
 const MAX_MEM_SLOTS: u64 = 509;

@@ -47,12 +47,12 @@ use vsd_block::{Completion, IoOp, IoQueue, IoVecs};
 use vsd_trace::{Clock, OpKind, QueueStats, Runs, Stage};
 
 use crate::device::BlkDevice;
-use crate::dirty_log::{DirtyLog, GuestWrites, Unlogged};
 use crate::inflight::InflightQueue;
 use crate::poll::PollWindow;
-use crate::ram::GuestRam;
-use crate::request::{self, Action, MAX_IOVECS, status};
-use crate::ring::{RingError, SplitQueue};
+use vsd_virtio::dirty_log::{DirtyLog, GuestWrites, Unlogged};
+use vsd_virtio::ram::GuestRam;
+use vsd_virtio::request::{self, Action, MAX_IOVECS, status};
+use vsd_virtio::ring::{RingError, SplitQueue};
 
 type Memory = GuestMemoryMmap;
 

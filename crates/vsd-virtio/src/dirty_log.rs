@@ -98,7 +98,7 @@ impl DirtyLog {
 /// Where a worker records the guest memory its requests wrote: the dirty
 /// log during a migration, nothing otherwise. The worker picks one per
 /// batch, so that without a log the request path pays nothing per request.
-pub(crate) trait GuestWrites {
+pub trait GuestWrites {
     /// Whether anything is recorded: without, the caller skips working out
     /// what a request wrote.
     const RECORDS: bool = true;
@@ -107,7 +107,7 @@ pub(crate) trait GuestWrites {
 }
 
 /// No migration: nothing to record.
-pub(crate) struct Unlogged;
+pub struct Unlogged;
 
 impl GuestWrites for Unlogged {
     const RECORDS: bool = false;

@@ -19,9 +19,12 @@ use std::sync::atomic::{Ordering, fence};
 use virtio_bindings::virtio_ring::VRING_USED_F_NO_NOTIFY;
 
 use crate::chain::Chain;
-use crate::config::MAX_QUEUE_SIZE;
 use crate::dirty_log::DirtyLog;
 use crate::ram::GuestRam;
+
+/// The largest queue a front-end may set up (virtio allows 32768; QEMU's
+/// devices and libvhost-user stop at 1024).
+pub const MAX_QUEUE_SIZE: u16 = 1024;
 
 /// What can be wrong with a ring the front-end set up or the guest wrote.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
