@@ -111,6 +111,7 @@ struct Region<'a> {
 }
 
 impl<'a> Region<'a> {
+    #[inline]
     fn len(&self) -> u64 {
         self.spans.iter().map(|s| s.len).sum::<u64>().saturating_sub(self.skip)
     }

@@ -120,16 +120,19 @@ impl SplitQueue {
     }
 
     /// Entries in each ring.
+    #[inline]
     pub fn size(&self) -> u16 {
         self.size
     }
 
     /// The available entry the device takes next.
+    #[inline]
     pub fn next_avail(&self) -> u16 {
         self.next_avail.0
     }
 
     /// The used entry the device fills next.
+    #[inline]
     pub fn next_used(&self) -> u16 {
         self.next_used.0
     }
@@ -150,6 +153,7 @@ impl SplitQueue {
     /// Marks the used entries published since the last call, and the used
     /// index, in the dirty log (if the ring is logged): once per batch,
     /// not per entry, so that an unlogged ring pays one branch.
+    #[inline]
     pub fn mark_published(&mut self) {
         let Some((log, base)) = &self.used_log else { return };
         while self.logged_used != self.next_used {
@@ -169,12 +173,14 @@ impl SplitQueue {
     }
 
     /// The chain at `head` of the descriptor table.
+    #[inline]
     pub fn chain<'m>(&self, ram: &'m GuestRam, head: u16) -> Chain<'m> {
         Chain::new(ram, self.desc_table, self.size, head)
     }
 
     /// How many requests the guest made available past the device's
     /// place. Their entries (and chains) may be read once this returns.
+    #[inline]
     pub fn available(&self, ram: &GuestRam) -> Result<u16, RingError> {
         let idx = load_u16(ram, self.avail_ring + 2)?;
         fence(Ordering::Acquire);
@@ -214,6 +220,7 @@ impl SplitQueue {
 
     /// Whether the guest asked to be notified of the entries published
     /// since this was last asked (always, without EVENT_IDX).
+    #[inline]
     pub fn needs_notification(&mut self, ram: &GuestRam) -> Result<bool, RingError> {
         // The used index must be visible before the guest's event index is
         // read, or a guest re-arming meanwhile could be missed.
@@ -229,6 +236,7 @@ impl SplitQueue {
     }
 
     /// Stops guest kicks (as far as the guest honours the request).
+    #[inline]
     pub fn disable_kicks(&mut self, ram: &GuestRam) -> Result<(), RingError> {
         // With EVENT_IDX, kicks stop by themselves once the guest passes
         // the avail_event last written.
@@ -241,6 +249,7 @@ impl SplitQueue {
 
     /// Asks for kicks again. Returns whether requests arrived meanwhile
     /// (which the guest may not kick for): take them before sleeping.
+    #[inline]
     pub fn enable_kicks(&mut self, ram: &GuestRam) -> Result<bool, RingError> {
         let field = match self.event_idx {
             true => HEADER + USED_ENTRY * u64::from(self.size),
