@@ -6,6 +6,7 @@
 
 #![deny(missing_docs)]
 
+pub mod interrupt;
 pub mod size;
 
 use std::ffi::CString;
