@@ -3,8 +3,7 @@
 //! The command line follows qemu-storage-daemon's, so existing scripts keep
 //! working: `--blockdev` defines nodes (in order, a node may use earlier
 //! ones), `--export` serves a node on a socket, `--chardev` + `--monitor`
-//! open a QMP socket. `vsd stat` prints a running export's statistics;
-//! `vsd lab` runs benchmark matrices and reports them.
+//! open a QMP socket. `vsd stat` prints a running export's statistics.
 
 mod commands;
 mod daemon;
@@ -40,8 +39,6 @@ struct Cli {
 enum Command {
     /// Print a running daemon's per-stage latency and events per I/O.
     Stat(stat::Args),
-    /// Run benchmark matrices (vsd, qemu-storage-daemon, the bare host) and report them.
-    Lab(vsd_lab::cli::Args),
 }
 
 #[derive(clap::Args, Debug)]
@@ -87,12 +84,11 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
-        Some(Command::Stat(args)) => stat::run(args).map(|()| ExitCode::SUCCESS),
-        Some(Command::Lab(args)) => vsd_lab::cli::main(args),
-        None => run(cli.daemon).map(|()| ExitCode::SUCCESS),
+        Some(Command::Stat(args)) => stat::run(args),
+        None => run(cli.daemon),
     };
     match result {
-        Ok(code) => code,
+        Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("vsd: {e:#}");
             ExitCode::FAILURE
