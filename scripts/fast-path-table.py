@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The Markdown tables of a fast-path matrix run (`vsd lab run
+"""The Markdown tables of a fast-path matrix run (`vsd-lab run
 lab/specs/fast-path.toml`) for BENCHMARKS.md: one table per back-end, one
 row per block size x pattern x iodepth, medians over the repetitions.
 

@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
-# Every program, not only the test harnesses: `vsd lab`'s test runs vsd-bench.
+# Every program, not only the test harnesses: `vsd-lab`'s test runs the vsd
+# and vsd-bench built beside it.
 cargo build --workspace --locked
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT

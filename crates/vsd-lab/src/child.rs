@@ -4,9 +4,13 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use rustix::process::{Pid, Signal, kill_process};
+use signal_hook::consts::{SIGINT, SIGTERM};
 
 /// The lab was asked to stop (SIGINT or SIGTERM): the run is not recorded.
 #[derive(Debug, thiserror::Error)]
@@ -15,6 +19,24 @@ pub struct Interrupted;
 
 /// How often a waiting run looks at its child and the clock.
 const TICK: Duration = Duration::from_millis(20);
+
+/// Set by SIGINT or SIGTERM once [`note_termination_signals`] ran.
+static TERMINATION_NOTED: LazyLock<Arc<AtomicBool>> = LazyLock::new(Arc::default);
+
+/// SIGINT and SIGTERM set a flag, read by [`termination_noted`], instead of
+/// killing the lab, so it can stop its children and keep its results. The
+/// handler is reset by `exec`, so children keep the default action.
+pub fn note_termination_signals() -> std::io::Result<()> {
+    for signal in [SIGINT, SIGTERM] {
+        signal_hook::flag::register(signal, Arc::clone(&TERMINATION_NOTED))?;
+    }
+    Ok(())
+}
+
+/// Whether SIGINT or SIGTERM arrived since [`note_termination_signals`].
+pub fn termination_noted() -> bool {
+    TERMINATION_NOTED.load(Ordering::Relaxed)
+}
 
 /// `program args...` under `taskset -c cpus` (unless `cpus` is empty).
 pub fn pinned(cpus: &str, program: &Path) -> Command {
@@ -67,7 +89,7 @@ impl Watched {
             if let Some(status) = self.child.try_wait()? {
                 break status;
             }
-            if vsd_sys::termination_noted() {
+            if termination_noted() {
                 self.stop();
                 return Err(Interrupted.into());
             }
@@ -98,7 +120,7 @@ impl Watched {
             return;
         }
         // The pid is our unreaped child's, so it cannot name another process.
-        let _ = vsd_sys::terminate(self.child.id());
+        let _ = kill_process(Pid::from_child(&self.child), Signal::TERM);
         let give_up = Instant::now() + Duration::from_secs(10);
         while self.running() && Instant::now() < give_up {
             std::thread::sleep(TICK);
@@ -118,7 +140,7 @@ impl Drop for Watched {
 pub fn sleep(duration: Duration) -> Result<()> {
     let end = Instant::now() + duration;
     while Instant::now() < end {
-        if vsd_sys::termination_noted() {
+        if termination_noted() {
             return Err(Interrupted.into());
         }
         std::thread::sleep(TICK.min(end - Instant::now()));
@@ -133,5 +155,5 @@ pub fn cpu_us(pid: u32) -> Result<f64> {
     let fields: Vec<&str> = stat.rsplit_once(')').context("odd /proc stat")?.1.split_whitespace().collect();
     let tick = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
     let ticks = tick(11).zip(tick(12)).map(|(user, system)| user + system).context("odd /proc stat")?;
-    Ok(ticks as f64 * 1e6 / vsd_sys::clock_ticks_per_second() as f64)
+    Ok(ticks as f64 * 1e6 / rustix::param::clock_ticks_per_second() as f64)
 }

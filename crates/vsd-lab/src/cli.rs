@@ -1,10 +1,10 @@
-//! The `vsd lab` command line.
+//! The `vsd-lab` command line.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
-use clap::Subcommand;
+use clap::{Parser, Subcommand};
 
 use crate::matrix::Plan;
 use crate::row::read_rows;
@@ -12,12 +12,20 @@ use crate::runner;
 use crate::spec::Spec;
 use crate::tools::Tools;
 
+/// How the lab finds the programs it runs ([`Tools::locate`]).
+const LOCATING: &str = "vsd and vsd-bench are taken from the directory of vsd-lab itself (cargo builds all three \
+                        into target/<profile>/: cargo build --release -p vsd -p vsd-bench -p vsd-lab); \
+                        VSD_LAB_VSD and VSD_LAB_BENCH name others. qemu-storage-daemon and fio come from PATH.";
+
 /// Where results go unless `--results` says otherwise; `LAST` in it names
-/// the latest results file, which `vsd lab report` takes by default.
+/// the latest results file, which `vsd-lab report` takes by default.
 const RESULTS_DIR: &str = "lab-results";
 
-/// `vsd lab`'s arguments.
-#[derive(clap::Args, Debug)]
+/// `vsd-lab`'s arguments.
+#[derive(Parser, Debug)]
+#[command(name = "vsd-lab", version)]
+#[command(about = "Run benchmark matrices (vsd, qemu-storage-daemon, the bare host) and report them")]
+#[command(after_help = LOCATING)]
 pub struct Args {
     #[command(subcommand)]
     command: Command,
@@ -45,7 +53,7 @@ enum Command {
     },
     /// Make the HTML report of a results file.
     Report {
-        /// Results file (default: the latest `vsd lab run`'s).
+        /// Results file (default: the latest `vsd-lab run`'s).
         results: Option<PathBuf>,
         /// Output directory (default: next to the results, NAME-report/).
         #[arg(long)]
@@ -53,7 +61,7 @@ enum Command {
     },
 }
 
-/// Runs `vsd lab ...`.
+/// Runs `vsd-lab ...`.
 pub fn main(args: Args) -> Result<ExitCode> {
     match args.command {
         Command::Run { spec, results, fresh, list, matrices } => run(&spec, results, fresh, list, &matrices),
@@ -77,14 +85,14 @@ fn run(spec_path: &Path, results: Option<PathBuf>, fresh: bool, list: bool, matr
     std::fs::create_dir_all(RESULTS_DIR)?;
     std::fs::write(&last, results.display().to_string())?;
     eprintln!(
-        "vsd lab: {} runs recorded in {} ({} failed){}",
+        "vsd-lab: {} runs recorded in {} ({} failed){}",
         outcome.recorded,
         results.display(),
         outcome.failed,
         if outcome.resumed > 0 { format!(", {} from before", outcome.resumed) } else { String::new() }
     );
     if outcome.interrupted {
-        eprintln!("vsd lab: interrupted; the finished runs are kept: run the same command again to resume");
+        eprintln!("vsd-lab: interrupted; the finished runs are kept: run the same command again to resume");
         return Ok(ExitCode::from(130));
     }
     Ok(if outcome.failed > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
@@ -96,7 +104,7 @@ fn report(results: Option<PathBuf>, out: Option<PathBuf>) -> Result<ExitCode> {
         None => {
             let last = Path::new(RESULTS_DIR).join("LAST");
             let text = std::fs::read_to_string(&last)
-                .with_context(|| format!("no results named, and no '{}' from a `vsd lab run`", last.display()))?;
+                .with_context(|| format!("no results named, and no '{}' from a `vsd-lab run`", last.display()))?;
             PathBuf::from(text.trim())
         }
     };

@@ -1,4 +1,4 @@
-//! `vsd lab run`: every run of a plan, one JSON line each, resumable.
+//! `vsd-lab run`: every run of a plan, one JSON line each, resumable.
 //!
 //! Repetitions are interleaved: the whole plan runs once, then again, so
 //! that a slow phase of a noisy machine falls on every configuration alike
@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::child::Interrupted;
+use crate::child::{self, Interrupted};
 use crate::config::{Driver, Program};
 use crate::drive::{self, Setup};
 use crate::image::Images;
@@ -39,7 +39,7 @@ pub struct Outcome {
 
 /// Runs `spec`, appending rows to `results` (emptied first if `fresh`).
 pub fn run(spec: &Spec, results: &Path, fresh: bool, tools: &Tools) -> Result<Outcome> {
-    vsd_sys::note_termination_signals().context("installing the Ctrl-C handler")?;
+    child::note_termination_signals().context("installing the Ctrl-C handler")?;
     let plan = Plan::new(spec);
     if fresh {
         let _ = std::fs::remove_file(results);
@@ -65,7 +65,7 @@ pub fn run(spec: &Spec, results: &Path, fresh: bool, tools: &Tools) -> Result<Ou
         let started_unix = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
         progress.set_message(format!("{}/{} {}", n + 1, todo.len(), planned.config.id()));
         let result = run_one(planned, &mut images, &setup);
-        if matches!(&result, Err(e) if e.is::<Interrupted>()) || vsd_sys::termination_noted() {
+        if matches!(&result, Err(e) if e.is::<Interrupted>()) || child::termination_noted() {
             outcome.interrupted = true;
             break;
         }
@@ -127,7 +127,7 @@ fn expected_secs(p: &Planned) -> u64 {
 
 fn plan_summary(spec: &Spec, plan: &Plan, todo: usize, resumed: usize) -> String {
     let mut text = format!(
-        "vsd lab: spec '{}': {} configurations, {} runs ({todo} to make, {resumed} already recorded)",
+        "vsd-lab: spec '{}': {} configurations, {} runs ({todo} to make, {resumed} already recorded)",
         spec.name,
         plan.runs.len(),
         plan.total_runs()

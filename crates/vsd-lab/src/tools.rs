@@ -7,9 +7,9 @@ use anyhow::{Context, Result};
 /// Paths of the programs the lab starts.
 #[derive(Clone, Debug)]
 pub struct Tools {
-    /// The vsd daemon: this program, unless `VSD_LAB_VSD` names another.
+    /// The vsd daemon, built next to vsd-lab (`VSD_LAB_VSD` overrides).
     pub vsd: PathBuf,
-    /// vsd-bench, built next to vsd (`VSD_LAB_BENCH` overrides).
+    /// vsd-bench, built next to vsd-lab (`VSD_LAB_BENCH` overrides).
     pub bench: PathBuf,
     /// qemu-storage-daemon, from `PATH`.
     pub qsd: PathBuf,
@@ -22,17 +22,23 @@ pub struct Tools {
 }
 
 impl Tools {
-    /// Finds every program; vsd-bench must exist, the others are checked
-    /// when a run needs them.
+    /// Finds every program. vsd and vsd-bench must exist: cargo builds them
+    /// into the same directory as vsd-lab, which is where they are looked
+    /// for. The others are checked when a run needs them.
     pub fn locate() -> Result<Self> {
         let exe = std::env::current_exe().context("cannot find this program's path")?;
-        let vsd = env_path("VSD_LAB_VSD").unwrap_or_else(|| exe.clone());
-        let bench = env_path("VSD_LAB_BENCH").unwrap_or_else(|| vsd.with_file_name("vsd-bench"));
-        anyhow::ensure!(
-            bench.is_file(),
-            "vsd-bench not found at '{}' (build it: cargo build -p vsd-bench, or set VSD_LAB_BENCH)",
-            bench.display()
-        );
+        let beside = |var: &str, name: &str| -> Result<PathBuf> {
+            let path = env_path(var).unwrap_or_else(|| exe.with_file_name(name));
+            anyhow::ensure!(
+                path.is_file(),
+                "{name} not found at '{}' (build it beside vsd-lab: cargo build -p {name}, with the same \
+                 profile; or set {var})",
+                path.display()
+            );
+            Ok(path)
+        };
+        let vsd = beside("VSD_LAB_VSD", "vsd")?;
+        let bench = beside("VSD_LAB_BENCH", "vsd-bench")?;
         let guest = env_path("VSD_GUEST_SCRIPT").or_else(|| {
             let cwd = std::env::current_dir().ok()?;
             [exe.as_path(), cwd.as_path()].iter().find_map(|start| find_above(start, "scripts/guest/run-guest.sh"))

@@ -1,5 +1,6 @@
 //! The report from synthetic results: every figure, table and failure is
-//! there, and headless Chromium renders every plot.
+//! there, each plot's table holds the figures it draws, and headless
+//! Chromium renders every plot.
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};
@@ -156,6 +157,41 @@ fn figure_ids(html: &str) -> Vec<&str> {
     html.split("<figure id=\"").skip(1).map(|rest| &rest[..rest.find('"').expect("a closed id")]).collect()
 }
 
+/// The cells of each row of the table with `id`, as text, header row first.
+fn cells(html: &str, id: &str) -> Vec<Vec<String>> {
+    let text = |cell: &str| {
+        let inner = &cell[cell.find('>').expect("a closed tag") + 1..];
+        inner.replace("&amp;", "&").replace("&gt;", ">").replace("&lt;", "<")
+    };
+    table(html, id)
+        .split("<tr>")
+        .skip(1)
+        .map(|row| {
+            let row = &row[..row.find("</tr>").expect("a closed row")];
+            row.split("</t")
+                .filter(|cell| cell.contains('<'))
+                .map(|cell| text(&cell[cell.rfind("<t").unwrap()..]))
+                .collect()
+        })
+        .collect()
+}
+
+/// Whether a table's `shown` figure is `value` rounded to the digits it shows.
+fn shows(shown: &str, value: f64) -> bool {
+    let decimals = shown.split_once('.').map_or(0, |(_, fraction)| fraction.len());
+    let parsed: f64 = shown.replace(',', "").parse().unwrap_or_else(|_| panic!("'{shown}' is not a number"));
+    (parsed - value).abs() <= 0.5 * 10f64.powi(-(decimals as i32)) + 1e-9
+}
+
+/// The median, lowest and highest of `values`.
+fn spread(values: &[f64]) -> (f64, f64, f64) {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let mid = sorted.len() / 2;
+    let median = if sorted.len().is_multiple_of(2) { (sorted[mid - 1] + sorted[mid]) / 2.0 } else { sorted[mid] };
+    (median, sorted[0], sorted[sorted.len() - 1])
+}
+
 /// The HTML of the table with `id`.
 fn table<'a>(html: &'a str, id: &str) -> &'a str {
     let start = html.find(&format!("<table id=\"{id}\">")).unwrap_or_else(|| panic!("no table '{id}'"));
@@ -179,6 +215,12 @@ fn report_has_every_figure_table_and_failure() {
     assert_eq!(ids.len(), FIGURES.len() + 4 * 3, "{ids:?}");
     assert_eq!(html.matches("<svg class=\"plot\"").count(), ids.len());
     assert_eq!(html.matches("<figcaption>").count(), ids.len());
+    // Each plot's figures as a table, inside its figure.
+    for id in &ids {
+        let figure = &html[html.find(&format!("<figure id=\"{id}\">")).unwrap()..];
+        let figure = &figure[..figure.find("</figure>").unwrap()];
+        assert!(figure.contains(&format!("<table id=\"{id}-data\">")), "figure {id} has no table");
+    }
     // Self-contained: nothing to run, nothing to fetch (SVG's xmlns names, never loads).
     assert!(!html.contains("<script") && !html.contains(" src=") && !html.contains("href=\"http"));
 
@@ -219,6 +261,88 @@ fn report_has_every_figure_table_and_failure() {
     assert!(failed.contains("qsd/tmpfs/raw/writeback/io_uring/mq1-1jobs/4k/randread/qd32"), "{failed}");
     assert!(failed.contains("qsd exited: &lt;socket&gt; &amp; all"), "{failed}");
     assert!(html.contains("daemon was pinned to CPUs 0; the driver was pinned to CPUs 1"));
+}
+
+/// The comparison figures' tables hold every bar the plot draws, and only
+/// those: each the median, lowest and highest of its repetitions (and the
+/// median p99 of the latency figures), in the order the bars stand.
+#[test]
+fn comparison_tables_hold_the_plotted_figures() {
+    let dir = TempDir::new().unwrap();
+    let (_, html) = write(&dir);
+    let rows = rows();
+    type Read = fn(&Measured) -> Option<f64>;
+    let metrics: [(&str, Read, Option<Read>); 3] = [
+        ("iops", |m| Some(m.iops), None),
+        ("cpu", |m| m.daemon_cpu_pct, None),
+        ("latency", |m| Some(m.lat_us.mean), Some(|m| Some(m.lat_us.p99))),
+    ];
+    for (slug, value, marker) in metrics {
+        let id = format!("compare-host-tmpfs-raw-writeback-io_uring-4k-randread-qd32-{slug}-data");
+        let table = cells(&html, &id);
+        assert_eq!(table[0][..2], ["daemon", "queues and jobs"], "{id}");
+        assert_eq!(table[0].len(), 5 + usize::from(marker.is_some()), "{id}: {:?}", table[0]);
+        // Bars stand cluster by cluster, each cluster's daemons in order of appearance.
+        let mut expected = Vec::new();
+        for (queues, jobs) in [(1, 1), (2, 2)] {
+            for daemon in ["vsd", "qsd", "fio"] {
+                let reps: Vec<&Measured> = rows
+                    .iter()
+                    .filter(|row| row.matrix == "compare" && row.config.driver != Driver::Guest)
+                    .filter(|row| row.config.daemon == daemon && (row.config.queues, row.config.jobs) == (queues, jobs))
+                    .filter_map(|row| row.result.as_ref())
+                    .collect();
+                let values: Vec<f64> = reps.iter().filter_map(|m| value(m)).collect();
+                if !values.is_empty() {
+                    let markers: Option<Vec<f64>> = marker.map(|read| reps.iter().filter_map(|m| read(m)).collect());
+                    expected.push((daemon, format!("mq{queues}-{jobs}jobs"), spread(&values), markers));
+                }
+            }
+        }
+        assert_eq!(table.len() - 1, expected.len(), "{id}: one row per bar: {table:?}");
+        for (row, (daemon, cluster, (median, lowest, highest), markers)) in table[1..].iter().zip(&expected) {
+            assert_eq!((row[0].as_str(), &row[1]), (*daemon, cluster), "{id}");
+            for (shown, value) in row[2..5].iter().zip([median, lowest, highest]) {
+                assert!(shows(shown, *value), "{id}, {daemon} {cluster}: {shown} is not {value}");
+            }
+            if let Some(markers) = markers {
+                assert!(shows(&row[5], spread(markers).0), "{id}, {daemon} {cluster}: p99 {}", row[5]);
+            }
+        }
+    }
+    // The host floor has no daemon process: no CPU row.
+    assert!(!table(&html, "compare-host-tmpfs-raw-writeback-io_uring-4k-randread-qd32-cpu-data").contains(">fio<"));
+    let guest = cells(&html, "compare-guest-tmpfs-raw-writeback-io_uring-4k-randread-qd32-iops-data");
+    assert_eq!(guest[1][..3], ["qemu · virtio-blk", "mq1-1jobs", "5,000"]);
+}
+
+/// The breakdown's table holds each stack's segments as drawn: vsd's
+/// stages, then the driver's latency less vsd's total, and their sum.
+#[test]
+fn breakdown_table_holds_the_plotted_segments() {
+    let dir = TempDir::new().unwrap();
+    let (_, html) = write(&dir);
+    let table = cells(&html, "compare-host-breakdown-data");
+    let stages = breakdown().stages;
+    let head: Vec<String> = std::iter::once("configuration".to_owned())
+        .chain(stages.iter().map(|stage| format!("{}: {}", stage.name, stage.label)))
+        .chain(["outside the daemon".to_owned(), "total".to_owned()])
+        .collect();
+    assert_eq!(table[0], head);
+    assert_eq!(table.len(), 3, "one row per vsd configuration: {table:?}");
+    for (row, (queues, base)) in table[1..].iter().zip([(1, 100e3), (2, 200e3)]) {
+        assert_eq!(row[0], format!("mq{queues}-{queues}jobs"));
+        // Two repetitions, 2000 IOPS apart; the latency is 32e6 / IOPS.
+        let (latency, _, _) = spread(&[32e6 / base, 32e6 / (base + 2000.0)]);
+        let outside = latency - breakdown().total_mean_us;
+        let expected: Vec<f64> = stages.iter().map(|stage| stage.mean_us).chain([outside, latency]).collect();
+        for (shown, value) in row[1..].iter().zip(&expected) {
+            assert!(shows(shown, *value), "{}: {shown} is not {value}", row[0]);
+        }
+    }
+    // vsd's own stages get a panel of their own, without the host's I/O.
+    let svg = fs::read_to_string(dir.path().join("compare-host-breakdown.svg")).unwrap();
+    assert!(svg.contains("The whole request") && svg.contains("vsd&apos;s own stages, on their own scale"), "{svg}");
 }
 
 #[test]

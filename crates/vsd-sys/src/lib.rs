@@ -16,7 +16,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// `fallocate(2)` modes used by the engines.
 pub mod falloc {
@@ -385,49 +385,6 @@ pub fn wait_for_termination() -> io::Result<i32> {
 pub fn raise_termination() {
     // SAFETY: kill takes no pointers.
     unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
-}
-
-static TERMINATION_NOTED: AtomicBool = AtomicBool::new(false);
-
-/// For tools that run children in the foreground (`vsd lab`): SIGINT and
-/// SIGTERM set a flag, read by [`termination_noted`], instead of killing
-/// the process, so it can stop its children and keep its results. The
-/// handler is reset by `exec`, so children keep the default action.
-pub fn note_termination_signals() -> io::Result<()> {
-    extern "C" fn note(_: libc::c_int) {
-        TERMINATION_NOTED.store(true, Ordering::Relaxed);
-    }
-    // SAFETY: a zeroed sigaction is valid; its handler only stores to an
-    // atomic, which is async-signal-safe; the mask is initialised.
-    unsafe {
-        let mut action: libc::sigaction = std::mem::zeroed();
-        action.sa_sigaction = note as extern "C" fn(libc::c_int) as libc::sighandler_t;
-        action.sa_flags = libc::SA_RESTART;
-        libc::sigemptyset(&mut action.sa_mask);
-        for signal in [libc::SIGINT, libc::SIGTERM] {
-            check(libc::sigaction(signal, &action, std::ptr::null_mut()).into())?;
-        }
-    }
-    Ok(())
-}
-
-/// Whether SIGINT or SIGTERM arrived since [`note_termination_signals`].
-pub fn termination_noted() -> bool {
-    TERMINATION_NOTED.load(Ordering::Relaxed)
-}
-
-/// Sends SIGTERM to process `pid`.
-pub fn terminate(pid: u32) -> io::Result<()> {
-    let pid = libc::pid_t::try_from(pid).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: kill takes no pointers.
-    check(unsafe { libc::kill(pid, libc::SIGTERM) }.into()).map(drop)
-}
-
-/// Clock ticks per second, the unit of CPU times in `/proc/PID/stat`.
-pub fn clock_ticks_per_second() -> u64 {
-    // SAFETY: sysconf takes no pointers.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    u64::try_from(hz).ok().filter(|&hz| hz > 0).unwrap_or(100)
 }
 
 fn termination_set() -> libc::sigset_t {

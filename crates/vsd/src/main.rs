@@ -3,15 +3,16 @@
 //! The command line follows qemu-storage-daemon's, so existing scripts keep
 //! working: `--blockdev` defines nodes (in order, a node may use earlier
 //! ones), `--export` serves a node on a socket, `--chardev` + `--monitor`
-//! open a QMP socket. `vsd stat` prints a running export's statistics;
-//! `vsd lab` runs benchmark matrices and reports them.
+//! open a QMP socket. `vsd stat` prints a running export's statistics.
 
 mod commands;
 mod daemon;
 mod monitor;
+mod pidfile;
+mod run_as;
 mod stat;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -22,6 +23,8 @@ use vsd_control::metrics::MetricsServer;
 use vsd_control::qmp::QmpServer;
 
 use daemon::Daemon;
+use pidfile::Pidfile;
+use run_as::RunAs;
 
 #[derive(Parser, Debug)]
 #[command(name = "vsd", version, about = "A vhost-user-blk storage daemon for virtual machines")]
@@ -40,8 +43,6 @@ struct Cli {
 enum Command {
     /// Print a running daemon's per-stage latency and events per I/O.
     Stat(stat::Args),
-    /// Run benchmark matrices (vsd, qemu-storage-daemon, the bare host) and report them.
-    Lab(vsd_lab::cli::Args),
 }
 
 #[derive(clap::Args, Debug)]
@@ -87,12 +88,11 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
-        Some(Command::Stat(args)) => stat::run(args).map(|()| ExitCode::SUCCESS),
-        Some(Command::Lab(args)) => vsd_lab::cli::main(args),
-        None => run(cli.daemon).map(|()| ExitCode::SUCCESS),
+        Some(Command::Stat(args)) => stat::run(args),
+        None => run(cli.daemon),
     };
     match result {
-        Ok(code) => code,
+        Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("vsd: {e:#}");
             ExitCode::FAILURE
@@ -133,6 +133,8 @@ fn run(args: DaemonArgs) -> Result<()> {
         }
         None => None,
     };
+    // The pidfile says every socket listens; privileges go after it, as all
+    // that needs them is open.
     let _pidfile = args.pidfile.as_deref().map(Pidfile::write).transpose()?;
     if let Some(run_as) = &run_as {
         run_as.drop_privileges()?;
@@ -141,108 +143,4 @@ fn run(args: DaemonArgs) -> Result<()> {
     log::info!("signal {signal}: shutting down");
     daemon.shutdown();
     Ok(())
-}
-
-/// The user `--run-with user=...` names, which the daemon becomes once it
-/// has opened what needs privileges: images, sockets, the pidfile.
-struct RunAs {
-    /// As the option said it, for messages.
-    user: String,
-    uid: u32,
-    gid: u32,
-    groups: Vec<u32>,
-}
-
-impl RunAs {
-    /// QEMU's `-run-with user=NAME|UID:GID`. A name brings its primary
-    /// group and the groups it is a member of; `UID:GID` that one group
-    /// alone. Root is refused: it would drop nothing.
-    fn parse(text: &str) -> Result<Self> {
-        let mut opts = OptionMap::parse("--run-with", text)?;
-        let user = opts.take("user");
-        // QEMU's chroot= and async-teardown= are not vsd's: named as unknown.
-        opts.finish()?;
-        let Some(user) = user else { anyhow::bail!("--run-with: give user=NAME or user=UID:GID") };
-        let context = || format!("--run-with user={user}");
-        let (uid, gid, groups) = if let Some(ids) = vsd_sys::user_by_name(&user).with_context(context)? {
-            (ids.uid, ids.gid, vsd_sys::group_list(&user, ids.gid).with_context(context)?)
-        } else if let Some((uid, gid)) = numeric_ids(&user) {
-            (uid, gid, vec![gid])
-        } else {
-            anyhow::bail!("--run-with user={user}: no such user (give a user name or UID:GID)");
-        };
-        if uid == 0 || gid == 0 {
-            anyhow::bail!("--run-with user={user}: that is root's user or group, which would drop nothing");
-        }
-        Ok(Self { user, uid, gid, groups })
-    }
-
-    /// Drops to the user for good, then checks that no thread of the
-    /// process kept other ids.
-    fn drop_privileges(&self) -> Result<()> {
-        vsd_sys::drop_privileges(self.uid, self.gid, &self.groups)
-            .with_context(|| format!("cannot drop privileges to user {}", self.user))?;
-        match threads_not_running_as(self.uid, self.gid) {
-            Ok(others) if others.is_empty() => {}
-            // Only kernel-made threads can be here (see below). They serve
-            // the images already open, so the daemon carries on, but says so.
-            Ok(others) => log::warn!(
-                "threads that kept their ids after dropping privileges to user {}: {}",
-                self.user,
-                others.join(", ")
-            ),
-            Err(e) => log::warn!("cannot check the threads' ids after dropping privileges: {e:#}"),
-        }
-        log::info!("running as user {} (uid {}, gid {})", self.user, self.uid, self.gid);
-        Ok(())
-    }
-}
-
-/// `UID:GID`, both numbers; `None` otherwise. -1 is not an id.
-fn numeric_ids(text: &str) -> Option<(u32, u32)> {
-    let (uid, gid) = text.split_once(':')?;
-    let id = |t: &str| t.parse::<u32>().ok().filter(|&id| id != u32::MAX);
-    Some((id(uid)?, id(gid)?))
-}
-
-/// The threads whose real, effective, saved or filesystem ids are not
-/// `uid` and `gid`, described. glibc changes every thread it made; threads
-/// the kernel made for the process keep the ids they started with: those
-/// are io_uring's workers (`iou-wrk-*`), started only if a front-end
-/// connected and did I/O before the drop.
-fn threads_not_running_as(uid: u32, gid: u32) -> Result<Vec<String>> {
-    let mut others = Vec::new();
-    for task in std::fs::read_dir("/proc/self/task").context("listing /proc/self/task")? {
-        let path = task?.path().join("status");
-        let status = match std::fs::read_to_string(&path) {
-            Ok(status) => status,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue, // it exited meanwhile
-            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
-        };
-        let field = |key: &str| status.lines().find_map(|line| line.strip_prefix(key)).unwrap_or_default().trim();
-        let is = |key: &str, want: u32| field(key).split_whitespace().all(|id| id == want.to_string());
-        if !(is("Uid:", uid) && is("Gid:", gid)) {
-            others.push(format!("'{}' (uid {}, gid {})", field("Name:"), field("Uid:"), field("Gid:")));
-        }
-    }
-    Ok(others)
-}
-
-/// The pidfile, removed when the daemon exits, however it exits. After
-/// `--run-with`, removing it (and the sockets) takes a directory the user
-/// may write; otherwise it stays, and the next start overwrites it.
-struct Pidfile(PathBuf);
-
-impl Pidfile {
-    fn write(path: &Path) -> Result<Self> {
-        std::fs::write(path, format!("{}\n", std::process::id()))
-            .with_context(|| format!("cannot write pidfile '{}'", path.display()))?;
-        Ok(Self(path.to_path_buf()))
-    }
-}
-
-impl Drop for Pidfile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
 }

@@ -8,7 +8,7 @@ use anyhow::Result;
 
 use super::group::{Run, Section, first_appearances, grouped};
 use super::html::{Cell, Page, escape, table};
-use super::plot::{GREY, StackedChart, color, stacked_bars};
+use super::plot::{GREY, StackedChart, color};
 use super::stats::median;
 use crate::config::Config;
 use crate::row::{Breakdown, Measured};
@@ -16,6 +16,10 @@ use crate::row::{Breakdown, Measured};
 /// The events per I/O the runner counts, in the order the table shows them.
 const EVENTS: [&str; 6] = ["kicks", "calls", "io_uring_enter", "wakeups", "poll_hits", "batches"];
 const OUTSIDE: &str = "outside the daemon";
+/// The stage in which the engine waits for the host's I/O (submit ->
+/// complete): the kernel's and the device's time, which fio on the host
+/// pays too. It and the time outside the daemon dwarf vsd's own stages.
+const HOST_IO: &str = "complete";
 
 /// One stage's mean time, the median over the repetitions.
 struct Stage {
@@ -53,8 +57,10 @@ pub(crate) fn write(page: &mut Page, section: &Section) -> Result<()> {
     page.push("<h3>Where does the time go</h3>\n");
     let caption = "Where a request's time went, per configuration: vsd's stages from kick noticed to guest \
                    notified (mean per request, median over the repetitions), then the rest of the driver's \
-                   mean latency, outside the daemon.";
-    page.figure(&format!("{id}-breakdown"), &section.caption(caption), stacked_bars(&chart(section, &accounts))?);
+                   mean latency, outside the daemon. The lower panel leaves out the host's I/O (submit -> \
+                   complete) and the time outside, so that vsd's own stages get a scale of their own. The \
+                   table gives every segment in µs.";
+    page.figure(&format!("{id}-breakdown"), &section.caption(caption), &chart(section, &accounts))?;
     for account in &accounts {
         page.push(&format!(
             "<details>\n<summary>{}</summary>\n{}</details>\n",
@@ -118,11 +124,17 @@ fn chart(section: &Section, accounts: &[Account]) -> StackedChart {
             (label, values)
         })
         .collect();
+    let own: Vec<usize> = (0..names.len()).filter(|&i| names[i].0 != HOST_IO).collect();
+    let mut panels = vec![("The whole request".to_owned(), (0..segments.len()).collect())];
+    if !own.is_empty() {
+        panels.push(("vsd's own stages, on their own scale".to_owned(), own));
+    }
     StackedChart {
         title: section.plot_title(&format!("Where the time goes · {}", section.matrix)),
         x_desc: "µs per request (mean)".to_owned(),
         segments,
         stacks,
+        panels,
     }
 }
 

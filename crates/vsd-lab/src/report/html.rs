@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 
+use super::plot::Plot;
+
 /// Inline, so the report is one file that renders offline.
 const STYLE: &str = "\
 body { font-family: sans-serif; color: #222; max-width: 1500px; margin: 1.5rem auto; padding: 0 1rem; }
@@ -17,6 +19,7 @@ svg.plot { display: block; max-width: 100%; height: auto; }
 table { border-collapse: collapse; margin: .5rem 0 1rem; }
 th, td { border: 1px solid #ccc; padding: .2rem .6rem; text-align: left; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
+figure table { font-size: .85rem; margin: .4rem 0 0; }
 .guest-note { background: #fff3cd; border-left: 4px solid #e0a800; padding: .4rem .8rem; }
 ";
 
@@ -110,15 +113,19 @@ impl Page {
         unique
     }
 
-    /// Appends a figure holding `svg` (trusted: plotters escapes its text).
-    pub fn figure(&mut self, id: &str, caption: &str, svg: String) {
+    /// Appends a figure: the plot's SVG (trusted: plotters escapes its
+    /// text), its figures as a table with id `ID-data`, and the caption.
+    pub fn figure(&mut self, id: &str, caption: &str, plot: &dyn Plot) -> Result<()> {
         let id = self.unique_id(id);
+        let svg = plot.svg()?;
         self.body.push_str(&format!(
-            "<figure id=\"{}\">\n{svg}<figcaption>{}</figcaption>\n</figure>\n",
+            "<figure id=\"{}\">\n{svg}{}<figcaption>{}</figcaption>\n</figure>\n",
             escape(&id),
+            plot.table(&format!("{id}-data")),
             escape(caption)
         ));
         self.plots.push((id, svg));
+        Ok(())
     }
 
     /// Writes `out_dir/index.html` and every plot as `out_dir/<id>.svg`.

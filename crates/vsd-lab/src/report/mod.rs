@@ -1,9 +1,11 @@
 //! The report: one self-contained HTML page with plots, made from a results
 //! file, in the shapes of the studies vsd answers: RSD's "mqX-Yjobs" bars of
 //! IOPS, CPU and latency per daemon, a layer-by-layer latency table, and a
-//! format × cache-mode matrix.
+//! format × cache-mode matrix. Every plot has the figures it draws as a
+//! table under it.
 
 mod breakdown;
+mod data;
 mod figures;
 mod grid;
 mod group;
@@ -62,7 +64,7 @@ fn write_section(page: &mut Page, section: &Section, daemons: &Daemons) -> Resul
         page.push(&format!("<h3>{}</h3>\n<div class=\"figures\">\n", escape(&title(&parts))));
         for comparison in figures::comparisons(section, &key, &runs, daemons) {
             let figure_id = format!("{id}-{}-{}", slug(&parts.join("-")), comparison.slug);
-            page.figure(&figure_id, &comparison.caption, plot::grouped_bars(&comparison.chart)?);
+            page.figure(&figure_id, &comparison.caption, &comparison.chart)?;
         }
         page.push("</div>\n");
     }

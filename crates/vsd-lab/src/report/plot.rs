@@ -18,6 +18,8 @@ const TITLE_SIZE: u32 = 18;
 const LABEL_SIZE: u32 = 16;
 /// Room for the title above the plot, in pixels.
 const TITLE_HEIGHT: u32 = 30;
+/// Room for a panel's own title, in pixels.
+const PANEL_TITLE_HEIGHT: u32 = 24;
 /// About the width of a character of either size, in pixels, for layout.
 const CHAR_WIDTH: u32 = 8;
 /// Okabe and Ito's colours, told apart by colour-blind readers too.
@@ -63,7 +65,9 @@ pub(crate) struct BarChart {
     pub marker_label: Option<String>,
 }
 
-/// Bars of segments stacked left to right, one per label.
+/// Bars of segments stacked left to right, one per label, in one or more
+/// panels: each panel stacks some of the segments on an x axis of its own,
+/// so that small segments can be read beside a large one.
 pub(crate) struct StackedChart {
     pub title: String,
     pub x_desc: String,
@@ -71,6 +75,17 @@ pub(crate) struct StackedChart {
     pub segments: Vec<(String, RGBColor)>,
     /// Each bar's label and its segments' values, top to bottom.
     pub stacks: Vec<(String, Vec<f64>)>,
+    /// Each panel's title and the indices of the segments it stacks, top to bottom.
+    pub panels: Vec<(String, Vec<usize>)>,
+}
+
+/// A chart of the page: drawn as SVG, and the figures it draws as a table
+/// under it, for readers who copy numbers.
+pub(crate) trait Plot {
+    fn svg(&self) -> Result<String>;
+
+    /// The figures the plot draws, as an HTML table with `id`.
+    fn table(&self, id: &str) -> String;
 }
 
 /// How a legend entry shows its series.
@@ -82,7 +97,7 @@ enum Swatch {
 type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
 
 /// The SVG of `chart`: each cluster's bars with min..max whiskers.
-pub(crate) fn grouped_bars(chart: &BarChart) -> Result<String> {
+fn grouped_bars(chart: &BarChart) -> Result<String> {
     let per_cluster = (28 * chart.series.len() as u32).max(90);
     let width = (130 + per_cluster * chart.clusters.len() as u32).max(380);
     let mut legend: Vec<(String, Swatch)> =
@@ -91,13 +106,43 @@ pub(crate) fn grouped_bars(chart: &BarChart) -> Result<String> {
     svg(&chart.title, (width, 340), &legend, |plot| draw_bars(plot, chart))
 }
 
-/// The SVG of `chart`, its labels left of the bars.
-pub(crate) fn stacked_bars(chart: &StackedChart) -> Result<String> {
+/// The SVG of `chart`, its labels left of the bars, its panels one above
+/// the other.
+fn stacked_bars(chart: &StackedChart) -> Result<String> {
     let label_width = 16 + CHAR_WIDTH * longest(chart.stacks.iter().map(|(label, _)| label));
-    let height = (60 + 36 * chart.stacks.len() as u32).max(180);
+    let panel_height = PANEL_TITLE_HEIGHT + (60 + 36 * chart.stacks.len() as u32).max(150);
     let legend: Vec<(String, Swatch)> =
         chart.segments.iter().map(|(name, color)| (name.clone(), Swatch::Fill(*color))).collect();
-    svg(&chart.title, (600 + label_width, height), &legend, |plot| draw_stacks(plot, chart, label_width))
+    let height = panel_height * chart.panels.len() as u32;
+    svg(&chart.title, (600 + label_width, height), &legend, |plot| {
+        let mut rest = plot.clone();
+        for (title, segments) in &chart.panels {
+            let (panel, below) = rest.split_vertically(panel_height);
+            draw_stacks(&panel, chart, title, segments, label_width)?;
+            rest = below;
+        }
+        Ok(())
+    })
+}
+
+impl Plot for BarChart {
+    fn svg(&self) -> Result<String> {
+        grouped_bars(self)
+    }
+
+    fn table(&self, id: &str) -> String {
+        super::data::bar_table(id, self)
+    }
+}
+
+impl Plot for StackedChart {
+    fn svg(&self) -> Result<String> {
+        stacked_bars(self)
+    }
+
+    fn table(&self, id: &str) -> String {
+        super::data::stacked_table(id, self)
+    }
 }
 
 /// The number of characters of the longest of `texts`.
@@ -176,9 +221,13 @@ fn draw_bars(area: &Area, chart: &BarChart) -> Result<()> {
     Ok(())
 }
 
-fn draw_stacks(area: &Area, chart: &StackedChart, label_width: u32) -> Result<()> {
-    let longest = chart.stacks.iter().map(|(_, values)| values.iter().sum::<f64>()).fold(0.0, f64::max);
+/// One panel of `chart`: the `segments` of each stack, on a scale that fits them.
+fn draw_stacks(area: &Area, chart: &StackedChart, title: &str, segments: &[usize], label_width: u32) -> Result<()> {
+    let picked = |values: &[f64]| segments.iter().map(|&i| (values[i], chart.segments[i].1)).collect::<Vec<_>>();
+    let longest =
+        chart.stacks.iter().map(|(_, values)| picked(values).iter().map(|(v, _)| v).sum()).fold(0.0, f64::max);
     let mut plot = ChartBuilder::on(area)
+        .caption(title, (FONT, LABEL_SIZE))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(label_width)
@@ -196,7 +245,7 @@ fn draw_stacks(area: &Area, chart: &StackedChart, label_width: u32) -> Result<()
         .draw()?;
     for (y, (_, values)) in chart.stacks.iter().rev().enumerate() {
         let y = y as f64;
-        let segments = values.iter().zip(&chart.segments).scan(0.0, |end, (value, (_, color))| {
+        let segments = picked(values).into_iter().scan(0.0, |end, (value, color)| {
             let start = *end;
             *end += value;
             Some(Rectangle::new([(start, y - 0.35), (*end, y + 0.35)], color.filled()))

@@ -21,7 +21,7 @@ const FACTS: [Fact; 9] = [
 
 /// The page's title: the specs it reports.
 pub(crate) fn title(rows: &[Row]) -> String {
-    format!("vsd lab report: {}", joined(rows.iter().map(|row| row.spec.clone())))
+    format!("vsd-lab report: {}", joined(rows.iter().map(|row| row.spec.clone())))
 }
 
 /// What ran, how often, and on what.

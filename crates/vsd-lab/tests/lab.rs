@@ -1,31 +1,40 @@
-//! `vsd lab`: the quick spec runs end to end against the real daemons (vsd,
+//! `vsd-lab`: the quick spec runs end to end against the real daemons (vsd,
 //! qemu-storage-daemon, host fio, QEMU guests), its rows cover every
 //! configuration, the report holds every plot; Ctrl-C keeps the finished
 //! rows and a second run resumes.
-
-mod common;
+//!
+//! vsd-lab runs the vsd and vsd-bench built beside it: build the workspace
+//! first (`cargo build --workspace`, as scripts/test.sh does).
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Scratch, VSD};
+use rustix::process::{Pid, Signal, kill_process};
+use tempfile::TempDir;
 use vsd_lab::config::{Driver, Program};
 use vsd_lab::row::{Row, read_rows};
+
+const VSD_LAB: &str = env!("CARGO_BIN_EXE_vsd-lab");
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).ancestors().nth(2).unwrap().to_path_buf()
 }
 
-fn lab(dir: &Scratch, args: &[&str]) -> Output {
-    let out = Command::new(VSD).arg("lab").args(args).current_dir(&dir.0).output().unwrap();
+/// A scratch directory for one test, removed when it ends.
+fn scratch(name: &str) -> TempDir {
+    tempfile::Builder::new().prefix(&format!("vsd-lab-test-{name}-")).tempdir().unwrap()
+}
+
+fn lab(dir: &TempDir, args: &[&str]) -> Output {
+    let out = Command::new(VSD_LAB).args(args).current_dir(dir.path()).output().unwrap();
     eprintln!("{}", String::from_utf8_lossy(&out.stderr));
     out
 }
 
-/// `vsd lab run --list`: (matrix, configuration id) of every planned run.
-fn planned(dir: &Scratch, spec: &Path) -> BTreeSet<(String, String)> {
+/// `vsd-lab run --list`: (matrix, configuration id) of every planned run.
+fn planned(dir: &TempDir, spec: &Path) -> BTreeSet<(String, String)> {
     let out = lab(dir, &["run", "--list", spec.to_str().unwrap()]);
     assert!(out.status.success());
     let text = String::from_utf8(out.stdout).unwrap();
@@ -38,14 +47,14 @@ fn covered(rows: &[Row]) -> BTreeSet<(String, String)> {
 
 #[test]
 fn quick_spec_runs_and_reports() {
-    let dir = Scratch::new("lab-quick");
+    let dir = scratch("quick");
     let spec = repo().join("lab/specs/quick.toml");
     let configs = planned(&dir, &spec);
     assert!(configs.len() >= 20, "{configs:?}");
 
     let run = lab(&dir, &["run", spec.to_str().unwrap()]);
-    assert!(run.status.success(), "vsd lab run failed");
-    let rows = read_rows(&dir.path("lab-results/quick.jsonl")).unwrap();
+    assert!(run.status.success(), "vsd-lab run failed");
+    let rows = read_rows(&dir.path().join("lab-results/quick.jsonl")).unwrap();
     assert_eq!(rows.len(), configs.len(), "one run per configuration (repetitions = 1)");
     assert_eq!(covered(&rows), configs);
     for row in &rows {
@@ -71,10 +80,10 @@ fn quick_spec_runs_and_reports() {
     assert_eq!(rows[0].machine.daemon_cpus, "0");
 
     let report = lab(&dir, &["report"]);
-    assert!(report.status.success(), "vsd lab report failed");
+    assert!(report.status.success(), "vsd-lab report failed");
     let html_path = PathBuf::from(String::from_utf8(report.stdout).unwrap().trim());
-    let html = std::fs::read_to_string(dir.0.join(&html_path)).unwrap();
-    let svg_files: Vec<PathBuf> = std::fs::read_dir(dir.0.join(&html_path).parent().unwrap())
+    let html = std::fs::read_to_string(dir.path().join(&html_path)).unwrap();
+    let svg_files: Vec<PathBuf> = std::fs::read_dir(dir.path().join(&html_path).parent().unwrap())
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|e| e == "svg"))
@@ -99,8 +108,8 @@ fn quick_spec_runs_and_reports() {
 /// rows; the same command then makes only the missing runs.
 #[test]
 fn interrupted_lab_resumes() {
-    let dir = Scratch::new("lab-resume");
-    let spec = dir.path("resume.toml");
+    let dir = scratch("resume");
+    let spec = dir.path().join("resume.toml");
     std::fs::write(
         &spec,
         "name = \"resume\"\n[run]\nseconds = 1\nramp-seconds = 0\nrepetitions = 2\nimage-size = \"16M\"\n\
@@ -108,10 +117,10 @@ fn interrupted_lab_resumes() {
          iodepth = [1, 2]\n",
     )
     .unwrap();
-    let results = dir.path("lab-results/resume.jsonl");
-    let mut child = Command::new(VSD)
-        .args(["lab", "run", spec.to_str().unwrap()])
-        .current_dir(&dir.0)
+    let results = dir.path().join("lab-results/resume.jsonl");
+    let mut child = Command::new(VSD_LAB)
+        .args(["run", spec.to_str().unwrap()])
+        .current_dir(dir.path())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
@@ -120,8 +129,8 @@ fn interrupted_lab_resumes() {
         assert!(Instant::now() < deadline, "no run finished");
         std::thread::sleep(Duration::from_millis(50));
     }
-    // SAFETY: kill takes no pointers; the child is ours and not yet reaped.
-    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    // The child is ours and not yet reaped, so its pid names no other process.
+    kill_process(Pid::from_child(&child), Signal::INT).unwrap();
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(130), "an interrupted lab says so");
     let kept = read_rows(&results).unwrap();
