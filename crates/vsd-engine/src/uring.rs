@@ -9,13 +9,11 @@
 //! at most [`DIRECT_BATCH`], as the queue's owner pushes them
 //! ([`IoQueue::max_batch`]), not in one `io_uring_enter` per batch. A batch
 //! reaches the disk as one burst (the block layer plugs it), and the virtio
-//! disks measured here served long bursts slower: at iodepth 32, 4k random
-//! reads spent 467 µs per request in the device in bursts of ~16 against
-//! 336 µs one by one, and one by one gave 13 % more IOPS (BENCHMARKS.md,
-//! 2026-11-23). Groups of three or four kept one by one's IOPS at 15 % less
-//! of the daemon's CPU per request (fewer system calls and device
-//! notifications; BENCHMARKS.md, 2026-11-24, session 10). Buffered files
-//! keep their batches: their reads mostly complete inside the call, where
+//! disks measured here served long bursts slower per request than requests
+//! one by one; groups of three or four kept one by one's IOPS for less of
+//! the daemon's CPU per request (fewer system calls and device
+//! notifications). The figures are in BENCHMARKS.md. Buffered files keep
+//! their batches: their reads mostly complete inside the call, where
 //! batching saves the calls.
 
 use std::fs::File;
