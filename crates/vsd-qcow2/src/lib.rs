@@ -40,6 +40,7 @@ pub mod compress;
 pub mod entry;
 pub mod header;
 mod image;
+#[cfg(any(test, feature = "fuzzing"))]
 pub mod mem;
 pub mod refcount;
 
