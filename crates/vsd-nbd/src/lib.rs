@@ -18,3 +18,11 @@
 
 pub mod negotiate;
 pub mod proto;
+
+mod config;
+mod conn;
+mod server;
+mod stream;
+
+pub use config::{Address, ExportConfig, ServerConfig};
+pub use server::{NbdError, NbdExport, NbdServer};
