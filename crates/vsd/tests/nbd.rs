@@ -132,6 +132,62 @@ fn nbdinfo_map_matches_the_sparse_file_s_holes() {
     assert_eq!(data_ranges, [(4 * MIB, MIB), (20 * MIB, 64 << 10), (62 * MIB, 2 * MIB)]);
 }
 
+/// Runs of (start, length, reads-as-hole), adjacent runs of a kind merged.
+fn runs(extents: impl Iterator<Item = (u64, u64, bool)>) -> Vec<(u64, u64, bool)> {
+    let mut merged: Vec<(u64, u64, bool)> = Vec::new();
+    for (start, len, hole) in extents {
+        match merged.last_mut() {
+            Some(last) if last.2 == hole && last.0 + last.1 == start => last.1 += len,
+            _ => merged.push((start, len, hole)),
+        }
+    }
+    merged
+}
+
+#[test]
+fn qcow2_block_status_matches_qemu_img_map() {
+    let dir = Scratch::new("nbd-qcow2-map");
+    let base = dir.path("base.raw");
+    let overlay = dir.path("overlay.qcow2");
+    ok("qemu-img", &["create", "-q", "-f", "raw", base.to_str().unwrap(), "32M"]);
+    ok("qemu-io", &["-f", "raw", "-c", "write -P 1 0 1M", "-c", "write -P 2 12M 512k", base.to_str().unwrap()]);
+    let backing = ["-b", base.to_str().unwrap(), "-F", "raw"];
+    ok("qemu-img", &[&["create", "-q", "-f", "qcow2"][..], &backing, &[overlay.to_str().unwrap(), "32M"]].concat());
+    let writes = ["write -P 3 4M 1M", "write -z 12M 128k", "write -c -P 4 20M 64k", "write -z 24M 64k"];
+    let mut args = vec!["-f", "qcow2"];
+    writes.iter().for_each(|w| args.extend(["-c", w]));
+    args.push(overlay.to_str().unwrap());
+    ok("qemu-io", &args);
+    let map: Value =
+        serde_json::from_str(&ok("qemu-img", &["map", "--output=json", overlay.to_str().unwrap()])).unwrap();
+    let want = runs(
+        map.as_array()
+            .unwrap()
+            .iter()
+            .map(|e| (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap(), e["data"] == false)),
+    );
+    assert!(want.len() >= 7, "the image has runs of both kinds: {want:?}");
+
+    let socket = dir.path("nbd.sock");
+    let args = vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=f0,filename={}", overlay.display()),
+        "--blockdev".into(),
+        "driver=qcow2,node-name=q0,file=f0".into(),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", socket.display()),
+        "--export".into(),
+        "type=nbd,id=e0,node-name=q0".into(),
+    ];
+    let _daemon = Daemon::vsd(&dir, &args);
+    let map: Value = serde_json::from_str(&ok("nbdinfo", &["--map", "--json", &uri(&socket, "q0")])).unwrap();
+    let got =
+        runs(map.as_array().unwrap().iter().map(|e| {
+            (e["offset"].as_u64().unwrap(), e["length"].as_u64().unwrap(), e["type"].as_u64().unwrap() & 1 != 0)
+        }));
+    assert_eq!(got, want, "vsd's base:allocation against qemu-img map of the chain");
+}
+
 #[test]
 fn nbdcopy_both_ways_keeps_every_byte() {
     let dir = Scratch::new("nbd-copy");
