@@ -422,11 +422,13 @@ impl Transmission {
             return;
         }
         if let Err(e) = self.queue.submit() {
-            // The engine refused the batch: fail its requests, keep serving.
-            log::warn!("NBD export '{}': submitting requests failed: {e}", self.export.config.id);
+            // What the engine could not hand over stays queued for its next
+            // submit, as in the vhost-user workers.
+            log::error!("NBD export '{}': submitting I/O failed: {e}", self.export.config.id);
         }
         self.pushed = 0;
         self.stats.batches.add(1);
+        self.stats.kernel_entries.set(self.queue.kernel_entries());
     }
 
     /// Submits what was pushed and turns completions into replies.

@@ -662,3 +662,59 @@ fn idle_half_handshaken_connections_do_not_lock_real_clients_out() {
         assert!(rest.len() <= 18, "at most the greeting was sent");
     }
 }
+
+#[test]
+fn command_line_mistakes_are_one_line_errors_and_leave_no_socket() {
+    let dir = Scratch::new("nbd-cli");
+    let socket = dir.path("nbd.sock");
+    let server = format!("addr.type=unix,addr.path={}", socket.display());
+    let node = "driver=null-co,node-name=n0,size=1M";
+    let export = "type=nbd,id=e0,node-name=n0";
+    let owned = |list: &[&str]| list.iter().map(|a| a.to_string()).collect::<Vec<String>>();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (owned(&["--blockdev", node, "--export", export]), "NBD server not running"),
+        (owned(&["--nbd-server", &format!("{server},tls-creds=t0"), "--blockdev", node]), "tls-creds"),
+        (
+            owned(&["--nbd-server", "addr.type=inet,addr.host=127.0.0.1,addr.port=http", "--blockdev", node]),
+            "addr.port",
+        ),
+        (owned(&["--nbd-server", "addr.type=vsock,addr.cid=3", "--blockdev", node]), "addr.type"),
+        (
+            owned(&[
+                "--nbd-server",
+                &server,
+                "--blockdev",
+                node,
+                "--export",
+                export,
+                "--export",
+                "type=nbd,id=e1,node-name=n0",
+            ]),
+            "already exists",
+        ),
+        (
+            owned(&[
+                "--nbd-server",
+                &server,
+                "--blockdev",
+                &format!("{node},read-only=on"),
+                "--export",
+                &format!("{export},writable=on"),
+            ]),
+            "read-only",
+        ),
+        (owned(&["--nbd-server", &server, "--blockdev", node, "--export", &format!("{export},bitmaps=b0")]), "bitmaps"),
+    ];
+    for (args, culprit) in cases {
+        let out = run(common::VSD, &args.iter().map(String::as_str).collect::<Vec<_>>());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.contains(culprit), "{args:?}: expected '{culprit}' in {stderr}");
+        assert!(!socket.exists(), "{args:?} left its socket behind");
+    }
+    std::fs::write(&socket, "not a socket").unwrap();
+    let out = run(common::VSD, &["--nbd-server", &server, "--blockdev", node]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a socket"), "{}", text(&out));
+    assert_eq!(std::fs::read(&socket).unwrap(), b"not a socket", "a file that is not a socket is never replaced");
+}
