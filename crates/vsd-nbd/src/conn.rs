@@ -57,19 +57,11 @@ pub(crate) fn request_alignment(node: &dyn BlockNode) -> u32 {
     if direct(node) { 4096 } else { 1 }
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum SlotState {
-    Free,
-    /// Taking the payload off the socket: this many bytes are in.
-    Receiving(usize),
-    InFlight,
-    Replying,
-}
-
 struct Slot {
     request: Request,
     verdict: Result<Command, Refusal>,
-    state: SlotState,
+    /// Payload bytes taken off the socket so far.
+    received: usize,
     buf: AlignedBuf,
     /// The engine's view of `buf`; stays put while the request is in flight.
     iov: libc::iovec,
@@ -153,12 +145,12 @@ impl Transmission {
         }
         let slots = (0..SLOTS)
             .map(|_| Slot {
-                request: Request { flags: 0, kind: 0, cookie: 0, offset: 0, len: 0 },
-                verdict: Ok(Command::Flush),
-                state: SlotState::Free,
+                request: Request::default(),
+                verdict: Err(Refusal { errno: errno::EINVAL, fatal: false }),
+                received: 0,
                 buf: AlignedBuf::zeroed(0),
                 iov: libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 },
-                reply: ReplyHeader::done(limits.mode, &Request { flags: 0, kind: 0, cookie: 0, offset: 0, len: 0 }),
+                reply: ReplyHeader::default(),
                 data_len: 0,
                 then_flush: false,
                 started: 0,
@@ -262,8 +254,7 @@ impl Transmission {
     /// Reads the rest of a payload straight into its slot; false if nothing came.
     fn read_payload(&mut self, index: usize) -> io::Result<bool> {
         let slot = &mut self.slots[index];
-        let SlotState::Receiving(filled) = slot.state else { unreachable!("only a receiving slot is read into") };
-        let len = slot.request.len as usize;
+        let (filled, len) = (slot.received, slot.request.len as usize);
         match (&self.stream).read(&mut slot.buf[filled..len]) {
             Ok(0) => {
                 // The payload stopped half-way: nothing to reply to.
@@ -273,7 +264,7 @@ impl Transmission {
                 Ok(true)
             }
             Ok(n) if filled + n < len => {
-                slot.state = SlotState::Receiving(filled + n);
+                slot.received = filled + n;
                 Ok(true)
             }
             Ok(_) => {
@@ -328,7 +319,7 @@ impl Transmission {
             self.slots[index].buf[..n].copy_from_slice(&self.input[self.start..self.start + n]);
             self.start += n;
             if n < payload {
-                self.slots[index].state = SlotState::Receiving(n);
+                self.slots[index].received = n;
                 self.receiving = Some(index);
             } else {
                 self.dispatch(index);
@@ -405,7 +396,6 @@ impl Transmission {
     }
 
     fn push(&mut self, index: usize, op: IoOp) {
-        self.slots[index].state = SlotState::InFlight;
         // SAFETY: as in `iovecs`: the buffers stay valid until the
         // completion tagged `index` is reaped.
         unsafe { self.queue.push(index as u32, op) };
@@ -518,8 +508,7 @@ impl Transmission {
     }
 
     fn queue_reply(&mut self, index: usize, errno: u32) {
-        let slot = &mut self.slots[index];
-        slot.state = SlotState::Replying;
+        let slot = &self.slots[index];
         self.replies.push_back(index);
         let kind = match slot.request.kind {
             proto::cmd::READ => Some(OpKind::Read),
@@ -584,7 +573,6 @@ impl Transmission {
     /// Frees a slot; a large buffer goes back to the allocator.
     fn release(&mut self, index: usize) {
         let slot = &mut self.slots[index];
-        slot.state = SlotState::Free;
         slot.data_len = 0;
         if slot.buf.len() > KEEP {
             self.buffered -= slot.buf.len();

@@ -146,7 +146,7 @@ impl Mode {
 }
 
 /// A request header as received.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Request {
     /// Command flags.
     pub flags: u16,
@@ -348,17 +348,20 @@ impl Request {
 pub const MAX_REPLY_HEADER: usize = 48;
 
 /// A reply header being built: the bytes that go before a reply's data.
+/// The default is empty.
 #[derive(Clone, Copy)]
 pub struct ReplyHeader {
     bytes: [u8; MAX_REPLY_HEADER],
     len: usize,
 }
 
-impl ReplyHeader {
-    fn new() -> Self {
+impl Default for ReplyHeader {
+    fn default() -> Self {
         Self { bytes: [0; MAX_REPLY_HEADER], len: 0 }
     }
+}
 
+impl ReplyHeader {
     fn put(&mut self, data: &[u8]) {
         self.bytes[self.len..self.len + data.len()].copy_from_slice(data);
         self.len += data.len();
@@ -372,7 +375,7 @@ impl ReplyHeader {
     /// A chunk header: structured (20 bytes) or extended (32 bytes), for a
     /// payload of `payload` bytes.
     fn chunk(mode: Mode, request: &Request, kind: u16, payload: u64) -> Self {
-        let mut h = Self::new();
+        let mut h = Self::default();
         let magic = if mode == Mode::Extended { EXTENDED_REPLY_MAGIC } else { STRUCTURED_REPLY_MAGIC };
         h.put(&magic.to_be_bytes());
         h.put(&chunk::FLAG_DONE.to_be_bytes());
@@ -409,7 +412,7 @@ impl ReplyHeader {
     }
 
     fn simple(request: &Request, errno: u32) -> Self {
-        let mut h = Self::new();
+        let mut h = Self::default();
         h.put(&SIMPLE_REPLY_MAGIC.to_be_bytes());
         h.put(&errno.to_be_bytes());
         h.put(&request.cookie.to_be_bytes());
