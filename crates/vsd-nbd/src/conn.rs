@@ -429,6 +429,11 @@ impl Transmission {
         }
         self.queue.reap(&mut self.completions);
         let reaped = !self.completions.is_empty();
+        if reaped {
+            // Completion time, once per round: requests served inline
+            // completed after this round's stamp was taken.
+            self.now = self.clock.now();
+        }
         let mut completions = std::mem::take(&mut self.completions);
         for completion in completions.drain(..) {
             self.in_flight -= 1;
