@@ -718,3 +718,31 @@ fn command_line_mistakes_are_one_line_errors_and_leave_no_socket() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a socket"), "{}", text(&out));
     assert_eq!(std::fs::read(&socket).unwrap(), b"not a socket", "a file that is not a socket is never replaced");
 }
+
+/// What nbdinfo prints for `name` on `socket`, with the socket's path
+/// taken out of the URI.
+fn nbdinfo_json(socket: &Path, name: &str, extra: &[&str]) -> String {
+    let uri = uri(socket, name);
+    let args = [extra, &["--json", &uri]].concat();
+    ok("nbdinfo", &args).replace(socket.to_str().unwrap(), "SOCKET")
+}
+
+#[test]
+fn nbdinfo_sees_vsd_as_it_sees_qemu_storage_daemon() {
+    let dir = Scratch::new("nbd-vs-qsd");
+    let image = sparse_image(&dir, "disk.img");
+    for export_opts in [",writable=on", ""] {
+        let mut seen = Vec::new();
+        for qsd in [false, true] {
+            let socket = dir.path(if qsd { "qsd.sock" } else { "vsd.sock" });
+            let args = unix_export(&image, &socket, export_opts);
+            let daemon = if qsd { Daemon::qsd(&dir, &args) } else { Daemon::vsd(&dir, &args) };
+            let info = nbdinfo_json(&socket, "disk", &[]);
+            let list = nbdinfo_json(&socket, "", &["--list"]);
+            let map = nbdinfo_json(&socket, "disk", &["--map"]);
+            seen.push((info, list, map));
+            drop(daemon);
+        }
+        assert_eq!(seen[0], seen[1], "vsd, then qemu-storage-daemon, with '{export_opts}'");
+    }
+}
