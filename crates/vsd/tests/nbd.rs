@@ -258,6 +258,8 @@ fn fio_s_nbd_engine_writes_and_verifies() {
             "--iodepth=32",
             "--verify=crc32c",
             "--verify_fatal=1",
+            // No state file in the working directory.
+            "--verify_state_save=0",
             "--output-format=json",
         ],
     );
