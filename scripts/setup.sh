@@ -15,6 +15,7 @@ need_root "$@"
 have_all() {
     command -v qemu-system-x86_64 >/dev/null && command -v qemu-storage-daemon >/dev/null &&
         command -v fio >/dev/null && [ -x /bin/busybox ] && command -v chromium >/dev/null &&
+        command -v nbdinfo >/dev/null && command -v nbdcopy >/dev/null &&
         ls /boot/vmlinuz-* >/dev/null 2>&1 &&
         qemu-system-x86_64 --version | grep -qE 'version (9|[1-9][0-9])\.'
 }
@@ -49,6 +50,6 @@ fi
 
 apt-get update -qq
 apt-get install -y -qq -t bookworm-backports qemu-system-x86 qemu-utils >/dev/null
-apt-get install -y -qq fio busybox-static linux-image-amd64 xz-utils cpio socat chromium >/dev/null
+apt-get install -y -qq fio busybox-static linux-image-amd64 xz-utils cpio socat chromium libnbd-bin >/dev/null
 have_all || { echo "setup: packages installed but a tool is still missing" >&2; exit 1; }
 install_python_modules

@@ -134,6 +134,9 @@ impl BlockNode for AccountedNode {
         self.active.store(true, Ordering::Release);
         Ok(())
     }
+    fn block_status(&self, offset: u64, len: u64) -> io::Result<(crate::Allocation, u64)> {
+        self.inner.block_status(offset, len)
+    }
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
         let inner = self.inner.open_queue(depth)?;
         Ok(Box::new(AccountedQueue::new(inner, self.stats.lease(), depth)))

@@ -92,11 +92,26 @@ pub trait BlockNode: Send + Sync {
     fn open_uncounted_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
         self.open_queue(depth)
     }
+    /// How the bytes from `offset` read, and for how many of them (1 to
+    /// `len`; the range lies inside the node): NBD's `base:allocation`.
+    /// By default all data, which is never wrong, only less precise.
+    fn block_status(&self, _offset: u64, len: u64) -> io::Result<(Allocation, u64)> {
+        Ok((Allocation::Data, len))
+    }
     /// The requests the node was sent through counted queues (by the nodes
     /// above it), if it counts them: the nodes of a [`BlockGraph`] do.
     fn stats(&self) -> Option<QueueSnapshot> {
         None
     }
+}
+
+/// How a range of a node reads, as block status reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Allocation {
+    /// Stored bytes (or bytes the node cannot say anything more about).
+    Data,
+    /// Nothing stored: reads as zeroes.
+    Hole,
 }
 
 /// A node's cache options, as QEMU's `BlockdevCacheInfo` reports them.
@@ -464,6 +479,35 @@ mod tests {
 
         let null = add(&mut graph, "driver=null-co,node-name=z,size=4096,cache.direct=on").unwrap();
         assert_eq!(null.cache(), Cache { direct: true, no_flush: false });
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn block_status_finds_holes_through_raw_windows() {
+        use std::os::unix::fs::FileExt;
+        let dir = std::env::temp_dir().join(format!("vsd-status-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let image = dir.join("sparse");
+        let file = std::fs::File::create(&image).unwrap();
+        file.set_len(1 << 20).unwrap();
+        file.write_all_at(&[1u8; 64 << 10], 256 << 10).unwrap();
+        let mut graph = BlockGraph::new();
+        let f = add(&mut graph, &format!("driver=file,node-name=f,filename={}", image.display())).unwrap();
+        if f.block_status(0, 1 << 20).unwrap() == (Allocation::Data, 1 << 20) {
+            eprintln!("skipped: the temporary directory's file system reports no holes");
+            return;
+        }
+        assert_eq!(f.block_status(0, 1 << 20).unwrap(), (Allocation::Hole, 256 << 10));
+        assert_eq!(f.block_status(256 << 10, 768 << 10).unwrap(), (Allocation::Data, 64 << 10));
+        assert_eq!(f.block_status(260 << 10, 4096).unwrap(), (Allocation::Data, 4096), "clamped to the range");
+        assert_eq!(f.block_status(320 << 10, 704 << 10).unwrap(), (Allocation::Hole, 704 << 10));
+        let raw = add(&mut graph, "driver=raw,node-name=r,file=f,offset=128K,size=512K").unwrap();
+        assert_eq!(raw.block_status(0, 512 << 10).unwrap(), (Allocation::Hole, 128 << 10));
+        assert_eq!(raw.block_status(128 << 10, 384 << 10).unwrap(), (Allocation::Data, 64 << 10));
+        let zeroes = add(&mut graph, "driver=null-co,node-name=z,size=1M,read-zeroes=on").unwrap();
+        assert_eq!(zeroes.block_status(4096, 8192).unwrap(), (Allocation::Hole, 8192));
+        let null = add(&mut graph, "driver=null-co,node-name=n,size=1M").unwrap();
+        assert_eq!(null.block_status(0, 8192).unwrap(), (Allocation::Data, 8192), "buffers left as they were");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

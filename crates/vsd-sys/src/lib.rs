@@ -40,6 +40,24 @@ pub fn fallocate(fd: BorrowedFd<'_>, mode: i32, offset: u64, len: u64) -> io::Re
     check(ret.into()).map(drop)
 }
 
+/// Where the data at or after `offset` begins (`lseek(2)` `SEEK_DATA`), or
+/// `None` if only a hole is left up to the end of the file. With `hole`,
+/// where the hole at or after `offset` begins instead (`SEEK_HOLE`; the
+/// end of the file counts as one). File systems without holes report all
+/// data.
+pub fn seek_data_or_hole(fd: BorrowedFd<'_>, offset: u64, hole: bool) -> io::Result<Option<u64>> {
+    let whence = if hole { libc::SEEK_HOLE } else { libc::SEEK_DATA };
+    // SAFETY: lseek reads no memory of ours; fd is a live borrowed
+    // descriptor. It moves the file offset, which vsd never uses: every
+    // transfer is positional.
+    let ret = unsafe { libc::lseek(fd.as_raw_fd(), to_off(offset)?, whence) };
+    match check(ret) {
+        Ok(at) => Ok(Some(at as u64)),
+        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// `fdatasync(2)`.
 pub fn fdatasync(fd: BorrowedFd<'_>) -> io::Result<()> {
     // SAFETY: fdatasync reads no memory of ours; fd is a live borrowed descriptor.

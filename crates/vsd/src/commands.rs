@@ -26,6 +26,8 @@ const COMMANDS: &[&str] = &[
     "query-blockstats",
     "block-latency-histogram-set",
     "block_resize",
+    "nbd-server-start",
+    "nbd-server-stop",
     "quit",
 ];
 
@@ -45,6 +47,8 @@ impl Dispatch for Daemon {
             "query-blockstats" => self.query_blockstats(parse(args)?),
             "block-latency-histogram-set" => self.latency_histogram_set(parse(args)?),
             "block_resize" => self.block_resize(parse(args)?),
+            "nbd-server-start" => self.nbd_server_start(args),
+            "nbd-server-stop" => no_arguments(&args).and_then(|()| self.nbd_server_stop()),
             "quit" => no_arguments(&args).map(|()| json!({})),
             _ => Err(QmpError::new(ErrorClass::CommandNotFound, format!("The command {command} has not been found"))),
         }
@@ -170,9 +174,9 @@ impl Daemon {
             .ok_or_else(|| QmpError::generic(format!("Failed to find node with node-name='{}'", args.node_name)))?;
         let (exports, stopping) = (&state.exports, &state.stopping);
         let exported = |name: &str| {
-            let serving = exports.values().find(|e| e.node().name() == name).map(|e| e.config().id.clone());
+            let serving = exports.values().find(|e| e.node().name() == name).map(|e| e.id().to_string());
             serving.or_else(|| {
-                stopping.iter().find(|(_, node)| *node == name).map(|(id, _)| format!("{id}, shutting down"))
+                stopping.iter().find(|(_, (node, _))| node == name).map(|(id, _)| format!("{id}, shutting down"))
             })
         };
         state
@@ -193,6 +197,25 @@ impl Daemon {
         Ok(json!({}))
     }
 
+    fn nbd_server_start(&self, mut args: Value) -> Reply {
+        // QMP's addr is QAPI's legacy socket address, its fields under
+        // "data"; the command line's is flat. Both are taken.
+        if let Some(addr) = args.get_mut("addr").and_then(Value::as_object_mut)
+            && let Some(Value::Object(data)) = addr.remove("data")
+        {
+            addr.extend(data);
+        }
+        self.start_nbd_server(options("nbd-server-start", &args)?).map_err(generic)?;
+        Ok(json!({}))
+    }
+
+    fn nbd_server_stop(&self) -> Reply {
+        for id in self.stop_nbd_server().map_err(generic)? {
+            self.events.emit("BLOCK_EXPORT_DELETED", json!({ "id": id }));
+        }
+        Ok(json!({}))
+    }
+
     fn block_export_del(&self, args: ExportDel) -> Reply {
         let state = self.state();
         if state.stopping.contains_key(&args.id) {
@@ -208,16 +231,16 @@ impl Daemon {
                 args.id
             )));
         }
-        self.delete_export(state, &args.id);
+        drop(self.delete_export(state, &args.id));
         self.events.emit("BLOCK_EXPORT_DELETED", json!({ "id": args.id }));
         Ok(json!({}))
     }
 
     fn query_block_exports(&self) -> Value {
         let state = self.state();
-        let entry = |id: &str, node: &str, shutting_down: bool| json!({ "type": "vhost-user-blk", "id": id, "node-name": node, "shutting-down": shutting_down });
-        let serving = state.exports.values().map(|e| entry(&e.config().id, e.node().name(), false));
-        let stopping = state.stopping.iter().map(|(id, node)| entry(id, node, true));
+        let entry = |kind: &str, id: &str, node: &str, shutting_down: bool| json!({ "type": kind, "id": id, "node-name": node, "shutting-down": shutting_down });
+        let serving = state.exports.values().map(|e| entry(e.kind(), e.id(), e.node().name(), false));
+        let stopping = state.stopping.iter().map(|(id, (node, kind))| entry(kind, id, node, true));
         serving.chain(stopping).collect()
     }
 
@@ -247,7 +270,7 @@ impl Daemon {
     fn query_blockstats(&self, args: StatsQuery) -> Reply {
         let state = self.state();
         let snapshots: Vec<(&str, &str, ExportSnapshot)> =
-            state.exports.values().map(|e| (e.config().id.as_str(), e.node().name(), e.stats())).collect();
+            state.exports.values().map(|e| (e.id(), e.node().name(), e.stats())).collect();
         let mut entries: Vec<Value> = snapshots
             .iter()
             .map(|(id, node, snapshot)| {
@@ -318,7 +341,7 @@ impl Daemon {
         node.resize(size).map_err(|e| QmpError::generic(format!("Cannot resize node '{name}': {e}")))?;
         for export in state.exports.values() {
             if let Err(e) = export.capacity_changed() {
-                log::warn!("export '{}': cannot tell the front-end about the new size: {e}", export.config().id);
+                log::warn!("export '{}': cannot tell the front-end about the new size: {e}", export.id());
             }
         }
         Ok(json!({}))
@@ -367,7 +390,7 @@ fn backing_depth(node: &dyn vsd_block::BlockNode) -> u64 {
 pub(crate) fn metrics(daemon: &Daemon) -> String {
     let state = daemon.state();
     let snapshots: Vec<_> =
-        state.exports.values().map(|e| (e.config().id.clone(), e.node().name().to_string(), e.stats())).collect();
+        state.exports.values().map(|e| (e.id().to_string(), e.node().name().to_string(), e.stats())).collect();
     let labelled: Vec<_> = snapshots.iter().map(|(export, node, s)| (ExportLabel { export, node }, s)).collect();
     vsd_trace::prometheus(&labelled)
 }

@@ -2,13 +2,14 @@
 //! by the command line at startup and by QMP commands while running.
 
 use std::collections::BTreeMap;
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use anyhow::{Context, Result};
 use vsd_block::options::OptionMap;
-use vsd_block::{ActivationError, BlockGraph};
+use vsd_block::{ActivationError, BlockGraph, BlockNode};
 use vsd_control::qmp::Events;
-use vsd_export::{ExportConfig, VhostUserBlkExport};
+use vsd_export::{ExportConfig, ExportSnapshot, VhostUserBlkExport};
+use vsd_nbd::{NbdExport, NbdServer, ServerConfig};
 use vsd_trace::HistogramSnapshot;
 
 /// Everything the daemon serves.
@@ -22,10 +23,13 @@ pub struct Daemon {
 pub(crate) struct State {
     pub(crate) graph: BlockGraph,
     /// By id, in id order (as `query-block-exports` lists them).
-    pub(crate) exports: BTreeMap<String, VhostUserBlkExport>,
+    pub(crate) exports: BTreeMap<String, Export>,
     /// Exports being deleted, waiting for their requests in flight, with
-    /// the node each serves: their id stays taken and their node busy.
-    pub(crate) stopping: BTreeMap<String, String>,
+    /// the node each serves and their type: their id stays taken and their
+    /// node busy.
+    pub(crate) stopping: BTreeMap<String, (String, &'static str)>,
+    /// The NBD server (`--nbd-server`, `nbd-server-start`), if started.
+    pub(crate) nbd: Option<NbdServer>,
     /// `block-latency-histogram-set` boundaries, by export id.
     pub(crate) histograms: BTreeMap<String, LatencyBins>,
 }
@@ -50,6 +54,7 @@ impl Daemon {
             graph: BlockGraph::new(),
             exports: BTreeMap::new(),
             stopping: BTreeMap::new(),
+            nbd: None,
             histograms: BTreeMap::new(),
         };
         Self { state: Mutex::new(state), export_stopped: Condvar::new(), events: Events::new() }
@@ -68,56 +73,107 @@ impl Daemon {
         Ok(())
     }
 
-    /// Starts an export (`--export`, `block-export-add`).
+    /// Starts an export (`--export`, `block-export-add`) of either type.
     pub fn add_export(&self, mut opts: OptionMap) -> Result<()> {
-        let config = ExportConfig::from_options(&mut opts)?;
+        let config = if opts.get("type") == Some("nbd") {
+            ExportOptions::Nbd(vsd_nbd::ExportConfig::from_options(&mut opts)?)
+        } else {
+            ExportOptions::VhostUserBlk(ExportConfig::from_options(&mut opts)?)
+        };
         opts.finish()?;
         let mut state = self.state();
-        if state.exports.contains_key(&config.id) || state.stopping.contains_key(&config.id) {
-            anyhow::bail!("block export id '{}' is already in use", config.id);
+        let (id, node_name) = config.names();
+        if state.exports.contains_key(id) || state.stopping.contains_key(id) {
+            anyhow::bail!("block export id '{id}' is already in use");
         }
-        let node = state
-            .graph
-            .get(&config.node_name)
-            .with_context(|| format!("export '{}': no node named '{}'", config.id, config.node_name))?;
-        if !node.active() && !config.allow_inactive {
+        let node = state.graph.get(node_name).with_context(|| format!("export '{id}': no node named '{node_name}'"))?;
+        if !node.active() && !config.allows_inactive() {
             // As QEMU: an export that does not allow an inactive node takes
             // the image over.
             state.graph.set_active(Some(node.name()), true, |_| false)?;
         }
-        let export = VhostUserBlkExport::start(config, node)?;
-        log::info!("export '{}' listening on {}", export.config().id, export.config().socket.display());
-        state.exports.insert(export.config().id.clone(), export);
+        let id = id.to_string();
+        let export = match config {
+            ExportOptions::VhostUserBlk(config) => {
+                let export = VhostUserBlkExport::start(config, node)?;
+                log::info!("export '{id}' listening on {}", export.config().socket.display());
+                Export::VhostUserBlk(export)
+            }
+            ExportOptions::Nbd(config) => {
+                let server = state.nbd.as_ref().context("NBD server not running")?;
+                let export = server.add_export(config, node)?;
+                log::info!("export '{id}' offered over NBD as '{}'", export.config().name);
+                Export::Nbd(export)
+            }
+        };
+        state.exports.insert(id, export);
         Ok(())
     }
 
     /// Activates or inactivates node `name` (every node if `None`), with
-    /// every export's queues stopped meanwhile, as QEMU drains all I/O
-    /// first; queues of nodes left inactive stay stopped, their requests
-    /// waiting in the rings. A node served by an export without
-    /// `allow-inactive` cannot be inactivated.
+    /// every vhost-user-blk export's queues stopped meanwhile, as QEMU
+    /// drains all I/O first; queues of nodes left inactive stay stopped,
+    /// their requests waiting in the rings. A node served by an export
+    /// without `allow-inactive` cannot be inactivated.
     pub(crate) fn set_active(&self, name: Option<&str>, active: bool) -> Result<(), ActivationError> {
         let state = self.state();
         let pinned = |node: &str| {
-            state.exports.values().any(|e| !e.config().allow_inactive && e.node().name() == node)
-                || state.stopping.values().any(|stopping| stopping == node)
+            state.exports.values().any(|e| !e.allows_inactive() && e.node().name() == node)
+                || state.stopping.values().any(|(stopping, _)| stopping == node)
         };
-        let exports: Vec<&VhostUserBlkExport> = state.exports.values().collect();
-        with_queues_stopped(&exports, || state.graph.set_active(name, active, pinned))
+        let queues: Vec<&VhostUserBlkExport> = state
+            .exports
+            .values()
+            .filter_map(|e| match e {
+                Export::VhostUserBlk(e) => Some(e),
+                Export::Nbd(_) => None,
+            })
+            .collect();
+        with_queues_stopped(&queues, || state.graph.set_active(name, active, pinned))
+    }
+
+    /// Starts the NBD server (`--nbd-server`, `nbd-server-start`).
+    pub fn start_nbd_server(&self, mut opts: OptionMap) -> Result<()> {
+        let config = ServerConfig::from_options(&mut opts)?;
+        opts.finish()?;
+        let mut state = self.state();
+        if state.nbd.is_some() {
+            anyhow::bail!("NBD server already running");
+        }
+        state.nbd = Some(NbdServer::start(config)?);
+        Ok(())
+    }
+
+    /// Stops the NBD server (`nbd-server-stop`): its exports are deleted
+    /// first, as QEMU does; returns their ids.
+    pub fn stop_nbd_server(&self) -> Result<Vec<String>> {
+        let mut state = self.state();
+        let server = state.nbd.take().context("NBD server not running")?;
+        let ids: Vec<String> =
+            state.exports.iter().filter(|(_, e)| matches!(e, Export::Nbd(_))).map(|(id, _)| id.clone()).collect();
+        for id in &ids {
+            state = self.delete_export(state, id);
+        }
+        drop(state);
+        server.stop();
+        Ok(ids)
     }
 
     /// Deletes export `id` (which `state` must hold) and waits until it has
     /// stopped: its requests in flight complete first. The state lock is
     /// released meanwhile, so that other commands and metrics are served;
-    /// the export's id and node stay taken until it has stopped.
-    pub(crate) fn delete_export(&self, mut state: MutexGuard<'_, State>, id: &str) {
-        let Some(export) = state.exports.remove(id) else { return };
+    /// the export's id and node stay taken until it has stopped. Returns
+    /// the state, locked again.
+    pub(crate) fn delete_export<'a>(&'a self, mut state: MutexGuard<'a, State>, id: &str) -> MutexGuard<'a, State> {
+        let Some(export) = state.exports.remove(id) else { return state };
         state.histograms.remove(id);
-        state.stopping.insert(id.to_string(), export.node().name().to_string());
+        state.stopping.insert(id.to_string(), (export.node().name().to_string(), export.kind()));
         drop(state);
         export.stop();
-        self.state().stopping.remove(id);
+        let mut state = self.state();
+        state.stopping.remove(id);
         self.export_stopped.notify_all();
+        state
     }
 
     /// Stops every export (their requests in flight complete first), then
@@ -127,6 +183,9 @@ impl Daemon {
         for (_, export) in std::mem::take(&mut state.exports) {
             export.stop();
         }
+        if let Some(server) = state.nbd.take() {
+            server.stop();
+        }
         // An export being deleted meanwhile may still use its node.
         while !state.stopping.is_empty() {
             state = self.export_stopped.wait(state).unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -135,6 +194,95 @@ impl Daemon {
             if let Err(e) = node.close() {
                 log::error!("node '{}': writing back cached state failed: {e}", node.name());
             }
+        }
+    }
+}
+
+/// An export's options, by type.
+enum ExportOptions {
+    VhostUserBlk(ExportConfig),
+    Nbd(vsd_nbd::ExportConfig),
+}
+
+impl ExportOptions {
+    /// Whether the node may stay inactive (NBD exports: not yet).
+    fn allows_inactive(&self) -> bool {
+        matches!(self, ExportOptions::VhostUserBlk(c) if c.allow_inactive)
+    }
+
+    /// The export's id and the node it serves.
+    fn names(&self) -> (&str, &str) {
+        match self {
+            ExportOptions::VhostUserBlk(c) => (&c.id, &c.node_name),
+            ExportOptions::Nbd(c) => (&c.id, &c.node_name),
+        }
+    }
+}
+
+/// An export of either type, as the export table holds them.
+pub(crate) enum Export {
+    VhostUserBlk(VhostUserBlkExport),
+    Nbd(NbdExport),
+}
+
+impl Export {
+    /// Its `type=`, as `query-block-exports` names it.
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            Export::VhostUserBlk(_) => "vhost-user-blk",
+            Export::Nbd(_) => "nbd",
+        }
+    }
+
+    pub(crate) fn id(&self) -> &str {
+        match self {
+            Export::VhostUserBlk(e) => &e.config().id,
+            Export::Nbd(e) => &e.config().id,
+        }
+    }
+
+    pub(crate) fn node(&self) -> &Arc<dyn BlockNode> {
+        match self {
+            Export::VhostUserBlk(e) => e.node(),
+            Export::Nbd(e) => e.node(),
+        }
+    }
+
+    /// Whether its node may be inactive (`allow-inactive`).
+    pub(crate) fn allows_inactive(&self) -> bool {
+        matches!(self, Export::VhostUserBlk(e) if e.config().allow_inactive)
+    }
+
+    pub(crate) fn has_client(&self) -> bool {
+        match self {
+            Export::VhostUserBlk(e) => e.has_client(),
+            Export::Nbd(e) => e.has_client(),
+        }
+    }
+
+    /// Statistics: per queue for vhost-user-blk, per connection for NBD
+    /// (those that ended summed as the first).
+    pub(crate) fn stats(&self) -> ExportSnapshot {
+        match self {
+            Export::VhostUserBlk(e) => e.stats(),
+            Export::Nbd(e) => e.stats(),
+        }
+    }
+
+    /// Tells the front-end about a new size. NBD clients learn the size
+    /// when they connect: the protocol has no message for it.
+    pub(crate) fn capacity_changed(&self) -> std::io::Result<()> {
+        match self {
+            Export::VhostUserBlk(e) => e.capacity_changed().map(drop),
+            Export::Nbd(_) => Ok(()),
+        }
+    }
+
+    /// Stops serving; requests in flight complete first.
+    pub(crate) fn stop(self) {
+        match self {
+            Export::VhostUserBlk(e) => e.stop(),
+            Export::Nbd(e) => e.stop(),
         }
     }
 }

@@ -53,6 +53,9 @@ struct DaemonArgs {
     /// An export: type=vhost-user-blk,id=ID,node-name=NAME,addr.type=unix,addr.path=SOCKET,...
     #[arg(long, value_name = "OPTIONS")]
     export: Vec<String>,
+    /// The NBD server: addr.type=unix,addr.path=SOCKET or addr.type=inet,addr.host=HOST,addr.port=PORT
+    #[arg(long, value_name = "OPTIONS")]
+    nbd_server: Option<String>,
     /// A socket for a monitor: socket,id=ID,path=PATH,server=on,wait=off
     #[arg(long, value_name = "OPTIONS")]
     chardev: Vec<String>,
@@ -112,8 +115,11 @@ fn run(args: DaemonArgs) -> Result<()> {
         daemon.add_blockdev(OptionMap::parse("--blockdev", text)?)?;
     }
     let monitors = monitor::sockets(&args.chardev, &args.monitor)?;
-    if args.export.is_empty() && monitors.is_empty() {
-        anyhow::bail!("nothing to serve: give at least one --export or a --monitor");
+    if args.export.is_empty() && monitors.is_empty() && args.nbd_server.is_none() {
+        anyhow::bail!("nothing to serve: give at least one --export, --nbd-server or --monitor");
+    }
+    if let Some(text) = &args.nbd_server {
+        daemon.start_nbd_server(OptionMap::parse("--nbd-server", text)?)?;
     }
     for text in &args.export {
         daemon.add_export(OptionMap::parse("--export", text)?)?;

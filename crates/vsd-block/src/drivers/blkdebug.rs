@@ -224,6 +224,10 @@ impl BlockNode for BlkdebugNode {
         self.child.resize(size)
     }
 
+    fn block_status(&self, offset: u64, len: u64) -> io::Result<(crate::Allocation, u64)> {
+        self.child.block_status(offset, len)
+    }
+
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
         Ok(Box::new(FilteredQueue::new(self.child.open_queue(depth)?, self.rules.clone(), depth)))
     }

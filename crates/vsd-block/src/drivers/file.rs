@@ -2,6 +2,7 @@
 
 use std::fs::File;
 use std::io;
+use std::os::fd::AsFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -10,7 +11,7 @@ use vsd_engine::{IoOp, IoQueue, PoolQueue, ThreadPool, UringQueue};
 
 use super::{Filter, FilteredQueue, Route, out_of_bounds};
 use crate::options::OptionMap;
-use crate::{BlockNode, Cache, GraphError};
+use crate::{Allocation, BlockNode, Cache, GraphError};
 
 /// How requests reach the file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -141,6 +142,26 @@ impl BlockNode for FileNode {
     fn activate(&self) -> io::Result<()> {
         // Another process may have resized the file meanwhile.
         self.refresh_size().map(drop)
+    }
+
+    /// The file's holes, as `lseek` finds them. A file system that cannot
+    /// say (EINVAL, EOPNOTSUPP) has only data.
+    fn block_status(&self, offset: u64, len: u64) -> io::Result<(Allocation, u64)> {
+        let fd = self.file.as_fd();
+        let end = offset.saturating_add(len);
+        let data = match vsd_sys::seek_data_or_hole(fd, offset, false) {
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::EOPNOTSUPP)) => Some(offset),
+            other => other?,
+        };
+        match data {
+            Some(data) if data == offset => {
+                // Data here: a hole begins after it (the end of the file at worst).
+                let hole = vsd_sys::seek_data_or_hole(fd, offset, true)?.unwrap_or(end);
+                Ok((Allocation::Data, hole.clamp(offset + 1, end) - offset))
+            }
+            Some(data) => Ok((Allocation::Hole, data.min(end) - offset)),
+            None => Ok((Allocation::Hole, len)),
+        }
     }
 
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use vsd_engine::{IoQueue, NullQueue};
 
 use crate::options::OptionMap;
-use crate::{BlockNode, GraphError};
+use crate::{Allocation, BlockNode, GraphError};
 
 pub(crate) struct NullNode {
     name: String,
@@ -48,6 +48,13 @@ impl BlockNode for NullNode {
 
     fn read_only(&self) -> bool {
         self.read_only
+    }
+
+    /// With `read-zeroes=on` nothing is stored and everything reads as
+    /// zeroes, as QEMU's null-co reports it; otherwise reads return
+    /// whatever the buffers held: data.
+    fn block_status(&self, _offset: u64, len: u64) -> io::Result<(Allocation, u64)> {
+        Ok((if self.read_zeroes { Allocation::Hole } else { Allocation::Data }, len))
     }
 
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {

@@ -9,7 +9,7 @@ use vsd_engine::{IoOp, IoQueue};
 
 use super::{Filter, FilteredQueue, Route, out_of_bounds, shifted};
 use crate::options::OptionMap;
-use crate::{BlockGraph, BlockNode, GraphError};
+use crate::{Allocation, BlockGraph, BlockNode, GraphError};
 
 pub(crate) struct RawNode {
     name: String,
@@ -93,6 +93,10 @@ impl BlockNode for RawNode {
 
     fn read_only(&self) -> bool {
         self.read_only
+    }
+
+    fn block_status(&self, offset: u64, len: u64) -> io::Result<(Allocation, u64)> {
+        self.child.block_status(offset + self.window.offset, len)
     }
 
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {

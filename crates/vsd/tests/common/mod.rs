@@ -74,7 +74,8 @@ impl Daemon {
             .iter()
             .find_map(|a| a.split(',').find_map(|kv| kv.strip_prefix("addr.path=")))
             .map(PathBuf::from)
-            .expect("an export with addr.path");
+            // A daemon serving only TCP (an NBD server on inet) has none.
+            .unwrap_or_default();
         let mut child = Command::new(program)
             .args(args)
             .arg("--pidfile")

@@ -375,6 +375,22 @@ impl BlockNode for Qcow2Node {
         self.with_io(|image, io| image.grow(io, size))
     }
 
+    /// Clusters as the image maps them: zero clusters are holes, and
+    /// unallocated ones are what the backing file says (holes without one).
+    fn block_status(&self, offset: u64, len: u64) -> io::Result<(crate::Allocation, u64)> {
+        use vsd_qcow2::{MapMemo, Mapping};
+        let extent = self.with_io(|image, io| image.map(&mut MapMemo::default(), &mut *io.meta, offset, len))?;
+        let n = extent.len.clamp(1, len);
+        match (extent.mapping, &self.backing) {
+            (Mapping::Data { .. } | Mapping::Compressed { .. }, _) => Ok((crate::Allocation::Data, n)),
+            (Mapping::Unallocated, Some(backing)) if offset < backing.size() => {
+                backing.block_status(offset, n.min(backing.size() - offset))
+            }
+            (Mapping::Zero | Mapping::Unallocated, _) => Ok((crate::Allocation::Hole, n)),
+            (Mapping::Invalid, _) => Err(io::Error::from_raw_os_error(libc::EIO)),
+        }
+    }
+
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
         // Child tags below `depth` carry guest requests sent whole, under
         // their own tags. Requests split at cluster boundaries need tags

@@ -1,0 +1,149 @@
+//! `--nbd-server` and `--export type=nbd` options, with QEMU's names.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use vsd_block::options::{OptionError, OptionMap};
+
+/// Where the server listens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Address {
+    /// `addr.type=unix,addr.path=PATH`.
+    Unix(PathBuf),
+    /// `addr.type=inet,addr.host=HOST,addr.port=PORT`.
+    Inet {
+        /// Host name or address.
+        host: String,
+        /// Port (a number; QAPI passes it as a string).
+        port: u16,
+    },
+}
+
+/// The NBD server, as configured.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerConfig {
+    /// `addr.*`: where it listens.
+    pub addr: Address,
+    /// `max-connections`: clients served at once, handshaking ones
+    /// included (QEMU 10's default 100; 0 = no limit). More wait in the
+    /// listen backlog.
+    pub max_connections: u32,
+    /// `handshake-max-seconds`: a client that has not finished negotiating
+    /// by then is disconnected (QEMU's default 10; 0 = no limit).
+    pub handshake_max: Option<Duration>,
+}
+
+/// QEMU's `NBD_DEFAULT_MAX_CONNECTIONS`.
+const DEFAULT_MAX_CONNECTIONS: u64 = 100;
+/// QEMU's `NBD_DEFAULT_HANDSHAKE_MAX_SECS`.
+const DEFAULT_HANDSHAKE_SECONDS: u64 = 10;
+
+impl ServerConfig {
+    /// Reads `--nbd-server` (or `nbd-server-start`, flattened) options.
+    pub fn from_options(opts: &mut OptionMap) -> Result<Self, OptionError> {
+        let addr = match opts.require("addr.type")?.as_str() {
+            "unix" => Address::Unix(PathBuf::from(opts.require("addr.path")?)),
+            "inet" => {
+                let host = opts.require("addr.host")?;
+                let text = opts.require("addr.port")?;
+                let port = text.parse().map_err(|_| opts.invalid("addr.port", &text, "a port number"))?;
+                Address::Inet { host, port }
+            }
+            other => return Err(opts.invalid("addr.type", other, "unix or inet")),
+        };
+        let max = opts.take_u64("max-connections")?.unwrap_or(DEFAULT_MAX_CONNECTIONS);
+        let max_connections =
+            u32::try_from(max).map_err(|_| opts.invalid("max-connections", max, "a 32-bit number"))?;
+        let seconds = opts.take_u64("handshake-max-seconds")?.unwrap_or(DEFAULT_HANDSHAKE_SECONDS);
+        let handshake_max = (seconds != 0).then(|| Duration::from_secs(seconds));
+        for unsupported in ["tls-creds", "tls-authz"] {
+            if let Some(value) = opts.take(unsupported) {
+                return Err(opts.invalid(unsupported, value, "nothing: vsd's NBD server has no TLS yet"));
+            }
+        }
+        Ok(Self { addr, max_connections, handshake_max })
+    }
+}
+
+/// An NBD export, as configured.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportConfig {
+    /// `id=`: the export's id among all exports.
+    pub id: String,
+    /// `node-name=`: the node it serves.
+    pub node_name: String,
+    /// `name=`: what clients ask for (default: the node's name, as QEMU).
+    pub name: String,
+    /// `description=`: free text for clients.
+    pub description: String,
+    /// `writable=`: clients may write (default off).
+    pub writable: bool,
+    /// `writethrough=`: every write is durable before its reply.
+    pub writethrough: bool,
+}
+
+impl ExportConfig {
+    /// Reads the options of one `--export type=nbd`.
+    pub fn from_options(opts: &mut OptionMap) -> Result<Self, OptionError> {
+        let kind = opts.require("type")?;
+        if kind != "nbd" {
+            return Err(opts.invalid("type", kind, "nbd"));
+        }
+        let id = opts.require("id")?;
+        let node_name = opts.require("node-name")?;
+        let name = opts.take("name").unwrap_or_else(|| node_name.clone());
+        if name.len() > 4096 {
+            return Err(opts.invalid("name", "(too long)", "at most 4096 bytes"));
+        }
+        let description = opts.take("description").unwrap_or_default();
+        let writable = opts.take_bool("writable")?.unwrap_or(false);
+        let writethrough = opts.take_bool("writethrough")?.unwrap_or(false);
+        for unsupported in ["bitmaps", "allocation-depth"] {
+            if let Some(value) = opts.take(unsupported) {
+                return Err(opts.invalid(unsupported, value, "nothing: not supported by vsd's NBD exports yet"));
+            }
+        }
+        Ok(Self { id, node_name, name, description, writable, writethrough })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse<T>(text: &str, f: fn(&mut OptionMap) -> Result<T, OptionError>) -> Result<T, OptionError> {
+        let mut opts = OptionMap::parse("--test", text).unwrap();
+        let parsed = f(&mut opts)?;
+        opts.finish()?;
+        Ok(parsed)
+    }
+
+    #[test]
+    fn server_options_take_qemu_s_defaults() {
+        let unix = parse("addr.type=unix,addr.path=/run/nbd.sock", ServerConfig::from_options).unwrap();
+        assert_eq!(unix.addr, Address::Unix("/run/nbd.sock".into()));
+        assert_eq!((unix.max_connections, unix.handshake_max), (100, Some(Duration::from_secs(10))));
+        let inet = "addr.type=inet,addr.host=127.0.0.1,addr.port=10809,max-connections=0,handshake-max-seconds=0";
+        let inet = parse(inet, ServerConfig::from_options).unwrap();
+        assert_eq!(inet.addr, Address::Inet { host: "127.0.0.1".into(), port: 10809 });
+        assert_eq!((inet.max_connections, inet.handshake_max), (0, None));
+        for bad in [
+            "addr.type=vsock,addr.cid=3",
+            "addr.type=inet,addr.host=h,addr.port=http",
+            "addr.type=unix,addr.path=p,tls-creds=t",
+            "addr.type=unix",
+        ] {
+            assert!(parse(bad, ServerConfig::from_options).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn export_options_default_the_name_to_the_node() {
+        let e = parse("type=nbd,id=e,node-name=disk0,writable=on", ExportConfig::from_options).unwrap();
+        assert_eq!((e.name.as_str(), e.writable, e.description.as_str()), ("disk0", true, ""));
+        let named = parse("type=nbd,id=e,node-name=n,name=,description=hello", ExportConfig::from_options).unwrap();
+        assert_eq!((named.name.as_str(), named.description.as_str()), ("", "hello"));
+        assert!(parse("type=nbd,id=e,node-name=n,bitmaps=b", ExportConfig::from_options).is_err());
+        assert!(parse("type=nbd,id=e,node-name=n,num-queues=2", ExportConfig::from_options).is_err());
+    }
+}

@@ -1,0 +1,606 @@
+//! The transmission phase of one connection, on its own thread.
+//!
+//! The thread owns the socket (non-blocking), an [`IoQueue`] it opened on
+//! the node, and [`SLOTS`] request slots with their buffers. Per round it
+//! reads what the socket has (several requests per `read`), parses every
+//! whole request while a slot is free, pushes them to the queue and
+//! submits them at once, reaps what completed, and writes every reply
+//! ready with one `writev`. A slot is free again once its reply is sent,
+//! so a client that sends without reading replies stops being read.
+//!
+//! Memory is bounded whatever the client sends: the input buffer is fixed,
+//! each slot's buffer holds at most one request's payload or data (at
+//! most [`MAX_PAYLOAD`]), buffers above [`KEEP`] are freed after use, and
+//! all of a connection's buffers together stay under [`BUDGET`]: a request
+//! that would pass it waits for earlier ones to finish. A payload larger
+//! than the maximum gets an error and the connection is closed.
+
+use std::collections::VecDeque;
+use std::io::{self, IoSlice, Read, Write};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vsd_block::{Allocation, BlockNode, Completion, IoOp, IoQueue, IoVecs};
+use vsd_qcow2::buf::AlignedBuf;
+use vsd_trace::{Clock, OpKind, QueueStats};
+
+use crate::negotiate::{Agreement, BASE_ALLOCATION_ID};
+use crate::proto::{self, Command, Limits, Mode, Refusal, ReplyHeader, Request, errno, state};
+use crate::server::Export;
+use crate::stream::Stream;
+
+/// Requests in flight per connection, as QEMU's server allows.
+const SLOTS: usize = 16;
+/// The largest read or write payload (QEMU's `NBD_MAX_BUFFER_SIZE`).
+pub(crate) const MAX_PAYLOAD: u64 = 32 << 20;
+/// Slot buffers up to this size stay allocated between requests.
+const KEEP: usize = 1 << 20;
+/// All of a connection's slot buffers together.
+const BUDGET: usize = 2 * MAX_PAYLOAD as usize;
+/// Bytes read from the socket at once.
+const INPUT: usize = 64 << 10;
+/// The most block status descriptors in one reply.
+const MAX_EXTENTS: usize = 8192;
+/// The most buffers one `writev` sends.
+const MAX_IOV: usize = 64;
+
+const TOKEN_SOCKET: u64 = 0;
+const TOKEN_ENGINE: u64 = 1;
+
+/// The smallest request the node serves: O_DIRECT files below need
+/// aligned ones (vsd has no bounce buffers yet).
+pub(crate) fn request_alignment(node: &dyn BlockNode) -> u32 {
+    fn direct(node: &dyn BlockNode) -> bool {
+        node.cache().direct || node.children().iter().any(|(_, child)| direct(&**child))
+    }
+    if direct(node) { 4096 } else { 1 }
+}
+
+struct Slot {
+    request: Request,
+    verdict: Result<Command, Refusal>,
+    /// Payload bytes taken off the socket so far.
+    received: usize,
+    buf: AlignedBuf,
+    /// The engine's view of `buf`; stays put while the request is in flight.
+    iov: libc::iovec,
+    reply: ReplyHeader,
+    /// How many bytes of `buf` follow the reply header.
+    data_len: usize,
+    /// FUA on a discard or zeroing: a flush follows it.
+    then_flush: bool,
+    /// The round the request was parsed in, in clock ticks.
+    started: u64,
+}
+
+/// One connection in the transmission phase. The queue is declared before
+/// the slots: dropping it waits for requests in flight, whose buffers the
+/// slots own.
+struct Transmission {
+    queue: Box<dyn IoQueue>,
+    slots: Vec<Slot>,
+    free: Vec<usize>,
+    stream: Stream,
+    export: Arc<Export>,
+    limits: Limits,
+    writethrough: bool,
+    input: Box<[u8]>,
+    start: usize,
+    end: usize,
+    /// The slot whose payload is being read.
+    receiving: Option<usize>,
+    replies: VecDeque<usize>,
+    /// Bytes of the first reply already sent.
+    sent: usize,
+    completions: Vec<Completion>,
+    pushed: usize,
+    in_flight: usize,
+    /// Capacity of all slot buffers.
+    buffered: usize,
+    /// No more requests are read (DISC, end of input, a fatal error).
+    closing: bool,
+    epoll: Epoll,
+    stats: Arc<QueueStats>,
+    clock: Clock,
+    now: u64,
+}
+
+/// Serves a connection that negotiated `agreement`; `early` holds bytes
+/// the client sent right after the handshake.
+pub(crate) fn serve(stream: Stream, agreement: Agreement<Arc<Export>>, early: &[u8]) -> io::Result<()> {
+    let export = agreement.export;
+    let limits = Limits {
+        size: agreement.info.size,
+        read_only: !export.config.writable,
+        mode: agreement.mode,
+        base_allocation: agreement.base_allocation,
+        max_payload: MAX_PAYLOAD,
+    };
+    let clock = Clock::get();
+    let stats = Arc::new(QueueStats::timed_by(clock));
+    export.attach_stats(stats.clone());
+    let result =
+        Transmission::new(stream, export.clone(), limits, stats.clone(), clock, early).and_then(|mut t| t.run());
+    export.detach_stats(&stats);
+    result
+}
+
+impl Transmission {
+    fn new(
+        stream: Stream,
+        export: Arc<Export>,
+        limits: Limits,
+        stats: Arc<QueueStats>,
+        clock: Clock,
+        early: &[u8],
+    ) -> io::Result<Self> {
+        stream.set_nonblocking()?;
+        let queue = export.node.open_uncounted_queue(SLOTS as u16)?;
+        let epoll = Epoll::new()?;
+        let edge = EventSet::IN | EventSet::OUT | EventSet::EDGE_TRIGGERED;
+        epoll.ctl(ControlOperation::Add, stream.as_raw_fd(), EpollEvent::new(edge, TOKEN_SOCKET))?;
+        if let Some(fd) = queue.notify_fd() {
+            epoll.ctl(ControlOperation::Add, fd.as_raw_fd(), EpollEvent::new(EventSet::IN, TOKEN_ENGINE))?;
+        }
+        let slots = (0..SLOTS)
+            .map(|_| Slot {
+                request: Request::default(),
+                verdict: Err(Refusal { errno: errno::EINVAL, fatal: false }),
+                received: 0,
+                buf: AlignedBuf::zeroed(0),
+                iov: libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 },
+                reply: ReplyHeader::default(),
+                data_len: 0,
+                then_flush: false,
+                started: 0,
+            })
+            .collect();
+        let mut input = vec![0u8; INPUT].into_boxed_slice();
+        input[..early.len()].copy_from_slice(early);
+        Ok(Self {
+            queue,
+            slots,
+            free: (0..SLOTS).rev().collect(),
+            stream,
+            writethrough: export.config.writethrough,
+            export,
+            limits,
+            input,
+            start: 0,
+            end: early.len(),
+            receiving: None,
+            replies: VecDeque::with_capacity(SLOTS),
+            sent: 0,
+            completions: Vec::with_capacity(SLOTS),
+            pushed: 0,
+            in_flight: 0,
+            buffered: 0,
+            closing: false,
+            epoll,
+            stats,
+            clock,
+            now: clock.now(),
+        })
+    }
+
+    fn run(&mut self) -> io::Result<()> {
+        loop {
+            self.now = self.clock.now();
+            let mut progress = self.receive()?;
+            progress |= self.submit_and_reap()?;
+            progress |= self.send()?;
+            if self.closing && self.in_flight == 0 && self.replies.is_empty() && self.receiving.is_none() {
+                return Ok(());
+            }
+            if !progress {
+                self.wait()?;
+            }
+        }
+    }
+
+    /// Reads and parses requests while slots are free; true if it did any.
+    fn receive(&mut self) -> io::Result<bool> {
+        let mut progress = false;
+        loop {
+            if self.closing {
+                return Ok(progress);
+            }
+            if let Some(slot) = self.receiving {
+                match self.read_payload(slot)? {
+                    true => progress = true,
+                    false => return Ok(progress),
+                }
+                continue;
+            }
+            if self.parse_requests()? {
+                progress = true;
+                continue;
+            }
+            // Parsing stopped: for want of bytes, or of a slot or buffer room.
+            let header = self.limits.mode.request_size();
+            if self.free.is_empty() || self.end - self.start >= header {
+                return Ok(progress);
+            }
+            match self.fill_input()? {
+                true => progress = true,
+                false => return Ok(progress),
+            }
+        }
+    }
+
+    /// Reads more requests into the input buffer; false if none came.
+    fn fill_input(&mut self) -> io::Result<bool> {
+        if self.start > 0 {
+            self.input.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        match (&self.stream).read(&mut self.input[self.end..]) {
+            Ok(0) => {
+                self.closing = true;
+                Ok(true)
+            }
+            Ok(n) => {
+                self.end += n;
+                Ok(true)
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(true),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Reads the rest of a payload straight into its slot; false if nothing came.
+    fn read_payload(&mut self, index: usize) -> io::Result<bool> {
+        let slot = &mut self.slots[index];
+        let (filled, len) = (slot.received, slot.request.len as usize);
+        match (&self.stream).read(&mut slot.buf[filled..len]) {
+            Ok(0) => {
+                // The payload stopped half-way: nothing to reply to.
+                self.receiving = None;
+                self.release(index);
+                self.closing = true;
+                Ok(true)
+            }
+            Ok(n) if filled + n < len => {
+                slot.received = filled + n;
+                Ok(true)
+            }
+            Ok(_) => {
+                self.receiving = None;
+                self.dispatch(index);
+                Ok(true)
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(true),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Takes every whole request in the input buffer that a slot can hold;
+    /// true if it took any.
+    fn parse_requests(&mut self) -> io::Result<bool> {
+        let mut took = false;
+        while !self.closing && self.receiving.is_none() {
+            let Some(&index) = self.free.last() else { break };
+            let mode = self.limits.mode;
+            let request = match Request::parse(&self.input[self.start..self.end], mode) {
+                Ok(Some(request)) => request,
+                Ok(None) => break,
+                Err(e) => return Err(io::Error::new(io::ErrorKind::InvalidData, e)),
+            };
+            let verdict = request.check(&self.limits);
+            let payload = request.payload_len(mode) as usize;
+            let room = match verdict {
+                _ if payload > 0 => payload,
+                Ok(Command::Read { len, .. }) => len as usize,
+                Ok(Command::BlockStatus { .. }) => MAX_EXTENTS * proto::extent_size(mode),
+                _ => 0,
+            };
+            let fatal = matches!(verdict, Err(Refusal { fatal: true, .. }));
+            if !fatal && !self.make_room(index, room) {
+                break;
+            }
+            self.free.pop();
+            took = true;
+            self.start += mode.request_size();
+            let slot = &mut self.slots[index];
+            (slot.request, slot.verdict, slot.started, slot.then_flush) = (request, verdict, self.now, false);
+            self.stats.requests.add(1);
+            if fatal {
+                // The payload cannot be taken: answer, then stop reading.
+                self.closing = true;
+                let errno = verdict.err().map_or(errno::EINVAL, |r| r.errno);
+                self.reply_error(index, errno);
+                break;
+            }
+            let n = payload.min(self.end - self.start);
+            self.slots[index].buf[..n].copy_from_slice(&self.input[self.start..self.start + n]);
+            self.start += n;
+            if n < payload {
+                self.slots[index].received = n;
+                self.receiving = Some(index);
+            } else {
+                self.dispatch(index);
+            }
+        }
+        Ok(took)
+    }
+
+    /// Gives slot `index` a buffer of at least `len` bytes, if the
+    /// connection's budget allows it now.
+    fn make_room(&mut self, index: usize, len: usize) -> bool {
+        let have = self.slots[index].buf.len();
+        if len <= have {
+            return true;
+        }
+        let size = len.next_power_of_two().max(4096);
+        if self.buffered - have + size > BUDGET {
+            return false;
+        }
+        self.buffered = self.buffered - have + size;
+        let slot = &mut self.slots[index];
+        slot.buf = AlignedBuf::zeroed(size);
+        slot.iov = libc::iovec { iov_base: slot.buf.as_mut_ptr().cast(), iov_len: size };
+        true
+    }
+
+    /// Runs a request whose header (and payload) are in its slot.
+    fn dispatch(&mut self, index: usize) {
+        let command = match self.slots[index].verdict {
+            Ok(command) => command,
+            Err(refusal) => {
+                self.stats.invalid.add(1);
+                return self.reply_error(index, refusal.errno);
+            }
+        };
+        let durable = self.writethrough;
+        let op = match command {
+            Command::Disconnect => {
+                self.closing = true;
+                return self.release(index);
+            }
+            Command::Read { len: 0, .. } | Command::Write { len: 0, .. } | Command::Cache => {
+                return self.reply_done(index);
+            }
+            Command::Trim { len: 0, .. } | Command::WriteZeroes { len: 0, .. } => return self.reply_done(index),
+            // Zeroing here may fall back to writing zeroes: not fast.
+            Command::WriteZeroes { fast: true, .. } => return self.reply_error(index, errno::ENOTSUP),
+            Command::BlockStatus { offset, len, one } => return self.block_status(index, offset, len, one),
+            Command::Read { offset, len, .. } => IoOp::Read { offset, len, iov: self.iovecs(index, len) },
+            Command::Write { offset, len, fua } => {
+                IoOp::Write { offset, len, iov: self.iovecs(index, len), durable: fua || durable }
+            }
+            Command::Flush => IoOp::Flush,
+            Command::Trim { offset, len, fua } => {
+                self.slots[index].then_flush = fua || durable;
+                IoOp::Discard { offset, len }
+            }
+            Command::WriteZeroes { offset, len, fua, may_unmap, .. } => {
+                self.slots[index].then_flush = fua || durable;
+                IoOp::WriteZeroes { offset, len, may_unmap }
+            }
+        };
+        self.push(index, op);
+    }
+
+    fn iovecs(&mut self, index: usize, len: u64) -> IoVecs {
+        let slot = &mut self.slots[index];
+        slot.iov.iov_len = len as usize;
+        // SAFETY: the iovec names the first `len` bytes of the slot's
+        // buffer (make_room sized it); the slot keeps both, untouched,
+        // until the request's completion is reaped, and the queue is
+        // dropped (waiting for requests in flight) before the slots.
+        unsafe { IoVecs::new(&slot.iov, 1) }
+    }
+
+    fn push(&mut self, index: usize, op: IoOp) {
+        // SAFETY: as in `iovecs`: the buffers stay valid until the
+        // completion tagged `index` is reaped.
+        unsafe { self.queue.push(index as u32, op) };
+        self.in_flight += 1;
+        self.pushed += 1;
+        self.stats.in_flight.set(self.in_flight as u64);
+        if self.pushed >= self.queue.max_batch() {
+            self.submit();
+        }
+    }
+
+    fn submit(&mut self) {
+        if self.pushed == 0 {
+            return;
+        }
+        if let Err(e) = self.queue.submit() {
+            // What the engine could not hand over stays queued for its next
+            // submit, as in the vhost-user workers.
+            log::error!("NBD export '{}': submitting I/O failed: {e}", self.export.config.id);
+        }
+        self.pushed = 0;
+        self.stats.batches.add(1);
+        self.stats.kernel_entries.set(self.queue.kernel_entries());
+    }
+
+    /// Submits what was pushed and turns completions into replies.
+    fn submit_and_reap(&mut self) -> io::Result<bool> {
+        self.submit();
+        if self.in_flight == 0 {
+            return Ok(false);
+        }
+        self.queue.reap(&mut self.completions);
+        let reaped = !self.completions.is_empty();
+        if reaped {
+            // Completion time, once per round: requests served inline
+            // completed after this round's stamp was taken.
+            self.now = self.clock.now();
+        }
+        let mut completions = std::mem::take(&mut self.completions);
+        for completion in completions.drain(..) {
+            self.in_flight -= 1;
+            self.complete(completion.tag as usize, completion.errno);
+        }
+        self.completions = completions;
+        self.stats.in_flight.set(self.in_flight as u64);
+        // A flush that follows a FUA discard or zeroing was pushed just now.
+        self.submit();
+        Ok(reaped)
+    }
+
+    fn complete(&mut self, index: usize, host_errno: i32) {
+        let slot = &mut self.slots[index];
+        if host_errno != 0 {
+            return self.reply_error(index, errno::from_host(host_errno));
+        }
+        if std::mem::take(&mut slot.then_flush) {
+            return self.push(index, IoOp::Flush);
+        }
+        match slot.verdict {
+            Ok(Command::Read { len, whole, .. }) => self.reply_read(index, len as usize, whole),
+            _ => self.reply_done(index),
+        }
+    }
+
+    fn reply_read(&mut self, index: usize, len: usize, whole: bool) {
+        let mode = self.limits.mode;
+        let slot = &mut self.slots[index];
+        // Zeroes go as a hole, unless the client asked for one data chunk.
+        if mode != Mode::Simple && !whole && slot.buf[..len].iter().all(|&b| b == 0) {
+            slot.reply = ReplyHeader::read_hole(mode, &slot.request, len as u64);
+        } else {
+            slot.reply = ReplyHeader::read_data(mode, &slot.request, len as u64);
+            slot.data_len = len;
+        }
+        self.queue_reply(index, 0);
+    }
+
+    fn reply_done(&mut self, index: usize) {
+        let slot = &mut self.slots[index];
+        slot.reply = ReplyHeader::done(self.limits.mode, &slot.request);
+        self.queue_reply(index, 0);
+    }
+
+    fn reply_error(&mut self, index: usize, errno: u32) {
+        let slot = &mut self.slots[index];
+        slot.reply = ReplyHeader::error(self.limits.mode, &slot.request, errno);
+        self.queue_reply(index, errno);
+    }
+
+    /// Answers block status from the node's allocation, synchronously.
+    fn block_status(&mut self, index: usize, offset: u64, len: u64, one: bool) {
+        let mode = self.limits.mode;
+        let (size, max) = (proto::extent_size(mode), if one { 1 } else { MAX_EXTENTS });
+        let node = self.export.node.clone();
+        let slot = &mut self.slots[index];
+        let (mut at, end, mut count) = (offset, offset + len, 0);
+        while at < end && count < max {
+            let (allocation, n) = match node.block_status(at, (end - at).min(proto::max_extent(mode))) {
+                Ok(status) => status,
+                Err(e) => {
+                    log::warn!("NBD export '{}': block status failed: {e}", self.export.config.id);
+                    return self.reply_error(index, errno::EIO);
+                }
+            };
+            let flags = match allocation {
+                Allocation::Data => 0,
+                Allocation::Hole => state::HOLE | state::ZERO,
+            };
+            proto::encode_extent(mode, n, flags, &mut slot.buf[count * size..(count + 1) * size]);
+            (at, count) = (at + n, count + 1);
+        }
+        slot.reply = ReplyHeader::block_status(mode, &slot.request, BASE_ALLOCATION_ID, count);
+        slot.data_len = count * size;
+        self.queue_reply(index, 0);
+    }
+
+    fn queue_reply(&mut self, index: usize, errno: u32) {
+        let slot = &self.slots[index];
+        self.replies.push_back(index);
+        let kind = match slot.request.kind {
+            proto::cmd::READ => Some(OpKind::Read),
+            proto::cmd::WRITE | proto::cmd::WRITE_ZEROES => Some(OpKind::Write),
+            proto::cmd::FLUSH => Some(OpKind::Flush),
+            proto::cmd::TRIM => Some(OpKind::Unmap),
+            _ => None,
+        };
+        if let Some(kind) = kind {
+            let op = self.stats.op(kind);
+            op.ops.add(1);
+            if errno != 0 {
+                op.failed.add(1);
+            } else if matches!(kind, OpKind::Read | OpKind::Write | OpKind::Unmap) {
+                op.bytes.add(slot.request.len);
+            }
+            op.latency.record(self.now.saturating_sub(slot.started));
+        }
+    }
+
+    /// Writes the replies ready, as many as one `writev` takes; true if
+    /// any byte went out.
+    fn send(&mut self) -> io::Result<bool> {
+        if self.replies.is_empty() {
+            return Ok(false);
+        }
+        let mut iov = [IoSlice::new(&[]); MAX_IOV];
+        let mut count = 0;
+        let mut skip = self.sent;
+        for &index in self.replies.iter().take(MAX_IOV / 2) {
+            let slot = &self.slots[index];
+            for part in [slot.reply.as_bytes(), &slot.buf[..slot.data_len]] {
+                let from = skip.min(part.len());
+                skip -= from;
+                if from < part.len() {
+                    iov[count] = IoSlice::new(&part[from..]);
+                    count += 1;
+                }
+            }
+        }
+        let mut n = match (&self.stream).write_vectored(&iov[..count]) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(true),
+            Err(e) => return Err(e),
+        };
+        while let Some(&index) = self.replies.front() {
+            let slot = &self.slots[index];
+            let left = slot.reply.as_bytes().len() + slot.data_len - self.sent;
+            if n < left {
+                self.sent += n;
+                break;
+            }
+            n -= left;
+            self.sent = 0;
+            self.replies.pop_front();
+            self.release(index);
+        }
+        Ok(true)
+    }
+
+    /// Frees a slot; a large buffer goes back to the allocator.
+    fn release(&mut self, index: usize) {
+        let slot = &mut self.slots[index];
+        slot.data_len = 0;
+        if slot.buf.len() > KEEP {
+            self.buffered -= slot.buf.len();
+            slot.buf = AlignedBuf::zeroed(0);
+        }
+        self.free.push(index);
+    }
+
+    /// Sleeps until the socket or the engine has something.
+    fn wait(&mut self) -> io::Result<()> {
+        let mut events = [EpollEvent::default(); 2];
+        // An engine without a descriptor completes within submit or reap:
+        // look again soon rather than sleep while requests are in flight.
+        let timeout = if self.in_flight > 0 && self.queue.notify_fd().is_none() { 1 } else { -1 };
+        let n = match self.epoll.wait(timeout, &mut events) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        self.stats.wakeups.add(1);
+        if events[..n].iter().any(|e| e.data() == TOKEN_ENGINE) {
+            self.queue.rearm();
+        }
+        Ok(())
+    }
+}

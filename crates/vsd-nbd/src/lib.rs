@@ -1,0 +1,28 @@
+//! vsd's NBD server: block nodes exported over the Network Block Device
+//! protocol, as qemu-storage-daemon's `--nbd-server` and `--export type=nbd`.
+//!
+//! ```text
+//!  client ── unix or TCP socket ──▶ accept thread (max-connections, handshake timeout)
+//!                                        │ a thread per connection
+//!                                        ▼
+//!              negotiate.rs (options, bytes in, bytes out) ──▶ conn.rs (transmission:
+//!              request slots, IoQueue of its own, batched submits, writev replies)
+//! ```
+//!
+//! The protocol is written here, not taken from a crate: none implements a
+//! server with structured replies, block status and extended headers.
+//! [`proto`] and [`negotiate`] do no I/O, so that they can be fed
+//! arbitrary bytes in arbitrary chunks (tests, fuzzing).
+
+#![deny(missing_docs)]
+
+pub mod negotiate;
+pub mod proto;
+
+mod config;
+mod conn;
+mod server;
+mod stream;
+
+pub use config::{Address, ExportConfig, ServerConfig};
+pub use server::{NbdError, NbdExport, NbdServer};

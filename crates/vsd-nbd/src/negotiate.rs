@@ -1,0 +1,667 @@
+//! The handshake as a state machine over bytes: fixed newstyle
+//! negotiation, from the server's greeting to the transmission phase.
+//!
+//! [`Negotiation::feed`] takes whatever the client sent, in any chunks,
+//! and queues what the server answers ([`Negotiation::take_output`]). It
+//! stops consuming at the end of the option that ends the handshake, so
+//! the bytes after it belong to the transmission phase. Memory is bounded
+//! whatever the client sends: option data over [`MAX_OPTION_DATA`] is
+//! skipped, not kept.
+
+use crate::proto::{Mode, tx_flag};
+
+const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
+const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
+const REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+
+/// Handshake flags: fixed newstyle, and no 124 zero bytes after EXPORT_NAME.
+const FLAG_FIXED_NEWSTYLE: u16 = 1 << 0;
+const FLAG_NO_ZEROES: u16 = 1 << 1;
+
+mod opt {
+    pub const EXPORT_NAME: u32 = 1;
+    pub const ABORT: u32 = 2;
+    pub const LIST: u32 = 3;
+    pub const STARTTLS: u32 = 5;
+    pub const INFO: u32 = 6;
+    pub const GO: u32 = 7;
+    pub const STRUCTURED_REPLY: u32 = 8;
+    pub const LIST_META_CONTEXT: u32 = 9;
+    pub const SET_META_CONTEXT: u32 = 10;
+    pub const EXTENDED_HEADERS: u32 = 11;
+}
+
+mod rep {
+    pub const ACK: u32 = 1;
+    pub const SERVER: u32 = 2;
+    pub const INFO: u32 = 3;
+    pub const META_CONTEXT: u32 = 4;
+    const ERR: u32 = 1 << 31;
+    pub const ERR_UNSUP: u32 = ERR + 1;
+    pub const ERR_POLICY: u32 = ERR + 2;
+    pub const ERR_INVALID: u32 = ERR + 3;
+    pub const ERR_UNKNOWN: u32 = ERR + 6;
+    pub const ERR_TOO_BIG: u32 = ERR + 9;
+    pub const ERR_EXT_HEADER_REQD: u32 = ERR + 11;
+}
+
+mod info {
+    pub const EXPORT: u16 = 0;
+    pub const NAME: u16 = 1;
+    pub const DESCRIPTION: u16 = 2;
+    pub const BLOCK_SIZE: u16 = 3;
+}
+
+/// The most option data kept: more than any option vsd knows needs.
+pub const MAX_OPTION_DATA: u32 = 64 << 10;
+/// The longest export name or query (the spec's limit for strings).
+const MAX_STRING: usize = 4096;
+/// The id of `base:allocation`, the only metadata context.
+pub const BASE_ALLOCATION_ID: u32 = 0;
+const BASE_ALLOCATION: &str = "base:allocation";
+
+/// What a client is told about an export.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportInfo {
+    /// The name clients ask for.
+    pub name: String,
+    /// Free text, sent if asked for and not empty.
+    pub description: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Transmission flags (without SEND_DF, which negotiation adds).
+    pub flags: u16,
+    /// Minimum, preferred and maximum block sizes.
+    pub block_sizes: [u32; 3],
+}
+
+/// The exports a server offers.
+pub trait Catalog {
+    /// What the transmission phase serves.
+    type Export;
+    /// The export called `name`, with what clients are told about it.
+    fn find(&self, name: &str) -> Option<(Self::Export, ExportInfo)>;
+    /// Every export's name and description, for NBD_OPT_LIST.
+    fn list(&self) -> Vec<(String, String)>;
+}
+
+/// What the handshake agreed on.
+#[derive(Debug)]
+pub struct Agreement<E> {
+    /// The export chosen.
+    pub export: E,
+    /// What it was advertised as.
+    pub info: ExportInfo,
+    /// Reply format.
+    pub mode: Mode,
+    /// `base:allocation` was selected for this export.
+    pub base_allocation: bool,
+}
+
+/// Why the handshake ended without an agreement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Closed {
+    /// The client sent NBD_OPT_ABORT.
+    #[error("the client aborted the handshake")]
+    Aborted,
+    /// Flags the server does not know.
+    #[error("unknown client flags {0:#x}")]
+    ClientFlags(u32),
+    /// An option header without IHAVEOPT.
+    #[error("bad option magic")]
+    OptionMagic,
+    /// NBD_OPT_EXPORT_NAME for a missing export, or too long: that option
+    /// has no error reply.
+    #[error("NBD_OPT_EXPORT_NAME for an export that cannot be served")]
+    ExportName,
+}
+
+enum Phase {
+    ClientFlags,
+    OptionHeader,
+    OptionData { option: u32, len: usize },
+    Skip { option: u32, left: u64 },
+    Finished,
+}
+
+/// One client's handshake.
+pub struct Negotiation<C: Catalog> {
+    catalog: C,
+    phase: Phase,
+    input: Vec<u8>,
+    output: Vec<u8>,
+    no_zeroes: bool,
+    mode: Mode,
+    /// `base:allocation` selected with SET_META_CONTEXT, for this export name.
+    contexts: Option<String>,
+    outcome: Option<Result<Agreement<C::Export>, Closed>>,
+}
+
+impl<C: Catalog> Negotiation<C> {
+    /// A handshake whose greeting is ready to send.
+    pub fn new(catalog: C) -> Self {
+        let mut output = Vec::with_capacity(64);
+        output.extend(NBDMAGIC.to_be_bytes());
+        output.extend(IHAVEOPT.to_be_bytes());
+        output.extend((FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+        Self {
+            catalog,
+            phase: Phase::ClientFlags,
+            input: Vec::new(),
+            output,
+            no_zeroes: false,
+            mode: Mode::Simple,
+            contexts: None,
+            outcome: None,
+        }
+    }
+
+    /// What to send the client now.
+    pub fn take_output(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.output)
+    }
+
+    /// The end of the handshake, once reached: the agreement, or why the
+    /// connection is to be closed (after sending the output).
+    pub fn outcome(&mut self) -> Option<Result<Agreement<C::Export>, Closed>> {
+        self.outcome.take()
+    }
+
+    /// Whether the handshake has ended.
+    pub fn finished(&self) -> bool {
+        matches!(self.phase, Phase::Finished)
+    }
+
+    /// Consumes client bytes; returns how many were taken (fewer than
+    /// given only once the handshake has ended).
+    pub fn feed(&mut self, mut bytes: &[u8]) -> usize {
+        let given = bytes.len();
+        loop {
+            let need = match self.phase {
+                Phase::Finished => break,
+                Phase::ClientFlags => 4,
+                Phase::OptionHeader => 16,
+                Phase::OptionData { len, .. } => len,
+                Phase::Skip { option, left } => {
+                    let n = left.min(bytes.len() as u64);
+                    bytes = &bytes[n as usize..];
+                    if n < left {
+                        self.phase = Phase::Skip { option, left: left - n };
+                        break;
+                    }
+                    self.error(option, rep::ERR_TOO_BIG, "option data too long");
+                    self.phase = Phase::OptionHeader;
+                    continue;
+                }
+            };
+            let n = (need - self.input.len()).min(bytes.len());
+            self.input.extend_from_slice(&bytes[..n]);
+            bytes = &bytes[n..];
+            if self.input.len() < need {
+                break;
+            }
+            let input = std::mem::take(&mut self.input);
+            self.step(&input);
+            self.input = input;
+            self.input.clear();
+        }
+        given - bytes.len()
+    }
+
+    fn step(&mut self, input: &[u8]) {
+        match self.phase {
+            Phase::ClientFlags => {
+                let flags = u32::from_be_bytes(input[..4].try_into().unwrap_or_default());
+                let known = u32::from(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
+                if flags & !known != 0 {
+                    return self.close(Closed::ClientFlags(flags));
+                }
+                self.no_zeroes = flags & u32::from(FLAG_NO_ZEROES) != 0;
+                self.phase = Phase::OptionHeader;
+            }
+            Phase::OptionHeader => {
+                let (magic, option, len) = (be64(input), be32(&input[8..]), be32(&input[12..]));
+                if magic != IHAVEOPT {
+                    return self.close(Closed::OptionMagic);
+                }
+                self.phase = match len {
+                    0 => {
+                        self.option(option, &[]);
+                        return;
+                    }
+                    len if len > MAX_OPTION_DATA => match option {
+                        opt::EXPORT_NAME => return self.close(Closed::ExportName),
+                        _ => Phase::Skip { option, left: u64::from(len) },
+                    },
+                    len => Phase::OptionData { option, len: len as usize },
+                };
+            }
+            Phase::OptionData { option, .. } => self.option(option, input),
+            Phase::Skip { .. } | Phase::Finished => unreachable!("no input is gathered in these phases"),
+        }
+    }
+
+    fn close(&mut self, why: Closed) {
+        self.phase = Phase::Finished;
+        self.outcome = Some(Err(why));
+    }
+
+    /// Handles one whole option; the next phase is an option header unless
+    /// the option ends the handshake.
+    fn option(&mut self, option: u32, data: &[u8]) {
+        self.phase = Phase::OptionHeader;
+        match option {
+            opt::EXPORT_NAME => self.export_name(data),
+            opt::ABORT => {
+                self.reply(option, rep::ACK, &[]);
+                self.close(Closed::Aborted);
+            }
+            opt::LIST if !data.is_empty() => self.error(option, rep::ERR_INVALID, "NBD_OPT_LIST takes no data"),
+            opt::LIST => {
+                for (name, description) in self.catalog.list() {
+                    let mut entry = Vec::with_capacity(4 + name.len() + description.len());
+                    entry.extend((name.len() as u32).to_be_bytes());
+                    entry.extend(name.as_bytes());
+                    entry.extend(description.as_bytes());
+                    self.reply(option, rep::SERVER, &entry);
+                }
+                self.reply(option, rep::ACK, &[]);
+            }
+            opt::STARTTLS => self.error(option, rep::ERR_POLICY, "TLS not configured"),
+            opt::INFO | opt::GO => self.info_or_go(option, data),
+            opt::STRUCTURED_REPLY | opt::EXTENDED_HEADERS => self.reply_format(option, data),
+            opt::LIST_META_CONTEXT | opt::SET_META_CONTEXT => self.meta_context(option, data),
+            _ => self.error(option, rep::ERR_UNSUP, "option not supported"),
+        }
+    }
+
+    fn export_name(&mut self, data: &[u8]) {
+        let found = std::str::from_utf8(data).ok().and_then(|name| self.catalog.find(name));
+        let Some((export, info)) = found else { return self.close(Closed::ExportName) };
+        let flags = self.advertised_flags(&info);
+        self.output.extend(info.size.to_be_bytes());
+        self.output.extend(flags.to_be_bytes());
+        if !self.no_zeroes {
+            self.output.extend([0u8; 124]);
+        }
+        self.agree(export, info);
+    }
+
+    fn agree(&mut self, export: C::Export, info: ExportInfo) {
+        let base_allocation = self.contexts.as_deref() == Some(info.name.as_str());
+        self.phase = Phase::Finished;
+        self.outcome = Some(Ok(Agreement { export, info, mode: self.mode, base_allocation }));
+    }
+
+    fn advertised_flags(&self, info: &ExportInfo) -> u16 {
+        if self.mode >= Mode::Structured { info.flags | tx_flag::SEND_DF } else { info.flags }
+    }
+
+    fn info_or_go(&mut self, option: u32, data: &[u8]) {
+        let mut reader = Reader(data);
+        let parsed = (|| {
+            let name = reader.string()?;
+            let count = reader.u16()?;
+            let requests: Vec<u16> = (0..count).map(|_| reader.u16()).collect::<Option<_>>()?;
+            reader.0.is_empty().then_some((name, requests))
+        })();
+        let Some((name, requests)) = parsed else {
+            return self.error(option, rep::ERR_INVALID, "malformed export name or information requests");
+        };
+        let Some((export, info)) = self.catalog.find(&name) else {
+            return self.error(option, rep::ERR_UNKNOWN, "export not found");
+        };
+        let mut export_info = Vec::with_capacity(12);
+        export_info.extend(info::EXPORT.to_be_bytes());
+        export_info.extend(info.size.to_be_bytes());
+        export_info.extend(self.advertised_flags(&info).to_be_bytes());
+        self.reply(option, rep::INFO, &export_info);
+        if requests.contains(&info::NAME) {
+            self.reply(option, rep::INFO, &[&info::NAME.to_be_bytes()[..], info.name.as_bytes()].concat());
+        }
+        if requests.contains(&info::DESCRIPTION) && !info.description.is_empty() {
+            let text = &info.description;
+            self.reply(option, rep::INFO, &[&info::DESCRIPTION.to_be_bytes()[..], text.as_bytes()].concat());
+        }
+        let mut sizes = info::BLOCK_SIZE.to_be_bytes().to_vec();
+        for size in info.block_sizes {
+            sizes.extend(size.to_be_bytes());
+        }
+        self.reply(option, rep::INFO, &sizes);
+        self.reply(option, rep::ACK, &[]);
+        if option == opt::GO {
+            self.agree(export, info);
+        }
+    }
+
+    fn reply_format(&mut self, option: u32, data: &[u8]) {
+        let want = if option == opt::EXTENDED_HEADERS { Mode::Extended } else { Mode::Structured };
+        if !data.is_empty() {
+            self.error(option, rep::ERR_INVALID, "the option takes no data");
+        } else if self.mode == Mode::Extended && want == Mode::Structured {
+            self.error(option, rep::ERR_EXT_HEADER_REQD, "extended headers already negotiated");
+        } else if self.mode == want {
+            self.error(option, rep::ERR_INVALID, "already negotiated");
+        } else {
+            self.mode = want;
+            self.reply(option, rep::ACK, &[]);
+        }
+    }
+
+    fn meta_context(&mut self, option: u32, data: &[u8]) {
+        let set = option == opt::SET_META_CONTEXT;
+        if set && self.mode == Mode::Simple {
+            return self.error(option, rep::ERR_INVALID, "structured replies not negotiated");
+        }
+        let mut reader = Reader(data);
+        let parsed = (|| {
+            let name = reader.string()?;
+            let count = reader.u32()?;
+            let queries: Vec<String> = (0..count).map(|_| reader.string()).collect::<Option<_>>()?;
+            reader.0.is_empty().then_some((name, queries))
+        })();
+        let Some((name, queries)) = parsed else {
+            return self.error(option, rep::ERR_INVALID, "malformed metadata context request");
+        };
+        if self.catalog.find(&name).is_none() {
+            return self.error(option, rep::ERR_UNKNOWN, "export not found");
+        }
+        // A namespace alone ("base:") lists its contexts but selects none.
+        let matches = |q: &str| q == BASE_ALLOCATION || (!set && q == "base:");
+        let selected = (!set && queries.is_empty()) || queries.iter().any(|q| matches(q));
+        if set {
+            self.contexts = selected.then(|| name.clone());
+        }
+        if selected {
+            let context = [&BASE_ALLOCATION_ID.to_be_bytes()[..], BASE_ALLOCATION.as_bytes()].concat();
+            self.reply(option, rep::META_CONTEXT, &context);
+        }
+        self.reply(option, rep::ACK, &[]);
+    }
+
+    fn reply(&mut self, option: u32, kind: u32, data: &[u8]) {
+        self.output.extend(REPLY_MAGIC.to_be_bytes());
+        self.output.extend(option.to_be_bytes());
+        self.output.extend(kind.to_be_bytes());
+        self.output.extend((data.len() as u32).to_be_bytes());
+        self.output.extend(data);
+    }
+
+    fn error(&mut self, option: u32, kind: u32, message: &str) {
+        self.reply(option, kind, message.as_bytes());
+    }
+}
+
+fn be32(b: &[u8]) -> u32 {
+    u32::from_be_bytes([b[0], b[1], b[2], b[3]])
+}
+fn be64(b: &[u8]) -> u64 {
+    u64::from_be_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
+}
+
+/// Reads big-endian fields off option data; `None` past its end.
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Option<&[u8]> {
+        let (head, rest) = (self.0.get(..n)?, self.0.get(n..)?);
+        self.0 = rest;
+        Some(head)
+    }
+    fn u16(&mut self) -> Option<u16> {
+        self.take(2).map(|b| u16::from_be_bytes([b[0], b[1]]))
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4).map(be32)
+    }
+    /// A 32-bit length, then that many bytes of UTF-8, at most [`MAX_STRING`].
+    fn string(&mut self) -> Option<String> {
+        let len = self.u32()? as usize;
+        if len > MAX_STRING {
+            return None;
+        }
+        std::str::from_utf8(self.take(len)?).ok().map(str::to_string)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Two;
+
+    impl Catalog for Two {
+        type Export = &'static str;
+        fn find(&self, name: &str) -> Option<(&'static str, ExportInfo)> {
+            let (export, size) = match name {
+                "disk" => ("disk", 1 << 20),
+                "ro" => ("ro", 4096),
+                _ => return None,
+            };
+            let flags = tx_flag::HAS_FLAGS | if export == "ro" { tx_flag::READ_ONLY } else { 0 };
+            let info = ExportInfo {
+                name: export.into(),
+                description: if export == "disk" { "a disk".into() } else { String::new() },
+                size,
+                flags,
+                block_sizes: [1, 4096, 32 << 20],
+            };
+            Some((export, info))
+        }
+        fn list(&self) -> Vec<(String, String)> {
+            vec![("disk".into(), "a disk".into()), ("ro".into(), String::new())]
+        }
+    }
+
+    fn option(code: u32, data: &[u8]) -> Vec<u8> {
+        [&IHAVEOPT.to_be_bytes()[..], &code.to_be_bytes(), &(data.len() as u32).to_be_bytes(), data].concat()
+    }
+
+    fn name_and(name: &str, tail: &[u8]) -> Vec<u8> {
+        [&(name.len() as u32).to_be_bytes()[..], name.as_bytes(), tail].concat()
+    }
+
+    fn go(name: &str, requests: &[u16]) -> Vec<u8> {
+        let mut tail = (requests.len() as u16).to_be_bytes().to_vec();
+        requests.iter().for_each(|r| tail.extend(r.to_be_bytes()));
+        name_and(name, &tail)
+    }
+
+    fn meta(name: &str, queries: &[&str]) -> Vec<u8> {
+        let mut tail = (queries.len() as u32).to_be_bytes().to_vec();
+        queries.iter().for_each(|q| tail.extend(name_and(q, &[])));
+        name_and(name, &tail)
+    }
+
+    /// A reply: option, type, data.
+    type Reply = (u32, u32, Vec<u8>);
+
+    fn replies(mut out: &[u8]) -> Vec<Reply> {
+        let mut all = Vec::new();
+        while !out.is_empty() {
+            assert_eq!(be64(out), REPLY_MAGIC);
+            let len = be32(&out[16..]) as usize;
+            all.push((be32(&out[8..]), be32(&out[12..]), out[20..20 + len].to_vec()));
+            out = &out[20 + len..];
+        }
+        all
+    }
+
+    /// A negotiation past the greeting and client flags (NO_ZEROES set).
+    fn started() -> Negotiation<Two> {
+        let mut n = Negotiation::new(Two);
+        let greeting = n.take_output();
+        assert_eq!((be64(&greeting), be64(&greeting[8..]), &greeting[16..]), (NBDMAGIC, IHAVEOPT, &[0u8, 3][..]));
+        assert_eq!(n.feed(&3u32.to_be_bytes()), 4);
+        n
+    }
+
+    fn exchange(n: &mut Negotiation<Two>, code: u32, data: &[u8]) -> Vec<Reply> {
+        let bytes = option(code, data);
+        assert_eq!(n.feed(&bytes), bytes.len());
+        replies(&n.take_output())
+    }
+
+    #[test]
+    fn go_agrees_on_an_export_and_stops_at_its_end() {
+        let mut n = started();
+        let mut bytes = option(opt::GO, &go("disk", &[info::NAME, info::DESCRIPTION]));
+        let option_len = bytes.len();
+        bytes.extend([0x25, 0x60, 0x95, 0x13]); // the first request's magic
+        // Byte by byte: chunks may end anywhere.
+        let mut taken = 0;
+        for byte in bytes.chunks(1) {
+            taken += n.feed(byte);
+        }
+        assert_eq!(taken, option_len, "bytes after GO are the transmission phase's");
+        let all = replies(&n.take_output());
+        let kinds: Vec<_> = all.iter().map(|r| (r.0, r.1, r.2.get(..2).map(be16))).collect();
+        let info = |t| (opt::GO, rep::INFO, Some(t));
+        assert_eq!(
+            kinds,
+            [
+                info(info::EXPORT),
+                info(info::NAME),
+                info(info::DESCRIPTION),
+                info(info::BLOCK_SIZE),
+                (opt::GO, rep::ACK, None)
+            ]
+        );
+        assert_eq!((be64(&all[0].2[2..]), be16(&all[0].2[10..])), (1 << 20, tx_flag::HAS_FLAGS));
+        assert_eq!(&all[2].2[2..], b"a disk");
+        assert_eq!((be32(&all[3].2[2..]), be32(&all[3].2[6..]), be32(&all[3].2[10..])), (1, 4096, 32 << 20));
+        let agreement = n.outcome().unwrap().unwrap();
+        assert_eq!((agreement.export, agreement.mode, agreement.base_allocation), ("disk", Mode::Simple, false));
+    }
+
+    fn be16(b: &[u8]) -> u16 {
+        u16::from_be_bytes([b[0], b[1]])
+    }
+
+    #[test]
+    fn info_keeps_negotiating_and_unknown_exports_are_errors() {
+        let mut n = started();
+        let all = exchange(&mut n, opt::INFO, &go("ro", &[]));
+        assert_eq!(all.last().unwrap().1, rep::ACK);
+        assert_eq!(be16(&all[0].2[10..]), tx_flag::HAS_FLAGS | tx_flag::READ_ONLY);
+        assert!(n.outcome().is_none());
+        assert_eq!(exchange(&mut n, opt::GO, &go("nope", &[]))[0].1, rep::ERR_UNKNOWN);
+        let mut bad = go("disk", &[info::NAME]);
+        bad.push(0);
+        assert_eq!(exchange(&mut n, opt::GO, &bad)[0].1, rep::ERR_INVALID, "trailing byte");
+        assert_eq!(
+            exchange(&mut n, opt::GO, &[0, 0, 0, 9, b'd'])[0].1,
+            rep::ERR_INVALID,
+            "name longer than the option"
+        );
+        assert!(!n.finished());
+    }
+
+    #[test]
+    fn structured_and_extended_replies_follow_the_spec_s_order() {
+        let mut n = started();
+        assert_eq!(exchange(&mut n, opt::STRUCTURED_REPLY, &[1])[0].1, rep::ERR_INVALID, "data");
+        assert_eq!(exchange(&mut n, opt::STRUCTURED_REPLY, &[])[0].1, rep::ACK);
+        assert_eq!(exchange(&mut n, opt::STRUCTURED_REPLY, &[])[0].1, rep::ERR_INVALID, "twice");
+        assert_eq!(exchange(&mut n, opt::EXTENDED_HEADERS, &[])[0].1, rep::ACK);
+        assert_eq!(exchange(&mut n, opt::EXTENDED_HEADERS, &[])[0].1, rep::ERR_INVALID, "twice");
+        assert_eq!(exchange(&mut n, opt::STRUCTURED_REPLY, &[])[0].1, rep::ERR_EXT_HEADER_REQD);
+        let all = exchange(&mut n, opt::GO, &go("disk", &[]));
+        assert_eq!(be16(&all[0].2[10..]), tx_flag::HAS_FLAGS | tx_flag::SEND_DF);
+        assert_eq!(n.outcome().unwrap().unwrap().mode, Mode::Extended);
+    }
+
+    #[test]
+    fn meta_contexts_list_set_and_bind_to_their_export() {
+        let mut n = started();
+        let set = meta("disk", &[BASE_ALLOCATION]);
+        assert_eq!(exchange(&mut n, opt::SET_META_CONTEXT, &set)[0].1, rep::ERR_INVALID, "needs structured replies");
+        let listed = exchange(&mut n, opt::LIST_META_CONTEXT, &meta("disk", &[]));
+        assert_eq!(
+            (listed[0].1, be32(&listed[0].2), &listed[0].2[4..]),
+            (rep::META_CONTEXT, BASE_ALLOCATION_ID, BASE_ALLOCATION.as_bytes())
+        );
+        assert_eq!(exchange(&mut n, opt::LIST_META_CONTEXT, &meta("disk", &["base:"]))[0].1, rep::META_CONTEXT);
+        assert_eq!(exchange(&mut n, opt::LIST_META_CONTEXT, &meta("disk", &["qemu:dirty-bitmap:x"]))[0].1, rep::ACK);
+        assert_eq!(exchange(&mut n, opt::LIST_META_CONTEXT, &meta("gone", &[]))[0].1, rep::ERR_UNKNOWN);
+        exchange(&mut n, opt::STRUCTURED_REPLY, &[]);
+        assert_eq!(
+            exchange(&mut n, opt::SET_META_CONTEXT, &meta("disk", &["base:"]))[0].1,
+            rep::ACK,
+            "a namespace selects nothing"
+        );
+        assert_eq!(exchange(&mut n, opt::SET_META_CONTEXT, &set)[0].1, rep::META_CONTEXT);
+        // Contexts set for another export are not the chosen export's.
+        exchange(&mut n, opt::GO, &go("ro", &[]));
+        assert!(!n.outcome().unwrap().unwrap().base_allocation);
+
+        let mut n = started();
+        exchange(&mut n, opt::STRUCTURED_REPLY, &[]);
+        exchange(&mut n, opt::SET_META_CONTEXT, &set);
+        exchange(&mut n, opt::GO, &go("disk", &[]));
+        assert!(n.outcome().unwrap().unwrap().base_allocation);
+    }
+
+    #[test]
+    fn list_abort_starttls_and_unknown_options() {
+        let mut n = started();
+        let listed = exchange(&mut n, opt::LIST, &[]);
+        assert_eq!(listed.len(), 3);
+        assert_eq!((listed[0].1, &listed[0].2[4..]), (rep::SERVER, &b"diska disk"[..]));
+        assert_eq!(exchange(&mut n, opt::LIST, &[0])[0].1, rep::ERR_INVALID);
+        assert_eq!(exchange(&mut n, opt::STARTTLS, &[])[0].1, rep::ERR_POLICY);
+        assert_eq!(exchange(&mut n, 4, &[1, 2, 3])[0].1, rep::ERR_UNSUP, "PEEK_EXPORT was withdrawn");
+        assert_eq!(exchange(&mut n, 0xdead_beef, &[])[0].1, rep::ERR_UNSUP);
+        assert_eq!(exchange(&mut n, opt::ABORT, &[])[0].1, rep::ACK);
+        assert_eq!(n.outcome().unwrap().unwrap_err(), Closed::Aborted);
+        assert_eq!(n.feed(&option(opt::LIST, &[])), 0, "nothing is read after the end");
+    }
+
+    #[test]
+    fn oversized_options_are_skipped_without_being_kept() {
+        let mut n = started();
+        let mut header = option(0x1234, &[]);
+        header[12..16].copy_from_slice(&(1u32 << 31).to_be_bytes());
+        assert_eq!(n.feed(&header), 16);
+        let junk = vec![0xab; 1 << 20];
+        for _ in 0..(1 << 11) {
+            assert!(n.take_output().is_empty(), "no reply before the data is skipped");
+            assert_eq!(n.feed(&junk), junk.len());
+            assert!(n.input.capacity() <= MAX_OPTION_DATA as usize);
+        }
+        let skipped = replies(&n.take_output());
+        assert_eq!((skipped[0].0, skipped[0].1), (0x1234, rep::ERR_TOO_BIG));
+        assert!(!n.finished());
+        let mut header = option(opt::LIST, &[]);
+        header[12..16].copy_from_slice(&(MAX_OPTION_DATA + 1).to_be_bytes());
+        n.feed(&header);
+        n.feed(&vec![0; MAX_OPTION_DATA as usize + 1]);
+        assert_eq!(replies(&n.take_output())[0].1, rep::ERR_TOO_BIG);
+        assert_eq!(exchange(&mut n, opt::LIST, &[]).len(), 3, "still negotiating");
+    }
+
+    #[test]
+    fn export_name_ends_the_handshake_or_the_connection() {
+        let mut n = Negotiation::new(Two);
+        n.take_output();
+        n.feed(&1u32.to_be_bytes()); // fixed newstyle, zeroes wanted
+        n.feed(&option(opt::EXPORT_NAME, b"disk"));
+        let out = n.take_output();
+        assert_eq!((out.len(), be64(&out), be16(&out[8..])), (8 + 2 + 124, 1 << 20, tx_flag::HAS_FLAGS));
+        assert!(n.outcome().unwrap().is_ok());
+
+        let mut n = started();
+        n.feed(&option(opt::EXPORT_NAME, b"missing"));
+        assert_eq!(n.outcome().unwrap().unwrap_err(), Closed::ExportName);
+    }
+
+    #[test]
+    fn bad_flags_and_magic_close_the_connection() {
+        let mut n = Negotiation::new(Two);
+        n.feed(&4u32.to_be_bytes());
+        assert_eq!(n.outcome().unwrap().unwrap_err(), Closed::ClientFlags(4));
+        let mut n = started();
+        n.feed(&[0u8; 16]);
+        assert_eq!(n.outcome().unwrap().unwrap_err(), Closed::OptionMagic);
+    }
+}

@@ -1,0 +1,497 @@
+//! The listener, its connections and the exports they may choose.
+//!
+//! One thread accepts clients while fewer than `max-connections` are
+//! connected (handshaking ones count: CVE-2024-7409 was idle half-open
+//! connections locking real clients out); the rest wait in the listen
+//! backlog. Each client gets a thread of its own: the handshake, bounded
+//! by `handshake-max-seconds`, then the transmission phase
+//! ([`crate::conn`]). Every connection is tracked, so that removing an
+//! export, or stopping the server, cuts each one it concerns and waits for
+//! its requests in flight.
+
+use std::collections::BTreeMap;
+use std::io::{self, Read, Write};
+use std::net::TcpListener;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+use vsd_block::BlockNode;
+use vsd_sys::ListenError;
+use vsd_trace::{ExportSnapshot, QueueSnapshot, QueueStats};
+
+use crate::config::{Address, ExportConfig, ServerConfig};
+use crate::conn::{self, MAX_PAYLOAD};
+use crate::negotiate::{Agreement, Catalog, ExportInfo, Negotiation};
+use crate::proto::tx_flag;
+use crate::stream::Stream;
+
+/// Why the server or an export could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NbdError {
+    /// The listening socket could not be created.
+    #[error("cannot listen on {addr}")]
+    Listen {
+        /// The address, for people.
+        addr: String,
+        /// The host's answer.
+        #[source]
+        source: io::Error,
+    },
+    /// Another export already has that name.
+    #[error("export '{id}': an NBD export named '{name}' already exists")]
+    NameTaken {
+        /// The export.
+        id: String,
+        /// The name.
+        name: String,
+    },
+    /// The node cannot be served as configured.
+    #[error("export '{id}': {reason}")]
+    Invalid {
+        /// The export.
+        id: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// A running NBD server; dropping it stops it.
+pub struct NbdServer {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    config: ServerConfig,
+    exports: RwLock<BTreeMap<String, Arc<Export>>>,
+    conns: Mutex<Conns>,
+    /// Written to stop the accepting thread.
+    stop: EventFd,
+    /// Written when a connection ends: the accepting thread may take another.
+    ended: EventFd,
+    accept: Mutex<Option<JoinHandle<()>>>,
+}
+
+#[derive(Default)]
+struct Conns {
+    next_id: u64,
+    live: BTreeMap<u64, Conn>,
+}
+
+/// A connection, as the control side sees it.
+struct Conn {
+    /// A second handle on the socket, to cut it.
+    stream: Stream,
+    /// The export chosen, once the handshake is over.
+    export: Option<Arc<Export>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// What connections to one export share.
+pub(crate) struct Export {
+    pub(crate) config: ExportConfig,
+    pub(crate) node: Arc<dyn BlockNode>,
+    pub(crate) info: ExportInfo,
+    /// Set once the export is being removed: no connection may join it.
+    closed: AtomicBool,
+    stats: Mutex<ExportStats>,
+}
+
+/// Each live connection's statistics, and the sum of those that ended.
+#[derive(Default)]
+struct ExportStats {
+    live: Vec<Arc<QueueStats>>,
+    ended: QueueSnapshot,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section leaves its data consistent.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Export {
+    /// A connection's statistics, counted in the export's from now on.
+    pub(crate) fn attach_stats(&self, stats: Arc<QueueStats>) {
+        lock(&self.stats).live.push(stats);
+    }
+
+    /// A connection that ended: its figures join the export's total.
+    pub(crate) fn detach_stats(&self, stats: &Arc<QueueStats>) {
+        let mut all = lock(&self.stats);
+        all.live.retain(|s| !Arc::ptr_eq(s, stats));
+        all.ended.merge(&stats.snapshot());
+    }
+}
+
+/// An export served by an [`NbdServer`].
+#[derive(Clone)]
+pub struct NbdExport {
+    export: Arc<Export>,
+    server: Arc<Shared>,
+}
+
+impl NbdServer {
+    /// Listens and starts accepting clients.
+    pub fn start(config: ServerConfig) -> Result<Self, NbdError> {
+        let addr = describe(&config.addr);
+        let error = |source| NbdError::Listen { addr: addr.clone(), source };
+        let listener = Listener::bind(&config.addr).map_err(error)?;
+        let shared = Arc::new(Shared {
+            config,
+            exports: RwLock::default(),
+            conns: Mutex::default(),
+            stop: EventFd::new(EFD_NONBLOCK).map_err(error)?,
+            ended: EventFd::new(EFD_NONBLOCK).map_err(error)?,
+            accept: Mutex::default(),
+        });
+        let accepting = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("vsd-nbd-accept".into())
+            .spawn(move || accept_loop(listener, &accepting))
+            .map_err(error)?;
+        *lock(&shared.accept) = Some(thread);
+        Ok(Self { shared })
+    }
+
+    /// The server's configuration.
+    pub fn config(&self) -> &ServerConfig {
+        &self.shared.config
+    }
+
+    /// Offers `node` to clients under the export's name.
+    pub fn add_export(&self, config: ExportConfig, node: Arc<dyn BlockNode>) -> Result<NbdExport, NbdError> {
+        let invalid = |reason: String| NbdError::Invalid { id: config.id.clone(), reason };
+        if config.writable && node.read_only() {
+            return Err(invalid(format!("node '{}' is read-only; the export cannot be writable", node.name())));
+        }
+        let info = export_info(&config, &*node, self.shared.config.max_connections != 1);
+        let mut exports = self.shared.exports.write().unwrap_or_else(PoisonError::into_inner);
+        if exports.contains_key(&config.name) {
+            return Err(NbdError::NameTaken { id: config.id.clone(), name: config.name.clone() });
+        }
+        let export = Arc::new(Export { config, node, info, closed: AtomicBool::new(false), stats: Mutex::default() });
+        exports.insert(export.config.name.clone(), export.clone());
+        Ok(NbdExport { export, server: self.shared.clone() })
+    }
+
+    /// Stops listening and cuts every connection, handshaking or not; their
+    /// requests in flight complete first. Exports should be removed first.
+    pub fn stop(&self) {
+        if let Some(thread) = lock(&self.shared.accept).take() {
+            if let Err(e) = self.shared.stop.write(1) {
+                log::error!("NBD server: cannot stop accepting: {e}");
+            }
+            let _ = thread.join();
+        }
+        // The accepting thread's listener removed its socket file.
+        self.shared.cut(|_| true);
+    }
+}
+
+impl Drop for NbdServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl NbdExport {
+    /// The export's configuration.
+    pub fn config(&self) -> &ExportConfig {
+        &self.export.config
+    }
+
+    /// The node it serves.
+    pub fn node(&self) -> &Arc<dyn BlockNode> {
+        &self.export.node
+    }
+
+    /// Whether a client is connected to it.
+    pub fn has_client(&self) -> bool {
+        lock(&self.server.conns).live.values().any(|c| self.serves(c))
+    }
+
+    fn serves(&self, conn: &Conn) -> bool {
+        conn.export.as_ref().is_some_and(|e| Arc::ptr_eq(e, &self.export))
+    }
+
+    /// Every connection's statistics, ended ones summed as one.
+    pub fn stats(&self) -> ExportSnapshot {
+        let all = lock(&self.export.stats);
+        let live = all.live.iter().map(|s| s.snapshot());
+        ExportSnapshot::from_queues(std::iter::once(all.ended.clone()).chain(live).collect())
+    }
+
+    /// Withdraws the export and cuts its clients; returns once their
+    /// requests in flight have completed.
+    pub fn stop(&self) {
+        self.export.closed.store(true, Ordering::SeqCst);
+        let mut exports = self.server.exports.write().unwrap_or_else(PoisonError::into_inner);
+        if exports.get(&self.export.config.name).is_some_and(|e| Arc::ptr_eq(e, &self.export)) {
+            exports.remove(&self.export.config.name);
+        }
+        drop(exports);
+        self.server.cut(|conn| self.serves(conn));
+    }
+}
+
+impl Shared {
+    /// Cuts the connections `which` selects and waits for their threads.
+    fn cut(&self, which: impl Fn(&Conn) -> bool) {
+        let threads: Vec<JoinHandle<()>> = lock(&self.conns)
+            .live
+            .values_mut()
+            .filter(|c| which(c))
+            .filter_map(|c| {
+                c.stream.shutdown();
+                c.thread.take()
+            })
+            .collect();
+        for thread in threads {
+            let _ = thread.join();
+        }
+    }
+
+    /// Ties connection `id` to the export it chose, unless the export is
+    /// being removed.
+    fn join(&self, id: u64, export: &Arc<Export>) -> bool {
+        let mut conns = lock(&self.conns);
+        let Some(conn) = conns.live.get_mut(&id) else { return false };
+        conn.export = Some(export.clone());
+        // Checked under the lock a removal takes after setting the flag:
+        // either it sees this connection or this sees the flag.
+        !export.closed.load(Ordering::SeqCst)
+    }
+}
+
+/// What a client is told about an export.
+fn export_info(config: &ExportConfig, node: &dyn BlockNode, multi_conn: bool) -> ExportInfo {
+    use tx_flag::*;
+    let mut flags = HAS_FLAGS | SEND_FLUSH | SEND_FUA | SEND_CACHE;
+    flags |= if config.writable { SEND_TRIM | SEND_WRITE_ZEROES | SEND_FAST_ZERO } else { READ_ONLY };
+    // Flushes reach the node, not a connection's cache: they cover every
+    // connection's writes, which is what multi-conn promises.
+    if multi_conn {
+        flags |= CAN_MULTI_CONN;
+    }
+    let min = conn::request_alignment(node);
+    ExportInfo {
+        name: config.name.clone(),
+        description: config.description.clone(),
+        // As QEMU: whole sectors only.
+        size: node.size() & !511,
+        flags,
+        block_sizes: [min, min.max(4096), MAX_PAYLOAD as u32],
+    }
+}
+
+fn describe(addr: &Address) -> String {
+    match addr {
+        Address::Unix(path) => format!("'{}'", path.display()),
+        Address::Inet { host, port } => format!("{host}:{port}"),
+    }
+}
+
+enum Listener {
+    Unix(UnixListener, PathBuf),
+    Tcp(TcpListener),
+}
+
+impl Listener {
+    fn bind(addr: &Address) -> io::Result<Self> {
+        let listener = match addr {
+            Address::Unix(path) => {
+                let listener = vsd_sys::listen_unix(path, 0o600).map_err(|e| match e {
+                    ListenError::Io(e) => e,
+                    ListenError::InUse => io::Error::other("the socket is in use by another process"),
+                    ListenError::NotASocket => io::Error::other("the path exists and is not a socket"),
+                    ListenError::NotOwned { uid } => {
+                        io::Error::other(format!("a stale socket of user {uid} is there; vsd replaces only its own"))
+                    }
+                })?;
+                Listener::Unix(listener, path.clone())
+            }
+            Address::Inet { host, port } => Listener::Tcp(TcpListener::bind((host.as_str(), *port))?),
+        };
+        match &listener {
+            Listener::Unix(l, _) => l.set_nonblocking(true)?,
+            Listener::Tcp(l) => l.set_nonblocking(true)?,
+        }
+        Ok(listener)
+    }
+
+    fn accept(&self) -> io::Result<Stream> {
+        let stream = match self {
+            Listener::Unix(l, _) => Stream::Unix(l.accept()?.0),
+            Listener::Tcp(l) => {
+                let (s, _) = l.accept()?;
+                // Replies go out as soon as they are written.
+                s.set_nodelay(true)?;
+                Stream::Tcp(s)
+            }
+        };
+        Ok(stream)
+    }
+
+    fn as_raw_fd(&self) -> i32 {
+        match self {
+            Listener::Unix(l, _) => l.as_raw_fd(),
+            Listener::Tcp(l) => l.as_raw_fd(),
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Listener::Unix(_, path) = self {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+const TOKEN_LISTEN: u64 = 0;
+const TOKEN_STOP: u64 = 1;
+const TOKEN_ENDED: u64 = 2;
+
+fn accept_loop(listener: Listener, shared: &Arc<Shared>) {
+    if let Err(e) = accept_clients(&listener, shared) {
+        log::error!("NBD server: accepting clients failed: {e}");
+    }
+}
+
+fn accept_clients(listener: &Listener, shared: &Arc<Shared>) -> io::Result<()> {
+    let epoll = Epoll::new()?;
+    epoll.ctl(ControlOperation::Add, shared.stop.as_raw_fd(), EpollEvent::new(EventSet::IN, TOKEN_STOP))?;
+    epoll.ctl(ControlOperation::Add, shared.ended.as_raw_fd(), EpollEvent::new(EventSet::IN, TOKEN_ENDED))?;
+    let mut listening = false;
+    let mut events = [EpollEvent::default(); 3];
+    loop {
+        let max = shared.config.max_connections as usize;
+        let room = max == 0 || lock(&shared.conns).live.len() < max;
+        // At the limit the listener leaves epoll: clients wait in the backlog.
+        if room != listening {
+            let op = if room { ControlOperation::Add } else { ControlOperation::Delete };
+            epoll.ctl(op, listener.as_raw_fd(), EpollEvent::new(EventSet::IN, TOKEN_LISTEN))?;
+            listening = room;
+        }
+        let n = match epoll.wait(-1, &mut events) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        for event in &events[..n] {
+            match event.data() {
+                TOKEN_STOP => return Ok(()),
+                TOKEN_ENDED => {
+                    let _ = shared.ended.read();
+                }
+                _ => match listener.accept() {
+                    Ok(stream) => start_connection(shared, stream),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) => log::warn!("NBD server: accept failed: {e}"),
+                },
+            }
+        }
+    }
+}
+
+fn start_connection(shared: &Arc<Shared>, stream: Stream) {
+    let control = match stream.try_clone() {
+        Ok(control) => control,
+        Err(e) => return log::warn!("NBD server: refusing a client: {e}"),
+    };
+    let mut conns = lock(&shared.conns);
+    let id = conns.next_id;
+    conns.next_id += 1;
+    let serving = shared.clone();
+    let thread = std::thread::Builder::new().name(format!("vsd-nbd-{id}")).spawn(move || serve(&serving, id, stream));
+    match thread {
+        Ok(thread) => {
+            conns.live.insert(id, Conn { stream: control, export: None, thread: Some(thread) });
+        }
+        Err(e) => log::warn!("NBD server: cannot start a thread for a client: {e}"),
+    }
+}
+
+/// A connection's whole life, on its own thread.
+fn serve(shared: &Arc<Shared>, id: u64, stream: Stream) {
+    match handshake(shared, &stream) {
+        Ok((agreement, early)) => {
+            if shared.join(id, &agreement.export) {
+                let name = agreement.export.config.id.clone();
+                if let Err(e) = conn::serve(stream, agreement, &early) {
+                    log::info!("NBD export '{name}': connection closed: {e}");
+                }
+            }
+        }
+        Err(e) => log::info!("NBD server: handshake failed: {e}"),
+    }
+    // The entry is registered by the acceptor before it lets go of the lock.
+    lock(&shared.conns).live.remove(&id);
+    let _ = shared.ended.write(1);
+}
+
+/// The exports, as negotiation looks them up.
+struct Offered<'a>(&'a Shared);
+
+impl Catalog for Offered<'_> {
+    type Export = Arc<Export>;
+
+    fn find(&self, name: &str) -> Option<(Arc<Export>, ExportInfo)> {
+        let exports = self.0.exports.read().unwrap_or_else(PoisonError::into_inner);
+        let export = exports.get(name)?.clone();
+        // The size as it is now: the node may have been resized.
+        let info = ExportInfo { size: export.node.size() & !511, ..export.info.clone() };
+        Some((export, info))
+    }
+
+    fn list(&self) -> Vec<(String, String)> {
+        let exports = self.0.exports.read().unwrap_or_else(PoisonError::into_inner);
+        exports.values().map(|e| (e.config.name.clone(), e.config.description.clone())).collect()
+    }
+}
+
+fn too_long() -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, "the handshake took too long")
+}
+
+/// Runs the handshake with blocking I/O under the deadline; returns the
+/// agreement and the bytes the client sent after it.
+fn handshake(shared: &Shared, stream: &Stream) -> io::Result<(Agreement<Arc<Export>>, Vec<u8>)> {
+    let deadline = shared.config.handshake_max.map(|max| Instant::now() + max);
+    let mut negotiation = Negotiation::new(Offered(shared));
+    let mut buf = vec![0u8; 16 << 10];
+    let mut early = Vec::new();
+    loop {
+        let remaining = match deadline {
+            Some(deadline) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(too_long());
+                }
+                Some(left)
+            }
+            None => None,
+        };
+        stream.set_timeouts(remaining)?;
+        (&*stream).write_all(&negotiation.take_output())?;
+        if let Some(outcome) = negotiation.outcome() {
+            stream.set_timeouts(None)?;
+            return outcome.map(|agreement| (agreement, early)).map_err(io::Error::other);
+        }
+        let n = match (&*stream).read(&mut buf) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Err(too_long()),
+            Err(e) => return Err(e),
+        };
+        let used = negotiation.feed(&buf[..n]);
+        // Not empty only once the handshake has ended.
+        early = buf[used..n].to_vec();
+    }
+}

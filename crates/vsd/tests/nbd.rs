@@ -1,0 +1,750 @@
+//! NBD exports against real peers: libnbd's tools (nbdinfo, nbdcopy),
+//! QEMU's (qemu-img, qemu-io: QEMU 10's client negotiates extended
+//! headers), fio's libnbd engine; and a hostile client of the test's own
+//! on a raw socket.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::os::unix::fs::FileExt;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use common::{Daemon, Scratch, pattern, run};
+use serde_json::{Value, json};
+use vsd_control::client::QmpClient;
+
+const MIB: u64 = 1 << 20;
+
+/// `--blockdev` file + raw over `image`, an NBD server on `socket`, and an
+/// export `e0` named `disk` with `export_opts` (",writable=on").
+fn unix_export(image: &Path, socket: &Path, export_opts: &str) -> Vec<String> {
+    vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=f0,filename={}", image.display()),
+        "--blockdev".into(),
+        "driver=raw,node-name=r0,file=f0".into(),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", socket.display()),
+        "--export".into(),
+        format!("type=nbd,id=e0,node-name=r0,name=disk,description=a test disk{export_opts}"),
+    ]
+}
+
+fn uri(socket: &Path, name: &str) -> String {
+    format!("nbd+unix:///{name}?socket={}", socket.display())
+}
+
+fn text(out: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+fn ok(program: &str, args: &[&str]) -> String {
+    let out = run(program, args);
+    assert!(out.status.success(), "{program} {args:?}: {}", text(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A TCP port nobody listens on right now.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// An image with a pattern at a few places and holes between them.
+fn sparse_image(dir: &Scratch, name: &str) -> std::path::PathBuf {
+    let image = dir.image(name, 64 * MIB);
+    let file = std::fs::OpenOptions::new().write(true).open(&image).unwrap();
+    file.write_all_at(&pattern(1, MIB as usize), 4 * MIB).unwrap();
+    file.write_all_at(&pattern(2, 64 << 10), 20 * MIB).unwrap();
+    file.write_all_at(&pattern(3, 2 * MIB as usize), 62 * MIB).unwrap();
+    image
+}
+
+#[test]
+fn nbdinfo_sees_the_export_as_configured() {
+    let dir = Scratch::new("nbd-info");
+    let image = dir.image("disk.img", 64 * MIB);
+    let socket = dir.path("nbd.sock");
+    let daemon = Daemon::vsd(&dir, &unix_export(&image, &socket, ",writable=on"));
+    let info: Value = serde_json::from_str(&ok("nbdinfo", &["--json", &uri(&socket, "disk")])).unwrap();
+    assert_eq!((&info["protocol"], &info["structured"]), (&json!("newstyle-fixed"), &json!(true)));
+    let export = &info["exports"][0];
+    assert_eq!(export["export-name"], "disk");
+    assert_eq!(export["description"], "a test disk");
+    assert_eq!(export["export-size"], 64 * MIB);
+    assert_eq!(export["contexts"], json!(["base:allocation"]));
+    for (key, want) in [
+        ("is_read_only", false),
+        ("can_multi_conn", true),
+        ("can_flush", true),
+        ("can_fua", true),
+        ("can_trim", true),
+        ("can_zero", true),
+        ("can_fast_zero", true),
+        ("can_df", true),
+        ("can_cache", true),
+    ] {
+        assert_eq!(export[key], want, "{key}");
+    }
+    assert_eq!((&export["block_size_minimum"], &export["block_size_maximum"]), (&json!(1), &json!(32 * MIB)));
+    let missing = run("nbdinfo", &["--json", &uri(&socket, "nope")]);
+    assert!(!missing.status.success(), "an unknown export name is refused");
+    drop(daemon);
+    assert!(!socket.exists(), "the socket goes with the daemon");
+}
+
+#[test]
+fn nbdinfo_map_matches_the_sparse_file_s_holes() {
+    let dir = Scratch::new("nbd-map");
+    let image = sparse_image(&dir, "disk.img");
+    let socket = dir.path("nbd.sock");
+    let _daemon = Daemon::vsd(&dir, &unix_export(&image, &socket, ""));
+    let map: Value = serde_json::from_str(&ok("nbdinfo", &["--map", "--json", &uri(&socket, "disk")])).unwrap();
+    let extents: Vec<(u64, u64, u64)> = map
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["offset"].as_u64().unwrap(), e["length"].as_u64().unwrap(), e["type"].as_u64().unwrap()))
+        .collect();
+    let (hole, data) = (3, 0);
+    let want = [
+        (0, 4 * MIB, hole),
+        (4 * MIB, MIB, data),
+        (5 * MIB, 15 * MIB, hole),
+        (20 * MIB, 64 << 10, data),
+        (20 * MIB + (64 << 10), 42 * MIB - (64 << 10), hole),
+        (62 * MIB, 2 * MIB, data),
+    ];
+    assert_eq!(extents, want);
+    // qemu-img agrees through QEMU's NBD client.
+    let qemu: Value =
+        serde_json::from_str(&ok("qemu-img", &["map", "--output=json", "-f", "raw", &uri(&socket, "disk")])).unwrap();
+    let data_ranges: Vec<(u64, u64)> = qemu
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["data"] == true)
+        .map(|e| (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(data_ranges, [(4 * MIB, MIB), (20 * MIB, 64 << 10), (62 * MIB, 2 * MIB)]);
+}
+
+/// Runs of (start, length, reads-as-hole), adjacent runs of a kind merged.
+fn runs(extents: impl Iterator<Item = (u64, u64, bool)>) -> Vec<(u64, u64, bool)> {
+    let mut merged: Vec<(u64, u64, bool)> = Vec::new();
+    for (start, len, hole) in extents {
+        match merged.last_mut() {
+            Some(last) if last.2 == hole && last.0 + last.1 == start => last.1 += len,
+            _ => merged.push((start, len, hole)),
+        }
+    }
+    merged
+}
+
+#[test]
+fn qcow2_block_status_matches_qemu_img_map() {
+    let dir = Scratch::new("nbd-qcow2-map");
+    let base = dir.path("base.raw");
+    let overlay = dir.path("overlay.qcow2");
+    ok("qemu-img", &["create", "-q", "-f", "raw", base.to_str().unwrap(), "32M"]);
+    ok("qemu-io", &["-f", "raw", "-c", "write -P 1 0 1M", "-c", "write -P 2 12M 512k", base.to_str().unwrap()]);
+    let backing = ["-b", base.to_str().unwrap(), "-F", "raw"];
+    ok("qemu-img", &[&["create", "-q", "-f", "qcow2"][..], &backing, &[overlay.to_str().unwrap(), "32M"]].concat());
+    let writes = ["write -P 3 4M 1M", "write -z 12M 128k", "write -c -P 4 20M 64k", "write -z 24M 64k"];
+    let mut args = vec!["-f", "qcow2"];
+    writes.iter().for_each(|w| args.extend(["-c", w]));
+    args.push(overlay.to_str().unwrap());
+    ok("qemu-io", &args);
+    let map: Value =
+        serde_json::from_str(&ok("qemu-img", &["map", "--output=json", overlay.to_str().unwrap()])).unwrap();
+    let want = runs(
+        map.as_array()
+            .unwrap()
+            .iter()
+            .map(|e| (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap(), e["data"] == false)),
+    );
+    assert!(want.len() >= 7, "the image has runs of both kinds: {want:?}");
+
+    let socket = dir.path("nbd.sock");
+    let args = vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=f0,filename={}", overlay.display()),
+        "--blockdev".into(),
+        "driver=qcow2,node-name=q0,file=f0".into(),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", socket.display()),
+        "--export".into(),
+        "type=nbd,id=e0,node-name=q0".into(),
+    ];
+    let _daemon = Daemon::vsd(&dir, &args);
+    let map: Value = serde_json::from_str(&ok("nbdinfo", &["--map", "--json", &uri(&socket, "q0")])).unwrap();
+    let got =
+        runs(map.as_array().unwrap().iter().map(|e| {
+            (e["offset"].as_u64().unwrap(), e["length"].as_u64().unwrap(), e["type"].as_u64().unwrap() & 1 != 0)
+        }));
+    assert_eq!(got, want, "vsd's base:allocation against qemu-img map of the chain");
+}
+
+#[test]
+fn nbdcopy_both_ways_keeps_every_byte() {
+    let dir = Scratch::new("nbd-copy");
+    let source = sparse_image(&dir, "source.img");
+    let target = dir.image("target.img", 64 * MIB);
+    let socket = dir.path("nbd.sock");
+    let daemon = Daemon::vsd(&dir, &unix_export(&target, &socket, ",writable=on"));
+    ok("nbdcopy", &[source.to_str().unwrap(), &uri(&socket, "disk")]);
+    let back = dir.path("back.img");
+    ok("nbdcopy", &[&uri(&socket, "disk"), back.to_str().unwrap()]);
+    drop(daemon);
+    let source_bytes = std::fs::read(&source).unwrap();
+    assert!(std::fs::read(&target).unwrap() == source_bytes, "what nbdcopy wrote is in the image");
+    assert!(std::fs::read(&back).unwrap() == source_bytes, "what nbdcopy read is the image");
+}
+
+#[test]
+fn qemu_img_and_qemu_io_over_tcp() {
+    let dir = Scratch::new("nbd-qemu");
+    let source = sparse_image(&dir, "source.img");
+    let target = dir.image("target.img", 64 * MIB);
+    let port = free_port();
+    let args = vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=f0,filename={}", target.display()),
+        "--nbd-server".into(),
+        format!("addr.type=inet,addr.host=127.0.0.1,addr.port={port}"),
+        "--export".into(),
+        "type=nbd,id=e0,node-name=f0,writable=on".into(),
+    ];
+    let _daemon = Daemon::vsd(&dir, &args);
+    let tcp = format!("nbd://127.0.0.1:{port}/f0");
+    ok("qemu-img", &["convert", "-n", "-f", "raw", "-O", "raw", source.to_str().unwrap(), &tcp]);
+    ok("qemu-img", &["compare", "-f", "raw", "-F", "raw", source.to_str().unwrap(), &tcp]);
+    let io = |command: &str| run("qemu-io", &["-f", "raw", "-c", command, &tcp]);
+    let out = io("write -f -P 0x5a 1M 64k");
+    assert!(out.status.success(), "{}", text(&out));
+    let out = io("write -z 4M 1M");
+    assert!(out.status.success(), "{}", text(&out));
+    let out = io("read -P 0x5a 1M 64k");
+    assert!(out.status.success() && !text(&out).contains("Pattern verification failed"), "{}", text(&out));
+    let out = io("read -P 0x77 1M 4k");
+    assert!(text(&out).contains("Pattern verification failed"), "a negative control: {}", text(&out));
+    let out = io("discard 8M 1M");
+    assert!(out.status.success(), "{}", text(&out));
+    let bytes = std::fs::read(&target).unwrap();
+    assert!(bytes[MIB as usize..(MIB + (64 << 10)) as usize].iter().all(|&b| b == 0x5a));
+    assert!(bytes[4 * MIB as usize..5 * MIB as usize].iter().all(|&b| b == 0), "write -z zeroed");
+    assert_eq!(&bytes[62 * MIB as usize..], &pattern(3, 2 * MIB as usize)[..]);
+}
+
+#[test]
+fn fio_s_nbd_engine_writes_and_verifies() {
+    let dir = Scratch::new("nbd-fio");
+    let image = dir.image("disk.img", 64 * MIB);
+    let socket = dir.path("nbd.sock");
+    let _daemon = Daemon::vsd(&dir, &unix_export(&image, &socket, ",writable=on"));
+    let uri = uri(&socket, "disk");
+    let out = run(
+        "fio",
+        &[
+            "--name=nbd",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randwrite",
+            "--bsrange=4k-128k",
+            "--size=32M",
+            "--iodepth=32",
+            "--verify=crc32c",
+            "--verify_fatal=1",
+            // No state file in the working directory.
+            "--verify_state_save=0",
+            "--output-format=json",
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "fio: {}", text(&out));
+    assert!(stdout.contains("fio: connected to NBD server"), "{stdout}");
+    let report: Value = serde_json::from_str(&stdout[stdout.find('{').unwrap()..]).unwrap();
+    let job = &report["jobs"][0];
+    assert_eq!(job["error"], 0, "{job}");
+    assert!(job["write"]["io_bytes"].as_u64().unwrap() >= 32 * MIB, "{job}");
+    assert!(job["read"]["io_bytes"].as_u64().unwrap() >= 32 * MIB, "the verify pass read it all back: {job}");
+}
+
+#[test]
+fn qmp_starts_serves_lists_deletes_and_stops() {
+    let dir = Scratch::new("nbd-qmp");
+    let image = dir.image("disk.img", 16 * MIB);
+    let qmp_socket = dir.path("qmp.sock");
+    let nbd_socket = dir.path("nbd.sock");
+    let args = vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=f0,filename={}", image.display()),
+        "--chardev".into(),
+        format!("socket,id=m,path={},server=on,wait=off", qmp_socket.display()),
+        "--monitor".into(),
+        "chardev=m".into(),
+    ];
+    let _daemon = Daemon::vsd(&dir, &args);
+    let mut qmp = QmpClient::connect(&qmp_socket).unwrap();
+    let export = json!({"type": "nbd", "id": "e0", "node-name": "f0", "writable": true});
+    let refused = qmp.execute("block-export-add", export.clone()).unwrap_err().to_string();
+    assert!(refused.contains("NBD server not running"), "{refused}");
+    // QMP's legacy socket address, as libvirt sends it.
+    let addr = json!({"addr": {"type": "unix", "data": {"path": nbd_socket}}, "max-connections": 4});
+    qmp.execute("nbd-server-start", addr.clone()).unwrap();
+    let twice = qmp.execute("nbd-server-start", addr).unwrap_err().to_string();
+    assert!(twice.contains("already running"), "{twice}");
+    qmp.execute("block-export-add", export).unwrap();
+    let listed = qmp.execute("query-block-exports", Value::Null).unwrap();
+    assert_eq!(listed, json!([{"type": "nbd", "id": "e0", "node-name": "f0", "shutting-down": false}]));
+
+    let out =
+        run("qemu-io", &["-f", "raw", "-c", "write -P 0x11 0 1M", "-c", "read -P 0x11 0 1M", &uri(&nbd_socket, "f0")]);
+    assert!(out.status.success() && !text(&out).contains("verification failed"), "{}", text(&out));
+    let stats = qmp.execute("query-blockstats", Value::Null).unwrap();
+    let entry = stats.as_array().unwrap().iter().find(|e| e["qdev"] == "e0").unwrap().clone();
+    assert_eq!((&entry["stats"]["wr_bytes"], &entry["stats"]["rd_bytes"]), (&json!(MIB), &json!(MIB)), "{entry}");
+
+    // A connected client keeps a safe delete from happening; hard cuts it.
+    let mut client = RawClient::connect(&nbd_socket, "f0", Mode::Simple);
+    client.request(0, FLUSH, 1, 0, 0, &[]);
+    assert_eq!(client.simple_reply(), (0, 1), "in the transmission phase");
+    let busy = qmp.execute("block-export-del", json!({"id": "e0"})).unwrap_err().to_string();
+    assert!(busy.contains("still in use"), "{busy}");
+    qmp.execute("block-export-del", json!({"id": "e0", "mode": "hard"})).unwrap();
+    assert!(client.closed_within(Duration::from_secs(5)), "the client was cut");
+    assert_eq!(qmp.execute("query-block-exports", Value::Null).unwrap(), json!([]));
+
+    qmp.execute("block-export-add", json!({"type": "nbd", "id": "e1", "node-name": "f0", "name": "again"})).unwrap();
+    let mut handshaking = UnixStream::connect(&nbd_socket).unwrap();
+    handshaking.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    handshaking.read_exact(&mut [0u8; 18]).expect("the greeting: the server took the connection");
+    qmp.execute("nbd-server-stop", Value::Null).unwrap();
+    assert_eq!(qmp.execute("query-block-exports", Value::Null).unwrap(), json!([]), "stopping deletes NBD exports");
+    let mut rest = Vec::new();
+    handshaking.read_to_end(&mut rest).expect("a client still negotiating is cut too (CVE-2024-7409)");
+    assert!(!nbd_socket.exists());
+    let stopped = qmp.execute("nbd-server-stop", Value::Null).unwrap_err().to_string();
+    assert!(stopped.contains("not running"), "{stopped}");
+}
+
+/// Reply formats the raw client can ask for.
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Simple,
+    Extended,
+}
+
+/// A client of the test's own that says exactly what it is told to.
+struct RawClient {
+    s: UnixStream,
+}
+
+const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
+const REQUEST_MAGIC: u32 = 0x2560_9513;
+const EXTENDED_REQUEST_MAGIC: u32 = 0x21e4_1c71;
+
+impl RawClient {
+    /// Negotiates up to the greeting and the client flags.
+    fn greeted(socket: &Path) -> Self {
+        let s = UnixStream::connect(socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut client = Self { s };
+        let greeting = client.read_exact(18);
+        assert_eq!(&greeting[..8], b"NBDMAGIC");
+        client.s.write_all(&3u32.to_be_bytes()).unwrap();
+        client
+    }
+
+    fn connect(socket: &Path, export: &str, mode: Mode) -> Self {
+        let mut client = Self::greeted(socket);
+        if mode == Mode::Extended {
+            assert_eq!(client.option(11, &[])[0].0, 1, "extended headers acknowledged");
+            let query = [&15u32.to_be_bytes()[..], b"base:allocation"].concat();
+            let meta =
+                [&(export.len() as u32).to_be_bytes()[..], export.as_bytes(), &1u32.to_be_bytes(), &query].concat();
+            assert_eq!(client.option(10, &meta)[0].0, 4, "base:allocation selected");
+        }
+        let go = [&(export.len() as u32).to_be_bytes()[..], export.as_bytes(), &0u16.to_be_bytes()].concat();
+        let replies = client.option(7, &go);
+        assert_eq!(replies.last().unwrap().0, 1, "GO acknowledged");
+        client
+    }
+
+    fn read_exact(&mut self, n: usize) -> Vec<u8> {
+        let mut buf = vec![0; n];
+        self.s.read_exact(&mut buf).unwrap();
+        buf
+    }
+
+    /// Sends an option and reads its replies up to the last: (type, data).
+    fn option(&mut self, code: u32, data: &[u8]) -> Vec<(u32, Vec<u8>)> {
+        let header = [&IHAVEOPT.to_be_bytes()[..], &code.to_be_bytes(), &(data.len() as u32).to_be_bytes()].concat();
+        self.s.write_all(&[&header[..], data].concat()).unwrap();
+        let mut replies = Vec::new();
+        loop {
+            let head = self.read_exact(20);
+            let kind = u32::from_be_bytes(head[12..16].try_into().unwrap());
+            let len = u32::from_be_bytes(head[16..20].try_into().unwrap()) as usize;
+            let body = self.read_exact(len);
+            replies.push((kind, body));
+            // Informational replies (SERVER, INFO, META_CONTEXT) come before the last.
+            if !(2..=4).contains(&kind) {
+                return replies;
+            }
+        }
+    }
+
+    fn request(&mut self, flags: u16, kind: u16, cookie: u64, offset: u64, len: u32, payload: &[u8]) {
+        let header = [
+            &REQUEST_MAGIC.to_be_bytes()[..],
+            &flags.to_be_bytes(),
+            &kind.to_be_bytes(),
+            &cookie.to_be_bytes(),
+            &offset.to_be_bytes(),
+            &len.to_be_bytes(),
+        ]
+        .concat();
+        self.s.write_all(&[&header[..], payload].concat()).unwrap();
+    }
+
+    fn extended_request(&mut self, flags: u16, kind: u16, cookie: u64, offset: u64, len: u64) {
+        let header = [
+            &EXTENDED_REQUEST_MAGIC.to_be_bytes()[..],
+            &flags.to_be_bytes(),
+            &kind.to_be_bytes(),
+            &cookie.to_be_bytes(),
+            &offset.to_be_bytes(),
+            &len.to_be_bytes(),
+        ]
+        .concat();
+        self.s.write_all(&header).unwrap();
+    }
+
+    /// A simple reply: (error, cookie).
+    fn simple_reply(&mut self) -> (u32, u64) {
+        let r = self.read_exact(16);
+        assert_eq!(&r[..4], &0x6744_6698u32.to_be_bytes());
+        (u32::from_be_bytes(r[4..8].try_into().unwrap()), u64::from_be_bytes(r[8..16].try_into().unwrap()))
+    }
+
+    /// An extended reply chunk: (flags, type, cookie, payload).
+    fn extended_reply(&mut self) -> (u16, u16, u64, Vec<u8>) {
+        let r = self.read_exact(32);
+        assert_eq!(&r[..4], &0x6e8a_278cu32.to_be_bytes());
+        let len = u64::from_be_bytes(r[24..32].try_into().unwrap()) as usize;
+        let payload = self.read_exact(len);
+        let be16 = |at: usize| u16::from_be_bytes(r[at..at + 2].try_into().unwrap());
+        (be16(4), be16(6), u64::from_be_bytes(r[8..16].try_into().unwrap()), payload)
+    }
+
+    /// Whether the server closes the connection within `limit`.
+    fn closed_within(&mut self, limit: Duration) -> bool {
+        self.s.set_read_timeout(Some(limit)).unwrap();
+        let mut buf = [0u8; 4096];
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            match self.s.read(&mut buf) {
+                Ok(0) => return true,
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+                Err(_) => return false,
+            }
+        }
+        false
+    }
+}
+
+const READ: u16 = 0;
+const WRITE: u16 = 1;
+const DISC: u16 = 2;
+const FLUSH: u16 = 3;
+const TRIM: u16 = 4;
+const WRITE_ZEROES: u16 = 6;
+const BLOCK_STATUS: u16 = 7;
+const EPERM: u32 = 1;
+const EINVAL: u32 = 22;
+
+/// Two exports of one file: `rw` writable and `ro` read-only, on `socket`.
+fn two_exports(dir: &Scratch, socket: &Path, server_opts: &str) -> Daemon {
+    let image = dir.image("disk.img", 16 * MIB);
+    let args = vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=f0,filename={}", image.display()),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}{server_opts}", socket.display()),
+        "--export".into(),
+        "type=nbd,id=rw,node-name=f0,name=rw,writable=on".into(),
+        "--export".into(),
+        "type=nbd,id=ro,node-name=f0,name=ro".into(),
+    ];
+    Daemon::vsd(dir, &args)
+}
+
+/// A real client gets through and reads the export's size (or the test
+/// fails after 30 s rather than hang).
+fn nbdinfo_works(socket: &Path, name: &str, size: u64) {
+    let out = run("timeout", &["30", "nbdinfo", "--size", &uri(socket, name)]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), size.to_string(), "{}", text(&out));
+}
+
+#[test]
+fn hostile_options_and_requests_get_the_spec_s_errors() {
+    let dir = Scratch::new("nbd-hostile");
+    let socket = dir.path("nbd.sock");
+    let mut daemon = two_exports(&dir, &socket, "");
+
+    let mut c = RawClient::greeted(&socket);
+    let unknown = c.option(0x4242, &[1, 2, 3]);
+    assert_eq!(unknown[0].0, (1 << 31) + 1, "NBD_REP_ERR_UNSUP");
+    let listed = c.option(3, &[]);
+    assert_eq!(listed.len(), 3, "two exports and the ACK");
+    let missing = [&4u32.to_be_bytes()[..], b"nope", &0u16.to_be_bytes()].concat();
+    assert_eq!(c.option(7, &missing)[0].0, (1 << 31) + 6, "NBD_REP_ERR_UNKNOWN");
+    let lying = [&100u32.to_be_bytes()[..], b"rw", &0u16.to_be_bytes()].concat();
+    assert_eq!(c.option(7, &lying)[0].0, (1 << 31) + 3, "a name longer than its option: NBD_REP_ERR_INVALID");
+    drop(c);
+
+    let mut c = RawClient::connect(&socket, "rw", Mode::Simple);
+    c.request(0, 0x55, 1, 0, 0, &[]);
+    assert_eq!(c.simple_reply(), (EINVAL, 1), "unknown command");
+    c.request(0, READ, 2, 16 * MIB - 512, 1024, &[]);
+    assert_eq!(c.simple_reply(), (EINVAL, 2), "a read past the end");
+    c.request(0, WRITE, 3, u64::MAX - 511, 512, &[7; 512]);
+    assert_eq!(c.simple_reply(), (EINVAL, 3), "an offset that wraps; its payload was taken");
+    c.request(0, BLOCK_STATUS, 4, 0, 4096, &[]);
+    assert_eq!(c.simple_reply(), (EINVAL, 4), "block status without base:allocation");
+    c.request(1 << 2, READ, 5, 0, 512, &[]);
+    assert_eq!(c.simple_reply(), (EINVAL, 5), "DF without structured replies");
+    c.request(0, READ, 6, 0, 64 << 20, &[]);
+    assert_eq!(c.simple_reply(), (EINVAL, 6), "a read over the maximum block size");
+    c.request(0, TRIM, 7, 0, 0xffff_fe00, &[]);
+    assert_eq!(c.simple_reply(), (EINVAL, 7), "a 4 GiB trim past the end of 16 MiB");
+    // Still served after all that.
+    c.request(1, WRITE, 8, 4096, 512, &[0xee; 512]);
+    assert_eq!(c.simple_reply(), (0, 8), "a FUA write");
+    c.request(0, READ, 9, 4096, 512, &[]);
+    assert_eq!(c.simple_reply(), (0, 9));
+    assert_eq!(c.read_exact(512), vec![0xee; 512]);
+    // A payload over the maximum cannot be taken: an error, then the end.
+    c.request(0, WRITE, 10, 0, 64 << 20, &[]);
+    assert_eq!(c.simple_reply(), (EINVAL, 10));
+    assert!(c.closed_within(Duration::from_secs(5)));
+
+    let mut ro = RawClient::connect(&socket, "ro", Mode::Simple);
+    ro.request(0, WRITE, 1, 0, 4096, &[1; 4096]);
+    assert_eq!(ro.simple_reply(), (EPERM, 1), "a write to a read-only export");
+    ro.request(0, WRITE_ZEROES, 2, 0, 4096, &[]);
+    assert_eq!(ro.simple_reply(), (EPERM, 2));
+    ro.request(0, TRIM, 3, 0, 4096, &[]);
+    assert_eq!(ro.simple_reply(), (EPERM, 3));
+    ro.request(0, FLUSH, 4, 0, 0, &[]);
+    assert_eq!(ro.simple_reply(), (0, 4), "flush is allowed");
+    ro.request(0, READ, 5, 0, 4096, &[]);
+    assert_eq!(ro.simple_reply(), (0, 5));
+    assert_eq!(ro.read_exact(4096), vec![0; 4096], "the refused write wrote nothing");
+    ro.request(0, DISC, 6, 0, 0, &[]);
+    assert!(ro.closed_within(Duration::from_secs(5)), "DISC closes");
+
+    // A write whose payload stops half-way, then a client that sends garbage.
+    let mut half = RawClient::connect(&socket, "rw", Mode::Simple);
+    half.request(0, WRITE, 1, 0, MIB as u32, &[9; 1000]);
+    drop(half);
+    let mut garbage = RawClient::connect(&socket, "rw", Mode::Simple);
+    garbage.s.write_all(&[0xff; 64]).unwrap();
+    assert!(garbage.closed_within(Duration::from_secs(5)), "a bad request magic closes the connection");
+    assert!(daemon.is_running());
+    nbdinfo_works(&socket, "rw", 16 * MIB);
+    let bytes = std::fs::read(dir.path("disk.img")).unwrap();
+    assert!(bytes[..4096].iter().all(|&b| b == 0), "the half payload was never written");
+}
+
+#[test]
+fn extended_headers_carry_64_bit_lengths() {
+    let dir = Scratch::new("nbd-extended");
+    let socket = dir.path("nbd.sock");
+    let args = vec![
+        "--blockdev".into(),
+        "driver=null-co,node-name=n0,size=8589934592,read-zeroes=on".into(),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", socket.display()),
+        "--export".into(),
+        "type=nbd,id=e0,node-name=n0,writable=on".into(),
+    ];
+    let _daemon = Daemon::vsd(&dir, &args);
+    let mut c = RawClient::connect(&socket, "n0", Mode::Extended);
+    c.extended_request(0, WRITE_ZEROES, 1, 0, 5 << 30);
+    let (flags, kind, cookie, payload) = c.extended_reply();
+    assert_eq!((flags, kind, cookie, payload.len()), (1, 0, 1, 0), "a 5 GiB zeroing: one NONE chunk, done");
+    c.extended_request(0, BLOCK_STATUS, 2, 0, 6 << 30);
+    let (flags, kind, cookie, payload) = c.extended_reply();
+    assert_eq!((flags, kind, cookie), (1, 6, 2), "BLOCK_STATUS_EXT");
+    let be64 = |at: usize| u64::from_be_bytes(payload[at..at + 8].try_into().unwrap());
+    assert_eq!(u32::from_be_bytes(payload[4..8].try_into().unwrap()), 1, "one descriptor");
+    assert_eq!((be64(8), be64(16)), (6 << 30, 3), "6 GiB of hole,zero in one 64-bit extent");
+    c.extended_request(0, READ, 3, 0, 4096);
+    let (_, kind, _, payload) = c.extended_reply();
+    assert_eq!((kind, payload.len()), (2, 12), "zeroes come back as an OFFSET_HOLE chunk");
+    c.extended_request(0, READ, 4, 8 << 30, 1);
+    let (_, kind, cookie, payload) = c.extended_reply();
+    assert_eq!(
+        (kind, cookie, &payload[..4]),
+        ((1 << 15) + 1, 4, &EINVAL.to_be_bytes()[..]),
+        "an ERROR chunk past the end"
+    );
+}
+
+/// VmRSS of a process, in bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+}
+
+#[test]
+fn a_client_that_never_reads_replies_costs_bounded_memory() {
+    let dir = Scratch::new("nbd-flood");
+    let socket = dir.path("nbd.sock");
+    let image = dir.path("disk.img");
+    // Data everywhere, so that reads fill their buffers.
+    std::fs::write(&image, pattern(9, 64 * MIB as usize)).unwrap();
+    let daemon = Daemon::vsd(&dir, &unix_export(&image, &socket, ""));
+    let before = rss(daemon.pid());
+    let c = RawClient::connect(&socket, "disk", Mode::Simple);
+    // 32 MiB reads, many more than the server takes at once, replies
+    // unread; the writer blocks once the socket is full, and the daemon's
+    // end frees it.
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (mut writer, counter) = (c.s.try_clone().unwrap(), sent.clone());
+    std::thread::spawn(move || {
+        for cookie in 0u64.. {
+            let header = [
+                &REQUEST_MAGIC.to_be_bytes()[..],
+                &0u16.to_be_bytes(),
+                &READ.to_be_bytes(),
+                &cookie.to_be_bytes(),
+                &0u64.to_be_bytes(),
+                &(32 * MIB as u32).to_be_bytes(),
+            ]
+            .concat();
+            if writer.write_all(&header).is_err() {
+                return;
+            }
+            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    let sent = sent.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(sent >= 64, "the requests went out ({sent})");
+    let grown = rss(daemon.pid()).saturating_sub(before);
+    // 16 slots of 32 MiB would be 512 MiB; the budget is 64 MiB.
+    assert!(grown < 160 * MIB, "RSS grew by {} MiB", grown / MIB);
+    nbdinfo_works(&socket, "disk", 64 * MIB);
+}
+
+#[test]
+fn idle_half_handshaken_connections_do_not_lock_real_clients_out() {
+    let dir = Scratch::new("nbd-idle");
+    let socket = dir.path("nbd.sock");
+    let _daemon = two_exports(&dir, &socket, ",max-connections=4,handshake-max-seconds=2");
+    // More idle clients than the server takes; each stops after the greeting.
+    let mut idle: Vec<UnixStream> = (0..12).map(|_| UnixStream::connect(&socket).unwrap()).collect();
+    let started = Instant::now();
+    nbdinfo_works(&socket, "rw", 16 * MIB);
+    let waited = started.elapsed();
+    assert!(waited < Duration::from_secs(12), "a real client got through after {waited:?}");
+    // The idle ones were dropped by the handshake timeout.
+    for s in &mut idle {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut rest = Vec::new();
+        s.read_to_end(&mut rest).expect("closed by the server, not left open");
+        assert!(rest.len() <= 18, "at most the greeting was sent");
+    }
+}
+
+#[test]
+fn command_line_mistakes_are_one_line_errors_and_leave_no_socket() {
+    let dir = Scratch::new("nbd-cli");
+    let socket = dir.path("nbd.sock");
+    let server = format!("addr.type=unix,addr.path={}", socket.display());
+    let node = "driver=null-co,node-name=n0,size=1M";
+    let export = "type=nbd,id=e0,node-name=n0";
+    let owned = |list: &[&str]| list.iter().map(|a| a.to_string()).collect::<Vec<String>>();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (owned(&["--blockdev", node, "--export", export]), "NBD server not running"),
+        (owned(&["--nbd-server", &format!("{server},tls-creds=t0"), "--blockdev", node]), "tls-creds"),
+        (
+            owned(&["--nbd-server", "addr.type=inet,addr.host=127.0.0.1,addr.port=http", "--blockdev", node]),
+            "addr.port",
+        ),
+        (owned(&["--nbd-server", "addr.type=vsock,addr.cid=3", "--blockdev", node]), "addr.type"),
+        (
+            owned(&[
+                "--nbd-server",
+                &server,
+                "--blockdev",
+                node,
+                "--export",
+                export,
+                "--export",
+                "type=nbd,id=e1,node-name=n0",
+            ]),
+            "already exists",
+        ),
+        (
+            owned(&[
+                "--nbd-server",
+                &server,
+                "--blockdev",
+                &format!("{node},read-only=on"),
+                "--export",
+                &format!("{export},writable=on"),
+            ]),
+            "read-only",
+        ),
+        (owned(&["--nbd-server", &server, "--blockdev", node, "--export", &format!("{export},bitmaps=b0")]), "bitmaps"),
+    ];
+    for (args, culprit) in cases {
+        let out = run(common::VSD, &args.iter().map(String::as_str).collect::<Vec<_>>());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.contains(culprit), "{args:?}: expected '{culprit}' in {stderr}");
+        assert!(!socket.exists(), "{args:?} left its socket behind");
+    }
+    std::fs::write(&socket, "not a socket").unwrap();
+    let out = run(common::VSD, &["--nbd-server", &server, "--blockdev", node]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a socket"), "{}", text(&out));
+    assert_eq!(std::fs::read(&socket).unwrap(), b"not a socket", "a file that is not a socket is never replaced");
+}
+
+/// What nbdinfo prints for `name` on `socket`, with the socket's path
+/// taken out of the URI.
+fn nbdinfo_json(socket: &Path, name: &str, extra: &[&str]) -> String {
+    let uri = uri(socket, name);
+    let args = [extra, &["--json", &uri]].concat();
+    ok("nbdinfo", &args).replace(socket.to_str().unwrap(), "SOCKET")
+}
+
+#[test]
+fn nbdinfo_sees_vsd_as_it_sees_qemu_storage_daemon() {
+    let dir = Scratch::new("nbd-vs-qsd");
+    let image = sparse_image(&dir, "disk.img");
+    for export_opts in [",writable=on", ""] {
+        let mut seen = Vec::new();
+        for qsd in [false, true] {
+            let socket = dir.path(if qsd { "qsd.sock" } else { "vsd.sock" });
+            let args = unix_export(&image, &socket, export_opts);
+            let daemon = if qsd { Daemon::qsd(&dir, &args) } else { Daemon::vsd(&dir, &args) };
+            let info = nbdinfo_json(&socket, "disk", &[]);
+            let list = nbdinfo_json(&socket, "", &["--list"]);
+            let map = nbdinfo_json(&socket, "disk", &["--map"]);
+            seen.push((info, list, map));
+            drop(daemon);
+        }
+        assert_eq!(seen[0], seen[1], "vsd, then qemu-storage-daemon, with '{export_opts}'");
+    }
+}
