@@ -105,12 +105,14 @@ pub mod bench;
 pub mod breakdown;
 mod buffer;
 mod client;
+mod device;
 mod error;
 mod queue;
 mod sys;
 
 pub use buffer::Buffer;
-pub use client::{Client, ClientOptions, DeviceInfo};
+pub use client::{Client, ClientOptions};
+pub use device::DeviceInfo;
 pub use error::{Error, Op, Result};
 pub use queue::{BatchOp, Queue};
 

@@ -16,7 +16,7 @@ use std::time::Duration;
 use blkio::{Blkioq, Completion, Errno, ReqFlags};
 
 use crate::buffer::{Buffer, SharedBlkio};
-use crate::client::DeviceInfo;
+use crate::device::DeviceInfo;
 use crate::error::{Error, Op, Result, errno_text};
 
 /// `user_data` of requests submitted by the blocking helpers (one at a

@@ -260,6 +260,20 @@ pub trait IoQueue: Send {
     }
 }
 
+/// Waits for every request `queue` has in flight and reaps it, as an
+/// engine does before it drops: the kernel or the engine's threads may
+/// still write into their buffers, which the owner frees next.
+fn drain<Q: IoQueue>(queue: &mut Q, in_flight: impl Fn(&Q) -> usize) {
+    let mut sink = Vec::new();
+    while in_flight(queue) > 0 {
+        if queue.wait().is_err() {
+            break;
+        }
+        queue.reap(&mut sink);
+        sink.clear();
+    }
+}
+
 /// Borrows the descriptor of an owner that keeps it open (vmm-sys-util's
 /// EventFd and TimerFd implement `AsRawFd` but not `AsFd`).
 fn borrow_fd<T: AsRawFd>(owner: &T) -> BorrowedFd<'_> {

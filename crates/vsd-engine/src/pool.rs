@@ -227,13 +227,6 @@ impl IoQueue for PoolQueue {
 
 impl Drop for PoolQueue {
     fn drop(&mut self) {
-        let mut sink = Vec::new();
-        while self.in_flight > 0 {
-            if self.wait().is_err() {
-                break;
-            }
-            self.reap(&mut sink);
-            sink.clear();
-        }
+        crate::drain(self, |queue| queue.in_flight);
     }
 }

@@ -307,15 +307,6 @@ impl IoQueue for UringQueue {
 
 impl Drop for UringQueue {
     fn drop(&mut self) {
-        // The kernel may still write into buffers of requests in flight:
-        // wait for them before the owner frees those buffers.
-        let mut sink = Vec::new();
-        while self.in_flight > 0 {
-            if self.wait().is_err() {
-                break;
-            }
-            self.reap(&mut sink);
-            sink.clear();
-        }
+        crate::drain(self, |queue| queue.in_flight);
     }
 }

@@ -21,7 +21,8 @@ pub use cli::{Args, CpuList, DEFAULT_RAMP_SECONDS, MAX_BLOCK_SIZE, RwMode, parse
 pub use job::{STALL_TIMEOUT, WRITE_PATTERN};
 pub use report::{BenchReport, BenchResults, ConfigEcho, LatencySummary};
 
-use crate::client::{Client, ClientOptions, DeviceInfo};
+use crate::client::{Client, ClientOptions};
+use crate::device::DeviceInfo;
 use crate::sys;
 use job::{Job, JobSetup, JobStats};
 use pattern::IoPattern;

@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use super::job::JobStats;
 use super::{BenchConfig, RwMode};
-use crate::client::DeviceInfo;
+use crate::device::DeviceInfo;
 
 const MIB: f64 = (1u64 << 20) as f64;
 
