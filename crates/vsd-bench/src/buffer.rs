@@ -6,7 +6,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use blkio::{Blkio, MemoryRegion};
 
 use crate::error::{Error, Result};
-use crate::sys;
 
 /// The libblkio instance, shared by the client, its queues and its buffers so
 /// that it outlives all of them.
@@ -40,7 +39,7 @@ pub struct Buffer {
 impl Buffer {
     /// Allocates and maps a buffer of `len` bytes.
     pub(crate) fn alloc(blkio: &SharedBlkio, len: usize) -> Result<Buffer> {
-        let region_len = sys::round_up_to_page(len.max(1))
+        let region_len = round_up_to_page(len.max(1))
             .ok_or_else(|| Error::InvalidArgument(format!("buffer length {len} is too large")))?;
         let mut guard = lock(blkio);
         let region = guard
@@ -122,5 +121,25 @@ impl std::fmt::Debug for Buffer {
             .field("addr", &format_args!("{:#x}", self.region.addr))
             .field("len", &self.len)
             .finish()
+    }
+}
+
+/// Rounds `len` up to a whole number of pages, `None` on overflow.
+fn round_up_to_page(len: usize) -> Option<usize> {
+    let page = vsd_sys::process::page_size();
+    len.checked_add(page - 1).map(|l| l / page * page)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounds_to_pages() {
+        let page = vsd_sys::process::page_size();
+        assert_eq!(round_up_to_page(1), Some(page));
+        assert_eq!(round_up_to_page(page), Some(page));
+        assert_eq!(round_up_to_page(page + 1), Some(2 * page));
+        assert_eq!(round_up_to_page(usize::MAX), None);
     }
 }

@@ -108,7 +108,6 @@ mod client;
 mod device;
 mod error;
 mod queue;
-mod sys;
 
 pub use buffer::Buffer;
 pub use client::{Client, ClientOptions};

@@ -23,7 +23,6 @@ pub use report::{BenchReport, BenchResults, ConfigEcho, LatencySummary};
 
 use crate::client::{Client, ClientOptions};
 use crate::device::DeviceInfo;
-use crate::sys;
 use job::{Job, JobSetup, JobStats};
 use pattern::IoPattern;
 
@@ -251,11 +250,11 @@ fn measure_cpu(timeline: &Timeline, finished: &Receiver<()>) -> Result<Option<Du
     if !sleep_until(timeline.measure_start, finished) {
         return Ok(None);
     }
-    let before = sys::process_cpu_time().map_err(BenchError::CpuTime)?;
+    let before = vsd_sys::process::cpu_time().map_err(BenchError::CpuTime)?;
     if !sleep_until(timeline.measure_end, finished) {
         return Ok(None);
     }
-    let after = sys::process_cpu_time().map_err(BenchError::CpuTime)?;
+    let after = vsd_sys::process::cpu_time().map_err(BenchError::CpuTime)?;
     Ok(Some(after.saturating_sub(before)))
 }
 

@@ -1,26 +1,20 @@
-//! Thin wrappers over the few libc calls the crate needs.
+//! The process itself: its page size and the CPU time it has used.
 
 use std::io;
 use std::mem::MaybeUninit;
 use std::time::Duration;
 
 /// The system page size (4 KiB if it cannot be determined).
-pub(crate) fn page_size() -> usize {
+pub fn page_size() -> usize {
     // SAFETY: sysconf only reads a configuration value and has no
     // memory-safety preconditions.
     let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     usize::try_from(size).ok().filter(|&s| s > 0).unwrap_or(4096)
 }
 
-/// Rounds `len` up to a whole number of pages, `None` on overflow.
-pub(crate) fn round_up_to_page(len: usize) -> Option<usize> {
-    let page = page_size();
-    len.checked_add(page - 1).map(|l| l / page * page)
-}
-
 /// User plus system CPU time consumed so far by all threads of this process
 /// (`getrusage(RUSAGE_SELF)`).
-pub(crate) fn process_cpu_time() -> io::Result<Duration> {
+pub fn cpu_time() -> io::Result<Duration> {
     let mut usage = MaybeUninit::<libc::rusage>::uninit();
     // SAFETY: `usage` points to writable memory large enough for a
     // `struct rusage`, which getrusage fills completely on success.
@@ -44,18 +38,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rounds_to_pages() {
-        let page = page_size();
-        assert_eq!(round_up_to_page(1), Some(page));
-        assert_eq!(round_up_to_page(page), Some(page));
-        assert_eq!(round_up_to_page(page + 1), Some(2 * page));
-        assert_eq!(round_up_to_page(usize::MAX), None);
-    }
-
-    #[test]
-    fn cpu_time_is_monotonic() {
-        let a = process_cpu_time().expect("getrusage");
-        let b = process_cpu_time().expect("getrusage");
+    fn pages_are_a_power_of_two_and_cpu_time_only_grows() {
+        assert!(page_size().is_power_of_two());
+        let a = cpu_time().expect("getrusage");
+        let b = cpu_time().expect("getrusage");
         assert!(b >= a);
     }
 }
