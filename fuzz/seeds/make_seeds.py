@@ -3,7 +3,7 @@
 vhost_user_messages fuzz targets.
 
 usage: fuzz/seeds/make_seeds.py
-  (rewrites fuzz/seeds/{virtio_blk_request,qmp_input,vhost_user_messages}/)
+  (rewrites fuzz/seeds/{virtio_blk_request,qmp_input,vhost_user_messages,nbd_protocol}/)
 
 virtio_blk_request inputs are a 48-byte header (see the target's docs)
 followed by the first bytes of guest memory; these lay a 16-entry split
@@ -397,6 +397,42 @@ def vhost_user_seeds():
     return seeds
 
 
+IHAVEOPT = 0x49484156454F5054
+NBD_REQUEST_MAGIC, NBD_EXTENDED_MAGIC = 0x25609513, 0x21E41C71
+
+
+def nbd_option(option, data=b""):
+    return struct.pack(">QII", IHAVEOPT, option, len(data)) + data
+
+
+def nbd_go(name=b"disk"):
+    # NBD_OPT_GO: the name, then the info requests (block size).
+    return nbd_option(7, struct.pack(">I", len(name)) + name + struct.pack(">HH", 1, 3))
+
+
+def nbd_request(kind, offset, length, flags=0, extended=False):
+    if extended:
+        return struct.pack(">IHHQQQ", NBD_EXTENDED_MAGIC, flags, kind, 1, offset, length)
+    return struct.pack(">IHHQQI", NBD_REQUEST_MAGIC, flags, kind, 1, offset, length)
+
+
+def nbd_seeds():
+    """Handshakes a client makes (two bytes of chunking first), each followed
+    by a few requests."""
+    flags = struct.pack(">I", 3)  # FIXED_NEWSTYLE | NO_ZEROES
+    meta = nbd_option(10, struct.pack(">I", 4) + b"disk" + struct.pack(">I", 1) + struct.pack(">I", 15) + b"base:allocation")
+    requests = (nbd_request(0, 0, 4096) + nbd_request(1, 4096, 512) + b"x" * 512 + nbd_request(7, 0, 1 << 20)
+                + nbd_request(3, 0, 0) + nbd_request(2, 0, 0))
+    ext_requests = nbd_request(0, 0, 4096, extended=True) + nbd_request(7, 0, 1 << 20, extended=True)
+    return {
+        "simple-go": bytes([0, 7]) + flags + nbd_go() + requests,
+        "structured-meta": bytes([1, 3]) + flags + nbd_option(8) + meta + nbd_go() + requests,
+        "extended": bytes([2, 16]) + flags + nbd_option(11) + meta + nbd_go() + ext_requests,
+        "list-info-abort": bytes([4, 1]) + flags + nbd_option(3) + nbd_option(6, struct.pack(">I", 0) + struct.pack(">H", 0)) + nbd_option(2),
+        "export-name": bytes([6, 5]) + flags + nbd_option(1, b"disk") + requests,
+    }
+
+
 def write(target, seeds):
     out = os.path.join(HERE, target)
     os.makedirs(out, exist_ok=True)
@@ -409,3 +445,4 @@ if __name__ == "__main__":
     write("virtio_blk_request", virtio_seeds())
     write("qmp_input", qmp_seeds())
     write("vhost_user_messages", vhost_user_seeds())
+    write("nbd_protocol", nbd_seeds())
