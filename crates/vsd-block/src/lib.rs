@@ -230,9 +230,20 @@ pub enum RemoveError {
     /// No node has that name.
     #[error("no such node")]
     NoSuchNode,
-    /// Something still uses the node.
-    #[error("{0}")]
-    Busy(String),
+    /// Another node uses it as a child.
+    #[error("node is used as {role} of '{parent}'")]
+    Child {
+        /// The role it has there (`file`, `backing`, ...).
+        role: &'static str,
+        /// The node using it.
+        parent: String,
+    },
+    /// An export serves it (`user` names the export).
+    #[error("node is exported by '{user}'")]
+    Exported {
+        /// The export, as the caller described it.
+        user: String,
+    },
 }
 
 /// The options by which a node names its children: a child is given by
@@ -397,10 +408,10 @@ impl BlockGraph {
             p.children().into_iter().find(|(_, c)| c.name() == name).map(|(role, _)| (role, p.name().to_string()))
         });
         if let Some((role, parent)) = parent {
-            return Err(RemoveError::Busy(format!("node is used as {role} of '{parent}'")));
+            return Err(RemoveError::Child { role, parent });
         }
         if let Some(export) = exported(name) {
-            return Err(RemoveError::Busy(format!("node is exported by '{export}'")));
+            return Err(RemoveError::Exported { user: export });
         }
         let node = self.nodes.remove(index);
         // Children defined inline belong to their parent: they go with it
@@ -561,7 +572,7 @@ mod tests {
         add(&mut graph, "driver=raw,node-name=r,file.driver=null-co,file.size=1M").unwrap();
         add(&mut graph, "driver=raw,node-name=s,file.driver=null-co,file.size=1M,file.node-name=kept").unwrap();
         let busy = graph.remove("#block1", |_| None);
-        assert!(matches!(busy, Err(RemoveError::Busy(_))), "a child in use stays");
+        assert!(matches!(busy, Err(RemoveError::Child { role: "file", .. })), "a child in use stays");
         graph.remove("r", |_| None).unwrap();
         graph.remove("s", |_| None).unwrap();
         assert_eq!(names(&graph), ["kept"], "a child the user named is the user's to remove");
