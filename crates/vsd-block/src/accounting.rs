@@ -121,6 +121,9 @@ impl BlockNode for AccountedNode {
     fn refresh_size(&self) -> io::Result<u64> {
         self.inner.refresh_size()
     }
+    fn claim(&self, claim: crate::Claim) -> Result<Vec<crate::ClaimGuard>, crate::LockError> {
+        self.inner.claim(claim)
+    }
     fn active(&self) -> bool {
         self.active.load(Ordering::Acquire)
     }

@@ -15,12 +15,14 @@
 
 mod accounting;
 mod drivers;
+mod lock;
 pub mod options;
 
 use std::io;
 use std::sync::Arc;
 
 pub use accounting::counted_as;
+pub use lock::{Claim, ClaimGuard, LockError, Perms};
 pub use vsd_engine::{Completion, IoOp, IoQueue, IoVecs};
 
 use options::{OptionError, OptionMap};
@@ -59,6 +61,14 @@ pub trait BlockNode: Send + Sync {
     /// when the daemon stops. Call it once no queue has requests in flight.
     fn close(&self) -> io::Result<()> {
         Ok(())
+    }
+    /// Takes what a user of this node (an export, a format on top) needs
+    /// of the images below it, as QEMU's image locks say it ([`Claim`]),
+    /// for as long as the guards live. Filters pass the claim to their
+    /// child; a format keeps the claim its own use needs and passes nothing;
+    /// nodes without an image need nothing.
+    fn claim(&self, _claim: Claim) -> Result<Vec<ClaimGuard>, LockError> {
+        Ok(Vec::new())
     }
     /// Reads the size again from the host (a file grown by the format
     /// above it, or by another process while the node was inactive) and

@@ -12,6 +12,7 @@ pub mod counter;
 pub mod cpu;
 pub mod file;
 pub mod interrupt;
+pub mod lock;
 pub mod process;
 pub mod size;
 pub mod socket;

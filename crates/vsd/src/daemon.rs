@@ -6,7 +6,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use anyhow::{Context, Result};
 use vsd_block::options::OptionMap;
-use vsd_block::{ActivationError, BlockGraph, BlockNode};
+use vsd_block::{ActivationError, BlockGraph, BlockNode, Claim, ClaimGuard, Perms};
 use vsd_control::qmp::Events;
 use vsd_export::{ExportConfig, ExportSnapshot, VhostUserBlkExport};
 use vsd_nbd::{NbdExport, NbdServer, ServerConfig};
@@ -32,6 +32,9 @@ pub(crate) struct State {
     pub(crate) nbd: Option<NbdServer>,
     /// `block-latency-histogram-set` boundaries, by export id.
     pub(crate) histograms: BTreeMap<String, LatencyBins>,
+    /// What each export holds of the images below its node (image locks),
+    /// by export id, until it has stopped.
+    claims: BTreeMap<String, Vec<ClaimGuard>>,
 }
 
 /// The bins a user asked for on one export, per request kind, with the
@@ -56,6 +59,7 @@ impl Daemon {
             stopping: BTreeMap::new(),
             nbd: None,
             histograms: BTreeMap::new(),
+            claims: BTreeMap::new(),
         };
         Self { state: Mutex::new(state), export_stopped: Condvar::new(), events: Events::new() }
     }
@@ -92,6 +96,10 @@ impl Daemon {
             // the image over.
             state.graph.set_active(Some(node.name()), true, |_| false)?;
         }
+        // The export reads, and writes if writable, sharing both, as a
+        // QEMU export does; formats below take what they need themselves.
+        let held = if config.writable() { Perms::READ.with(Perms::WRITE) } else { Perms::READ };
+        let claims = node.claim(Claim { held, unshared: Perms::NONE })?;
         let id = id.to_string();
         let export = match config {
             ExportOptions::VhostUserBlk(config) => {
@@ -106,6 +114,7 @@ impl Daemon {
                 Export::Nbd(export)
             }
         };
+        state.claims.insert(id.clone(), claims);
         state.exports.insert(id, export);
         Ok(())
     }
@@ -172,6 +181,7 @@ impl Daemon {
         export.stop();
         let mut state = self.state();
         state.stopping.remove(id);
+        state.claims.remove(id);
         self.export_stopped.notify_all();
         state
     }
@@ -195,6 +205,11 @@ impl Daemon {
                 log::error!("node '{}': writing back cached state failed: {e}", node.name());
             }
         }
+        // The image locks go now, not when the kernel has torn the engines'
+        // rings down after the process exits, which takes a while: a user
+        // starting the next program at once finds the images free.
+        state.claims.clear();
+        state.graph = BlockGraph::new();
     }
 }
 
@@ -208,6 +223,14 @@ impl ExportOptions {
     /// Whether the node may stay inactive (NBD exports: not yet).
     fn allows_inactive(&self) -> bool {
         matches!(self, ExportOptions::VhostUserBlk(c) if c.allow_inactive)
+    }
+
+    /// Whether the guest or client may write.
+    fn writable(&self) -> bool {
+        match self {
+            ExportOptions::VhostUserBlk(c) => c.writable,
+            ExportOptions::Nbd(c) => c.writable,
+        }
     }
 
     /// The export's id and the node it serves.

@@ -191,6 +191,7 @@ fn a_guest_under_fio_verify_migrates_between_two_vsds_and_back() {
     // vsd B dies with requests in flight; its successor takes over from the
     // in-flight region QEMU kept, as without a migration.
     vsd_b.kill();
+    common::wait_until_unlocked(&image);
     (vsd_b, qmp_b) = vsd(&dir, "b", &image, true);
     wait_for_requests(&mut qmp_b, READS, 2000, "the guest's reads on the restarted vsd B");
 

@@ -39,7 +39,11 @@ impl Rng {
 
 fn qemu_img_check(image: &Path) -> String {
     let out = run("qemu-img", &["check", "--output=json", image.to_str().unwrap()]);
-    String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+    let report = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    // 0 clean, 2 corruptions, 3 leaks only: anything else is a check that
+    // did not run, which must not read as "no corruptions".
+    assert!(matches!(out.status.code(), Some(0 | 2 | 3)), "qemu-img check did not run: {report}");
+    report
 }
 
 /// Each queue writes fresh 4-128 KiB ranges of its half of the disk (so
@@ -124,6 +128,7 @@ fn kill_9_never_corrupts_and_keeps_flushed_writes() {
         }
         drop(client);
         drop(daemon);
+        common::wait_until_unlocked(&image);
 
         if kind.starts_with("lazy") {
             // Refcounts may lag behind: the dirty bit says so, and opening
@@ -205,6 +210,7 @@ fn writethrough_writes_survive_kill_9_without_a_flush() {
     drop(queue);
     drop(client);
     drop(daemon);
+    common::wait_until_unlocked(&image);
     let report = qemu_img_check(&image);
     assert_eq!(json_count(&report, "corruptions"), 0, "{report}");
     let copy = dir.path("w.raw");

@@ -216,6 +216,10 @@ impl BlockNode for BlkdebugNode {
         self.child.filename()
     }
 
+    fn claim(&self, claim: crate::Claim) -> Result<Vec<crate::ClaimGuard>, crate::LockError> {
+        self.child.claim(claim)
+    }
+
     fn children(&self) -> Vec<(&'static str, Arc<dyn BlockNode>)> {
         vec![("image", self.child.clone())]
     }

@@ -10,8 +10,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use vsd_engine::{IoOp, IoQueue, PoolQueue, ThreadPool, UringQueue};
 
 use super::{Filter, FilteredQueue, Route, out_of_bounds};
+use crate::lock::ImageLock;
 use crate::options::OptionMap;
-use crate::{Allocation, BlockNode, Cache, GraphError};
+use crate::{Allocation, BlockNode, Cache, Claim, ClaimGuard, GraphError, LockError};
 
 /// How requests reach the file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,6 +30,8 @@ pub(crate) struct FileNode {
     policy: FilePolicy,
     /// Only for `aio=threads`: shared by all of the node's queues.
     pool: Option<Arc<ThreadPool>>,
+    /// What the image's lock bytes say, from the claims of its users.
+    lock: Arc<ImageLock>,
 }
 
 /// What the file driver answers without I/O.
@@ -45,7 +48,9 @@ struct FilePolicy {
 }
 
 impl FileNode {
-    pub(crate) fn open(name: String, cache: Cache, opts: &mut OptionMap) -> Result<Self, GraphError> {
+    /// Opens the file; `active` false for a node opened inactive, which
+    /// takes no locks until activated.
+    pub(crate) fn open(name: String, cache: Cache, active: bool, opts: &mut OptionMap) -> Result<Self, GraphError> {
         let context = opts.context().to_string();
         let filename = opts.require("filename")?;
         let Cache { direct, no_flush } = cache;
@@ -56,6 +61,9 @@ impl FileNode {
         };
         let unmap =
             opts.take_choice("discard", &["ignore", "off", "unmap", "on"])?.is_some_and(|d| d == "unmap" || d == "on");
+        // QEMU's `auto` locks where the file system supports OFD locks:
+        // every Linux one does.
+        let locking = opts.take_choice("locking", &["auto", "on", "off"])? != Some("off");
 
         let host = |what: String, source: io::Error| GraphError::Host { context: context.clone(), what, source };
         let mut open = File::options();
@@ -75,10 +83,12 @@ impl FileNode {
         if aio == Aio::IoUring {
             UringQueue::probe().map_err(|e| host("aio=io_uring".into(), e))?;
         }
+        let file = Arc::new(file);
         Ok(Self {
+            lock: ImageLock::new(file.clone(), filename.clone(), locking, active),
             name,
             filename,
-            file: Arc::new(file),
+            file,
             size: AtomicU64::new(size),
             read_only,
             policy: FilePolicy { no_flush, unmap },
@@ -139,7 +149,17 @@ impl BlockNode for FileNode {
         Ok(size)
     }
 
+    fn claim(&self, claim: Claim) -> Result<Vec<ClaimGuard>, LockError> {
+        self.lock.claim(claim).map(|guard| vec![guard])
+    }
+
+    fn inactivate(&self) -> io::Result<()> {
+        // The other end of the migration takes the image: no locks.
+        self.lock.set_active(false).map_err(io::Error::other)
+    }
+
     fn activate(&self) -> io::Result<()> {
+        self.lock.set_active(true).map_err(io::Error::other)?;
         // Another process may have resized the file meanwhile.
         self.refresh_size().map(drop)
     }

@@ -77,6 +77,10 @@ impl BlockNode for RawNode {
         self.window.size.load(Ordering::Relaxed)
     }
 
+    fn claim(&self, claim: crate::Claim) -> Result<Vec<crate::ClaimGuard>, crate::LockError> {
+        self.child.claim(claim)
+    }
+
     fn children(&self) -> Vec<(&'static str, Arc<dyn BlockNode>)> {
         vec![("file", self.child.clone())]
     }

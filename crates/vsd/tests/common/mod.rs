@@ -142,6 +142,23 @@ impl Drop for Daemon {
     }
 }
 
+/// Waits until no other open of `image` holds one of QEMU's lock bytes. A
+/// daemon killed with SIGKILL keeps its image locks until the kernel has
+/// torn its io_uring rings down (their registered files keep the image
+/// open): that is what fences its last writes, and what a test restarting
+/// it at once must wait out.
+pub fn wait_until_unlocked(image: &Path) {
+    use std::os::fd::AsFd;
+    let file = std::fs::File::options().read(true).write(true).open(image).unwrap();
+    let locked =
+        || (100..104).chain(200..204).any(|at| vsd_sys::lock::byte_locked_elsewhere(file.as_fd(), at).unwrap());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while locked() {
+        assert!(Instant::now() < deadline, "{} stayed locked", image.display());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// `--blockdev` + `--export` arguments serving `image` as raw on `socket`.
 pub fn file_export(image: &Path, socket: &Path, file_opts: &str, export_opts: &str) -> Vec<String> {
     vec![

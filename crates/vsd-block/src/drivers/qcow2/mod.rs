@@ -6,7 +6,7 @@ mod queue;
 
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, PoisonError, RwLock, Weak};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
 use vsd_qcow2::buf::AlignedBuf;
@@ -15,7 +15,7 @@ use vsd_qcow2::{FormatError, Image, SyncIo};
 use super::child::ChildQueue;
 use super::file::FileNode;
 use crate::options::OptionMap;
-use crate::{BlockGraph, BlockNode, Cache, GraphError, IoQueue};
+use crate::{BlockGraph, BlockNode, Cache, Claim, ClaimGuard, GraphError, IoQueue, LockError, Perms};
 use queue::Qcow2Queue;
 
 /// Backing chains deeper than this are refused (QEMU has no fixed limit,
@@ -35,7 +35,21 @@ pub(crate) struct Qcow2Node {
     file: Arc<dyn BlockNode>,
     data: Option<Arc<dyn BlockNode>>,
     backing: Option<Arc<dyn BlockNode>>,
+    /// What the node holds of its images while active (image locks).
+    claims: Mutex<Vec<ClaimGuard>>,
 }
+
+/// What a qcow2 node needs of its image file (and external data file), as
+/// QEMU's qcow2 driver takes it: writable, consistent reads, writes and
+/// resizes; read-only, reads only; either way nobody else may write or
+/// resize it, or the metadata would change under the node.
+fn file_claim(writable: bool) -> Claim {
+    let held = if writable { Perms::READ.with(Perms::WRITE).with(Perms::RESIZE) } else { Perms::READ };
+    Claim { held, unshared: Perms::WRITE.with(Perms::RESIZE) }
+}
+
+/// What it needs of its backing node: reads, whoever else uses it.
+const BACKING_CLAIM: Claim = Claim { held: Perms::READ, unshared: Perms::NONE };
 
 /// Where the backing file comes from.
 enum Backing {
@@ -138,6 +152,10 @@ impl Qcow2Node {
             lazy_refcounts: settings.lazy_refcounts,
             refcount_cache_bytes: settings.refcount_cache_bytes,
         };
+        let locked = |e: LockError| invalid(e.to_string());
+        // Before anything is read or written: another process may own it.
+        let file_claims =
+            if settings.inactive { Vec::new() } else { file.claim(file_claim(options.writable)).map_err(locked)? };
         let opened = if settings.inactive { read_only(&options) } else { options.clone() };
         let image = read_image(&*file, opened).map_err(|e| match e {
             FormatError::Io(e) => host("cannot read the image".into(), e),
@@ -167,7 +185,7 @@ impl Qcow2Node {
             (true, Some(node), _) => Some(node),
             (true, None, Some(name)) => {
                 let path = resolve(path.as_deref(), name).map_err(invalid)?;
-                Some(open_file(&path, settings.read_only, settings.cache).map_err(|e| {
+                Some(open_file(&path, settings, settings.read_only).map_err(|e| {
                     invalid(format!("cannot open external data file '{}': {}", path.display(), error_chain(&e)))
                 })?)
             }
@@ -183,9 +201,37 @@ impl Qcow2Node {
             file,
             data,
             backing,
+            claims: Mutex::new(file_claims),
         };
+        if !settings.inactive {
+            let children = node.claim_children().map_err(locked)?;
+            node.claims().extend(children);
+        }
         node.clean_caches().map_err(|e| host("cannot start the cache cleaner".into(), e))?;
         Ok(node)
+    }
+
+    fn claims(&self) -> std::sync::MutexGuard<'_, Vec<ClaimGuard>> {
+        self.claims.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes what the node needs of its images (see [`file_claim`]).
+    fn claim_images(&self) -> Result<Vec<ClaimGuard>, LockError> {
+        let mut guards = self.file.claim(file_claim(self.options.writable))?;
+        guards.extend(self.claim_children()?);
+        Ok(guards)
+    }
+
+    /// Takes what the node needs of its external data file and backing node.
+    fn claim_children(&self) -> Result<Vec<ClaimGuard>, LockError> {
+        let mut guards = Vec::new();
+        if let Some(data) = &self.data {
+            guards.extend(data.claim(file_claim(self.options.writable))?);
+        }
+        if let Some(backing) = &self.backing {
+            guards.extend(backing.claim(BACKING_CLAIM)?);
+        }
+        Ok(guards)
     }
 
     /// The image as it stands.
@@ -265,14 +311,14 @@ fn resolve(image: Option<&Path>, name: &str) -> Result<PathBuf, String> {
 }
 
 /// An implicit `file` node (QEMU names these after the file).
-fn open_file(path: &Path, read_only: bool, cache: Cache) -> Result<Arc<dyn BlockNode>, GraphError> {
+fn open_file(path: &Path, settings: &Settings, read_only: bool) -> Result<Arc<dyn BlockNode>, GraphError> {
     let filename = path.to_str().ok_or_else(|| GraphError::Invalid {
         context: path.display().to_string(),
         reason: "the file name is not UTF-8".into(),
     })?;
     let text = format!("filename={},read-only={}", filename.replace(',', ",,"), read_only);
     let mut opts = OptionMap::parse("--blockdev", &text)?;
-    let node = FileNode::open(format!("#{filename}"), cache, &mut opts)?;
+    let node = FileNode::open(format!("#{filename}"), settings.cache, !settings.inactive, &mut opts)?;
     opts.finish()?;
     Ok(Arc::new(node))
 }
@@ -285,7 +331,7 @@ fn open_backing(
     settings: &Settings,
     chain: &mut Vec<PathBuf>,
 ) -> Result<Arc<dyn BlockNode>, GraphError> {
-    let file = open_file(path, true, settings.cache)?;
+    let file = open_file(path, settings, true)?;
     let format = match format {
         Some(f) => f.to_string(),
         None => probe(&*file).map_err(|e| GraphError::Host {
@@ -362,12 +408,14 @@ impl BlockNode for Qcow2Node {
 
     fn inactivate(&self) -> io::Result<()> {
         // Metadata written back and the image marked clean, as at a clean
-        // stop; then nothing cached is kept.
+        // stop; then nothing cached is kept, and no lock.
         self.close()?;
+        self.claims().clear();
         self.reopen(read_only(&self.options))
     }
 
     fn activate(&self) -> io::Result<()> {
+        *self.claims() = self.claim_images().map_err(io::Error::other)?;
         self.reopen(self.options.clone())
     }
 
