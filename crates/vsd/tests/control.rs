@@ -199,6 +199,65 @@ fn qmp_adds_serves_and_removes_nodes_and_exports() {
     assert!(!qmp_sock.exists(), "the QMP socket is removed at exit");
 }
 
+/// What a monitor answers to `garbage` sent after negotiation, then to a
+/// query-version: (error replies, whether the query was answered), read
+/// for at most 5 s while the client goes on writing.
+fn answers_to(qmp_sock: &Path, garbage: &[u8]) -> (usize, bool) {
+    let stream = UnixStream::connect(qmp_sock).unwrap();
+    stream.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut writer = stream;
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    writer.write_all(b"{\"execute\":\"qmp_capabilities\"}\n").unwrap();
+    line.clear();
+    reader.read_line(&mut line).unwrap();
+    // The client writes everything before it reads, as a careless one does.
+    let mut all = garbage.to_vec();
+    all.extend_from_slice(b"{\"execute\":\"query-version\",\"id\":\"after\"}\n");
+    writer.write_all(&all).unwrap();
+    let (mut errors, deadline) = (0, Instant::now() + Duration::from_secs(5));
+    while Instant::now() < deadline {
+        line.clear();
+        match reader.read_line(&mut line) {
+            Ok(0) => break,
+            Ok(_) if line.contains("\"error\"") => errors += 1,
+            Ok(_) if line.contains("\"after\"") => return (errors, true),
+            _ => {}
+        }
+    }
+    (errors, false)
+}
+
+/// A user's report: after a line of 200,000 'x', vsd answered every byte
+/// with an error and dropped the client. Now, as qemu-storage-daemon, one
+/// error per bad token, and the next command is answered at once.
+#[test]
+fn a_long_line_of_garbage_costs_one_error_and_the_connection_carries_on() {
+    let dir = Scratch::new("qmp-long-garbage");
+    let (_vsd, vsd_sock) = daemon_with_monitor(&dir, Vec::new());
+    let qsd_sock = dir.path("qsd-qmp.sock");
+    let qsd_args = [
+        "--chardev".to_string(),
+        format!("socket,id=m,path={},server=on,wait=off", qsd_sock.display()),
+        "--monitor".into(),
+        "chardev=m".into(),
+        "--blockdev".into(),
+        "driver=null-co,node-name=n,size=1048576".into(),
+        "--export".into(),
+        format!("type=vhost-user-blk,id=e,node-name=n,addr.type=unix,addr.path={}", dir.path("qsd.sock").display()),
+    ];
+    let _qsd = Daemon::qsd(&dir, &qsd_args);
+    let mut long = vec![b'x'; 200_000];
+    long.push(b'\n');
+    let words = b"this is not json\n".repeat(2000);
+    for (sock, who) in [(&vsd_sock, "vsd"), (&qsd_sock, "qemu-storage-daemon")] {
+        assert_eq!(answers_to(sock, &long), (1, true), "{who}: 200,000 'x' then a command");
+        assert_eq!(answers_to(sock, &words), (8000, true), "{who}: one error per word");
+        assert!(answers_to(sock, b"\xff\xfe{\"a\": 1}\n").1, "{who}: invalid UTF-8");
+    }
+}
+
 #[test]
 fn qmp_answers_garbage_with_errors_and_keeps_serving() {
     let dir = Scratch::new("qmp-garbage");
@@ -222,7 +281,11 @@ fn qmp_answers_garbage_with_errors_and_keeps_serving() {
     let cases: Vec<(&[u8], &str)> = vec![
         // An unfinished value gets no reply until it ends, here as bad JSON.
         (b"{\"execute\":\n}\n", "GenericError"),
+        // One error per word, as QEMU's lexer gives them.
         (b"this is not json\n", "GenericError"),
+        (b"", "GenericError"),
+        (b"", "GenericError"),
+        (b"", "GenericError"),
         (b"[1, 2, 3]\n", "GenericError"),
         (b"{\"execute\": 42}\n", "GenericError"),
         (b"{\"execute\": \"no-such-command\"}\n", "CommandNotFound"),

@@ -34,6 +34,10 @@ pub(crate) struct JsonStreamer {
     escaped: bool,
     /// An over-long value is being dropped up to the next newline.
     dropping_line: bool,
+    /// A bad token (bytes that cannot start a value) is being dropped up to
+    /// the next byte that can end it: one error per token, as QEMU's lexer
+    /// gives, however the client's bytes are cut into reads.
+    dropping_token: bool,
     /// The longest value accepted: [`MAX_VALUE_LEN`] but in tests and fuzzing.
     max_len: usize,
 }
@@ -69,6 +73,7 @@ impl JsonStreamer {
             in_string: false,
             escaped: false,
             dropping_line: false,
+            dropping_token: false,
             max_len,
         }
     }
@@ -100,6 +105,10 @@ impl JsonStreamer {
             return None;
         }
         self.dropping_line = false;
+        if self.dropping_token && !self.skip_token() {
+            return None;
+        }
+        self.dropping_token = false;
         while let Some(&byte) = self.buf.get(self.pos) {
             self.pos += 1;
             let in_string = self.in_string;
@@ -112,6 +121,14 @@ impl JsonStreamer {
                 }
                 Step::More => {}
                 Step::End => return Some(self.take_value()),
+                Step::Stray if is_token_byte(byte) => {
+                    // A run of them (a word, a number) is one bad token.
+                    // Named by its first byte: how much of it has arrived
+                    // depends on how the client's bytes were cut.
+                    self.abandon_value();
+                    self.dropping_token = true;
+                    return Some(Err(format!("JSON parse error, stray '{}'", byte.escape_ascii())));
+                }
                 Step::Stray => {
                     return Some(Err(self.recover(format!("JSON parse error, stray '{}'", byte.escape_ascii()))));
                 }
@@ -176,6 +193,15 @@ impl JsonStreamer {
         self.escaped = false;
     }
 
+    /// Drops the rest of a bad token; false, having dropped all that is
+    /// buffered, while it goes on.
+    fn skip_token(&mut self) -> bool {
+        let len = self.buf[self.pos..].iter().take_while(|&&b| is_token_byte(b)).count();
+        self.pos += len;
+        self.start = self.pos;
+        self.pos < self.buf.len()
+    }
+
     /// Drops buffered input up to and including the next newline; false,
     /// dropping nothing, when there is none.
     fn skip_line(&mut self) -> bool {
@@ -186,6 +212,14 @@ impl JsonStreamer {
         self.start = self.pos;
         true
     }
+}
+
+/// Whether `byte` belongs to a word or number (the bytes QEMU's lexer runs
+/// together into one token): not whitespace, not structure, not a quote,
+/// and possible in JSON text.
+fn is_token_byte(byte: u8) -> bool {
+    !matches!(byte, b' ' | b'\t' | b'\r' | b'\n' | b'{' | b'}' | b'[' | b']' | b'"' | b',' | b':')
+        && !never_in_json(byte, false)
 }
 
 /// Whether `byte` can never occur in JSON text (inside a string or not):
@@ -263,11 +297,16 @@ mod tests {
     }
 
     #[test]
-    fn garbage_is_dropped_up_to_the_buffered_newline() {
+    fn a_bad_token_is_one_error_and_what_follows_it_is_served() {
+        // As QEMU's lexer: one error for the word, then the values after it.
         let out = split(&[b"garbage {\"a\":1}\n{\"b\":2}\n"]);
-        assert_eq!(out.len(), 2);
-        assert!(is_error(&out[0]), "{out:?}");
-        assert_eq!(out[1], Ok(json!({"b": 2})));
+        assert_eq!(out, [Err("JSON parse error, stray 'g'".into()), Ok(json!({"a": 1})), Ok(json!({"b": 2}))]);
+        // However the token is cut into reads, and however long it is.
+        let long = vec![b'x'; 200_000];
+        let pieces: Vec<&[u8]> = long.chunks(16 * 1024).chain([&b"\n{\"b\":2}"[..]]).collect();
+        let out = split(&pieces);
+        assert_eq!(out.len(), 2, "{:?}", &out[..out.len().min(3)]);
+        assert!(is_error(&out[0]) && out[1] == Ok(json!({"b": 2})));
     }
 
     #[test]
