@@ -104,11 +104,21 @@ fn take_log_fd(connection: &UnixStream, session: &Mutex<Session>, flags: u32, si
     (&*connection).write_all(&reply)
 }
 
+/// How long a front-end may leave the channel full before a message to it
+/// fails: it must not hold up the command that sends it.
+const WRITE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl BackendChannel {
+    /// A second handle on the channel.
+    pub(crate) fn try_clone(&self) -> io::Result<Self> {
+        self.0.try_clone().map(Self)
+    }
+
     /// Sends CONFIG_CHANGE_MSG. No reply is asked for: the front-end answers
     /// by reading the config space on the main connection, which the
     /// connection's own thread serves.
     pub(crate) fn config_changed(&mut self) -> io::Result<()> {
+        self.0.set_write_timeout(Some(WRITE_TIMEOUT))?;
         let mut message = [0u8; 12];
         message[..4].copy_from_slice(&CONFIG_CHANGE_MSG.to_le_bytes());
         message[4..8].copy_from_slice(&VERSION_1.to_le_bytes());

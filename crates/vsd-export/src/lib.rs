@@ -162,8 +162,13 @@ impl VhostUserBlkExport {
     /// the config space and tells the guest. Returns the new capacity.
     pub fn capacity_changed(&self) -> io::Result<u64> {
         let capacity = self.device.refresh_capacity();
-        let mut client = self.shared.client.lock().map_err(|_| io::Error::other("client lock poisoned"))?;
-        if let Some(channel) = client.as_mut().and_then(|c| c.channel.as_mut()) {
+        // A copy of the channel, written outside the lock: a front-end that
+        // does not read it must not hold up the export's other users.
+        let channel = {
+            let client = self.shared.client.lock().map_err(|_| io::Error::other("client lock poisoned"))?;
+            client.as_ref().and_then(|c| c.channel.as_ref()).map(BackendChannel::try_clone).transpose()?
+        };
+        if let Some(mut channel) = channel {
             channel.config_changed()?;
         }
         Ok(capacity)
