@@ -12,10 +12,12 @@ use vsd_block::BlockNode;
 use vsd_trace::{ExportSnapshot, QueueStats};
 
 use crate::config::ExportConfig;
-use vsd_virtio::request::{Limits, SECTOR_SIZE, SEG_MAX, SIZE_MAX, id_bytes};
+use vsd_virtio::request::{Limits, SECTOR_SIZE, SEG_MAX, id_bytes};
 
 /// Largest discard and write-zeroes, in sectors (32 MiB, as QEMU's export).
 const MAX_RANGE_SECTORS: u32 = 65536;
+/// Largest single data segment the guest may use.
+const SIZE_MAX: u32 = 1 << 20;
 
 /// One export's device, shared by its sessions and queue workers.
 pub struct BlkDevice {

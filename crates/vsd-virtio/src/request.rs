@@ -22,10 +22,6 @@ use crate::ram::GuestRam;
 pub const SECTOR_SIZE: u64 = 512;
 /// Data segments a request may have (advertised as `seg_max`).
 pub const SEG_MAX: u32 = 126;
-/// The longest data segment a request may have (advertised as `size_max`):
-/// a descriptor longer than this, besides the header or status byte it may
-/// also hold, fails the request.
-pub const SIZE_MAX: u32 = 1 << 20;
 /// Descriptors a chain may have: the data segments, header and status.
 pub const MAX_DESCRIPTORS: usize = SEG_MAX as usize + 2;
 /// Host buffers a request may map to: a segment that crosses a boundary
@@ -253,11 +249,7 @@ fn parse(
     }
     let status = GuestAddress(status);
     let done = |code| Ok(Request { status, action: Action::Done(code), iovcnt: 0 });
-    // What may come on top of a segment's data: the header in the first
-    // descriptor, the status byte in the last.
-    let oversized =
-        spans[..count.min(MAX_DESCRIPTORS)].iter().any(|span| span.len > u64::from(SIZE_MAX) + HEADER_LEN + 1);
-    if count > MAX_DESCRIPTORS || misordered || oversized {
+    if count > MAX_DESCRIPTORS || misordered {
         return done(status::IOERR);
     }
     let first_writable = first_writable.unwrap_or(count);
@@ -527,19 +519,6 @@ mod tests {
         parts.extend((0..MAX_DESCRIPTORS as u64).map(|i| (0x8000 + i * 512, 512, W)));
         parts.push((0x3000, 1, W));
         assert_eq!(status_of(chain(&parts), &mem, &limits()), Some(status::IOERR));
-    }
-
-    #[test]
-    fn segments_longer_than_size_max_fail() {
-        // Memory and a disk large enough for the segment, so that only its
-        // length can fail it.
-        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 4 << 20)]).unwrap();
-        let big = Limits { capacity: 8 << 20, ..limits() };
-        header(&mem, 0x1000, VIRTIO_BLK_T_IN, 0);
-        let at_most = chain(&[(0x1000, 16, R), (0x10_0000, SIZE_MAX, W), (0x3000, 1, W)]);
-        assert_eq!(status_of(at_most, &mem, &big), None, "size_max itself is fine");
-        let longer = chain(&[(0x1000, 16, R), (0x10_0000, SIZE_MAX + 512, W), (0x3000, 1, W)]);
-        assert_eq!(status_of(longer, &mem, &big), Some(status::IOERR));
     }
 
     #[test]
