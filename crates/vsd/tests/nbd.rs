@@ -399,28 +399,12 @@ impl RawClient {
     }
 
     fn request(&mut self, flags: u16, kind: u16, cookie: u64, offset: u64, len: u32, payload: &[u8]) {
-        let header = [
-            &REQUEST_MAGIC.to_be_bytes()[..],
-            &flags.to_be_bytes(),
-            &kind.to_be_bytes(),
-            &cookie.to_be_bytes(),
-            &offset.to_be_bytes(),
-            &len.to_be_bytes(),
-        ]
-        .concat();
+        let header = request_header(REQUEST_MAGIC, flags, kind, cookie, offset, &len.to_be_bytes());
         self.s.write_all(&[&header[..], payload].concat()).unwrap();
     }
 
     fn extended_request(&mut self, flags: u16, kind: u16, cookie: u64, offset: u64, len: u64) {
-        let header = [
-            &EXTENDED_REQUEST_MAGIC.to_be_bytes()[..],
-            &flags.to_be_bytes(),
-            &kind.to_be_bytes(),
-            &cookie.to_be_bytes(),
-            &offset.to_be_bytes(),
-            &len.to_be_bytes(),
-        ]
-        .concat();
+        let header = request_header(EXTENDED_REQUEST_MAGIC, flags, kind, cookie, offset, &len.to_be_bytes());
         self.s.write_all(&header).unwrap();
     }
 
@@ -747,4 +731,18 @@ fn nbdinfo_sees_vsd_as_it_sees_qemu_storage_daemon() {
         }
         assert_eq!(seen[0], seen[1], "vsd, then qemu-storage-daemon, with '{export_opts}'");
     }
+}
+
+/// A request header: compact (a 32-bit `len`) or extended (64-bit), by
+/// its magic.
+fn request_header(magic: u32, flags: u16, kind: u16, cookie: u64, offset: u64, len: &[u8]) -> Vec<u8> {
+    [
+        &magic.to_be_bytes()[..],
+        &flags.to_be_bytes(),
+        &kind.to_be_bytes(),
+        &cookie.to_be_bytes(),
+        &offset.to_be_bytes(),
+        len,
+    ]
+    .concat()
 }
