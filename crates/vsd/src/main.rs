@@ -1,8 +1,6 @@
-//! `vsd`: serves block nodes to virtual machines over vhost-user-blk.
-//!
-//! The command line follows qemu-storage-daemon's, so existing scripts keep
-//! working: `--blockdev` defines nodes (in order, a node may use earlier
-//! ones), `--export` serves a node on a socket, `--chardev` + `--monitor`
+//! `vsd`: serves block nodes over vhost-user-blk and NBD, with
+//! qemu-storage-daemon's command line: `--blockdev` defines nodes (a node
+//! may use earlier ones), `--export` serves one, `--chardev` + `--monitor`
 //! open a QMP socket. `vsd stat` prints a running export's statistics.
 
 mod commands;
@@ -50,7 +48,7 @@ struct DaemonArgs {
     /// A block node: driver=file|raw|qcow2|null-co,node-name=NAME,... (or a JSON object)
     #[arg(long, value_name = "OPTIONS")]
     blockdev: Vec<String>,
-    /// An export: type=vhost-user-blk,id=ID,node-name=NAME,addr.type=unix,addr.path=SOCKET,...
+    /// An export: type=vhost-user-blk,id=ID,node-name=NAME,addr.type=unix,addr.path=SOCKET,... or type=nbd,id=ID,node-name=NAME,... (with --nbd-server)
     #[arg(long, value_name = "OPTIONS")]
     export: Vec<String>,
     /// The NBD server: addr.type=unix,addr.path=SOCKET or addr.type=inet,addr.host=HOST,addr.port=PORT

@@ -10,7 +10,7 @@
 //! `qmp_capabilities` is accepted; the monitor answers that one itself.
 
 mod events;
-#[doc(hidden)]
+#[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 mod output;
 mod server;

@@ -145,6 +145,7 @@ impl Inbound {
     }
 
     /// Bytes of input held for a message not complete yet.
+    #[cfg(feature = "fuzzing")]
     pub(crate) fn buffered(&self) -> usize {
         self.input.buffered()
     }

@@ -87,6 +87,7 @@ impl JsonStreamer {
     }
 
     /// Bytes held for the value in progress (and input not scanned yet).
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn buffered(&self) -> usize {
         self.buf.len() - self.start
     }
