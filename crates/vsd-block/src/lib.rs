@@ -164,7 +164,7 @@ pub enum GraphError {
     #[error(transparent)]
     Options(#[from] OptionError),
     /// `driver=` names no driver vsd has.
-    #[error("{context}: unknown driver '{driver}' (vsd has file, raw, qcow2, null-co, blkdebug)")]
+    #[error("{context}: unknown driver '{driver}' (vsd has file, host_device, raw, qcow2, null-co, blkdebug)")]
     UnknownDriver {
         /// Which option string.
         context: String,

@@ -1,9 +1,10 @@
-//! `driver=file`: a host file or block device.
+//! `driver=file`: a host file; `driver=host_device`: a block or character
+//! device, as QEMU tells them apart (each refuses the other's).
 
 use std::fs::File;
 use std::io;
 use std::os::fd::AsFd;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -32,6 +33,8 @@ pub(crate) struct FileNode {
     pool: Option<Arc<ThreadPool>>,
     /// What the image's lock bytes say, from the claims of its users.
     lock: Arc<ImageLock>,
+    /// `driver=host_device`.
+    device: bool,
 }
 
 /// What the file driver answers without I/O.
@@ -48,9 +51,15 @@ struct FilePolicy {
 }
 
 impl FileNode {
-    /// Opens the file; `active` false for a node opened inactive, which
-    /// takes no locks until activated.
-    pub(crate) fn open(name: String, cache: Cache, active: bool, opts: &mut OptionMap) -> Result<Self, GraphError> {
+    /// Opens the file (a device if `device`); `active` false for a node
+    /// opened inactive, which takes no locks until activated.
+    pub(crate) fn open(
+        name: String,
+        cache: Cache,
+        active: bool,
+        device: bool,
+        opts: &mut OptionMap,
+    ) -> Result<Self, GraphError> {
         let context = opts.context().to_string();
         let filename = opts.require("filename")?;
         let Cache { direct, no_flush } = cache;
@@ -79,6 +88,18 @@ impl FileNode {
             };
             host(format!("cannot open '{filename}'{hint}"), e)
         })?;
+        let kind = file.metadata().map_err(|e| host(format!("cannot look at '{filename}'"), e))?.file_type();
+        let is_device = kind.is_block_device() || kind.is_char_device();
+        let refused = |reason: String| GraphError::Invalid { context: context.clone(), reason };
+        // QEMU's words for each.
+        if device && !is_device {
+            return Err(refused(format!(
+                "'host_device' driver requires '{filename}' to be either a character or block device"
+            )));
+        }
+        if !device && !kind.is_file() {
+            return Err(refused(format!("'file' driver requires '{filename}' to be a regular file")));
+        }
         let size = vsd_sys::file_size(&file).map_err(|e| host(format!("cannot size '{filename}'"), e))?;
         if aio == Aio::IoUring {
             UringQueue::probe().map_err(|e| host("aio=io_uring".into(), e))?;
@@ -86,6 +107,7 @@ impl FileNode {
         let file = Arc::new(file);
         Ok(Self {
             lock: ImageLock::new(file.clone(), filename.clone(), locking, active),
+            device,
             name,
             filename,
             file,
@@ -119,7 +141,7 @@ impl BlockNode for FileNode {
     }
 
     fn driver(&self) -> &'static str {
-        "file"
+        if self.device { "host_device" } else { "file" }
     }
 
     fn filename(&self) -> Option<&str> {

@@ -27,7 +27,8 @@ pub(crate) fn open(
     graph: &BlockGraph,
 ) -> Result<Arc<dyn BlockNode>, GraphError> {
     match driver {
-        "file" => Ok(Arc::new(file::FileNode::open(name, cache, active, opts)?)),
+        "file" => Ok(Arc::new(file::FileNode::open(name, cache, active, false, opts)?)),
+        "host_device" => Ok(Arc::new(file::FileNode::open(name, cache, active, true, opts)?)),
         "raw" => Ok(Arc::new(raw::RawNode::open(name, opts, graph)?)),
         "qcow2" => Ok(Arc::new(qcow2::Qcow2Node::open(name, cache, active, opts, graph)?)),
         "null-co" => Ok(Arc::new(null::NullNode::open(name, opts)?)),

@@ -5,6 +5,7 @@
 mod queue;
 
 use std::io;
+use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 use std::time::Duration;
@@ -318,7 +319,10 @@ fn open_file(path: &Path, settings: &Settings, read_only: bool) -> Result<Arc<dy
     })?;
     let text = format!("filename={},read-only={}", filename.replace(',', ",,"), read_only);
     let mut opts = OptionMap::parse("--blockdev", &text)?;
-    let node = FileNode::open(format!("#{filename}"), settings.cache, !settings.inactive, &mut opts)?;
+    // As QEMU probes a name from a header: a device is a host_device.
+    let device =
+        std::fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device() || m.file_type().is_char_device());
+    let node = FileNode::open(format!("#{filename}"), settings.cache, !settings.inactive, device, &mut opts)?;
     opts.finish()?;
     Ok(Arc::new(node))
 }
