@@ -2,7 +2,7 @@
 
 use std::io;
 use std::net::{TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,7 +14,7 @@ use std::time::Duration;
 const RETRY_DELAY: Duration = Duration::from_millis(100);
 
 /// A listening socket.
-pub(crate) trait Listener: AsRawFd + Send + Sync + 'static {
+pub(crate) trait Listener: AsFd + Send + Sync + 'static {
     /// A connection.
     type Stream: Send + 'static;
 
@@ -81,10 +81,8 @@ impl<L: Listener> Drop for AcceptLoop<L> {
         self.stop.store(true, Ordering::Release);
         // A listening socket that is shut down fails accept(2) with EINVAL,
         // which wakes the thread up to see `stop`.
-        // SAFETY: shutdown(2) touches no memory, and `self.listener` keeps the
-        // descriptor open.
-        if unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) } != 0 {
-            log::error!("cannot stop accepting connections: {}", io::Error::last_os_error());
+        if let Err(e) = vsd_sys::socket::shut_down(self.listener.as_fd()) {
+            log::error!("cannot stop accepting connections: {e}");
             return;
         }
         if let Some(thread) = self.thread.take() {

@@ -80,6 +80,14 @@ pub fn listen_unix_owned(
     placed.map_err(ListenError::Io)
 }
 
+/// Shuts a socket down both ways. On a listening socket, a thread blocked
+/// in `accept(2)` on it wakes up with EINVAL: how an accepting thread is
+/// told to stop.
+pub fn shut_down(sock: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: shutdown(2) touches no memory; `sock` is a live descriptor.
+    check(unsafe { libc::shutdown(sock.as_raw_fd(), libc::SHUT_RDWR) }.into()).map(drop)
+}
+
 /// Descriptors one peek can return.
 const PEEK_MAX_FDS: usize = 8;
 
