@@ -142,6 +142,29 @@ fn hand_over(from: &mut QmpClient, to: &mut QmpClient) {
     to.execute("blockdev-set-active", json!({ "node-name": "q0", "active": true })).unwrap();
 }
 
+/// Moves the guest from `source` to a new QEMU `name` on `to` (a daemon
+/// serving the image inactive), as a management tool does: migrate, hand
+/// the image from `from_qmp`'s daemon to `to_qmp`'s, resume, quit the
+/// source. Returns the new QEMU, the final `query-migrate` and the
+/// source's console log.
+fn switch_over(
+    dir: &Scratch,
+    mut source: Qemu,
+    name: &str,
+    to: &Daemon,
+    from_qmp: &mut QmpClient,
+    to_qmp: &mut QmpClient,
+) -> (Qemu, Value, PathBuf) {
+    let uri = format!("unix:{}", dir.path(&format!("{name}-incoming.sock")).display());
+    let mut destination = Qemu::start(dir, name, &to.socket, Some(&uri));
+    let info = source.migrate(&uri);
+    hand_over(from_qmp, to_qmp);
+    destination.run("cont", Value::Null);
+    let log = source.log.clone();
+    source.quit();
+    (destination, info, log)
+}
+
 /// The guest's facts, from every console it printed to, in order.
 fn facts(logs: &[&Path]) -> HashMap<String, String> {
     let text: String = logs.iter().map(|log| std::fs::read_to_string(log).unwrap_or_default()).collect();
@@ -178,13 +201,7 @@ fn a_guest_under_fio_verify_migrates_between_two_vsds_and_back() {
     let _ = abandoned.child.wait();
     wait_for_requests(&mut qmp_a, ANY, 500, "the guest's requests on vsd A after the cancellation");
 
-    let mig1 = format!("unix:{}", dir.path("mig1.sock").display());
-    let mut second = Qemu::start(&dir, "qemu2", &vsd_b.socket, Some(&mig1));
-    let there = first.migrate(&mig1);
-    hand_over(&mut qmp_a, &mut qmp_b);
-    second.run("cont", Value::Null);
-    let first_log = first.log.clone();
-    first.quit();
+    let (second, there, first_log) = switch_over(&dir, first, "qemu2", &vsd_b, &mut qmp_a, &mut qmp_b);
     // Back while fio reads what it wrote: the reads completed during the
     // switch-over reach the destination only through the dirty log.
     wait_for_requests(&mut qmp_b, READS, 2000, "the guest's reads on vsd B");
@@ -196,13 +213,7 @@ fn a_guest_under_fio_verify_migrates_between_two_vsds_and_back() {
     wait_for_requests(&mut qmp_b, READS, 2000, "the guest's reads on the restarted vsd B");
 
     // And back: a new QEMU on vsd A, whose export the first one left.
-    let mig2 = format!("unix:{}", dir.path("mig2.sock").display());
-    let mut third = Qemu::start(&dir, "qemu3", &vsd_a.socket, Some(&mig2));
-    let back = second.migrate(&mig2);
-    hand_over(&mut qmp_b, &mut qmp_a);
-    third.run("cont", Value::Null);
-    let second_log = second.log.clone();
-    second.quit();
+    let (mut third, back, second_log) = switch_over(&dir, second, "qemu3", &vsd_a, &mut qmp_b, &mut qmp_a);
     wait_for_requests(&mut qmp_a, ANY, 1000, "the guest's requests on vsd A after the return");
     let status = third.child.wait().unwrap();
     assert!(status.success(), "the last QEMU: {status}");
