@@ -164,7 +164,7 @@ pub enum GraphError {
     #[error(transparent)]
     Options(#[from] OptionError),
     /// `driver=` names no driver vsd has.
-    #[error("{context}: unknown driver '{driver}' (vsd has file, host_device, raw, qcow2, null-co, blkdebug)")]
+    #[error("{context}: unknown driver '{driver}' (vsd has file, host_device, raw, qcow2, rbd, null-co, blkdebug)")]
     UnknownDriver {
         /// Which option string.
         context: String,
@@ -260,18 +260,39 @@ pub enum RemoveError {
 /// name, or defined inline under the role's prefix.
 const CHILD_ROLES: [&str; 4] = ["file", "backing", "data-file", "image"];
 
+/// Where nodes find the secrets they name (`key-secret=ID`): the daemon's
+/// `--object secret` objects.
+pub trait Secrets: Send + Sync {
+    /// The bytes of secret `id`, or why there are none, in QEMU's words.
+    fn secret(&self, id: &str) -> Result<Vec<u8>, String>;
+}
+
 /// The nodes defined so far, by name.
 #[derive(Default)]
 pub struct BlockGraph {
     nodes: Vec<Arc<dyn BlockNode>>,
     /// Names given to nodes defined inline without one (`#block<n>`, as QEMU).
     implicit: u64,
+    secrets: Option<Arc<dyn Secrets>>,
 }
 
 impl BlockGraph {
     /// An empty graph.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Gives nodes added from now on the daemon's secrets.
+    pub fn set_secrets(&mut self, secrets: Arc<dyn Secrets>) {
+        self.secrets = Some(secrets);
+    }
+
+    /// The bytes of secret `id`.
+    fn secret(&self, id: &str) -> Result<Vec<u8>, String> {
+        match &self.secrets {
+            Some(secrets) => secrets.secret(id),
+            None => Err(format!("No secret with id '{id}'")),
+        }
     }
 
     /// Builds a node from `--blockdev` options and adds it, with the

@@ -160,6 +160,18 @@ impl OptionMap {
         Some(OptionMap { context: format!("{} {prefix}", self.context), entries })
     }
 
+    /// Removes the items of list `key`, written `key.0=...,key.1=...` (QEMU's
+    /// dotted form of a JSON array of plain values).
+    pub fn take_values(&mut self, key: &str) -> Vec<String> {
+        (0..).map_while(|i| self.take(&format!("{key}.{i}"))).collect()
+    }
+
+    /// Removes the items of list `key` whose items are objects, written
+    /// `key.0.a=...,key.0.b=...,key.1.a=...`, each as a map of its own.
+    pub fn take_groups(&mut self, key: &str) -> Vec<OptionMap> {
+        (0..).map_while(|i| self.take_group(&format!("{key}.{i}"))).collect()
+    }
+
     /// `key`'s value, left in place.
     pub fn get(&self, key: &str) -> Option<&str> {
         self.entries.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
@@ -218,13 +230,25 @@ fn flatten_json(prefix: &str, value: &serde_json::Value, out: &mut Vec<(String, 
     };
     for (key, value) in map {
         let key = if prefix.is_empty() { key.clone() } else { format!("{prefix}.{key}") };
-        match value {
-            Value::Object(_) => flatten_json(&key, value, out)?,
-            Value::String(s) => out.push((key, s.clone())),
-            Value::Bool(b) => out.push((key, if *b { "on" } else { "off" }.into())),
-            Value::Number(n) => out.push((key, n.to_string())),
-            Value::Null => out.push((key, "null".into())),
-            Value::Array(_) => return Err(format!("parameter '{key}': arrays are not supported")),
+        flatten_value(key, value, out)?;
+    }
+    Ok(())
+}
+
+/// One JSON value under `key`; array items go under `key.0`, `key.1`, ...
+/// as QEMU's dotted keys write lists (`server.0.host=...`).
+fn flatten_value(key: String, value: &serde_json::Value, out: &mut Vec<(String, String)>) -> Result<(), String> {
+    use serde_json::Value;
+    match value {
+        Value::Object(_) => flatten_json(&key, value, out)?,
+        Value::String(s) => out.push((key, s.clone())),
+        Value::Bool(b) => out.push((key, if *b { "on" } else { "off" }.into())),
+        Value::Number(n) => out.push((key, n.to_string())),
+        Value::Null => out.push((key, "null".into())),
+        Value::Array(items) => {
+            for (i, item) in items.iter().enumerate() {
+                flatten_value(format!("{key}.{i}"), item, out)?;
+            }
         }
     }
     Ok(())
@@ -253,6 +277,26 @@ mod tests {
         assert!(o.has("filename-x") && o.has("files.x"), "only keys under 'file.'");
         o.insert("file", "f0");
         assert_eq!(o.take("file").as_deref(), Some("f0"));
+    }
+
+    #[test]
+    fn lists_read_alike_from_json_arrays_and_dotted_keys() {
+        let json = r#"{"server": [{"host": "a", "port": "1"}, {"host": "b", "port": "2"}], "auth": ["cephx", "none"]}"#;
+        let dotted = "server.0.host=a,server.0.port=1,server.1.host=b,server.1.port=2,auth.0=cephx,auth.1=none";
+        for text in [json, dotted] {
+            let mut o = OptionMap::parse("--blockdev", text).unwrap();
+            let servers: Vec<_> = o
+                .take_groups("server")
+                .into_iter()
+                .map(|mut s| (s.take("host").unwrap(), s.take("port").unwrap()))
+                .collect();
+            assert_eq!(servers, [("a".into(), "1".into()), ("b".into(), "2".into())], "{text}");
+            assert_eq!(o.take_values("auth"), ["cephx", "none"], "{text}");
+            o.finish().unwrap();
+        }
+        let mut gap = OptionMap::parse("--blockdev", "auth.0=a,auth.2=c").unwrap();
+        assert_eq!(gap.take_values("auth"), ["a"]);
+        assert!(gap.finish().is_err(), "an item after a gap is left over, and refused");
     }
 
     #[test]

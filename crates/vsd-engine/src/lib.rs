@@ -4,6 +4,7 @@
 //!   export queue worker ──push/submit/reap──▶ dyn IoQueue
 //!                                              ├── UringQueue  (one io_uring per queue)
 //!                                              ├── PoolQueue   (shared worker threads)
+//!                                              ├── (vsd-rbd's RbdQueue: librbd, through a Mailbox)
 //!                                              └── NullQueue   (completes without I/O)
 //! ```
 //!
@@ -15,6 +16,7 @@
 #![deny(missing_docs)]
 
 mod inline;
+mod mailbox;
 mod null;
 mod pool;
 mod uring;
@@ -22,6 +24,7 @@ mod uring;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
+pub use mailbox::Mailbox;
 pub use null::NullQueue;
 pub use pool::{PoolQueue, ThreadPool};
 pub use uring::{DIRECT_BATCH, UringQueue};
@@ -263,7 +266,7 @@ pub trait IoQueue: Send {
 /// Waits for every request `queue` has in flight and reaps it, as an
 /// engine does before it drops: the kernel or the engine's threads may
 /// still write into their buffers, which the owner frees next.
-fn drain<Q: IoQueue>(queue: &mut Q, in_flight: impl Fn(&Q) -> usize) {
+pub fn drain<Q: IoQueue>(queue: &mut Q, in_flight: impl Fn(&Q) -> usize) {
     let mut sink = Vec::new();
     while in_flight(queue) > 0 {
         if queue.wait().is_err() {

@@ -12,10 +12,8 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
-use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
-
 use crate::inline::Inline;
-use crate::{Completion, IoOp, IoQueue, run_sync};
+use crate::{Completion, IoOp, IoQueue, Mailbox, run_sync};
 
 /// Threads are started on demand up to this many, as QEMU's pool does.
 const MAX_THREADS: usize = 64;
@@ -24,14 +22,7 @@ struct Job {
     file: Arc<File>,
     tag: u32,
     op: IoOp,
-    done: Arc<Done>,
-}
-
-/// Where a queue's finished jobs go.
-struct Done {
-    list: Mutex<Vec<Completion>>,
-    ready: Condvar,
-    notify: EventFd,
+    done: Arc<Mailbox>,
 }
 
 #[derive(Default)]
@@ -117,11 +108,7 @@ fn work(shared: &Shared) {
             Ok(()) => 0,
             Err(e) => e.raw_os_error().unwrap_or(libc::EIO),
         };
-        lock(&job.done.list).push(Completion { tag: job.tag, errno });
-        job.done.ready.notify_one();
-        if let Err(e) = job.done.notify.write(1) {
-            log::warn!("cannot signal a completion: {e}");
-        }
+        job.done.post(Completion { tag: job.tag, errno });
     }
 }
 
@@ -129,7 +116,7 @@ fn work(shared: &Shared) {
 pub struct PoolQueue {
     pool: Arc<ThreadPool>,
     file: Arc<File>,
-    done: Arc<Done>,
+    done: Arc<Mailbox>,
     batch: Vec<Job>,
     in_flight: usize,
     /// Of those, the ones handed to the pool.
@@ -144,11 +131,7 @@ impl PoolQueue {
     /// A queue for at most `depth` requests in flight on `file`.
     pub fn new(pool: Arc<ThreadPool>, file: Arc<File>, depth: u16) -> io::Result<Self> {
         let depth = usize::from(depth.max(1));
-        let done = Arc::new(Done {
-            list: Mutex::new(Vec::with_capacity(depth)),
-            ready: Condvar::new(),
-            notify: EventFd::new(EFD_NONBLOCK)?,
-        });
+        let done = Arc::new(Mailbox::new(depth)?);
         let inline = Inline::for_threads(vsd_sys::residence(&file)?);
         Ok(Self {
             pool,
@@ -202,10 +185,9 @@ impl IoQueue for PoolQueue {
         if self.pooled == 0 {
             return;
         }
-        let mut list = lock(&self.done.list);
-        self.in_flight -= list.len();
-        self.pooled -= list.len();
-        out.append(&mut list);
+        let taken = self.done.take(out);
+        self.in_flight -= taken;
+        self.pooled -= taken;
     }
 
     fn wait(&mut self) -> io::Result<()> {
@@ -213,15 +195,14 @@ impl IoQueue for PoolQueue {
         if !self.ready.is_empty() {
             return Ok(());
         }
-        let list = lock(&self.done.list);
-        if self.pooled > 0 && list.is_empty() {
-            drop(self.done.ready.wait(list).unwrap_or_else(PoisonError::into_inner));
+        if self.pooled > 0 {
+            self.done.wait();
         }
         Ok(())
     }
 
     fn notify_fd(&self) -> Option<BorrowedFd<'_>> {
-        Some(crate::borrow_fd(&self.done.notify))
+        Some(self.done.notify_fd())
     }
 }
 

@@ -43,7 +43,7 @@ pub(crate) struct FileNode {
 /// driver: format drivers grow their file. The nodes and exports above
 /// check guest requests against their own size.
 #[derive(Clone, Copy)]
-struct FilePolicy {
+pub(super) struct FilePolicy {
     /// `cache.no-flush=on`: flushes succeed at once (cache=unsafe).
     no_flush: bool,
     /// `discard=unmap`: discards punch holes; otherwise they are ignored.
@@ -62,14 +62,13 @@ impl FileNode {
     ) -> Result<Self, GraphError> {
         let context = opts.context().to_string();
         let filename = opts.require("filename")?;
-        let Cache { direct, no_flush } = cache;
+        let Cache { direct, .. } = cache;
+        let policy = FilePolicy::take(cache, opts)?;
         let read_only = opts.take_bool("read-only")?.unwrap_or(false);
         let aio = match opts.take_choice("aio", &["io_uring", "threads"])? {
             Some("threads") => Aio::Threads,
             _ => Aio::IoUring,
         };
-        let unmap =
-            opts.take_choice("discard", &["ignore", "off", "unmap", "on"])?.is_some_and(|d| d == "unmap" || d == "on");
         // QEMU's `auto` locks where the file system supports OFD locks:
         // every Linux one does.
         let locking = opts.take_choice("locking", &["auto", "on", "off"])? != Some("off");
@@ -113,9 +112,18 @@ impl FileNode {
             file,
             size: AtomicU64::new(size),
             read_only,
-            policy: FilePolicy { no_flush, unmap },
+            policy,
             pool: (aio == Aio::Threads).then(ThreadPool::new),
         })
+    }
+}
+
+impl FilePolicy {
+    /// The policy of a node with `cache` options and `discard=` in `opts`.
+    pub(super) fn take(cache: Cache, opts: &mut OptionMap) -> Result<Self, GraphError> {
+        let unmap =
+            opts.take_choice("discard", &["ignore", "off", "unmap", "on"])?.is_some_and(|d| d == "unmap" || d == "on");
+        Ok(Self { no_flush: cache.no_flush, unmap })
     }
 }
 

@@ -6,6 +6,7 @@ mod file;
 mod null;
 mod qcow2;
 mod raw;
+mod rbd;
 
 use std::io;
 use std::os::fd::BorrowedFd;
@@ -33,6 +34,7 @@ pub(crate) fn open(
         "qcow2" => Ok(Arc::new(qcow2::Qcow2Node::open(name, cache, active, opts, graph)?)),
         "null-co" => Ok(Arc::new(null::NullNode::open(name, opts)?)),
         "blkdebug" => Ok(Arc::new(blkdebug::BlkdebugNode::open(name, opts, graph)?)),
+        "rbd" => Ok(Arc::new(rbd::RbdNode::open(name, cache, opts, graph)?)),
         _ => Err(GraphError::UnknownDriver { context: opts.context().into(), driver: driver.into() }),
     }
 }

@@ -271,3 +271,66 @@ where
     );
     run.facts
 }
+
+/// The test Ceph cluster's ceph.conf, starting the cluster
+/// (scripts/ceph.sh) if it is not running: one monitor and one in-memory
+/// OSD on 127.0.0.1, auth none, a pool named `rbd`.
+pub fn ceph_conf() -> PathBuf {
+    static CONF: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    CONF.get_or_init(|| {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/ceph.sh");
+        let out = run("bash", &[script.to_str().unwrap(), "start"]);
+        assert!(
+            out.status.success(),
+            "scripts/ceph.sh start failed (scripts/setup.sh installs Ceph): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+    })
+    .clone()
+}
+
+/// Runs the `rbd` tool on the test cluster; its standard output.
+pub fn rbd(args: &[&str]) -> String {
+    let conf = ceph_conf();
+    let out = run("rbd", &[&["-c", conf.to_str().unwrap()], args].concat());
+    assert!(out.status.success(), "rbd {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// A new RBD image of `size` bytes in pool `rbd`, named after the test and
+/// this process, removed when dropped.
+pub struct RbdImage(pub String);
+
+impl RbdImage {
+    pub fn new(name: &str, size: u64) -> Self {
+        let image = Self::named(name);
+        rbd(&["create", "--size", &format!("{}B", size), &image.0]);
+        image
+    }
+
+    /// The name, with no image behind it yet (for a tool that creates it).
+    pub fn named(name: &str) -> Self {
+        let image = format!("{name}-{}", std::process::id());
+        let _ = run("rbd", &["-c", ceph_conf().to_str().unwrap(), "rm", "--no-progress", &image]);
+        Self(image)
+    }
+
+    /// `--blockdev` options of an rbd node on this image.
+    pub fn node(&self, name: &str) -> String {
+        format!("driver=rbd,node-name={name},pool=rbd,image={},conf={}", self.0, ceph_conf().display())
+    }
+
+    /// The image's bytes, through `rbd export`.
+    pub fn export(&self) -> Vec<u8> {
+        let out = run("rbd", &["-c", ceph_conf().to_str().unwrap(), "export", "--no-progress", &self.0, "-"]);
+        assert!(out.status.success(), "rbd export: {}", String::from_utf8_lossy(&out.stderr));
+        out.stdout
+    }
+}
+
+impl Drop for RbdImage {
+    fn drop(&mut self) {
+        let _ = run("rbd", &["-c", ceph_conf().to_str().unwrap(), "rm", "--no-progress", &self.0]);
+    }
+}

@@ -1,0 +1,292 @@
+//! `driver=rbd` against a real Ceph cluster (one monitor, one in-memory
+//! OSD, started by scripts/ceph.sh), checked with Ceph's own `rbd` tool,
+//! libblkio's client and QEMU's tools.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::{Daemon, RbdImage, Scratch, VSD, ceph_conf, pattern, rbd, run};
+use serde_json::{Value, json};
+use vsd_bench::ClientOptions;
+use vsd_control::client::QmpClient;
+
+const MIB: u64 = 1 << 20;
+
+/// vsd serving `node` (an rbd node's options, named `r0`) as raw on
+/// `exp0`, with `export_opts`, and a QMP monitor.
+fn serve(dir: &Scratch, node: String, export_opts: &str) -> Daemon {
+    let args: Vec<String> = vec![
+        "--blockdev".into(),
+        node,
+        "--blockdev".into(),
+        "driver=raw,node-name=d0,file=r0".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=exp0,node-name=d0,addr.type=unix,addr.path={}{export_opts}",
+            dir.path("exp0.sock").display()
+        ),
+        "--chardev".into(),
+        format!("socket,id=m0,path={},server=on,wait=off", dir.path("qmp.sock").display()),
+        "--monitor".into(),
+        "chardev=m0".into(),
+    ];
+    Daemon::vsd(dir, &args)
+}
+
+fn rbd_info(image: &str) -> Value {
+    serde_json::from_str(&rbd(&["info", "--format", "json", image])).unwrap()
+}
+
+/// Two queues write their own patterns concurrently and read them back;
+/// `rbd export` then shows the same bytes where they wrote and zeroes
+/// elsewhere.
+#[test]
+fn what_two_queues_write_is_what_rbd_exports() {
+    let dir = Scratch::new("rbd-verify");
+    let image = RbdImage::new("verify", 32 * MIB);
+    let daemon = serve(&dir, image.node("r0"), ",writable=on,num-queues=2");
+    let mut client = daemon.connect(ClientOptions { num_queues: 2, ..Default::default() });
+    assert_eq!(client.capacity().unwrap(), 32 * MIB);
+    let writes =
+        |q: u64| (0..32u64).map(move |i| (q * 16 * MIB + i * 192 * 1024, pattern(q * 100 + i, 4096 << (i % 5))));
+    let threads: Vec<_> = client
+        .take_queues()
+        .into_iter()
+        .enumerate()
+        .map(|(q, mut queue)| {
+            std::thread::spawn(move || {
+                for (offset, data) in writes(q as u64) {
+                    queue.write_at(offset, &data).unwrap();
+                    let mut back = vec![0; data.len()];
+                    queue.read_at(offset, &mut back).unwrap();
+                    assert_eq!(back, data, "queue {q} at {offset}");
+                }
+                queue.flush().unwrap();
+            })
+        })
+        .collect();
+    threads.into_iter().for_each(|t| t.join().unwrap());
+    drop(client);
+    daemon.stop();
+
+    let mut expected = vec![0u8; 32 * MIB as usize];
+    for (offset, data) in (0..2).flat_map(writes) {
+        expected[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
+    }
+    assert!(image.export() == expected, "rbd export differs from what vsd acknowledged");
+}
+
+/// What `rbd import` wrote reads back through vsd, from the image and
+/// from a snapshot, which refuses writes.
+#[test]
+fn imported_data_and_snapshots_read_back_and_snapshots_refuse_writes() {
+    let dir = Scratch::new("rbd-import");
+    let name = format!("import-{}", std::process::id());
+    let source = dir.path("source.raw");
+    let content = pattern(7, 8 * MIB as usize);
+    std::fs::write(&source, &content).unwrap();
+    let _ = run("rbd", &["-c", ceph_conf().to_str().unwrap(), "rm", "--no-progress", &name]);
+    rbd(&["import", "--no-progress", source.to_str().unwrap(), &name]);
+    let image = RbdImage(name);
+    rbd(&["snap", "create", &format!("{}@before", image.0)]);
+
+    let daemon = serve(&dir, image.node("r0"), ",writable=on");
+    let mut client = daemon.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    let mut back = vec![0u8; content.len()];
+    for (i, chunk) in back.chunks_mut(MIB as usize).enumerate() {
+        queue.read_at(i as u64 * MIB, chunk).unwrap();
+    }
+    assert!(back == content, "vsd reads what rbd import wrote");
+    queue.write_at(0, &pattern(8, 4096)).unwrap();
+    queue.flush().unwrap();
+    drop((queue, client));
+    daemon.stop();
+
+    let snap_dir = Scratch::new("rbd-snap");
+    let writable = format!("{},snapshot=before", image.node("r0"));
+    let out = Command::new(VSD).args(["--blockdev", &writable]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rbd snapshots are read-only"));
+
+    let snapshot = format!("{writable},read-only=on");
+    let out = Command::new(VSD)
+        .args(["--blockdev", &snapshot, "--blockdev", "driver=raw,node-name=d0,file=r0", "--export"])
+        .arg(format!(
+            "type=vhost-user-blk,id=e0,node-name=d0,addr.type=unix,addr.path={},writable=on",
+            snap_dir.path("w.sock").display()
+        ))
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "a snapshot cannot be exported writable");
+    let daemon = serve(&snap_dir, snapshot, "");
+    assert!(vsd_bench::Client::connect(&daemon.socket, ClientOptions::default()).is_err(), "the device is read-only");
+    let mut client = daemon.connect(ClientOptions { read_only: true, ..Default::default() });
+    let mut queue = client.take_queue(0).unwrap();
+    let mut first = vec![0u8; 4096];
+    queue.read_at(0, &mut first).unwrap();
+    assert_eq!(first, content[..4096], "the snapshot shows the image as it was");
+}
+
+/// Discard and write-zeroes read back as zeroes, through vsd and in `rbd
+/// export`; a flush reaches librbd.
+#[test]
+fn discard_and_write_zeroes_read_back_as_zeroes() {
+    let dir = Scratch::new("rbd-zeroes");
+    let image = RbdImage::new("zeroes", 16 * MIB);
+    let daemon = serve(&dir, format!("{},discard=unmap", image.node("r0")), ",writable=on");
+    let mut client = daemon.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    let data = pattern(9, 4 * MIB as usize);
+    queue.write_at(0, &data).unwrap();
+    queue.write_zeroes(MIB, MIB, false).unwrap();
+    queue.write_zeroes(2 * MIB, 64 * 1024, true).unwrap();
+    queue.discard(3 * MIB, MIB).unwrap();
+    queue.flush().unwrap();
+    let mut back = vec![0xffu8; 4 * MIB as usize];
+    queue.read_at(0, &mut back).unwrap();
+    let mut expected = data.clone();
+    for (start, len) in [(MIB, MIB), (2 * MIB, 64 * 1024), (3 * MIB, MIB)] {
+        expected[start as usize..(start + len) as usize].fill(0);
+    }
+    assert!(back == expected, "zeroed ranges read as zeroes, the rest as written");
+    drop((queue, client));
+    daemon.stop();
+    assert!(image.export()[..4 * MIB as usize] == expected[..], "and so does rbd export");
+}
+
+/// block_resize changes the image's size in the cluster and the guest's
+/// view; a resize by another client shows after a refresh.
+#[test]
+fn block_resize_resizes_the_image() {
+    let dir = Scratch::new("rbd-resize");
+    let image = RbdImage::new("resize", 16 * MIB);
+    let daemon = serve(&dir, image.node("r0"), ",writable=on");
+    let mut qmp = QmpClient::connect(&dir.path("qmp.sock")).unwrap();
+    qmp.execute("block_resize", json!({ "node-name": "d0", "size": 48 * MIB })).unwrap();
+    assert_eq!(rbd_info(&image.0)["size"], 48 * MIB);
+    let mut client = daemon.connect(ClientOptions::default());
+    assert_eq!(client.capacity().unwrap(), 48 * MIB);
+    let mut queue = client.take_queue(0).unwrap();
+    let data = pattern(11, 4096);
+    queue.write_at(47 * MIB, &data).unwrap();
+    let mut back = vec![0; 4096];
+    queue.read_at(47 * MIB, &mut back).unwrap();
+    assert_eq!(back, data, "the new space is usable");
+}
+
+/// A qcow2 image on an RBD image: vsd writes through the format, which
+/// grows the RBD image as it allocates, and qemu-img (QEMU's own rbd
+/// driver) finds a consistent image holding the same data.
+#[test]
+fn qcow2_over_rbd_is_consistent_for_qemu_img() {
+    let dir = Scratch::new("rbd-qcow2");
+    let image = RbdImage::named("qcow2");
+    let conf = ceph_conf();
+    let uri = format!("rbd:rbd/{}:conf={}", image.0, conf.display());
+    let created = run("qemu-img", &["create", "-f", "qcow2", &uri, "64M"]);
+    assert!(created.status.success(), "{}", String::from_utf8_lossy(&created.stderr));
+    let args: Vec<String> = vec![
+        "--blockdev".into(),
+        image.node("r0"),
+        "--blockdev".into(),
+        "driver=qcow2,node-name=q0,file=r0".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=exp0,node-name=q0,addr.type=unix,addr.path={},writable=on",
+            dir.path("exp0.sock").display()
+        ),
+    ];
+    let daemon = Daemon::vsd(&dir, &args);
+    let mut client = daemon.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    let data = pattern(12, 256 * 1024);
+    for i in 0..8u64 {
+        queue.write_at(i * 7 * MIB, &data).unwrap();
+    }
+    queue.flush().unwrap();
+    drop((queue, client));
+    daemon.stop();
+
+    let check = run("qemu-img", &["check", &uri]);
+    assert!(check.status.success(), "qemu-img check: {}", String::from_utf8_lossy(&check.stdout));
+    let converted = dir.path("converted.raw");
+    let out = run("qemu-img", &["convert", "-O", "raw", &uri, converted.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let bytes = std::fs::read(&converted).unwrap();
+    for i in 0..8u64 {
+        let at = (i * 7 * MIB) as usize;
+        assert!(bytes[at..at + data.len()] == data[..], "write {i} reads back through QEMU's rbd driver");
+    }
+    assert!(bytes[..7 * MIB as usize].iter().skip(data.len()).all(|&b| b == 0));
+}
+
+/// Mistakes in the options or the cluster's answer: one line naming the
+/// cause, in QEMU's words where QEMU has them, and no socket left behind.
+#[test]
+fn a_wrong_pool_image_or_monitor_is_one_clear_error() {
+    let dir = Scratch::new("rbd-errors");
+    let conf = ceph_conf();
+    let slow_conf = dir.path("unreachable.conf");
+    std::fs::write(&slow_conf, "[global]\nmon_host = 127.0.0.1:1\nclient_mount_timeout = 2\n").unwrap();
+    let socket = dir.path("never.sock");
+    for (node, expected) in [
+        (format!("driver=rbd,node-name=r0,pool=nopool,image=x,conf={}", conf.display()), "error opening pool nopool"),
+        (
+            format!("driver=rbd,node-name=r0,pool=rbd,image=noimage,conf={}", conf.display()),
+            "error reading header from noimage",
+        ),
+        (format!("driver=rbd,node-name=r0,pool=rbd,image=x,conf={}", slow_conf.display()), "error connecting"),
+        (
+            format!("driver=rbd,node-name=r0,pool=rbd,image=x,conf={}", dir.path("none.conf").display()),
+            "error reading conf file",
+        ),
+        ("driver=rbd,node-name=r0,pool=rbd,image=x,key-secret=k0".into(), "No secret with id 'k0'"),
+        ("driver=rbd,node-name=r0,pool=rbd,image=x,auth-client-required.0=kerberos".into(), "a list of cephx, none"),
+    ] {
+        let out = Command::new(VSD)
+            .args(["--blockdev", &node, "--blockdev", "driver=raw,node-name=d0,file=r0", "--export"])
+            .arg(format!("type=vhost-user-blk,id=e0,node-name=d0,addr.type=unix,addr.path={}", socket.display()))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{node}");
+        assert!(stderr.contains(expected), "{node}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+        assert!(!Path::new(&socket).exists());
+    }
+}
+
+/// blockdev-add over QMP takes the same options, monitors given as a
+/// `server` list instead of a conf file.
+#[test]
+fn qmp_blockdev_add_with_a_server_list() {
+    let dir = Scratch::new("rbd-qmp");
+    let image = RbdImage::new("qmp", 8 * MIB);
+    let daemon = serve(&dir, "driver=null-co,node-name=r0,size=1M".into(), "");
+    let mut qmp = QmpClient::connect(&dir.path("qmp.sock")).unwrap();
+    let port = std::fs::read_to_string(ceph_conf()).unwrap();
+    let port = port.lines().find_map(|l| l.strip_prefix("mon_host = v2:127.0.0.1:")).unwrap().to_string();
+    qmp.execute(
+        "blockdev-add",
+        json!({
+            "driver": "rbd", "node-name": "rq", "pool": "rbd", "image": image.0,
+            "server": [{ "host": "127.0.0.1", "port": port }],
+            "auth-client-required": ["none"],
+        }),
+    )
+    .unwrap();
+    let nodes = qmp.execute("query-named-block-nodes", json!({})).unwrap();
+    let node = nodes.as_array().unwrap().iter().find(|n| n["node-name"] == "rq").unwrap().clone();
+    assert_eq!(node["drv"], "rbd");
+    assert_eq!(node["image"]["virtual-size"], 8 * MIB);
+    let bad = qmp.execute(
+        "blockdev-add",
+        json!({ "driver": "rbd", "node-name": "rx", "pool": "rbd", "image": "gone", "conf": ceph_conf() }),
+    );
+    assert!(bad.unwrap_err().to_string().contains("error reading header from gone"));
+    qmp.execute("blockdev-del", json!({ "node-name": "rq" })).unwrap();
+    drop(daemon);
+}
