@@ -290,3 +290,46 @@ fn qmp_blockdev_add_with_a_server_list() {
     qmp.execute("blockdev-del", json!({ "node-name": "rq" })).unwrap();
     drop(daemon);
 }
+
+/// A Linux guest under TCG runs fio write + verify on an RBD-backed disk,
+/// raw and as qcow2 over RBD; what it wrote is in the cluster.
+#[test]
+fn linux_guest_runs_fio_verify_on_rbd_raw_and_qcow2() {
+    for format in ["raw", "qcow2"] {
+        let dir = Scratch::new(&format!("rbd-guest-{format}"));
+        let image = RbdImage::named(&format!("guest-{format}"));
+        let uri = format!("rbd:rbd/{}:conf={}", image.0, ceph_conf().display());
+        let created = run("qemu-img", &["create", "-f", format, &uri, "128M"]);
+        assert!(created.status.success(), "{}", String::from_utf8_lossy(&created.stderr));
+        let socket = dir.path("exp0.sock");
+        let args: Vec<String> = vec![
+            "--blockdev".into(),
+            image.node("r0"),
+            "--blockdev".into(),
+            format!("driver={format},node-name=d0,file=r0"),
+            "--export".into(),
+            format!(
+                "type=vhost-user-blk,id=exp0,node-name=d0,addr.type=unix,addr.path={},writable=on,num-queues=2",
+                socket.display()
+            ),
+        ];
+        let mut daemon = Daemon::vsd(&dir, &args);
+        let run_args = ["--socket", socket.to_str().unwrap(), "--queues", "2", "--size", "48M", "--bs", "4k"];
+        let facts = common::run_guest(&dir.path("console.log"), run_args);
+        assert_eq!(facts["capacity_bytes"], (128 * MIB).to_string(), "{format}");
+        assert_eq!(facts["fio_write_status"], "0", "{format}");
+        assert_eq!(facts["fio_verify_status"], "0", "{format}");
+        assert_eq!(facts["fio_verify_read_bytes"], facts["fio_expected_bytes"], "{format}");
+        assert!(daemon.is_running());
+        daemon.stop();
+        if format == "qcow2" {
+            let check = run("qemu-img", &["check", &uri]);
+            assert!(check.status.success(), "qemu-img check: {}", String::from_utf8_lossy(&check.stdout));
+        }
+        let converted = dir.path("guest.raw");
+        let out = run("qemu-img", &["convert", "-O", "raw", &uri, converted.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let bytes = std::fs::read(&converted).unwrap();
+        assert!(bytes[..48 * MIB as usize].iter().any(|&b| b != 0), "{format}: fio's data is in the cluster");
+    }
+}
