@@ -119,7 +119,8 @@ impl Connecting {
         let Ok(name) = text(option, option) else { return String::new() };
         let mut value = [0u8; 64];
         // SAFETY: a live handle, a C string, and a buffer of the length given.
-        let ret = unsafe { (self.api.rados_conf_get)(self.rados, name.as_ptr(), value.as_mut_ptr().cast(), value.len()) };
+        let ret =
+            unsafe { (self.api.rados_conf_get)(self.rados, name.as_ptr(), value.as_mut_ptr().cast(), value.len()) };
         if ret < 0 {
             return String::new();
         }

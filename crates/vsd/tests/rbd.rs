@@ -333,3 +333,87 @@ fn linux_guest_runs_fio_verify_on_rbd_raw_and_qcow2() {
         assert!(bytes[..48 * MIB as usize].iter().any(|&b| b != 0), "{format}: fio's data is in the cluster");
     }
 }
+
+/// vsd killed with SIGKILL while writes are in flight: a new vsd serves
+/// the image, and every write acknowledged before the last completed flush
+/// reads back.
+#[test]
+fn flushed_writes_survive_a_killed_daemon() {
+    let dir = Scratch::new("rbd-kill");
+    let image = RbdImage::new("kill", 64 * MIB);
+    let daemon = serve(&dir, image.node("r0"), ",writable=on");
+    let mut client = daemon.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    let block = |i: u64| pattern(1000 + i, 64 * 1024);
+    for i in 0..64 {
+        queue.write_at(i * 64 * 1024, &block(i)).unwrap();
+    }
+    queue.flush().unwrap();
+    // More writes, never flushed, still going when the daemon dies.
+    let writer = std::thread::spawn(move || {
+        for i in 64..512 {
+            if queue.write_at(i * 64 * 1024, &block(i)).is_err() {
+                break;
+            }
+        }
+    });
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    daemon.kill();
+    writer.join().unwrap();
+    drop(client);
+
+    // The dead client's exclusive lock on the image lasts until the OSD
+    // notices its watch is gone; reads do not need it.
+    let again = Scratch::new("rbd-kill-again");
+    let daemon = serve(&again, image.node("r0"), ",writable=on");
+    let mut client = daemon.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    let mut back = vec![0u8; 64 * 1024];
+    for i in 0..64 {
+        queue.read_at(i * 64 * 1024, &mut back).unwrap();
+        assert!(back == block(i), "flushed block {i} survived");
+    }
+    // Writing takes the lock over once librbd has broken the dead one's.
+    queue.set_timeout(std::time::Duration::from_secs(120));
+    queue.write_at(0, &block(7)).unwrap();
+    queue.read_at(0, &mut back).unwrap();
+    assert!(back == block(7));
+}
+
+/// The OSD stops answering for a few seconds under I/O (SIGSTOP), then
+/// answers again: requests wait rather than fail, every one completes
+/// with its data, and vsd keeps running.
+#[test]
+fn requests_wait_while_the_cluster_stops_answering() {
+    let dir = Scratch::new("rbd-stall");
+    let image = RbdImage::new("stall", 64 * MIB);
+    let mut daemon = serve(&dir, image.node("r0"), ",writable=on");
+    let mut client = daemon.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    queue.set_timeout(std::time::Duration::from_secs(120));
+    let osd = common::ceph_osd_pid();
+    let io = std::thread::spawn(move || {
+        let start = std::time::Instant::now();
+        let mut rounds = 0u64;
+        while start.elapsed() < std::time::Duration::from_secs(8) {
+            let offset = (rounds % 256) * 256 * 1024;
+            let data = pattern(rounds, 64 * 1024);
+            queue.write_at(offset, &data).unwrap();
+            let mut back = vec![0; data.len()];
+            queue.read_at(offset, &mut back).unwrap();
+            assert!(back == data, "round {rounds}");
+            rounds += 1;
+        }
+        queue.flush().unwrap();
+        rounds
+    });
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    // SAFETY: signals to the test cluster's OSD, a process of this user.
+    unsafe { libc::kill(osd, libc::SIGSTOP) };
+    std::thread::sleep(std::time::Duration::from_secs(5));
+    // SAFETY: as above.
+    unsafe { libc::kill(osd, libc::SIGCONT) };
+    let rounds = io.join().expect("every request completed with its data");
+    assert!(rounds > 0);
+    assert!(daemon.is_running());
+}

@@ -334,3 +334,9 @@ impl Drop for RbdImage {
         let _ = run("rbd", &["-c", ceph_conf().to_str().unwrap(), "rm", "--no-progress", &self.0]);
     }
 }
+
+/// The test cluster's OSD process.
+pub fn ceph_osd_pid() -> i32 {
+    let pidfile = ceph_conf().with_file_name("run/osd.0.pid");
+    std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap()
+}
