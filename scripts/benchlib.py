@@ -23,6 +23,22 @@ def cpu_ticks(pid):
     return int(fields[11]) + int(fields[12])  # utime, stime
 
 
+def thread_ticks(pid):
+    """CPU ticks of each thread of `pid`, summed by thread name."""
+    ticks = {}
+    task_dir = f"/proc/{pid}/task"
+    for tid in os.listdir(task_dir):
+        try:
+            with open(f"{task_dir}/{tid}/stat") as f:
+                head, fields = f.read().rsplit(")", 1)
+        except FileNotFoundError:
+            continue
+        name = head.split("(", 1)[1]
+        fields = fields.split()
+        ticks[name] = ticks.get(name, 0) + int(fields[11]) + int(fields[12])
+    return ticks
+
+
 def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk0", export_opts="", cpus=("0", "1")):
     """Runs `program` with `blockdevs` (a list of --blockdev values) and an
     export of `node` (plus `export_opts`, e.g. ",trace=off"), then vsd-bench
@@ -46,12 +62,12 @@ def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk
             if daemon.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"{program} did not start")
             time.sleep(0.01)
-        before = cpu_ticks(daemon.pid)
+        before, threads_before = cpu_ticks(daemon.pid), thread_ticks(daemon.pid)
         out = subprocess.run(
             ["taskset", "-c", client_cpu, BENCH, "--socket", sock, *bench_args,
              "--seconds", str(seconds), "--ramp-seconds", "1", "--json"],
             check=True, capture_output=True, text=True, timeout=seconds + 60).stdout
-        after = cpu_ticks(daemon.pid)
+        after, threads_after = cpu_ticks(daemon.pid), thread_ticks(daemon.pid)
     finally:
         daemon.terminate()
         daemon.wait()
@@ -59,7 +75,9 @@ def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk
     # The ramp second is not in `ios`, but its CPU is: count it in.
     ios_with_ramp = max(res["ios"], 1) * (seconds + 1) / seconds
     return {"iops": res["iops"], "bw_mib_s": res["bw_mib_s"], "p50_us": res["lat_us"]["p50"],
-            "p99_us": res["lat_us"]["p99"], "cpu_us_per_io": (after - before) * TICK_US / ios_with_ramp}
+            "p99_us": res["lat_us"]["p99"], "cpu_us_per_io": (after - before) * TICK_US / ios_with_ramp,
+            "threads_cpu_us_per_io": {name: round((ticks - threads_before.get(name, 0)) * TICK_US / ios_with_ramp, 2)
+                                      for name, ticks in threads_after.items() if ticks > threads_before.get(name, 0)}}
 
 
 def callgrind_worker(vsd, bench, work, name, blockdevs, bench_args, seconds, export_opts=""):

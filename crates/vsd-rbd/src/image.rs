@@ -29,6 +29,9 @@ pub struct Location {
     pub image: String,
     /// `snapshot`: a read-only view of the image as it was.
     pub snapshot: Option<String>,
+    /// librbd's own cache (`rbd_cache`): off with `cache.direct=on`, as
+    /// QEMU sets it.
+    pub cache: bool,
 }
 
 /// Why an image could not be opened, in QEMU's words.
@@ -156,6 +159,7 @@ impl Image {
         if c.get("client_mount_timeout") == LIBRADOS_MOUNT_TIMEOUT {
             c.set("client_mount_timeout", "30")?;
         }
+        c.set("rbd_cache", if location.cache { "true" } else { "false" })?;
         for (option, value) in [
             ("mon_host", &location.mon_host),
             ("key", &location.key),

@@ -37,6 +37,7 @@ impl RbdNode {
             user: opts.take("user"),
             auth_client_required: auth_modes(opts)?,
             mon_host: servers(opts)?,
+            cache: !cache.direct,
             key: match opts.take("key-secret") {
                 Some(id) => Some(base64::engine::general_purpose::STANDARD.encode(graph.secret(&id).map_err(invalid)?)),
                 None => None,

@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""RBD side by side on the test cluster (scripts/ceph.sh): vsd and
+qemu-storage-daemon serve the same RBD image over vhost-user-blk, pinned to
+CPU 0, driven by vsd-bench (libblkio) from CPU 1; fio's rbd engine, pinned
+to CPU 1, reads and writes the image with no daemon in between (the floor).
+The OSD and the monitor are not pinned: on a 2-core machine they share
+both cores with the rest, and their CPU per I/O is reported too.
+Workloads: 4k random reads and writes at iodepth 1 and 32. Peers are
+interleaved within each repetition; reported are medians.
+
+usage: scripts/bench-rbd.py [--reps 3] [--seconds 5]
+"""
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import tempfile
+
+from benchlib import QSD, ROOT, TICK_US, VSD, cpu_ticks, serve_and_bench
+
+IMAGE = "vsd-bench"
+IMAGE_MIB = 1024
+WORKLOADS = {f"4k {rw} qd{qd}": (rw, qd) for rw in ("randread", "randwrite") for qd in (1, 32)}
+
+
+def ceph(conf, *args):
+    subprocess.run(["rbd", "-c", conf, *args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def osd_pid(conf):
+    with open(os.path.join(os.path.dirname(conf), "run", "osd.0.pid")) as f:
+        return int(f.read())
+
+
+def bench_conf(conf, work):
+    """The cluster's ceph.conf, with librbd's cache in writeback from the
+    start: by default it writes through until the client's first flush,
+    which a guest sends within seconds and a benchmark client never."""
+    path = os.path.join(work, "ceph.conf")
+    with open(conf) as src, open(path, "w") as dst:
+        dst.write(src.read().replace("[global]\n", "[global]\nrbd_cache_writethrough_until_flush = false\n", 1))
+    return path
+
+
+def daemon_run(program, conf, rw, qd, seconds, work):
+    node = f"driver=rbd,node-name=r0,pool=rbd,image={IMAGE},conf={conf}"
+    return serve_and_bench(program, [node, "driver=raw,node-name=disk0,file=r0"],
+                           ["--rw", rw, "--bs", "4k", "--iodepth", str(qd)], seconds, work)
+
+
+def fio_run(conf, rw, qd, seconds):
+    """fio's CPU is its own and librbd's threads', from the kernel's count."""
+    env = dict(os.environ, CEPH_CONF=conf)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    fio = subprocess.Popen(
+        ["taskset", "-c", "1", "fio", "--name=rbd", "--ioengine=rbd", "--clientname=admin", "--pool=rbd",
+         f"--rbdname={IMAGE}", f"--rw={rw}", "--bs=4k", f"--iodepth={qd}", "--time_based", "--ramp_time=1",
+         f"--runtime={seconds}", "--output-format=json"], env=env, stdout=subprocess.PIPE, text=True)
+    out, _ = fio.communicate(timeout=seconds + 60)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_us = (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) * 1e6
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    side = job["read"] if rw == "randread" else job["write"]
+    # The ramp second's I/O is not in the count, but its CPU is.
+    ios_with_ramp = max(side["total_ios"], 1) * (seconds + 1) / seconds
+    return {"iops": side["iops"], "p50_us": side["clat_ns"]["percentile"]["50.000000"] / 1000,
+            "cpu_us_per_io": cpu_us / ios_with_ramp}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--seconds", type=int, default=5)
+    args = parser.parse_args()
+    conf = subprocess.run([os.path.join(ROOT, "scripts/ceph.sh"), "start"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    subprocess.run(["rbd", "-c", conf, "rm", "--no-progress", IMAGE], capture_output=True)
+    ceph(conf, "create", "--size", f"{IMAGE_MIB}M", IMAGE)
+    # Every object written, so that reads find data.
+    ceph(conf, "bench", "--io-type", "write", "--io-size", "4M", "--io-total", f"{IMAGE_MIB}M",
+         "--io-pattern", "seq", IMAGE)
+    osd = osd_pid(conf)
+    work = tempfile.mkdtemp(prefix="vsd-bench-rbd-")
+    conf = bench_conf(conf, work)
+    peers = {"vsd": lambda rw, qd, work: daemon_run(VSD, conf, rw, qd, args.seconds, work),
+             "qsd": lambda rw, qd, work: daemon_run(QSD, conf, rw, qd, args.seconds, work),
+             "fio-rbd": lambda rw, qd, work: fio_run(conf, rw, qd, args.seconds)}
+    results = {(w, p): [] for w in WORKLOADS for p in peers}
+    try:
+        for rep in range(args.reps):
+            order = list(peers) if rep % 2 == 0 else list(reversed(peers))
+            for workload, (rw, qd) in WORKLOADS.items():
+                for name in order:
+                    before = cpu_ticks(osd)
+                    res = peers[name](rw, qd, work)
+                    ios = res["iops"] * args.seconds
+                    res["osd_cpu_us_per_io"] = (cpu_ticks(osd) - before) * TICK_US / max(ios, 1)
+                    results[(workload, name)].append(res)
+                    print(f"rep {rep + 1} {workload} {name}: {json.dumps(res)}", flush=True)
+    finally:
+        shutil.rmtree(work)
+    ceph(conf, "rm", "--no-progress", IMAGE)
+    print("| workload | peer | IOPS | p50 µs | CPU µs/I/O | OSD CPU µs/I/O | IOPS / QSD | IOPS / fio-rbd | CPU / QSD |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for workload in WORKLOADS:
+        med = {p: {k: statistics.median(r[k] for r in results[(workload, p)])
+                   for k in ("iops", "p50_us", "cpu_us_per_io", "osd_cpu_us_per_io")} for p in peers}
+        for name, m in med.items():
+            print(f"| {workload} | {name} | {m['iops']:.0f} | {m['p50_us']:.0f} | {m['cpu_us_per_io']:.1f} | "
+                  f"{m['osd_cpu_us_per_io']:.1f} | {m['iops'] / med['qsd']['iops']:.2f} | "
+                  f"{m['iops'] / med['fio-rbd']['iops']:.2f} | {m['cpu_us_per_io'] / med['qsd']['cpu_us_per_io']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
