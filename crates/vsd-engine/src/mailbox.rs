@@ -68,7 +68,8 @@ impl Mailbox {
     pub fn wait(&self) {
         let mut inner = lock(&self.inner);
         inner.owner_waits = true;
-        let mut inner = self.posted.wait_while(inner, |inner| inner.list.is_empty()).unwrap_or_else(PoisonError::into_inner);
+        let mut inner =
+            self.posted.wait_while(inner, |inner| inner.list.is_empty()).unwrap_or_else(PoisonError::into_inner);
         inner.owner_waits = false;
     }
 

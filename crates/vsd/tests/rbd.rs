@@ -175,6 +175,19 @@ fn block_resize_resizes_the_image() {
     let mut back = vec![0; 4096];
     queue.read_at(47 * MIB, &mut back).unwrap();
     assert_eq!(back, data, "the new space is usable");
+    drop((queue, client));
+
+    // Resized by another client: the guest sees it once told over QMP.
+    rbd(&["resize", "--size", "64M", &image.0]);
+    qmp.execute("block_resize", json!({ "node-name": "d0", "size": 64 * MIB })).unwrap();
+    let client = daemon.connect(ClientOptions::default());
+    assert_eq!(client.capacity().unwrap(), 64 * MIB);
+
+    // Statistics count RBD exports as they count file exports.
+    let stats = qmp.execute("query-blockstats", json!({})).unwrap();
+    let exp = stats.as_array().unwrap().iter().find(|e| e["qdev"] == "exp0").unwrap().clone();
+    assert_eq!(exp["stats"]["wr_operations"], 1, "{exp}");
+    assert_eq!(exp["stats"]["rd_operations"], 1, "{exp}");
 }
 
 /// A qcow2 image on an RBD image: vsd writes through the format, which
@@ -416,4 +429,51 @@ fn requests_wait_while_the_cluster_stops_answering() {
     let rounds = io.join().expect("every request completed with its data");
     assert!(rounds > 0);
     assert!(daemon.is_running());
+}
+
+/// The image is deleted while served (its client fenced first, as `rbd rm`
+/// refuses an image in use): its requests fail with an error status, and
+/// the daemon's other export keeps serving.
+#[test]
+fn an_image_deleted_while_served_fails_only_its_own_export() {
+    let dir = Scratch::new("rbd-deleted");
+    let image = RbdImage::new("deleted", 16 * MIB);
+    let mut args = vec![
+        "--blockdev".into(),
+        "driver=null-co,node-name=n0,read-zeroes=on".to_string(),
+        "--export".into(),
+        format!("type=vhost-user-blk,id=exp1,node-name=n0,addr.type=unix,addr.path={}", dir.path("n.sock").display()),
+    ];
+    args.extend([
+        "--blockdev".into(),
+        image.node("r0"),
+        "--blockdev".into(),
+        "driver=raw,node-name=d0,file=r0".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=exp0,node-name=d0,addr.type=unix,addr.path={},writable=on",
+            dir.path("exp0.sock").display()
+        ),
+    ]);
+    let mut daemon = Daemon::vsd(&dir, &args);
+    let mut client = vsd_bench::Client::connect(&dir.path("exp0.sock"), ClientOptions::default()).unwrap();
+    let mut queue = client.take_queue(0).unwrap();
+    queue.write_at(0, &pattern(1, 4096)).unwrap();
+
+    let status: Value = serde_json::from_str(&rbd(&["status", "--format", "json", &image.0])).unwrap();
+    let watcher = status["watchers"][0]["address"].as_str().unwrap().to_string();
+    let ceph =
+        |args: &[&str]| run("ceph", &[&["-c", ceph_conf().to_str().unwrap(), "osd", "blocklist"], args].concat());
+    assert!(ceph(&["add", &watcher]).status.success());
+    rbd(&["rm", "--no-progress", &image.0]);
+    assert!(queue.write_at(4096, &pattern(2, 4096)).is_err(), "a write to the deleted image fails");
+    let mut back = vec![0u8; 4096];
+    assert!(queue.read_at(0, &mut back).is_err(), "so does a read");
+
+    let read_only = ClientOptions { read_only: true, ..Default::default() };
+    let mut other = vsd_bench::Client::connect(&dir.path("n.sock"), read_only).unwrap();
+    let mut other = other.take_queue(0).unwrap();
+    other.read_at(0, &mut back).unwrap();
+    assert!(daemon.is_running(), "the daemon survives");
+    ceph(&["rm", &watcher]);
 }
