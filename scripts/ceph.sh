@@ -6,6 +6,7 @@
 #   scripts/ceph.sh start [--cephx]   # prints the ceph.conf path
 #   scripts/ceph.sh stop
 #   scripts/ceph.sh status
+#   scripts/ceph.sh running          # exit status 0 if it runs
 #
 # The cluster lives in $VSD_CEPH_DIR (default /tmp/vsd-ceph) and listens on
 # $VSD_CEPH_PORT (msgr2; default 3300). With --cephx it requires cephx and
@@ -154,5 +155,6 @@ case "${1:-}" in
 start) shift; start "$@" ;;
 stop) stop ;;
 status) ceph_cmd -s ;;
-*) die "usage: $0 start [--cephx] | stop | status" ;;
+running) running ;;
+*) die "usage: $0 start [--cephx] | stop | status | running" ;;
 esac

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the tests need (QEMU, qemu-storage-daemon, fio, a guest
-# kernel) and runs the whole suite: formatting, lints, unit tests, and the
+# kernel, libnbd's tools, Ceph) and runs the whole suite: formatting, lints, unit tests, and the
 # integration tests against libblkio, qemu-io, qemu-storage-daemon and a
 # real Linux guest under QEMU.
 set -euo pipefail
@@ -13,7 +13,11 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 # and vsd-bench built beside it.
 cargo build --workspace --locked
 log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+# The RBD tests start the test Ceph cluster; stop it after them unless it
+# was running before.
+stop_ceph=:
+scripts/ceph.sh running || stop_ceph="scripts/ceph.sh stop"
+trap 'rm -f "$log"; $stop_ceph' EXIT
 status=0
 cargo test --workspace --locked 2>&1 | tee "$log" || status=$?
 # cargo prints one result line per test binary, the last often a doc-test
