@@ -102,7 +102,8 @@ def main():
                     print(f"rep {rep + 1} {workload} {name}: {json.dumps(res)}", flush=True)
     finally:
         shutil.rmtree(work)
-    ceph(conf, "rm", "--no-progress", IMAGE)
+    # Best effort: the last client's watch on the image may still be closing.
+    subprocess.run(["rbd", "-c", conf, "rm", "--no-progress", IMAGE], capture_output=True)
     print("| workload | peer | IOPS | p50 µs | CPU µs/I/O | OSD CPU µs/I/O | IOPS / QSD | IOPS / fio-rbd | CPU / QSD |")
     print("|---|---|---|---|---|---|---|---|---|")
     for workload in WORKLOADS:
