@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # A one-host Ceph cluster for vsd's RBD tests, demo and benchmarks: one
 # monitor and one OSD on 127.0.0.1, the OSD keeping its objects in memory
-# (memstore), one replica, no manager.
+# (memstore) or, with --bluestore, in a sparse file, where they survive the
+# OSD's restart; one replica, no manager.
 #
-#   scripts/ceph.sh start [--cephx]   # prints the ceph.conf path
+#   scripts/ceph.sh start [--cephx] [--bluestore]   # prints the ceph.conf path
 #   scripts/ceph.sh stop
 #   scripts/ceph.sh status
 #   scripts/ceph.sh running          # exit status 0 if it runs
@@ -27,7 +28,19 @@ die() { echo "ceph.sh: $*" >&2; exit 1; }
 ceph_cmd() { timeout 30 ceph -c "$conf" "$@"; }
 
 write_conf() {
-    local auth=$1 fsid=$2
+    local auth=$1 fsid=$2 store
+    if [ "$3" = bluestore ]; then
+        # A sparse file in the OSD's directory; objects survive a restart.
+        store="osd_objectstore = bluestore
+bluestore_block_create = true
+bluestore_block_size = 4294967296
+bluestore_fsck_on_mount = false"
+    else
+        store="osd_objectstore = memstore
+memstore_device_bytes = 8589934592
+memstore_page_set = true
+memstore_page_size = 4096"
+    fi
     cat >"$conf" <<CONF
 [global]
 fsid = $fsid
@@ -51,16 +64,14 @@ mon_mgr_mkfs_grace = 31536000
 # Proposals every 50 ms rather than 1 s: the cluster is ready in seconds.
 paxos_propose_interval = 0.05
 mon_data_avail_warn = 1
-osd_objectstore = memstore
-memstore_device_bytes = 8589934592
-memstore_page_set = true
-memstore_page_size = 4096
+$store
 
 # Daemons only: clients would share (and fight over) one socket per name.
 [mon]
 admin_socket = $dir/run/\$name.asok
 pid_file = $dir/run/\$name.pid
 [osd]
+keyring = $dir/osd/keyring
 admin_socket = $dir/run/\$name.asok
 pid_file = $dir/run/\$name.pid
 
@@ -75,8 +86,14 @@ CONF
 running() { [ -f "$dir/run/osd.0.pid" ] && kill -0 "$(cat "$dir/run/osd.0.pid")" 2>/dev/null; }
 
 start() {
-    local auth=none
-    [ "${1:-}" = --cephx ] && auth=cephx
+    local auth=none store=memstore
+    for flag in "$@"; do
+        case $flag in
+        --cephx) auth=cephx ;;
+        --bluestore) store=bluestore ;;
+        *) die "unknown flag $flag" ;;
+        esac
+    done
     if running; then
         echo "$conf"
         return
@@ -84,7 +101,7 @@ start() {
     command -v ceph-mon >/dev/null || die "Ceph is not installed (scripts/setup.sh --ceph installs it)"
     rm -rf "$dir"
     mkdir -p "$dir/run" "$dir/log" "$dir/mon" "$dir/osd"
-    write_conf "$auth" "$(cat /proc/sys/kernel/random/uuid)"
+    write_conf "$auth" "$(cat /proc/sys/kernel/random/uuid)" "$store"
 
     # Keys for the monitor and the admin (ignored when auth is none).
     ceph-authtool --create-keyring "$dir/keyring" --gen-key -n mon. --cap mon 'allow *' >/dev/null
@@ -95,7 +112,7 @@ start() {
     monmaptool --create --fsid "$(awk '/^fsid/ {print $3}' "$conf")" \
         --addv a "[v2:127.0.0.1:$port]" "$dir/monmap" >/dev/null
     ceph-mon -c "$conf" --mkfs -i a --monmap "$dir/monmap" --keyring "$dir/keyring"
-    ceph-mon -c "$conf" -i a 2>>"$dir/log/mon.a.stderr"
+    ceph-mon -c "$conf" -i a 2>>"$dir/log/mon.a.stderr" 9>&-
 
     local id
     id=$(ceph_cmd osd create)
@@ -103,9 +120,9 @@ start() {
     # --no-mon-config: mkfs otherwise waits for the monitor's config forever.
     ceph-osd -c "$conf" -i 0 --mkfs --no-mon-config >/dev/null 2>&1
     if [ "$auth" = cephx ]; then
-        ceph_cmd auth add osd.0 osd 'allow *' mon 'allow profile osd' -i "$dir/osd/keyring" >/dev/null
+        ceph_cmd auth get-or-create osd.0 osd 'allow *' mon 'allow profile osd' -o "$dir/osd/keyring"
     fi
-    ceph-osd -c "$conf" -i 0 2>>"$dir/log/osd.0.stderr"
+    ceph-osd -c "$conf" -i 0 2>>"$dir/log/osd.0.stderr" 9>&-
 
     ceph_cmd osd pool create rbd 8 >/dev/null 2>&1
     ceph_cmd osd pool application enable rbd rbd >/dev/null 2>&1
@@ -146,7 +163,9 @@ stop() {
     stop_daemon mon.a
 }
 
-# One caller at a time: test binaries start the cluster concurrently.
+# One caller at a time: test binaries start the cluster concurrently. The
+# daemons are started with descriptor 9 closed, or they would hold the lock
+# for as long as they run.
 mkdir -p "$(dirname "$dir")"
 exec 9>"$dir.lock"
 flock 9

@@ -13,11 +13,13 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 # and vsd-bench built beside it.
 cargo build --workspace --locked
 log=$(mktemp)
-# The RBD tests start the test Ceph cluster; stop it after them unless it
-# was running before.
+# The RBD tests start the test Ceph clusters (the shared one, and one with
+# cephx); stop each after them unless it was running before.
 stop_ceph=:
 scripts/ceph.sh running || stop_ceph="scripts/ceph.sh stop"
-trap 'rm -f "$log"; $stop_ceph' EXIT
+cephx="env VSD_CEPH_DIR=/tmp/vsd-ceph-cephx scripts/ceph.sh"
+$cephx running || stop_ceph="$stop_ceph; $cephx stop"
+trap 'rm -f "$log"; eval "$stop_ceph"' EXIT
 status=0
 cargo test --workspace --locked 2>&1 | tee "$log" || status=$?
 # cargo prints one result line per test binary, the last often a doc-test

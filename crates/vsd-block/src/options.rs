@@ -80,6 +80,18 @@ impl OptionMap {
         Ok(Self { context, entries })
     }
 
+    /// Parses `text` whose first item may be a bare value for `implied`, as
+    /// QEMU writes `--object secret,id=...` (`qom-type=secret`) and
+    /// `--chardev socket,id=...` (`backend=socket`).
+    pub fn parse_implied(flag: &str, text: &str, implied: &str) -> Result<Self, OptionError> {
+        match text.split(',').next() {
+            Some(first) if !text.trim_start().starts_with('{') && !first.contains('=') => {
+                Self::parse(flag, &format!("{implied}={text}"))
+            }
+            _ => Self::parse(flag, text),
+        }
+    }
+
     /// How errors name this option string, e.g. `--blockdev node-name=disk`.
     pub fn context(&self) -> &str {
         &self.context

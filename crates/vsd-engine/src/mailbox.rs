@@ -42,6 +42,9 @@ impl Mailbox {
 
     /// Hands a completion to the owner. Only the first of a batch signals
     /// the descriptor: the owner takes the whole list after each wake-up.
+    /// The owner may drop the mailbox as soon as it has taken the
+    /// completion, before this returns: posters call through an `Arc` of
+    /// their own.
     pub fn post(&self, done: Completion) {
         let mut inner = lock(&self.inner);
         let first = inner.list.is_empty();

@@ -141,7 +141,8 @@ impl Image {
     pub fn open(location: &Location, read_only: bool) -> Result<Image, OpenError> {
         let api = ffi::api().map_err(OpenError::Library)?;
         let failed = |what: String| move |source| OpenError::Cluster { what, source };
-        let user = text("user", location.user.as_deref().unwrap_or("admin"))?;
+        let user_name = location.user.as_deref().unwrap_or("admin");
+        let user = text("user", user_name)?;
         let mut c = Connecting { api, rados: ptr::null_mut(), ioctx: ptr::null_mut() };
         // SAFETY: `c.rados` receives the new handle; `user` outlives the call.
         check(unsafe { (api.rados_create)(&mut c.rados, user.as_ptr()) })
@@ -169,8 +170,10 @@ impl Image {
                 c.set(option, value)?;
             }
         }
+        // QEMU's words, and whose key a refusal would be about.
         // SAFETY: a live, configured handle.
-        check(unsafe { (api.rados_connect)(c.rados) }).map_err(failed("error connecting".into()))?;
+        check(unsafe { (api.rados_connect)(c.rados) })
+            .map_err(failed(format!("error connecting (as client.{user_name})")))?;
         let pool = text("pool", &location.pool)?;
         // SAFETY: a connected handle; `c.ioctx` receives the context.
         check(unsafe { (api.rados_ioctx_create)(c.rados, pool.as_ptr(), &mut c.ioctx) })

@@ -69,8 +69,12 @@ unsafe extern "C" fn finished(completion: AioCompletion, arg: *mut c_void) {
         result
     };
     ticket.result.store(result, Ordering::Relaxed);
+    // Once the completion is in the list, the owner may reap it and drop
+    // the queue, tickets and mailbox with it, while `post` still signals:
+    // this thread keeps the mailbox alive itself.
+    let mailbox = ticket.mailbox.clone();
     // The mailbox's lock orders the store before the owner's load.
-    ticket.mailbox.post(Completion { tag: ticket.tag, errno: 0 });
+    mailbox.post(Completion { tag: ticket.tag, errno: 0 });
 }
 
 impl RbdQueue {

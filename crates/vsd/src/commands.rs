@@ -28,6 +28,8 @@ const COMMANDS: &[&str] = &[
     "block_resize",
     "nbd-server-start",
     "nbd-server-stop",
+    "object-add",
+    "object-del",
     "quit",
 ];
 
@@ -49,6 +51,10 @@ impl Dispatch for Daemon {
             "block_resize" => self.block_resize(parse(args)?),
             "nbd-server-start" => self.nbd_server_start(args),
             "nbd-server-stop" => no_arguments(&args).and_then(|()| self.nbd_server_stop()),
+            "object-add" => {
+                self.objects.add(options("object-add", &args)?).map(|()| json!({})).map_err(QmpError::generic)
+            }
+            "object-del" => self.objects.remove(&parse::<Id>(args)?.id).map(|()| json!({})).map_err(QmpError::generic),
             "quit" => no_arguments(&args).map(|()| json!({})),
             _ => Err(QmpError::new(ErrorClass::CommandNotFound, format!("The command {command} has not been found"))),
         }
@@ -102,6 +108,12 @@ struct Flat {
     /// Accepted for QEMU compatibility: vsd's listing is always flat.
     #[serde(default, rename = "flat")]
     _flat: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Id {
+    id: String,
 }
 
 #[derive(Deserialize)]

@@ -12,12 +12,16 @@ use vsd_export::{ExportConfig, ExportSnapshot, VhostUserBlkExport};
 use vsd_nbd::{NbdExport, NbdServer, ServerConfig};
 use vsd_trace::HistogramSnapshot;
 
+use crate::objects::Objects;
+
 /// Everything the daemon serves.
 pub struct Daemon {
     state: Mutex<State>,
     /// Signalled when an export being deleted has stopped.
     export_stopped: Condvar,
     pub(crate) events: Events,
+    /// `--object`s; nodes take their secrets from here.
+    pub(crate) objects: Arc<Objects>,
 }
 
 pub(crate) struct State {
@@ -53,15 +57,18 @@ pub(crate) struct Bins {
 
 impl Daemon {
     pub fn new() -> Self {
+        let objects = Arc::new(Objects::default());
+        let mut graph = BlockGraph::new();
+        graph.set_secrets(objects.clone());
         let state = State {
-            graph: BlockGraph::new(),
+            graph,
             exports: BTreeMap::new(),
             stopping: BTreeMap::new(),
             nbd: None,
             histograms: BTreeMap::new(),
             claims: BTreeMap::new(),
         };
-        Self { state: Mutex::new(state), export_stopped: Condvar::new(), events: Events::new() }
+        Self { state: Mutex::new(state), export_stopped: Condvar::new(), events: Events::new(), objects }
     }
 
     /// The state, for one command at a time. A panic while holding it

@@ -6,6 +6,7 @@
 mod commands;
 mod daemon;
 mod monitor;
+mod objects;
 mod pidfile;
 mod run_as;
 mod stat;
@@ -45,6 +46,9 @@ enum Command {
 
 #[derive(clap::Args, Debug)]
 struct DaemonArgs {
+    /// An object nodes refer to by id: secret,id=ID,data=TEXT|file=PATH[,format=raw|base64]
+    #[arg(long, value_name = "OPTIONS")]
+    object: Vec<String>,
     /// A block node: driver=file|raw|qcow2|null-co,node-name=NAME,... (or a JSON object)
     #[arg(long, value_name = "OPTIONS")]
     blockdev: Vec<String>,
@@ -109,6 +113,9 @@ fn run(args: DaemonArgs) -> Result<()> {
     let run_as = args.run_with.as_deref().map(RunAs::parse).transpose()?;
 
     let daemon = Arc::new(Daemon::new());
+    for text in &args.object {
+        daemon.objects.add(OptionMap::parse_implied("--object", text, "qom-type")?).map_err(anyhow::Error::msg)?;
+    }
     for text in &args.blockdev {
         daemon.add_blockdev(OptionMap::parse("--blockdev", text)?)?;
     }

@@ -39,12 +39,7 @@ pub fn sockets(chardevs: &[String], monitors: &[String]) -> Result<Vec<PathBuf>>
 }
 
 fn chardev(text: &str) -> Result<Chardev> {
-    // The backend comes first without a key: `socket,id=...`.
-    let keyed = match text.split(',').next() {
-        Some(first) if !text.starts_with('{') && !first.contains('=') => format!("backend={text}"),
-        _ => text.to_string(),
-    };
-    let mut opts = OptionMap::parse("--chardev", &keyed)?;
+    let mut opts = OptionMap::parse_implied("--chardev", text, "backend")?;
     let backend = opts.require("backend")?;
     if backend != "socket" {
         return Err(opts.invalid("backend", backend, "socket").into());

@@ -5,19 +5,32 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
 
-use common::{Daemon, RbdImage, Scratch, VSD, ceph_conf, pattern, rbd, run};
+use common::{Cluster, Daemon, Scratch, VSD, pattern, run};
 use serde_json::{Value, json};
 use vsd_bench::ClientOptions;
 use vsd_control::client::QmpClient;
 
 const MIB: u64 = 1 << 20;
 
+/// The cluster most tests here use.
+fn ceph() -> &'static Cluster {
+    Cluster::shared()
+}
+
 /// vsd serving `node` (an rbd node's options, named `r0`) as raw on
 /// `exp0`, with `export_opts`, and a QMP monitor.
 fn serve(dir: &Scratch, node: String, export_opts: &str) -> Daemon {
-    let args: Vec<String> = vec![
+    serve_with(dir, &[], node, export_opts)
+}
+
+/// As [`serve`], with `extra` arguments first (`--object`s).
+fn serve_with(dir: &Scratch, extra: &[&str], node: String, export_opts: &str) -> Daemon {
+    let mut args: Vec<String> = extra.iter().map(|arg| arg.to_string()).collect();
+    args.extend([
         "--blockdev".into(),
         node,
         "--blockdev".into(),
@@ -31,12 +44,12 @@ fn serve(dir: &Scratch, node: String, export_opts: &str) -> Daemon {
         format!("socket,id=m0,path={},server=on,wait=off", dir.path("qmp.sock").display()),
         "--monitor".into(),
         "chardev=m0".into(),
-    ];
+    ]);
     Daemon::vsd(dir, &args)
 }
 
 fn rbd_info(image: &str) -> Value {
-    serde_json::from_str(&rbd(&["info", "--format", "json", image])).unwrap()
+    serde_json::from_str(&ceph().rbd(&["info", "--format", "json", image])).unwrap()
 }
 
 /// Two queues write their own patterns concurrently and read them back;
@@ -45,7 +58,7 @@ fn rbd_info(image: &str) -> Value {
 #[test]
 fn what_two_queues_write_is_what_rbd_exports() {
     let dir = Scratch::new("rbd-verify");
-    let image = RbdImage::new("verify", 32 * MIB);
+    let image = ceph().image("verify", 32 * MIB);
     let daemon = serve(&dir, image.node("r0"), ",writable=on,num-queues=2");
     let mut client = daemon.connect(ClientOptions { num_queues: 2, ..Default::default() });
     assert_eq!(client.capacity().unwrap(), 32 * MIB);
@@ -83,14 +96,12 @@ fn what_two_queues_write_is_what_rbd_exports() {
 #[test]
 fn imported_data_and_snapshots_read_back_and_snapshots_refuse_writes() {
     let dir = Scratch::new("rbd-import");
-    let name = format!("import-{}", std::process::id());
     let source = dir.path("source.raw");
     let content = pattern(7, 8 * MIB as usize);
     std::fs::write(&source, &content).unwrap();
-    let _ = run("rbd", &["-c", ceph_conf().to_str().unwrap(), "rm", "--no-progress", &name]);
-    rbd(&["import", "--no-progress", source.to_str().unwrap(), &name]);
-    let image = RbdImage(name);
-    rbd(&["snap", "create", &format!("{}@before", image.0)]);
+    let image = ceph().image_named("import");
+    ceph().rbd(&["import", "--no-progress", source.to_str().unwrap(), &image.name]);
+    ceph().rbd(&["snap", "create", &format!("{}@before", image.name)]);
 
     let daemon = serve(&dir, image.node("r0"), ",writable=on");
     let mut client = daemon.connect(ClientOptions::default());
@@ -135,7 +146,7 @@ fn imported_data_and_snapshots_read_back_and_snapshots_refuse_writes() {
 #[test]
 fn discard_and_write_zeroes_read_back_as_zeroes() {
     let dir = Scratch::new("rbd-zeroes");
-    let image = RbdImage::new("zeroes", 16 * MIB);
+    let image = ceph().image("zeroes", 16 * MIB);
     let daemon = serve(&dir, format!("{},discard=unmap", image.node("r0")), ",writable=on");
     let mut client = daemon.connect(ClientOptions::default());
     let mut queue = client.take_queue(0).unwrap();
@@ -162,11 +173,11 @@ fn discard_and_write_zeroes_read_back_as_zeroes() {
 #[test]
 fn block_resize_resizes_the_image() {
     let dir = Scratch::new("rbd-resize");
-    let image = RbdImage::new("resize", 16 * MIB);
+    let image = ceph().image("resize", 16 * MIB);
     let daemon = serve(&dir, image.node("r0"), ",writable=on");
     let mut qmp = QmpClient::connect(&dir.path("qmp.sock")).unwrap();
     qmp.execute("block_resize", json!({ "node-name": "d0", "size": 48 * MIB })).unwrap();
-    assert_eq!(rbd_info(&image.0)["size"], 48 * MIB);
+    assert_eq!(rbd_info(&image.name)["size"], 48 * MIB);
     let mut client = daemon.connect(ClientOptions::default());
     assert_eq!(client.capacity().unwrap(), 48 * MIB);
     let mut queue = client.take_queue(0).unwrap();
@@ -178,7 +189,7 @@ fn block_resize_resizes_the_image() {
     drop((queue, client));
 
     // Resized by another client: the guest sees it once told over QMP.
-    rbd(&["resize", "--size", "64M", &image.0]);
+    ceph().rbd(&["resize", "--size", "64M", &image.name]);
     qmp.execute("block_resize", json!({ "node-name": "d0", "size": 64 * MIB })).unwrap();
     let client = daemon.connect(ClientOptions::default());
     assert_eq!(client.capacity().unwrap(), 64 * MIB);
@@ -196,9 +207,9 @@ fn block_resize_resizes_the_image() {
 #[test]
 fn qcow2_over_rbd_is_consistent_for_qemu_img() {
     let dir = Scratch::new("rbd-qcow2");
-    let image = RbdImage::named("qcow2");
-    let conf = ceph_conf();
-    let uri = format!("rbd:rbd/{}:conf={}", image.0, conf.display());
+    let image = ceph().image_named("qcow2");
+    let conf = &ceph().conf;
+    let uri = format!("rbd:rbd/{}:conf={}", image.name, conf.display());
     let created = run("qemu-img", &["create", "-f", "qcow2", &uri, "64M"]);
     assert!(created.status.success(), "{}", String::from_utf8_lossy(&created.stderr));
     let args: Vec<String> = vec![
@@ -241,7 +252,7 @@ fn qcow2_over_rbd_is_consistent_for_qemu_img() {
 #[test]
 fn a_wrong_pool_image_or_monitor_is_one_clear_error() {
     let dir = Scratch::new("rbd-errors");
-    let conf = ceph_conf();
+    let conf = &ceph().conf;
     let slow_conf = dir.path("unreachable.conf");
     std::fs::write(&slow_conf, "[global]\nmon_host = 127.0.0.1:1\nclient_mount_timeout = 2\n").unwrap();
     let socket = dir.path("never.sock");
@@ -277,15 +288,15 @@ fn a_wrong_pool_image_or_monitor_is_one_clear_error() {
 #[test]
 fn qmp_blockdev_add_with_a_server_list() {
     let dir = Scratch::new("rbd-qmp");
-    let image = RbdImage::new("qmp", 8 * MIB);
+    let image = ceph().image("qmp", 8 * MIB);
     let daemon = serve(&dir, "driver=null-co,node-name=r0,size=1M".into(), "");
     let mut qmp = QmpClient::connect(&dir.path("qmp.sock")).unwrap();
-    let port = std::fs::read_to_string(ceph_conf()).unwrap();
+    let port = std::fs::read_to_string(&ceph().conf).unwrap();
     let port = port.lines().find_map(|l| l.strip_prefix("mon_host = v2:127.0.0.1:")).unwrap().to_string();
     qmp.execute(
         "blockdev-add",
         json!({
-            "driver": "rbd", "node-name": "rq", "pool": "rbd", "image": image.0,
+            "driver": "rbd", "node-name": "rq", "pool": "rbd", "image": image.name,
             "server": [{ "host": "127.0.0.1", "port": port }],
             "auth-client-required": ["none"],
         }),
@@ -297,7 +308,7 @@ fn qmp_blockdev_add_with_a_server_list() {
     assert_eq!(node["image"]["virtual-size"], 8 * MIB);
     let bad = qmp.execute(
         "blockdev-add",
-        json!({ "driver": "rbd", "node-name": "rx", "pool": "rbd", "image": "gone", "conf": ceph_conf() }),
+        json!({ "driver": "rbd", "node-name": "rx", "pool": "rbd", "image": "gone", "conf": ceph().conf }),
     );
     assert!(bad.unwrap_err().to_string().contains("error reading header from gone"));
     qmp.execute("blockdev-del", json!({ "node-name": "rq" })).unwrap();
@@ -310,8 +321,8 @@ fn qmp_blockdev_add_with_a_server_list() {
 fn linux_guest_runs_fio_verify_on_rbd_raw_and_qcow2() {
     for format in ["raw", "qcow2"] {
         let dir = Scratch::new(&format!("rbd-guest-{format}"));
-        let image = RbdImage::named(&format!("guest-{format}"));
-        let uri = format!("rbd:rbd/{}:conf={}", image.0, ceph_conf().display());
+        let image = ceph().image_named(&format!("guest-{format}"));
+        let uri = format!("rbd:rbd/{}:conf={}", image.name, ceph().conf.display());
         let created = run("qemu-img", &["create", "-f", format, &uri, "128M"]);
         assert!(created.status.success(), "{}", String::from_utf8_lossy(&created.stderr));
         let socket = dir.path("exp0.sock");
@@ -353,7 +364,7 @@ fn linux_guest_runs_fio_verify_on_rbd_raw_and_qcow2() {
 #[test]
 fn flushed_writes_survive_a_killed_daemon() {
     let dir = Scratch::new("rbd-kill");
-    let image = RbdImage::new("kill", 64 * MIB);
+    let image = ceph().image("kill", 64 * MIB);
     let daemon = serve(&dir, image.node("r0"), ",writable=on");
     let mut client = daemon.connect(ClientOptions::default());
     let mut queue = client.take_queue(0).unwrap();
@@ -399,12 +410,12 @@ fn flushed_writes_survive_a_killed_daemon() {
 #[test]
 fn requests_wait_while_the_cluster_stops_answering() {
     let dir = Scratch::new("rbd-stall");
-    let image = RbdImage::new("stall", 64 * MIB);
+    let image = ceph().image("stall", 64 * MIB);
     let mut daemon = serve(&dir, image.node("r0"), ",writable=on");
     let mut client = daemon.connect(ClientOptions::default());
     let mut queue = client.take_queue(0).unwrap();
     queue.set_timeout(std::time::Duration::from_secs(120));
-    let osd = common::ceph_osd_pid();
+    let osd = ceph().osd_pid();
     let io = std::thread::spawn(move || {
         let start = std::time::Instant::now();
         let mut rounds = 0u64;
@@ -437,7 +448,7 @@ fn requests_wait_while_the_cluster_stops_answering() {
 #[test]
 fn an_image_deleted_while_served_fails_only_its_own_export() {
     let dir = Scratch::new("rbd-deleted");
-    let image = RbdImage::new("deleted", 16 * MIB);
+    let image = ceph().image("deleted", 16 * MIB);
     let mut args = vec![
         "--blockdev".into(),
         "driver=null-co,node-name=n0,read-zeroes=on".to_string(),
@@ -460,12 +471,11 @@ fn an_image_deleted_while_served_fails_only_its_own_export() {
     let mut queue = client.take_queue(0).unwrap();
     queue.write_at(0, &pattern(1, 4096)).unwrap();
 
-    let status: Value = serde_json::from_str(&rbd(&["status", "--format", "json", &image.0])).unwrap();
+    let status: Value = serde_json::from_str(&ceph().rbd(&["status", "--format", "json", &image.name])).unwrap();
     let watcher = status["watchers"][0]["address"].as_str().unwrap().to_string();
-    let ceph =
-        |args: &[&str]| run("ceph", &[&["-c", ceph_conf().to_str().unwrap(), "osd", "blocklist"], args].concat());
-    assert!(ceph(&["add", &watcher]).status.success());
-    rbd(&["rm", "--no-progress", &image.0]);
+    let blocklist = |args: &[&str]| ceph().tool("ceph", &[&["osd", "blocklist"], args].concat());
+    assert!(blocklist(&["add", &watcher]).status.success());
+    ceph().rbd(&["rm", "--no-progress", &image.name]);
     assert!(queue.write_at(4096, &pattern(2, 4096)).is_err(), "a write to the deleted image fails");
     let mut back = vec![0u8; 4096];
     assert!(queue.read_at(0, &mut back).is_err(), "so does a read");
@@ -475,5 +485,155 @@ fn an_image_deleted_while_served_fails_only_its_own_export() {
     let mut other = other.take_queue(0).unwrap();
     other.read_at(0, &mut back).unwrap();
     assert!(daemon.is_running(), "the daemon survives");
-    ceph(&["rm", &watcher]);
+    blocklist(&["rm", &watcher]);
+}
+
+/// The cluster that requires cephx keys, for one test at a time: one of
+/// them restarts its OSD.
+fn cephx() -> (&'static Cluster, MutexGuard<'static, ()>) {
+    static TURN: Mutex<()> = Mutex::new(());
+    let turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    (Cluster::cephx(), turn)
+}
+
+/// With cephx the key comes from `--object secret` or QMP `object-add`,
+/// as QEMU takes it (qemu-img opens the image with the same secret); no
+/// key, a wrong key or an unknown user is one clear error line.
+#[test]
+fn cephx_keys_come_from_secret_objects() {
+    let (cluster, _turn) = cephx();
+    let dir = Scratch::new("rbd-cephx");
+    let image = cluster.image("cephx", 8 * MIB);
+    // A conf that names the monitor only: the key can come from nowhere but the secret.
+    let conf = dir.path("client.conf");
+    let cluster_conf = std::fs::read_to_string(&cluster.conf).unwrap();
+    let mon_host = cluster_conf.lines().find(|line| line.starts_with("mon_host")).unwrap();
+    std::fs::write(&conf, format!("[global]\n{mon_host}\n")).unwrap();
+    let key_file = cluster.file("admin.key");
+    let secret = format!("secret,id=k0,file={},format=base64", key_file.display());
+    let node =
+        |extra: &str| format!("driver=rbd,node-name=r0,pool=rbd,image={},conf={}{extra}", image.name, conf.display());
+
+    let daemon = serve_with(&dir, &["--object", &secret], node(",key-secret=k0"), ",writable=on");
+    let mut client = daemon.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    let data = pattern(42, 64 * 1024);
+    queue.write_at(MIB, &data).unwrap();
+    queue.flush().unwrap();
+    assert!(image.export()[MIB as usize..][..data.len()] == data[..]);
+
+    let mut qmp = QmpClient::connect(&dir.path("qmp.sock")).unwrap();
+    let key = std::fs::read_to_string(&key_file).unwrap();
+    qmp.execute("object-add", json!({ "qom-type": "secret", "id": "k1", "data": key.trim(), "format": "base64" }))
+        .unwrap();
+    let node_args = json!({
+        "driver": "rbd", "node-name": "q", "pool": "rbd", "image": image.name, "conf": conf, "key-secret": "k1",
+        "read-only": true,
+    });
+    qmp.execute("blockdev-add", node_args).unwrap();
+    // The node took the key when it opened.
+    qmp.execute("object-del", json!({ "id": "k1" })).unwrap();
+    let nodes = qmp.execute("query-named-block-nodes", json!({})).unwrap();
+    let listed = nodes.as_array().unwrap().iter().find(|n| n["node-name"] == "q").unwrap().clone();
+    assert_eq!(listed["image"]["virtual-size"], 8 * MIB);
+    let again = qmp.execute("object-del", json!({ "id": "k1" })).unwrap_err();
+    assert!(again.to_string().contains("object 'k1' not found"), "{again}");
+    drop(qmp);
+    drop(client);
+    daemon.stop();
+
+    // QEMU reads the same secret the same way.
+    let copy = dir.path("copy.raw");
+    let opts = format!("driver=rbd,pool=rbd,image={},conf={},key-secret=k0", image.name, conf.display());
+    let out =
+        run("qemu-img", &["convert", "--object", &secret, "--image-opts", &opts, "-O", "raw", copy.to_str().unwrap()]);
+    assert!(out.status.success(), "qemu-img: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::read(&copy).unwrap()[MIB as usize..][..data.len()] == data[..]);
+
+    let wrong_key = String::from_utf8(run("ceph-authtool", &["--gen-print-key"]).stdout).unwrap();
+    let wrong = format!("secret,id=k0,data={},format=base64", wrong_key.trim());
+    let socket = dir.path("never.sock");
+    for (objects, extra, expected) in [
+        (vec![], String::new(), "error connecting (as client.admin): Permission denied"),
+        (vec!["--object", &wrong], ",key-secret=k0".into(), "error connecting (as client.admin): Permission denied"),
+        (vec!["--object", &secret], ",key-secret=k0,user=nobody".into(), "error connecting (as client.nobody)"),
+    ] {
+        let out = Command::new(VSD)
+            .args(&objects)
+            .args(["--blockdev", &node(&extra), "--export"])
+            .arg(format!("type=vhost-user-blk,id=e0,node-name=r0,addr.type=unix,addr.path={}", socket.display()))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra}");
+        assert!(stderr.contains(expected), "{extra}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+        assert!(!socket.exists());
+    }
+}
+
+/// The OSD is stopped under I/O and started again a few seconds later
+/// (its objects are on bluestore, so they survive): requests wait, then
+/// complete, every write reads back through vsd and from `rbd export`, and
+/// vsd keeps running.
+#[test]
+fn requests_complete_across_an_osd_restart() {
+    let (cluster, _turn) = cephx();
+    let dir = Scratch::new("rbd-osd-restart");
+    let image = cluster.image("restart", 64 * MIB);
+    let mut daemon = serve(&dir, image.node("r0"), ",writable=on");
+    let mut client = daemon.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    queue.set_timeout(Duration::from_secs(120));
+    const SLOTS: u64 = 256;
+    let slot = |round: u64| (round % SLOTS) * 256 * 1024;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let io = std::thread::spawn({
+        let stop = stop.clone();
+        move || {
+            let mut rounds = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let data = pattern(rounds, 64 * 1024);
+                queue.write_at(slot(rounds), &data).unwrap();
+                let mut back = vec![0; data.len()];
+                queue.read_at(slot(rounds), &mut back).unwrap();
+                assert!(back == data, "round {rounds}");
+                rounds += 1;
+            }
+            queue.flush().unwrap();
+            (queue, rounds)
+        }
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    let osd = cluster.osd_pid();
+    // SAFETY: a signal to the test cluster's OSD, a process of this user.
+    unsafe { libc::kill(osd, libc::SIGTERM) };
+    // SAFETY: signal 0 only asks whether the process is still there.
+    while unsafe { libc::kill(osd, 0) } == 0 {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(3));
+    let conf = cluster.conf.to_str().unwrap();
+    let started = Command::new("ceph-osd").args(["-c", conf, "-i", "0"]).stderr(Stdio::null()).status().unwrap();
+    assert!(started.success());
+    std::thread::sleep(Duration::from_secs(3));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (mut queue, rounds) = io.join().expect("every request completed with its data");
+    assert!(rounds > SLOTS, "I/O went on after the restart ({rounds} rounds)");
+    assert!(daemon.is_running());
+
+    // The last write to each slot, through vsd and in the cluster.
+    let last = |s: u64| (0..rounds).rev().find(|r| r % SLOTS == s).unwrap();
+    let mut back = vec![0; 64 * 1024];
+    for s in 0..SLOTS {
+        queue.read_at(slot(s), &mut back).unwrap();
+        assert!(back == pattern(last(s), back.len()), "slot {s}");
+    }
+    drop(queue);
+    drop(client);
+    daemon.stop();
+    let exported = image.export();
+    for s in 0..SLOTS {
+        assert!(exported[slot(s) as usize..][..back.len()] == pattern(last(s), back.len())[..], "slot {s}");
+    }
 }

@@ -272,58 +272,100 @@ where
     run.facts
 }
 
-/// The test Ceph cluster's ceph.conf, starting the cluster
-/// (scripts/ceph.sh) if it is not running: one monitor and one in-memory
-/// OSD on 127.0.0.1, auth none, a pool named `rbd`.
-pub fn ceph_conf() -> PathBuf {
-    static CONF: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    CONF.get_or_init(|| {
+/// A test Ceph cluster (scripts/ceph.sh): one monitor and one OSD on
+/// 127.0.0.1 with a pool named `rbd`. It is started by the first test that
+/// needs it and left running for the next test binaries; scripts/test.sh
+/// stops it.
+pub struct Cluster {
+    pub conf: PathBuf,
+}
+
+impl Cluster {
+    /// The cluster most tests share: auth none, objects in memory.
+    pub fn shared() -> &'static Cluster {
+        static CLUSTER: std::sync::OnceLock<Cluster> = std::sync::OnceLock::new();
+        CLUSTER.get_or_init(|| Self::start("/tmp/vsd-ceph", 3300, &[]))
+    }
+
+    /// A cluster that requires cephx keys, its OSD on bluestore in a file
+    /// so that objects survive the OSD's restart.
+    pub fn cephx() -> &'static Cluster {
+        static CLUSTER: std::sync::OnceLock<Cluster> = std::sync::OnceLock::new();
+        CLUSTER.get_or_init(|| Self::start("/tmp/vsd-ceph-cephx", 3301, &["--cephx", "--bluestore"]))
+    }
+
+    fn start(dir: &str, port: u16, flags: &[&str]) -> Cluster {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/ceph.sh");
-        let out = run("bash", &[script.to_str().unwrap(), "start"]);
+        let out = Command::new("bash")
+            .arg(script)
+            .arg("start")
+            .args(flags)
+            .env("VSD_CEPH_DIR", dir)
+            .env("VSD_CEPH_PORT", port.to_string())
+            .output()
+            .unwrap();
         assert!(
             out.status.success(),
             "scripts/ceph.sh start failed (scripts/setup.sh installs Ceph): {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
-    })
-    .clone()
-}
+        Cluster { conf: PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()) }
+    }
 
-/// Runs the `rbd` tool on the test cluster; its standard output.
-pub fn rbd(args: &[&str]) -> String {
-    let conf = ceph_conf();
-    let out = run("rbd", &[&["-c", conf.to_str().unwrap()], args].concat());
-    assert!(out.status.success(), "rbd {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap()
-}
+    /// The file of the cluster's directory named `name`.
+    pub fn file(&self, name: &str) -> PathBuf {
+        self.conf.with_file_name(name)
+    }
 
-/// A new RBD image of `size` bytes in pool `rbd`, named after the test and
-/// this process, removed when dropped.
-pub struct RbdImage(pub String);
+    /// Runs `tool` (`rbd`, `ceph`, `rados`) on this cluster.
+    pub fn tool(&self, tool: &str, args: &[&str]) -> Output {
+        run(tool, &[&["-c", self.conf.to_str().unwrap()], args].concat())
+    }
 
-impl RbdImage {
-    pub fn new(name: &str, size: u64) -> Self {
-        let image = Self::named(name);
-        rbd(&["create", "--size", &format!("{}B", size), &image.0]);
+    /// Runs the `rbd` tool, which must succeed; its standard output.
+    pub fn rbd(&self, args: &[&str]) -> String {
+        let out = self.tool("rbd", args);
+        assert!(out.status.success(), "rbd {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// A new image of `size` bytes in pool `rbd`.
+    pub fn image(&'static self, name: &str, size: u64) -> RbdImage {
+        let image = self.image_named(name);
+        self.rbd(&["create", "--size", &format!("{}B", size), &image.name]);
         image
     }
 
-    /// The name, with no image behind it yet (for a tool that creates it).
-    pub fn named(name: &str) -> Self {
-        let image = format!("{name}-{}", std::process::id());
-        let _ = run("rbd", &["-c", ceph_conf().to_str().unwrap(), "rm", "--no-progress", &image]);
-        Self(image)
+    /// An image's name, with no image behind it yet (for a tool that
+    /// creates it).
+    pub fn image_named(&'static self, name: &str) -> RbdImage {
+        let image = RbdImage { name: format!("{name}-{}", std::process::id()), cluster: self };
+        let _ = self.tool("rbd", &["rm", "--no-progress", &image.name]);
+        image
     }
 
+    /// The OSD's process.
+    pub fn osd_pid(&self) -> i32 {
+        std::fs::read_to_string(self.file("run/osd.0.pid")).unwrap().trim().parse().unwrap()
+    }
+}
+
+/// An RBD image named after the test and this process, removed when
+/// dropped.
+pub struct RbdImage {
+    pub name: String,
+    cluster: &'static Cluster,
+}
+
+impl RbdImage {
     /// `--blockdev` options of an rbd node on this image.
     pub fn node(&self, name: &str) -> String {
-        format!("driver=rbd,node-name={name},pool=rbd,image={},conf={}", self.0, ceph_conf().display())
+        format!("driver=rbd,node-name={name},pool=rbd,image={},conf={}", self.name, self.cluster.conf.display())
     }
 
     /// The image's bytes, through `rbd export`.
     pub fn export(&self) -> Vec<u8> {
-        let out = run("rbd", &["-c", ceph_conf().to_str().unwrap(), "export", "--no-progress", &self.0, "-"]);
+        let out = self.cluster.tool("rbd", &["export", "--no-progress", &self.name, "-"]);
         assert!(out.status.success(), "rbd export: {}", String::from_utf8_lossy(&out.stderr));
         out.stdout
     }
@@ -331,12 +373,6 @@ impl RbdImage {
 
 impl Drop for RbdImage {
     fn drop(&mut self) {
-        let _ = run("rbd", &["-c", ceph_conf().to_str().unwrap(), "rm", "--no-progress", &self.0]);
+        let _ = self.cluster.tool("rbd", &["rm", "--no-progress", &self.name]);
     }
-}
-
-/// The test cluster's OSD process.
-pub fn ceph_osd_pid() -> i32 {
-    let pidfile = ceph_conf().with_file_name("run/osd.0.pid");
-    std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap()
 }

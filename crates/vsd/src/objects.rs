@@ -1,0 +1,133 @@
+//! User-created objects (`--object`, QMP `object-add`/`object-del`), as
+//! QEMU's QOM names them: for now `secret`, which holds what nodes name by
+//! id (`key-secret=ID` of an rbd node).
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, MutexGuard};
+
+use base64::Engine;
+use vsd_block::Secrets;
+use vsd_block::options::OptionMap;
+
+/// The objects by id.
+#[derive(Default)]
+pub struct Objects {
+    by_id: Mutex<BTreeMap<String, Object>>,
+}
+
+enum Object {
+    /// A `secret`'s bytes (decoded, if given as base64).
+    Secret(Vec<u8>),
+}
+
+impl Objects {
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Object>> {
+        // Objects are inserted and removed whole: a panic cannot leave one half-made.
+        self.by_id.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Creates an object from its options, `qom-type` and `id` among them.
+    /// Errors are QEMU's words.
+    pub fn add(&self, mut opts: OptionMap) -> Result<(), String> {
+        let qom_type = opts.require("qom-type").map_err(|e| e.to_string())?;
+        let id = opts.require("id").map_err(|e| e.to_string())?;
+        let object = match qom_type.as_str() {
+            "secret" => Object::Secret(secret(&mut opts)?),
+            _ => return Err(format!("invalid object type: {qom_type}")),
+        };
+        opts.finish().map_err(|e| e.to_string())?;
+        let mut objects = self.lock();
+        if objects.contains_key(&id) {
+            return Err(format!("attempt to add duplicate property '{id}' to object (type 'container')"));
+        }
+        objects.insert(id, object);
+        Ok(())
+    }
+
+    /// Removes object `id`. Nodes keep what they took from a secret when
+    /// they were opened, so a secret can go while they run, as in QEMU.
+    pub fn remove(&self, id: &str) -> Result<(), String> {
+        match self.lock().remove(id) {
+            Some(_) => Ok(()),
+            None => Err(format!("object '{id}' not found")),
+        }
+    }
+}
+
+impl Secrets for Objects {
+    fn secret(&self, id: &str) -> Result<Vec<u8>, String> {
+        match self.lock().get(id) {
+            Some(Object::Secret(bytes)) => Ok(bytes.clone()),
+            None => Err(format!("No secret with id '{id}'")),
+        }
+    }
+}
+
+/// A secret's bytes from `data=` or `file=` (read now, used as is, with no
+/// newline trimmed), decoded when `format=base64`.
+fn secret(opts: &mut OptionMap) -> Result<Vec<u8>, String> {
+    if opts.has("keyid") || opts.has("iv") {
+        return Err("secrets encrypted with 'keyid' are not supported: give the secret in the clear".into());
+    }
+    let base64 = opts.take_choice("format", &["raw", "base64"]).map_err(|e| e.to_string())? == Some("base64");
+    let given = match (opts.take("data"), opts.take("file")) {
+        (Some(_), Some(_)) => return Err("'data' and 'file' are mutually exclusive".into()),
+        (None, None) => return Err("'file' or 'data' must be provided".into()),
+        (Some(data), None) => data.into_bytes(),
+        (None, Some(path)) => std::fs::read(&path).map_err(|e| format!("Unable to read {path}: {e}"))?,
+    };
+    if !base64 {
+        return Ok(given);
+    }
+    // Newlines are skipped, as QEMU's decoder skips them: a key file
+    // written by `ceph-authtool -p` ends with one.
+    let text: Vec<u8> = given.into_iter().filter(|&b| b != b'\n').collect();
+    base64::engine::general_purpose::STANDARD.decode(&text).map_err(|e| format!("Invalid base64 secret: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn add(objects: &Objects, text: &str) -> Result<(), String> {
+        objects.add(OptionMap::parse_implied("--object", text, "qom-type").unwrap())
+    }
+
+    #[test]
+    fn secrets_read_back_raw_base64_and_from_files() {
+        let objects = Objects::default();
+        add(&objects, "secret,id=raw,data=pa,,ss").unwrap();
+        add(&objects, "secret,id=b64,data=aGVsbG8=,format=base64").unwrap();
+        let key = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(key.path(), b"aGVs\nbG8=\n").unwrap();
+        add(&objects, &format!("secret,id=keyfile,file={},format=base64", key.path().display())).unwrap();
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), b"key\n").unwrap();
+        add(&objects, &format!("secret,id=file,file={}", file.path().display())).unwrap();
+        assert_eq!(objects.secret("raw").unwrap(), b"pa,ss");
+        assert_eq!(objects.secret("b64").unwrap(), b"hello");
+        assert_eq!(objects.secret("keyfile").unwrap(), b"hello");
+        assert_eq!(objects.secret("file").unwrap(), b"key\n");
+    }
+
+    #[test]
+    fn mistakes_are_qemus_errors() {
+        let objects = Objects::default();
+        add(&objects, "secret,id=s,data=x").unwrap();
+        assert_eq!(
+            add(&objects, "secret,id=s,data=y").unwrap_err(),
+            "attempt to add duplicate property 's' to object (type 'container')"
+        );
+        assert_eq!(add(&objects, "iothread2,id=t").unwrap_err(), "invalid object type: iothread2");
+        assert_eq!(add(&objects, "secret,id=t").unwrap_err(), "'file' or 'data' must be provided");
+        assert_eq!(add(&objects, "secret,id=t,data=a,file=b").unwrap_err(), "'data' and 'file' are mutually exclusive");
+        assert!(add(&objects, "secret,id=t,data=%%,format=base64").unwrap_err().starts_with("Invalid base64 secret"));
+        assert!(add(&objects, "secret,id=t,file=/nonexistent").unwrap_err().starts_with("Unable to read /nonexistent"));
+        assert!(add(&objects, "secret,id=t,data=a,colour=red").unwrap_err().contains("unknown parameter 'colour'"));
+        // A failed add leaves nothing behind.
+        assert_eq!(objects.secret("t").unwrap_err(), "No secret with id 't'");
+        assert_eq!(objects.remove("t").unwrap_err(), "object 't' not found");
+        objects.remove("s").unwrap();
+        assert_eq!(objects.secret("s").unwrap_err(), "No secret with id 's'");
+    }
+}
