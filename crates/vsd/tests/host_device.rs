@@ -218,3 +218,44 @@ fn a_4096_byte_sector_device_serves_512_byte_requests_with_cache_direct() {
     let first_wrong = on_disk.iter().zip(&expected).position(|(a, b)| a != b);
     assert_eq!(first_wrong, None, "the device holds every write and nothing else changed");
 }
+
+/// A Linux guest on that disk (512-byte logical blocks over a
+/// 4096-byte-sector device, O_DIRECT): fio writes and verifies 512-byte
+/// blocks on two queues, then mke2fs formats the disk with 1 KiB blocks;
+/// the host's e2fsck finds the file system clean.
+#[test]
+fn linux_guest_formats_and_uses_a_512_byte_disk_on_a_4096_byte_sector_device() {
+    let dir = Scratch::new("guest-4k");
+    let backing = dir.image("backing.img", 64 * MIB);
+    let device = Loop::with_sector_size(&backing, 4096);
+    let socket = dir.path("vsd.sock");
+    let args = vec![
+        "--blockdev".into(),
+        format!("driver=host_device,node-name=d0,filename={},cache.direct=on", device.0.display()),
+        "--blockdev".into(),
+        "driver=raw,node-name=disk0,file=d0".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=e0,node-name=disk0,addr.type=unix,addr.path={},writable=on,num-queues=2,\
+             logical-block-size=512",
+            socket.display()
+        ),
+    ];
+    let daemon = Daemon::vsd(&dir, &args);
+    let socket_args = ["--socket", socket.to_str().unwrap()];
+    let job = ["--queues", "2", "--size", "8M", "--bs", "512", "--append", "vsd.mkfs=on"];
+    let facts = common::run_guest(&dir.path("console.log"), socket_args.iter().chain(&job));
+    assert_eq!(facts["logical_block_size"], "512");
+    assert_eq!(facts["fio_write_status"], "0");
+    assert_eq!(facts["fio_verify_status"], "0");
+    assert_eq!(facts["fio_verify_read_bytes"], facts["fio_expected_bytes"]);
+    assert_eq!(facts["mkfs_status"], "0");
+    assert_eq!(daemon.stop().code(), Some(0));
+    let fsck = run("e2fsck", &["-f", "-n", device.0.to_str().unwrap()]);
+    assert!(
+        fsck.status.success(),
+        "e2fsck: {}{}",
+        String::from_utf8_lossy(&fsck.stdout),
+        String::from_utf8_lossy(&fsck.stderr)
+    );
+}
