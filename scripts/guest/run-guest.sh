@@ -90,6 +90,8 @@
 #   discard_reads_zero                     blkdiscard of the first half of
 #                                          fio's range, and 1 if it then
 #                                          reads back as zeroes
+#   mkfs_status                            with --append vsd.mkfs=on: the exit
+#                                          status of mke2fs -b 1024 on the disk
 #   vq_interrupts                          interrupts per request virtqueue,
 #                                          comma separated in queue order
 #                                          (non-zero = the queue carried I/O;

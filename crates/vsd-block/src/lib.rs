@@ -42,6 +42,11 @@ pub trait BlockNode: Send + Sync {
     fn cache(&self) -> Cache {
         Cache::default()
     }
+    /// The alignment of requests that reach the host without bouncing
+    /// (QEMU's `request_alignment`): the largest below this node.
+    fn request_alignment(&self) -> u32 {
+        self.children().iter().map(|(_, child)| child.request_alignment()).max().unwrap_or(1)
+    }
     /// The host file behind the node, if it is a `file` node (format
     /// drivers resolve relative backing file names against it).
     fn filename(&self) -> Option<&str> {

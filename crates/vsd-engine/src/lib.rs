@@ -2,6 +2,7 @@
 //!
 //! ```text
 //!   export queue worker ──push/submit/reap──▶ dyn IoQueue
+//!                                              ├── AlignedQueue (O_DIRECT of any alignment, over one below)
 //!                                              ├── UringQueue  (one io_uring per queue)
 //!                                              ├── PoolQueue   (shared worker threads)
 //!                                              ├── (vsd-rbd's RbdQueue: librbd, through a Mailbox)
@@ -15,6 +16,7 @@
 
 #![deny(missing_docs)]
 
+mod aligned;
 mod inline;
 mod mailbox;
 mod null;
@@ -24,6 +26,7 @@ mod uring;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
+pub use aligned::{AlignedQueue, Alignment, EdgeLeases};
 pub use mailbox::Mailbox;
 pub use null::NullQueue;
 pub use pool::{PoolQueue, ThreadPool};

@@ -21,7 +21,7 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
-use vsd_block::{Allocation, BlockNode, Completion, IoOp, IoQueue, IoVecs};
+use vsd_block::{Allocation, Completion, IoOp, IoQueue, IoVecs};
 use vsd_qcow2::buf::AlignedBuf;
 use vsd_trace::{Clock, OpKind, QueueStats};
 
@@ -47,15 +47,6 @@ const MAX_IOV: usize = 64;
 
 const TOKEN_SOCKET: u64 = 0;
 const TOKEN_ENGINE: u64 = 1;
-
-/// The smallest request the node serves: O_DIRECT files below need
-/// aligned ones (vsd has no bounce buffers yet).
-pub(crate) fn request_alignment(node: &dyn BlockNode) -> u32 {
-    fn direct(node: &dyn BlockNode) -> bool {
-        node.cache().direct || node.children().iter().any(|(_, child)| direct(&**child))
-    }
-    if direct(node) { 4096 } else { 1 }
-}
 
 struct Slot {
     request: Request,

@@ -279,7 +279,9 @@ fn export_info(config: &ExportConfig, node: &dyn BlockNode, multi_conn: bool) ->
     if multi_conn {
         flags |= CAN_MULTI_CONN;
     }
-    let min = conn::request_alignment(node);
+    // QEMU's request_alignment: smaller requests are bounced, at the
+    // cost of a copy and, for writes, a read.
+    let min = node.request_alignment();
     ExportInfo {
         name: config.name.clone(),
         description: config.description.clone(),

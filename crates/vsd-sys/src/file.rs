@@ -90,6 +90,37 @@ pub fn file_size(file: &File) -> io::Result<u64> {
     Ok(size)
 }
 
+/// What O_DIRECT transfers on `file` must be aligned to, as `statx`
+/// reports it (`STATX_DIOALIGN`, Linux 6.1+): (memory, file offset and
+/// length) in bytes, or `None` where the kernel or file system does not
+/// say.
+pub fn dio_alignment(file: &File) -> io::Result<Option<(u32, u32)>> {
+    let mut st = std::mem::MaybeUninit::<libc::statx>::zeroed();
+    // SAFETY: statx fills the statx structure it is given; the path is an
+    // empty C string, which AT_EMPTY_PATH makes name the descriptor itself.
+    let ret = unsafe {
+        libc::statx(file.as_raw_fd(), c"".as_ptr(), libc::AT_EMPTY_PATH, libc::STATX_DIOALIGN, st.as_mut_ptr())
+    };
+    check(ret.into())?;
+    // SAFETY: zeroed is a valid statx, and statx succeeded.
+    let st = unsafe { st.assume_init() };
+    if st.stx_mask & libc::STATX_DIOALIGN == 0 || st.stx_dio_offset_align == 0 {
+        return Ok(None);
+    }
+    Ok(Some((st.stx_dio_mem_align, st.stx_dio_offset_align)))
+}
+
+/// The logical block size of a block device (`BLKSSZGET`): the smallest
+/// unit it transfers.
+pub fn logical_block_size(file: &File) -> io::Result<u32> {
+    let mut size: libc::c_int = 0;
+    // SAFETY: BLKSSZGET writes one int through the pointer, which points
+    // at a live local.
+    let ret = unsafe { libc::ioctl(file.as_raw_fd(), libc::BLKSSZGET, &mut size) };
+    check(ret.into())?;
+    u32::try_from(size).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+}
+
 /// How a file's data is held, for deciding whether I/O on it can block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Residence {

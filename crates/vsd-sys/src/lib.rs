@@ -24,7 +24,8 @@ use std::io;
 pub use counter::{read_counter, signal_counter};
 pub use cpu::{allowed_cpus, parse_cpu_list, set_thread_affinity};
 pub use file::{
-    Residence, falloc, fallocate, fdatasync, file_size, memfd, preadv2, pwritev2, residence, seek_data_or_hole,
+    Residence, dio_alignment, falloc, fallocate, fdatasync, file_size, logical_block_size, memfd, preadv2, pwritev2,
+    residence, seek_data_or_hole,
 };
 pub use socket::{ListenError, listen_unix, listen_unix_owned, peek};
 pub use termination::{block_termination_signals, raise_termination, wait_for_termination};

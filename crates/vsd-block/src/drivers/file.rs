@@ -8,7 +8,7 @@ use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use vsd_engine::{IoOp, IoQueue, PoolQueue, ThreadPool, UringQueue};
+use vsd_engine::{AlignedQueue, Alignment, EdgeLeases, IoOp, IoQueue, PoolQueue, ThreadPool, UringQueue};
 
 use super::{Filter, FilteredQueue, Route, out_of_bounds};
 use crate::lock::ImageLock;
@@ -35,6 +35,10 @@ pub(crate) struct FileNode {
     lock: Arc<ImageLock>,
     /// `driver=host_device`.
     device: bool,
+    /// What O_DIRECT needs; misaligned requests are bounced.
+    alignment: Alignment,
+    /// The edge blocks its queues read-modify-write.
+    leases: Arc<EdgeLeases>,
 }
 
 /// What the file driver answers without I/O.
@@ -100,6 +104,8 @@ impl FileNode {
             return Err(refused(format!("'file' driver requires '{filename}' to be a regular file")));
         }
         let size = vsd_sys::file_size(&file).map_err(|e| host(format!("cannot size '{filename}'"), e))?;
+        let alignment =
+            Alignment::of(&file).map_err(|e| host(format!("cannot learn the alignment '{filename}' needs"), e))?;
         if aio == Aio::IoUring {
             UringQueue::probe().map_err(|e| host("aio=io_uring".into(), e))?;
         }
@@ -107,6 +113,8 @@ impl FileNode {
         Ok(Self {
             lock: ImageLock::new(file.clone(), filename.clone(), locking, active),
             device,
+            alignment,
+            leases: EdgeLeases::new(),
             name,
             filename,
             file,
@@ -173,6 +181,10 @@ impl BlockNode for FileNode {
         self.read_only
     }
 
+    fn request_alignment(&self) -> u32 {
+        self.alignment.request
+    }
+
     fn refresh_size(&self) -> io::Result<u64> {
         let size = vsd_sys::file_size(&self.file)?;
         self.size.store(size, Ordering::Relaxed);
@@ -218,6 +230,12 @@ impl BlockNode for FileNode {
         let engine: Box<dyn IoQueue> = match &self.pool {
             Some(pool) => Box::new(PoolQueue::new(pool.clone(), self.file.clone(), depth)?),
             None => Box::new(UringQueue::new(self.file.clone(), depth)?),
+        };
+        // Without O_DIRECT nothing is in the way of any request.
+        let engine = if self.alignment.is_any() {
+            engine
+        } else {
+            Box::new(AlignedQueue::new(engine, self.alignment, self.leases.clone(), depth)?)
         };
         Ok(Box::new(FilteredQueue::new(engine, self.policy, depth)))
     }
