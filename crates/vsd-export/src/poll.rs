@@ -8,6 +8,53 @@
 //! doubles (from 4 µs); if it came later than the ceiling, the window
 //! halves, down to nothing. An idle queue therefore stops polling after a
 //! few sleeps and costs no CPU.
+//!
+//! A thread polls only while the daemon's worker threads awake are no
+//! more than its CPUs ([`Awake`]): with more, the CPU a poller spins on is
+//! one another thread with work waiting needs (8 busy exports on one CPU,
+//! say), and a sleep costs less than the wait it causes.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Worker threads of the daemon that are not asleep in their epoll.
+static AWAKE: AtomicUsize = AtomicUsize::new(0);
+/// The CPUs the daemon may run on, as it started.
+static CPUS: OnceLock<usize> = OnceLock::new();
+
+/// A worker thread counted as awake for as long as this lives, except
+/// within [`Awake::asleep`].
+pub(crate) struct Awake(());
+
+impl Awake {
+    /// Counts the calling thread in. The first call learns the daemon's
+    /// CPUs, so it must come before any thread pins itself: from the
+    /// thread that starts workers, not from a worker.
+    pub(crate) fn count_in() -> Self {
+        CPUS.get_or_init(|| vsd_sys::allowed_cpus().map_or(1, |cpus| cpus.len().max(1)));
+        AWAKE.fetch_add(1, Ordering::Relaxed);
+        Self(())
+    }
+
+    /// Runs `sleep` (the epoll wait) counted out.
+    pub(crate) fn asleep<T>(&self, sleep: impl FnOnce() -> T) -> T {
+        AWAKE.fetch_sub(1, Ordering::Relaxed);
+        let out = sleep();
+        AWAKE.fetch_add(1, Ordering::Relaxed);
+        out
+    }
+
+    /// Whether more worker threads are awake than the daemon has CPUs.
+    pub(crate) fn crowded(&self) -> bool {
+        AWAKE.load(Ordering::Relaxed) > CPUS.get().copied().unwrap_or(1)
+    }
+}
+
+impl Drop for Awake {
+    fn drop(&mut self) {
+        AWAKE.fetch_sub(1, Ordering::Relaxed);
+    }
+}
 
 /// The first window, once growing starts.
 const FIRST_WINDOW_NS: u64 = 4_000;
@@ -76,6 +123,13 @@ mod tests {
         assert_eq!(w.window_ns(), 4_000, "work arriving soon starts polling again");
         w.slept(3_000);
         assert_eq!(w.window_ns(), 4_000, "a sleep the window covers changes nothing");
+    }
+
+    #[test]
+    fn more_threads_awake_than_cpus_is_crowded() {
+        let cpus = vsd_sys::allowed_cpus().unwrap().len();
+        let awake: Vec<Awake> = (0..=cpus).map(|_| Awake::count_in()).collect();
+        assert!(awake[0].crowded());
     }
 
     #[test]

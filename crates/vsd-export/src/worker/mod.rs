@@ -50,6 +50,7 @@ use vsd_virtio::ring::SplitQueue;
 
 use crate::device::BlkDevice;
 use crate::inflight::InflightQueue;
+use crate::poll::Awake;
 use thread::WorkerThread;
 
 type Memory = GuestMemoryMmap;
@@ -130,8 +131,9 @@ impl Worker {
             log::warn!("a worker stuck on the front-end's descriptors could not be freed: {e}");
         }
         let name = thread_name(&device.config.id, &queues);
+        let awake = Awake::count_in();
         let handle = std::thread::Builder::new().name(name).spawn(move || {
-            let runs = match WorkerThread::new(thread, runs, mem, device, stop_fd, worker_flag) {
+            let runs = match WorkerThread::new(thread, runs, mem, device, stop_fd, worker_flag, awake) {
                 Ok(mut worker) => {
                     let _ = ready_tx.send(Ok(()));
                     worker.run();

@@ -17,6 +17,7 @@ use vsd_trace::Clock;
 use super::queue::QueueWorker;
 use super::{Memory, QueueRun};
 use crate::device::BlkDevice;
+use crate::poll::Awake;
 
 /// The epoll token of the thread's stop; a queue's are below it (see
 /// [`Wake`]).
@@ -60,6 +61,7 @@ pub(super) struct WorkerThread {
     _stop: Arc<EventFd>,
     /// Times polling and sleeps.
     clock: Clock,
+    awake: Awake,
 }
 
 impl WorkerThread {
@@ -70,6 +72,7 @@ impl WorkerThread {
         device: Arc<BlkDevice>,
         stop: Arc<EventFd>,
         front_end_io: Arc<AtomicBool>,
+        awake: Awake,
     ) -> io::Result<Self> {
         // Pinned before anything else runs on this thread.
         if let Some(cpu) = device.config.cpu_of(thread) {
@@ -84,7 +87,7 @@ impl WorkerThread {
         // Every descriptor may be ready at once: a stop, and a kick and an
         // engine per queue.
         let events = vec![EpollEvent::default(); 2 * queues.len() + 1];
-        Ok(Self { queues, epoll, events, _stop: stop, clock: Clock::get() })
+        Ok(Self { queues, epoll, events, _stop: stop, clock: Clock::get(), awake })
     }
 
     pub(super) fn into_runs(self) -> Vec<QueueRun> {
@@ -122,7 +125,8 @@ impl WorkerThread {
     /// Only with no I/O in flight: buffered io_uring I/O may finish on a
     /// kernel worker thread that needs this very CPU (on tmpfs, polling
     /// with reads in flight cost 19 % of IOPS at iodepth 32 on 2 CPUs), so
-    /// in-flight I/O is waited for asleep.
+    /// in-flight I/O is waited for asleep. Nor while other threads with
+    /// work may be waiting for the CPU ([`Awake::crowded`]).
     fn poll_for_work(&mut self) -> bool {
         let window_ns = self.queues.iter().map(QueueWorker::poll_window_ns).max().unwrap_or(0);
         if window_ns == 0 || self.queues.iter().any(|queue| queue.in_flight() > 0) {
@@ -137,7 +141,7 @@ impl WorkerThread {
             if found {
                 return true;
             }
-            if self.clock.ns(self.clock.now().saturating_sub(start)) >= window_ns {
+            if self.awake.crowded() || self.clock.ns(self.clock.now().saturating_sub(start)) >= window_ns {
                 return false;
             }
             std::hint::spin_loop();
@@ -157,7 +161,8 @@ impl WorkerThread {
     /// Sleeps until a kick, a completion or the stop. Returns whether to stop.
     fn sleep(&mut self) -> bool {
         let slept_from = self.clock.now();
-        let n = match self.epoll.wait(-1, &mut self.events) {
+        let (epoll, events) = (&self.epoll, &mut self.events);
+        let n = match self.awake.asleep(|| epoll.wait(-1, events)) {
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => return false,
             Err(e) => {
