@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::OnceLock;
 
 use serde::{Deserialize, Serialize};
 
@@ -40,14 +41,16 @@ fn bucket_upper_bound(index: usize) -> u64 {
 /// As with [`Counter`], only one thread may record; [`snapshot`](Self::snapshot)
 /// may be taken from any thread at any time.
 pub struct Histogram {
-    buckets: Box<[Counter]>,
+    /// Allocated by the first record (9 KiB): an export's queues hold a
+    /// dozen histograms each, and an idle export needs none of them.
+    buckets: OnceLock<Box<[Counter]>>,
     sum: Counter,
 }
 
 impl Histogram {
     /// An empty histogram.
     pub fn new() -> Self {
-        Self { buckets: (0..BUCKETS).map(|_| Counter::new()).collect(), sum: Counter::new() }
+        Self { buckets: OnceLock::new(), sum: Counter::new() }
     }
 
     /// Records one value. Single writer only.
@@ -59,7 +62,8 @@ impl Histogram {
     /// Records `n` occurrences of the same value. Single writer only.
     #[inline]
     pub fn record_n(&self, ns: u64, n: u64) {
-        self.buckets[bucket_index(ns)].add(n);
+        let buckets = self.buckets.get_or_init(|| (0..BUCKETS).map(|_| Counter::new()).collect());
+        buckets[bucket_index(ns)].add(n);
         self.sum.add(ns.wrapping_mul(n));
     }
 
@@ -75,8 +79,8 @@ impl Histogram {
     /// ticks: bucket bounds and sum are turned into nanoseconds here, once,
     /// rather than every value when it is recorded.
     pub fn snapshot_in(&self, clock: Clock) -> HistogramSnapshot {
-        let buckets = self
-            .buckets
+        let Some(buckets) = self.buckets.get() else { return HistogramSnapshot::default() };
+        let buckets = buckets
             .iter()
             .enumerate()
             .filter_map(|(i, c)| match c.get() {
@@ -240,6 +244,16 @@ mod tests {
         merged.merge(&snap);
         merged.merge(&snap);
         assert_eq!(merged.count(), 16);
+    }
+
+    #[test]
+    fn buckets_are_allocated_by_the_first_record() {
+        let h = Histogram::new();
+        assert_eq!(h.snapshot(), HistogramSnapshot::default());
+        assert!(h.buckets.get().is_none(), "an idle histogram holds no buckets");
+        h.record(1000);
+        assert!(h.buckets.get().is_some());
+        assert_eq!(h.snapshot().count, 1);
     }
 
     #[test]
