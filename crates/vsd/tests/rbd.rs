@@ -255,9 +255,15 @@ fn a_wrong_pool_image_or_monitor_is_one_clear_error() {
     let conf = &ceph().conf;
     let slow_conf = dir.path("unreachable.conf");
     std::fs::write(&slow_conf, "[global]\nmon_host = 127.0.0.1:1\nclient_mount_timeout = 2\n").unwrap();
+    let garbled_conf = dir.path("garbled.conf");
+    std::fs::write(&garbled_conf, "[global\nmon_host = = =\n").unwrap();
     let socket = dir.path("never.sock");
     for (node, expected) in [
         (format!("driver=rbd,node-name=r0,pool=nopool,image=x,conf={}", conf.display()), "error opening pool nopool"),
+        (
+            format!("driver=rbd,node-name=r0,pool=rbd,image=x,conf={}", garbled_conf.display()),
+            "error reading conf file",
+        ),
         (
             format!("driver=rbd,node-name=r0,pool=rbd,image=noimage,conf={}", conf.display()),
             "error reading header from noimage",
