@@ -7,11 +7,14 @@
 //!                         call eventfd ◀──┘  (queue q: thread q % num-threads)
 //! ```
 //!
-//! One connection is served at a time; when it closes, its workers finish
-//! the requests in flight and the export accepts the next front-end.
+//! One thread accepts front-ends for every export ([`acceptor`]); each
+//! export serves one connection at a time, on a thread of its own, and
+//! when it closes, its workers finish the requests in flight and the
+//! export accepts the next front-end.
 
 #![deny(missing_docs)]
 
+mod acceptor;
 mod channel;
 mod config;
 mod device;
@@ -23,19 +26,17 @@ mod session;
 mod worker;
 
 use std::io;
-use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::thread::JoinHandle;
 
 use vhost::vhost_user::BackendReqHandler;
-use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
-use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_block::BlockNode;
 use vsd_sys::ListenError;
 pub use vsd_trace::ExportSnapshot;
 
+use acceptor::{Acceptor, Listening};
 use channel::{BackendChannel, Intercepted};
 pub use config::{ExportConfig, MAX_QUEUE_SIZE, MAX_QUEUES};
 use device::BlkDevice;
@@ -85,13 +86,14 @@ pub enum ExportError {
 pub struct VhostUserBlkExport {
     device: Arc<BlkDevice>,
     shared: Arc<Shared>,
-    accept: Option<JoinHandle<()>>,
+    /// Its token with the acceptor, until it stops.
+    accepting: Option<(&'static Acceptor, u64)>,
 }
 
-/// What the accepting thread shares with the export's owner.
-struct Shared {
-    /// Written to stop the accepting thread.
-    stop: EventFd,
+/// What the connection's thread shares with the export's owner.
+pub(crate) struct Shared {
+    /// Set when the export stops: a front-end accepted just before is not served.
+    stopping: AtomicBool,
     /// The front-end being served, if any.
     client: Mutex<Option<Client>>,
 }
@@ -126,16 +128,18 @@ impl VhostUserBlkExport {
             }
         }
         let listen_error = |source| ExportError::Listen { id: config.id.clone(), path: config.socket.clone(), source };
+        let acceptor = Acceptor::get().map_err(listen_error)?;
         let listener = bind(&config)?;
-        let shared =
-            Arc::new(Shared { stop: EventFd::new(EFD_NONBLOCK).map_err(listen_error)?, client: Mutex::default() });
+        let shared = Arc::new(Shared { stopping: AtomicBool::new(false), client: Mutex::default() });
         let device = Arc::new(BlkDevice::new(config.clone(), node));
-        let (accept_device, accept_shared) = (device.clone(), shared.clone());
-        let accept = std::thread::Builder::new()
-            .name(format!("vsd-{}-accept", config.id))
-            .spawn(move || serve(listener, accept_device, accept_shared))
-            .map_err(listen_error)?;
-        Ok(Self { device, shared, accept: Some(accept) })
+        let token = match acceptor.add(Listening::new(listener, device.clone(), shared.clone())) {
+            Ok(token) => token,
+            Err(e) => {
+                let _ = std::fs::remove_file(&config.socket);
+                return Err(listen_error(e));
+            }
+        };
+        Ok(Self { device, shared, accepting: Some((acceptor, token)) })
     }
 
     /// The export's configuration.
@@ -193,14 +197,15 @@ impl VhostUserBlkExport {
     }
 
     fn shutdown(&mut self) {
-        let Some(accept) = self.accept.take() else { return };
-        if let Err(e) = self.shared.stop.write(1) {
-            log::error!("export '{}': cannot stop accepting: {e}", self.config().id);
-        }
+        let Some((acceptor, token)) = self.accepting.take() else { return };
+        let listening = acceptor.remove(token);
+        self.shared.stopping.store(true, Ordering::Relaxed);
         if let Ok(Some(client)) = self.shared.client.lock().as_deref() {
             let _ = client.stream.shutdown(std::net::Shutdown::Both);
         }
-        let _ = accept.join();
+        if let Some(listening) = listening {
+            listening.join_connection();
+        }
         let _ = std::fs::remove_file(&self.config().socket);
     }
 }
@@ -227,45 +232,7 @@ fn bind(config: &ExportConfig) -> Result<UnixListener, ExportError> {
     })
 }
 
-fn serve(listener: UnixListener, device: Arc<BlkDevice>, shared: Arc<Shared>) {
-    let id = device.config.id.clone();
-    loop {
-        match wait_for_client(&listener, &shared.stop) {
-            Ok(true) => {}
-            Ok(false) => return,
-            Err(e) => {
-                log::error!("export '{id}': waiting for front-ends failed: {e}");
-                return;
-            }
-        }
-        let stream = match listener.accept() {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                log::error!("export '{id}': accept failed: {e}");
-                continue;
-            }
-        };
-        log::info!("export '{id}': front-end connected");
-        serve_connection(stream, device.clone(), &shared);
-        log::info!("export '{id}': front-end disconnected");
-    }
-}
-
-/// Waits until a front-end connects (true) or the export stops (false).
-fn wait_for_client(listener: &UnixListener, stop: &EventFd) -> io::Result<bool> {
-    let epoll = Epoll::new()?;
-    epoll.ctl(ControlOperation::Add, listener.as_raw_fd(), EpollEvent::new(EventSet::IN, 0))?;
-    epoll.ctl(ControlOperation::Add, stop.as_raw_fd(), EpollEvent::new(EventSet::IN, 1))?;
-    let mut events = [EpollEvent::default(); 2];
-    loop {
-        match epoll.wait(-1, &mut events) {
-            Ok(n) => return Ok(!events[..n].iter().any(|e| e.data() == 1)),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        }
-    }
-}
-
+/// Serves one front-end until it disconnects or the export stops.
 fn serve_connection(stream: UnixStream, device: Arc<BlkDevice>, shared: &Shared) {
     let id = device.config.id.clone();
     // One handle to cut the connection, one to peek at its messages.
@@ -277,7 +244,9 @@ fn serve_connection(stream: UnixStream, device: Arc<BlkDevice>, shared: &Shared)
         }
     };
     let session = Arc::new(Mutex::new(Session::new(device)));
-    set_client(shared, Some(Client { stream: control, channel: None, session: session.clone() }));
+    if !set_client(shared, Some(Client { stream: control, channel: None, session: session.clone() })) {
+        return;
+    }
     let mut handler = BackendReqHandler::from_stream(stream, session.clone());
     loop {
         match channel::intercept(&peek, &session) {
@@ -307,8 +276,14 @@ fn serve_connection(stream: UnixStream, device: Arc<BlkDevice>, shared: &Shared)
     drop(session);
 }
 
-fn set_client(shared: &Shared, client: Option<Client>) {
-    if let Ok(mut slot) = shared.client.lock() {
-        *slot = client;
+/// Records the front-end being served (or none); false if the export is
+/// stopping, which the lock orders against [`VhostUserBlkExport::stop`]
+/// cutting the recorded one.
+fn set_client(shared: &Shared, client: Option<Client>) -> bool {
+    let Ok(mut slot) = shared.client.lock() else { return false };
+    if client.is_some() && shared.stopping.load(Ordering::Relaxed) {
+        return false;
     }
+    *slot = client;
+    true
 }
