@@ -4,7 +4,8 @@
 drive them at the same time (4k random reads, iodepth 8 each). Reported:
 aggregate IOPS, the daemon's CPU per I/O, and the smallest and largest
 export's share of the mean. Peers (vsd with its default configuration,
-vsd with `poll-us=0`, qemu-storage-daemon) are interleaved within each
+vsd with `poll-us=0`, vsd with every export on one `--object iothread`,
+qemu-storage-daemon) are interleaved within each
 repetition; reported are medians.
 
 usage: scripts/bench-density.py [--exports 1,8] [--backends null-co,tmpfs] [--reps 3] [--seconds 5]
@@ -20,7 +21,9 @@ import time
 
 from benchlib import BENCH, QSD, TICK_US, VSD, cpu_ticks
 
-PEERS = {"vsd": (VSD, ""), "vsd poll-us=0": (VSD, ",poll-us=0"), "qsd": (QSD, "")}
+# Program, options of every export, arguments before them.
+PEERS = {"vsd": (VSD, "", []), "vsd poll-us=0": (VSD, ",poll-us=0", []),
+         "vsd iothread": (VSD, ",iothread=io0", ["--object", "iothread,id=io0"]), "qsd": (QSD, "", [])}
 IMAGE_MIB = 64
 
 
@@ -40,11 +43,11 @@ def blockdevs(backend, n, work):
 
 
 def run(peer, backend, n, seconds, work):
-    program, export_opts = PEERS[peer]
+    program, export_opts, extra = PEERS[peer]
     pidfile = os.path.join(work, "daemon.pid")
     if os.path.exists(pidfile):
         os.unlink(pidfile)
-    args = ["taskset", "-c", "0", program]
+    args = ["taskset", "-c", "0", program, *extra]
     for dev in blockdevs(backend, n, work):
         args += ["--blockdev", dev]
     socks = [os.path.join(work, f"e{i}.sock") for i in range(n)]
@@ -90,7 +93,7 @@ def main():
     args = parser.parse_args()
     peers = args.peers.split(",")
     if args.baseline:
-        PEERS["baseline"] = (args.baseline, "")
+        PEERS["baseline"] = (args.baseline, "", [])
         peers.insert(0, "baseline")
     rows = {}
     with tempfile.TemporaryDirectory(dir="/dev/shm") as work:

@@ -28,6 +28,10 @@ pub struct ExportConfig {
     /// `num_queues`; queue q is served by thread q % `num_threads`. By
     /// default one per queue, but no more than the CPUs vsd may run on.
     pub num_threads: u16,
+    /// `iothread=`: the id of the I/O thread (`--object iothread`) that
+    /// serves every queue, shared with other exports; `None`: the export's
+    /// own threads (`num-threads`).
+    pub iothread: Option<String>,
     /// `logical-block-size=`: 512 or 4096.
     pub logical_block_size: u32,
     /// `serial=`: what GET_ID answers (at most 20 bytes are sent).
@@ -87,7 +91,16 @@ impl ExportConfig {
             n @ 1..=64 => n as u16,
             n => return Err(opts.invalid("num-queues", n, &format!("a number from 1 to {MAX_QUEUES}"))),
         };
+        let iothread = opts.take("iothread");
+        if iothread.is_some() && (opts.has("num-threads") || opts.has("cpu-affinity")) {
+            return Err(opts.invalid(
+                "iothread",
+                iothread.unwrap_or_default(),
+                "an I/O thread without num-threads or cpu-affinity (it serves every queue, on its own CPUs)",
+            ));
+        }
         let num_threads = match opts.take_u64("num-threads")? {
+            None if iothread.is_some() => 1,
             None => default_threads(num_queues),
             Some(n) if (1..=u64::from(num_queues)).contains(&n) => n as u16,
             Some(n) => {
@@ -127,6 +140,7 @@ impl ExportConfig {
             writethrough,
             num_queues,
             num_threads,
+            iothread,
             logical_block_size,
             serial,
             trace,

@@ -11,6 +11,7 @@ use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRE
 use vsd_block::BlockNode;
 use vsd_trace::{ExportSnapshot, QueueStats};
 
+use crate::IoThread;
 use crate::config::ExportConfig;
 use vsd_virtio::request::{Limits, SECTOR_SIZE, SEG_MAX, id_bytes};
 
@@ -35,10 +36,12 @@ pub struct BlkDevice {
     /// One per virtqueue, kept across connections; each is written only by
     /// the worker serving its queue at the time.
     pub(crate) stats: Vec<Arc<QueueStats>>,
+    /// The I/O thread serving every queue (`iothread=`), if any.
+    pub(crate) iothread: Option<Arc<IoThread>>,
 }
 
 impl BlkDevice {
-    pub(crate) fn new(config: ExportConfig, node: Arc<dyn BlockNode>) -> Self {
+    pub(crate) fn new(config: ExportConfig, node: Arc<dyn BlockNode>, iothread: Option<Arc<IoThread>>) -> Self {
         let limits = Limits {
             capacity: 0,
             block_size: config.logical_block_size,
@@ -58,6 +61,7 @@ impl BlkDevice {
             node,
             limits,
             stats,
+            iothread,
         };
         device.refresh_capacity();
         device

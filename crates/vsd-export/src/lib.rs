@@ -21,6 +21,7 @@ mod device;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 mod inflight;
+mod iothread;
 mod poll;
 mod session;
 mod worker;
@@ -40,6 +41,8 @@ use acceptor::{Acceptor, Listening};
 use channel::{BackendChannel, Intercepted};
 pub use config::{ExportConfig, MAX_QUEUE_SIZE, MAX_QUEUES};
 use device::BlkDevice;
+pub use iothread::IoThread;
+pub use poll::PollConfig;
 use session::Session;
 
 /// Why an export could not start.
@@ -109,9 +112,14 @@ struct Client {
 }
 
 impl VhostUserBlkExport {
-    /// Binds the socket and starts accepting front-ends on a thread of its
-    /// own. The socket is ready when this returns.
-    pub fn start(config: ExportConfig, node: Arc<dyn BlockNode>) -> Result<Self, ExportError> {
+    /// Binds the socket and starts accepting front-ends. The socket is
+    /// ready when this returns. `iothread` is the I/O thread that
+    /// `config.iothread` names, which serves every queue.
+    pub fn start(
+        config: ExportConfig,
+        node: Arc<dyn BlockNode>,
+        iothread: Option<Arc<IoThread>>,
+    ) -> Result<Self, ExportError> {
         let invalid = |reason: String| ExportError::Invalid { id: config.id.clone(), reason };
         if config.writable && node.read_only() {
             return Err(invalid(format!("node '{}' is read-only; the export cannot be writable", node.name())));
@@ -131,7 +139,10 @@ impl VhostUserBlkExport {
         let acceptor = Acceptor::get().map_err(listen_error)?;
         let listener = bind(&config)?;
         let shared = Arc::new(Shared { stopping: AtomicBool::new(false), client: Mutex::default() });
-        let device = Arc::new(BlkDevice::new(config.clone(), node));
+        if config.iothread.as_deref() != iothread.as_ref().map(|io| io.id()) {
+            return Err(invalid("the I/O thread given is not the one the options name".into()));
+        }
+        let device = Arc::new(BlkDevice::new(config.clone(), node, iothread));
         let token = match acceptor.add(Listening::new(listener, device.clone(), shared.clone())) {
             Ok(token) => token,
             Err(e) => {

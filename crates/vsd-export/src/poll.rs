@@ -59,17 +59,38 @@ impl Drop for Awake {
 /// The first window, once growing starts.
 const FIRST_WINDOW_NS: u64 = 4_000;
 
+/// How a queue polls, in QEMU's iothread terms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PollConfig {
+    /// The longest window (`poll-max-ns`); 0: never poll.
+    pub max_ns: u64,
+    /// What the window is multiplied by when it grows (`poll-grow`, 0: 2).
+    pub grow: u64,
+    /// What it is divided by when it shrinks (`poll-shrink`, 0: 2).
+    pub shrink: u64,
+}
+
+impl PollConfig {
+    /// An export's `poll-us`, with the default factors.
+    pub fn up_to_us(max_us: u32) -> Self {
+        Self { max_ns: u64::from(max_us) * 1000, grow: 0, shrink: 0 }
+    }
+}
+
 /// A worker's polling window, in nanoseconds.
 #[derive(Debug)]
 pub(crate) struct PollWindow {
     window_ns: u64,
     max_ns: u64,
+    grow: u64,
+    shrink: u64,
 }
 
 impl PollWindow {
-    /// A window that never grows past `max_us` (0: never poll).
-    pub(crate) fn new(max_us: u32) -> Self {
-        Self { window_ns: 0, max_ns: u64::from(max_us) * 1000 }
+    /// A window that never grows past `config.max_ns`.
+    pub(crate) fn new(config: PollConfig) -> Self {
+        let factor = |f: u64| if f == 0 { 2 } else { f };
+        Self { window_ns: 0, max_ns: config.max_ns, grow: factor(config.grow), shrink: factor(config.shrink) }
     }
 
     /// Whether the worker polls at all.
@@ -89,12 +110,12 @@ impl PollWindow {
             return;
         }
         if slept_ns > self.max_ns {
-            self.window_ns /= 2;
+            self.window_ns /= self.shrink;
             if self.window_ns < FIRST_WINDOW_NS {
                 self.window_ns = 0;
             }
         } else {
-            self.window_ns = (self.window_ns * 2).clamp(FIRST_WINDOW_NS, self.max_ns);
+            self.window_ns = self.window_ns.saturating_mul(self.grow).max(FIRST_WINDOW_NS).min(self.max_ns);
         }
     }
 }
@@ -105,7 +126,7 @@ mod tests {
 
     #[test]
     fn grows_while_work_comes_soon_and_shrinks_to_nothing_when_idle() {
-        let mut w = PollWindow::new(50);
+        let mut w = PollWindow::new(PollConfig::up_to_us(50));
         assert_eq!(w.window_ns(), 0);
         w.slept(20_000);
         assert_eq!(w.window_ns(), 4_000);
@@ -134,7 +155,7 @@ mod tests {
 
     #[test]
     fn zero_never_polls() {
-        let mut w = PollWindow::new(0);
+        let mut w = PollWindow::new(PollConfig::up_to_us(0));
         assert!(!w.enabled());
         w.slept(1_000);
         assert_eq!(w.window_ns(), 0);

@@ -16,7 +16,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::Arc;
 
 use vhost::VhostUserMemoryRegionBase;
@@ -86,6 +86,16 @@ pub(crate) struct Session {
     log_call: Option<Arc<File>>,
 }
 
+/// A kick or call descriptor never holds a worker, which may serve other
+/// exports' queues too (QEMU's own eventfds are non-blocking already).
+fn never_block(fd: &Option<File>) {
+    if let Some(file) = fd
+        && let Err(e) = vsd_sys::set_nonblocking(file.as_fd())
+    {
+        log::warn!("cannot make a front-end's eventfd non-blocking: {e}");
+    }
+}
+
 fn invalid(reason: &str) -> ProtocolError {
     ProtocolError::ReqHandlerError(io::Error::new(io::ErrorKind::InvalidInput, reason.to_string()))
 }
@@ -152,8 +162,12 @@ impl Session {
         if runs.is_empty() {
             return Ok(());
         }
-        let worker = Worker::start(thread as u16, runs, self.mem.clone(), self.device.clone())
-            .map_err(ProtocolError::ReqHandlerError)?;
+        let (mem, device) = (self.mem.clone(), self.device.clone());
+        let worker = match &self.device.iothread {
+            Some(iothread) => Worker::start_on(iothread, runs, mem, device),
+            None => Worker::start(thread as u16, runs, mem, device),
+        }
+        .map_err(ProtocolError::ReqHandlerError)?;
         self.threads[thread] = Some(worker);
         Ok(())
     }
@@ -470,6 +484,7 @@ impl VhostUserBackendReqHandlerMut for Session {
     }
 
     fn set_vring_kick(&mut self, index: u8, fd: Option<File>) -> ProtocolResult<()> {
+        never_block(&fd);
         self.reconfigure(u32::from(index), |v| {
             v.kick = fd;
             Ok(())
@@ -477,6 +492,7 @@ impl VhostUserBackendReqHandlerMut for Session {
     }
 
     fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> ProtocolResult<()> {
+        never_block(&fd);
         self.reconfigure(u32::from(index), |v| {
             v.call = fd;
             Ok(())

@@ -19,10 +19,28 @@ pub fn read_counter(fd: BorrowedFd<'_>) -> io::Result<u64> {
     }
 }
 
-/// Adds 1 to an eventfd counter, waking whoever waits on it.
+/// Adds 1 to an eventfd counter, waking whoever waits on it. A counter
+/// too full to take it (non-blocking) is already signalled.
 pub fn signal_counter(fd: BorrowedFd<'_>) -> io::Result<()> {
     let one: u64 = 1;
     // SAFETY: write reads 8 bytes from `one`, a live local.
     let ret = unsafe { libc::write(fd.as_raw_fd(), (&raw const one).cast(), 8) };
-    check(ret as libc::c_long).map(drop)
+    match check(ret as libc::c_long) {
+        Err(e) if e.kind() != io::ErrorKind::WouldBlock => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// Makes reads and writes of `fd` fail with WouldBlock rather than wait:
+/// for counters another process hands over, which it could otherwise
+/// leave empty under a reader or full under a writer, holding the thread.
+/// The flag belongs to the open file, so the other process sees it too.
+pub fn set_nonblocking(fd: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: fcntl on a descriptor the caller holds open; F_GETFL and
+    // F_SETFL take and return plain integers.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    check(flags.into())?;
+    // SAFETY: as above.
+    let ret = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) };
+    check(ret.into()).map(drop)
 }

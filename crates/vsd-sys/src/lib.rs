@@ -21,7 +21,7 @@ pub mod user;
 
 use std::io;
 
-pub use counter::{read_counter, signal_counter};
+pub use counter::{read_counter, set_nonblocking, signal_counter};
 pub use cpu::{allowed_cpus, parse_cpu_list, set_thread_affinity};
 pub use file::{
     Residence, dio_alignment, falloc, fallocate, fdatasync, file_size, logical_block_size, memfd, preadv2, pwritev2,

@@ -110,7 +110,8 @@ impl Daemon {
         let id = id.to_string();
         let export = match config {
             ExportOptions::VhostUserBlk(config) => {
-                let export = VhostUserBlkExport::start(config, node)?;
+                let iothread = config.iothread.as_deref().map(|id| self.objects.iothread(id)).transpose();
+                let export = VhostUserBlkExport::start(config, node, iothread.map_err(anyhow::Error::msg)?)?;
                 log::info!("export '{id}' listening on {}", export.config().socket.display());
                 Export::VhostUserBlk(export)
             }

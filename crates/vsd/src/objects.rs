@@ -1,13 +1,15 @@
 //! User-created objects (`--object`, QMP `object-add`/`object-del`), as
-//! QEMU's QOM names them: for now `secret`, which holds what nodes name by
-//! id (`key-secret=ID` of an rbd node).
+//! QEMU's QOM names them: `secret`, which holds what nodes name by id
+//! (`key-secret=ID` of an rbd node), and `iothread`, a thread exports
+//! share (`iothread=ID` of a vhost-user-blk export).
 
 use std::collections::BTreeMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use base64::Engine;
 use vsd_block::Secrets;
 use vsd_block::options::OptionMap;
+use vsd_export::{IoThread, PollConfig};
 
 /// The objects by id.
 #[derive(Default)]
@@ -18,6 +20,7 @@ pub struct Objects {
 enum Object {
     /// A `secret`'s bytes (decoded, if given as base64).
     Secret(Vec<u8>),
+    IoThread(Arc<IoThread>),
 }
 
 impl Objects {
@@ -31,14 +34,20 @@ impl Objects {
     pub fn add(&self, mut opts: OptionMap) -> Result<(), String> {
         let qom_type = opts.require("qom-type").map_err(|e| e.to_string())?;
         let id = opts.require("id").map_err(|e| e.to_string())?;
+        let duplicate = || format!("attempt to add duplicate property '{id}' to object (type 'container')");
+        // Checked before an I/O thread starts, and again when it is in.
+        if self.lock().contains_key(&id) {
+            return Err(duplicate());
+        }
         let object = match qom_type.as_str() {
             "secret" => Object::Secret(secret(&mut opts)?),
+            "iothread" => Object::IoThread(iothread(&id, &mut opts)?),
             _ => return Err(format!("invalid object type: {qom_type}")),
         };
         opts.finish().map_err(|e| e.to_string())?;
         let mut objects = self.lock();
         if objects.contains_key(&id) {
-            return Err(format!("attempt to add duplicate property '{id}' to object (type 'container')"));
+            return Err(duplicate());
         }
         objects.insert(id, object);
         Ok(())
@@ -47,9 +56,24 @@ impl Objects {
     /// Removes object `id`. Nodes keep what they took from a secret when
     /// they were opened, so a secret can go while they run, as in QEMU.
     pub fn remove(&self, id: &str) -> Result<(), String> {
-        match self.lock().remove(id) {
-            Some(_) => Ok(()),
+        let mut objects = self.lock();
+        match objects.get(id) {
             None => Err(format!("object '{id}' not found")),
+            Some(Object::IoThread(thread)) if Arc::strong_count(thread) > 1 => {
+                Err(format!("object '{id}' is in use, can not be deleted"))
+            }
+            Some(_) => {
+                objects.remove(id);
+                Ok(())
+            }
+        }
+    }
+
+    /// I/O thread `id`, for an export to run on.
+    pub fn iothread(&self, id: &str) -> Result<Arc<IoThread>, String> {
+        match self.lock().get(id) {
+            Some(Object::IoThread(thread)) => Ok(thread.clone()),
+            _ => Err(format!("iothread \"{id}\" not found")),
         }
     }
 }
@@ -58,9 +82,28 @@ impl Secrets for Objects {
     fn secret(&self, id: &str) -> Result<Vec<u8>, String> {
         match self.lock().get(id) {
             Some(Object::Secret(bytes)) => Ok(bytes.clone()),
+            Some(_) => Err(format!("object '{id}' is not a secret")),
             None => Err(format!("No secret with id '{id}'")),
         }
     }
+}
+
+/// An I/O thread with QEMU's polling options (`poll-max-ns`, default
+/// 32768 as in QEMU; `poll-grow`, `poll-shrink`, 0 for the default factor
+/// 2) and vsd's `cpu-affinity` (`0-3` or `1:3`: the CPUs it may run on).
+fn iothread(id: &str, opts: &mut OptionMap) -> Result<Arc<IoThread>, String> {
+    let mut number =
+        |key: &str, default: u64| opts.take_u64(key).map(|n| n.unwrap_or(default)).map_err(|e| e.to_string());
+    let poll = PollConfig {
+        max_ns: number("poll-max-ns", 32768)?,
+        grow: number("poll-grow", 0)?,
+        shrink: number("poll-shrink", 0)?,
+    };
+    let cpus = match opts.take("cpu-affinity") {
+        Some(text) => vsd_sys::parse_cpu_list(&text, ':').map_err(|why| format!("cpu-affinity '{text}': {why}"))?,
+        None => Vec::new(),
+    };
+    IoThread::start(id, poll, cpus).map(Arc::new).map_err(|e| format!("cannot start iothread '{id}': {e}"))
 }
 
 /// A secret's bytes from `data=` or `file=` (read now, used as is, with no

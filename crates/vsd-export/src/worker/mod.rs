@@ -39,19 +39,19 @@ mod trace;
 use std::fs::File;
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, mpsc};
+use std::sync::{Arc, Mutex, PoisonError, mpsc};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
-use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_virtio::dirty_log::DirtyLog;
 use vsd_virtio::ring::SplitQueue;
 
+use crate::IoThread;
 use crate::device::BlkDevice;
 use crate::inflight::InflightQueue;
-use crate::poll::Awake;
-use thread::WorkerThread;
+use crate::poll::{Awake, PollConfig};
+use thread::{Attach, Command, Control, WorkerThread};
 
 type Memory = GuestMemoryMmap;
 
@@ -81,16 +81,12 @@ pub(crate) struct QueueRun {
     pub(crate) log_call: Option<Arc<File>>,
 }
 
-/// A running worker thread.
-pub(crate) struct Worker {
-    /// The queues it serves.
-    queues: Vec<u16>,
-    stop: Arc<EventFd>,
-    thread: JoinHandle<Vec<QueueRun>>,
-    /// Hears when the thread is done.
-    done: mpsc::Receiver<()>,
-    /// Set while the worker reads or writes a descriptor the front-end
-    /// owns (kick, call).
+/// A running worker thread, told what to serve through its [`Control`].
+pub(crate) struct ThreadHandle {
+    control: Arc<Control>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    /// Set while the thread reads or writes a descriptor a front-end owns
+    /// (kick, call).
     front_end_io: Arc<AtomicBool>,
 }
 
@@ -109,46 +105,34 @@ pub(super) fn front_end_io<T>(flag: &AtomicBool, io: impl FnOnce() -> T) -> T {
     result
 }
 
-impl Worker {
-    /// Starts worker thread number `thread` serving `runs`. The block
-    /// node's queues are opened on that thread; an error doing so is
-    /// returned here (and the runs are dropped).
-    pub(crate) fn start(
-        thread: u16,
-        runs: Vec<QueueRun>,
-        mem: GuestMemoryAtomic<Memory>,
-        device: Arc<BlkDevice>,
-    ) -> io::Result<Self> {
-        let queues: Vec<u16> = runs.iter().map(|run| run.index).collect();
-        let stop = Arc::new(EventFd::new(EFD_NONBLOCK)?);
-        let (ready_tx, ready_rx) = mpsc::sync_channel(1);
-        let (done_tx, done) = mpsc::sync_channel(1);
-        let flag = Arc::new(AtomicBool::new(false));
-        let (stop_fd, worker_flag) = (stop.clone(), flag.clone());
+impl ThreadHandle {
+    /// Starts a worker thread named `name`, pinned to `cpus` unless empty,
+    /// serving nothing yet.
+    pub(crate) fn spawn(name: String, cpus: Vec<usize>) -> io::Result<Self> {
+        let control = Control::new()?;
         // Before any worker may need freeing from the front-end's
-        // descriptors (see `stop`).
+        // descriptors (see `detach`).
         if let Err(e) = vsd_sys::interrupt::prepare_interrupts() {
             log::warn!("a worker stuck on the front-end's descriptors could not be freed: {e}");
         }
-        let name = thread_name(&device.config.id, &queues);
         let awake = Awake::count_in();
+        let (ready_tx, ready_rx) = mpsc::sync_channel(1);
+        let thread_control = control.clone();
         let handle = std::thread::Builder::new().name(name).spawn(move || {
-            let runs = match WorkerThread::new(thread, runs, mem, device, stop_fd, worker_flag, awake) {
+            match WorkerThread::new(&cpus, thread_control, awake) {
                 Ok(mut worker) => {
                     let _ = ready_tx.send(Ok(()));
                     worker.run();
-                    worker.into_runs()
                 }
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
-                    Vec::new()
                 }
-            };
-            let _ = done_tx.send(());
-            runs
+            }
         })?;
         match ready_rx.recv() {
-            Ok(Ok(())) => Ok(Self { queues, stop, thread: handle, done, front_end_io: flag }),
+            Ok(Ok(())) => {
+                Ok(Self { control, thread: Mutex::new(Some(handle)), front_end_io: Arc::new(AtomicBool::new(false)) })
+            }
             Ok(Err(e)) => {
                 let _ = handle.join();
                 Err(e)
@@ -157,7 +141,109 @@ impl Worker {
         }
     }
 
-    /// Whether the thread serves queue `index`.
+    /// Has the thread serve `runs` (the block node's queues are opened on
+    /// it; an error doing so is returned here, and the runs are dropped).
+    /// Returns their group.
+    fn attach(
+        &self,
+        runs: Vec<QueueRun>,
+        mem: GuestMemoryAtomic<Memory>,
+        device: Arc<BlkDevice>,
+        poll: PollConfig,
+    ) -> io::Result<u64> {
+        let (reply, answer) = mpsc::sync_channel(1);
+        let front_end_io = self.front_end_io.clone();
+        self.control.send(Command::Attach(Box::new(Attach { runs, mem, device, front_end_io, poll, reply })));
+        answer.recv().map_err(|_| io::Error::other("queue worker died"))?
+    }
+
+    /// Stops serving a group after its requests in flight complete, and
+    /// returns its queues where the worker left them.
+    fn detach(&self, group: u64) -> Vec<QueueRun> {
+        let (reply, answer) = mpsc::sync_channel(1);
+        self.control.send(Command::Detach { group, reply });
+        // Requests in flight may take long; the kick and call descriptors
+        // must not. The front-end owns those: it may hand over a blocking
+        // eventfd (or anything else), fill the call counter and never read
+        // it, or empty the kick counter between the worker's wake-up and its
+        // read, and the worker would wait forever, and with it the ring's
+        // stop (GET_VRING_BASE), the connection and the export.
+        loop {
+            match answer.recv_timeout(STOP_CHECK) {
+                Ok(runs) => return runs,
+                Err(mpsc::RecvTimeoutError::Disconnected) => return Vec::new(),
+                Err(mpsc::RecvTimeoutError::Timeout) => self.free_if_stuck(),
+            }
+        }
+    }
+
+    fn free_if_stuck(&self) {
+        if !self.front_end_io.load(Ordering::Relaxed) {
+            return;
+        }
+        log::warn!("a queue worker is stuck on a front-end's kick or call descriptor; interrupting it");
+        if let Some(thread) = self.thread.lock().unwrap_or_else(PoisonError::into_inner).as_ref()
+            && let Err(e) = vsd_sys::interrupt::interrupt(thread)
+        {
+            log::error!("cannot interrupt it: {e}");
+        }
+    }
+
+    /// Ends the thread once it serves no group.
+    pub(crate) fn exit(&self) {
+        self.control.send(Command::Exit);
+        if let Some(thread) = self.thread.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Queues of one session served by one thread: a thread of its own, or a
+/// shared I/O thread's.
+pub(crate) struct Worker {
+    /// The queues it serves.
+    queues: Vec<u16>,
+    thread: Arc<ThreadHandle>,
+    group: u64,
+    /// The thread is the worker's own, ended with it.
+    own: bool,
+}
+
+impl Worker {
+    /// Starts worker thread number `thread` of the export, serving `runs`.
+    pub(crate) fn start(
+        thread: u16,
+        runs: Vec<QueueRun>,
+        mem: GuestMemoryAtomic<Memory>,
+        device: Arc<BlkDevice>,
+    ) -> io::Result<Self> {
+        let queues: Vec<u16> = runs.iter().map(|run| run.index).collect();
+        let name = thread_name(&device.config.id, &queues);
+        let handle = Arc::new(ThreadHandle::spawn(name, device.config.cpu_of(thread).into_iter().collect())?);
+        let poll = PollConfig::up_to_us(device.config.poll_us);
+        match handle.attach(runs, mem, device, poll) {
+            Ok(group) => Ok(Self { queues, thread: handle, group, own: true }),
+            Err(e) => {
+                handle.exit();
+                Err(e)
+            }
+        }
+    }
+
+    /// Serves `runs` on a shared I/O thread.
+    pub(crate) fn start_on(
+        io_thread: &IoThread,
+        runs: Vec<QueueRun>,
+        mem: GuestMemoryAtomic<Memory>,
+        device: Arc<BlkDevice>,
+    ) -> io::Result<Self> {
+        let queues: Vec<u16> = runs.iter().map(|run| run.index).collect();
+        let thread = io_thread.thread.clone();
+        let group = thread.attach(runs, mem, device, io_thread.poll)?;
+        Ok(Self { queues, thread, group, own: false })
+    }
+
+    /// Whether the worker serves queue `index`.
     pub(crate) fn serves(&self, index: u16) -> bool {
         self.queues.contains(&index)
     }
@@ -165,24 +251,11 @@ impl Worker {
     /// Stops the worker after the requests in flight complete, and returns
     /// its queues with their indexes where the worker left them.
     pub(crate) fn stop(self) -> Vec<QueueRun> {
-        if let Err(e) = self.stop.write(1) {
-            log::error!("cannot stop a queue worker: {e}");
+        let runs = self.thread.detach(self.group);
+        if self.own {
+            self.thread.exit();
         }
-        // Requests in flight may take long; the kick and call descriptors
-        // must not. The front-end owns those: it may hand over a blocking
-        // eventfd (or anything else), fill the call counter and never read
-        // it, or empty the kick counter between the worker's wake-up and its
-        // read, and the worker would wait forever, and with it the ring's
-        // stop (GET_VRING_BASE), the connection and the export.
-        while let Err(mpsc::RecvTimeoutError::Timeout) = self.done.recv_timeout(STOP_CHECK) {
-            if self.front_end_io.load(Ordering::Relaxed) {
-                log::warn!("a queue worker is stuck on the front-end's kick or call descriptor; interrupting it");
-                if let Err(e) = vsd_sys::interrupt::interrupt(&self.thread) {
-                    log::error!("cannot interrupt it: {e}");
-                }
-            }
-        }
-        self.thread.join().unwrap_or_default()
+        runs
     }
 }
 

@@ -27,11 +27,11 @@ mod complete;
 
 use super::calls::CallBatch;
 use super::slots::{Slot, Slots};
-use super::thread::{Wake, watch};
+use super::thread::{Wake, unwatch, watch};
 use super::trace::Trace;
 use super::{Memory, QueueRun, front_end_io};
 use crate::device::BlkDevice;
-use crate::poll::PollWindow;
+use crate::poll::{PollConfig, PollWindow};
 
 /// One queue of a worker thread, with everything its rounds need.
 pub(super) struct QueueWorker {
@@ -80,6 +80,7 @@ impl QueueWorker {
         mem: GuestMemoryAtomic<Memory>,
         device: Arc<BlkDevice>,
         front_end_io: Arc<AtomicBool>,
+        poll: PollConfig,
     ) -> io::Result<Self> {
         let depth = run.queue.size();
         // The worker counts its requests; the node need not count them again.
@@ -96,7 +97,7 @@ impl QueueWorker {
             front_end_io,
             trace: Trace::new(device.config.trace, depth),
             calls: CallBatch::new(device.config.call_batch_us),
-            poll: PollWindow::new(device.config.poll_us),
+            poll: PollWindow::new(poll),
             // The guest may have queued requests before the thread listened.
             kicked: true,
             woken: false,
@@ -114,6 +115,14 @@ impl QueueWorker {
 
     pub(super) fn into_run(self) -> QueueRun {
         self.run
+    }
+
+    /// Stops `epoll` watching the queue's descriptors, before it leaves its thread.
+    pub(super) fn unwatch(&self, epoll: &Epoll) {
+        unwatch(epoll, self.run.kick.as_raw_fd());
+        if let Some(fd) = self.io.notify_fd() {
+            unwatch(epoll, fd.as_raw_fd());
+        }
     }
 
     pub(super) fn in_flight(&self) -> usize {
@@ -151,13 +160,6 @@ impl QueueWorker {
         // freed some: take them now. With no slot free, sleep until the
         // engine completes something.
         !stopping && self.kicked && self.slots.has_free()
-    }
-
-    /// Blocks until some of the requests in flight may have completed.
-    pub(super) fn wait_for_io(&mut self) {
-        if let Err(e) = self.io.wait() {
-            log::error!("queue {}: waiting for I/O failed: {e}", self.run.index);
-        }
     }
 
     /// How long this queue would have its thread poll: its window, unless
