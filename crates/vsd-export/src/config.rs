@@ -92,11 +92,12 @@ impl ExportConfig {
             n => return Err(opts.invalid("num-queues", n, &format!("a number from 1 to {MAX_QUEUES}"))),
         };
         let iothread = opts.take("iothread");
-        if iothread.is_some() && (opts.has("num-threads") || opts.has("cpu-affinity")) {
+        if iothread.is_some() && ["num-threads", "cpu-affinity", "poll-us"].iter().any(|key| opts.has(key)) {
             return Err(opts.invalid(
                 "iothread",
                 iothread.unwrap_or_default(),
-                "an I/O thread without num-threads or cpu-affinity (it serves every queue, on its own CPUs)",
+                "an I/O thread without num-threads, cpu-affinity or poll-us (it serves every queue, on its own \
+                 CPUs, polling as its poll-max-ns says)",
             ));
         }
         let num_threads = match opts.take_u64("num-threads")? {

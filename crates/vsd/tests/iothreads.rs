@@ -137,7 +137,7 @@ fn mistakes_are_one_error_line() {
     let node = format!("driver=file,node-name=dn,filename={}", image.display());
     for (objects, extra, expected) in [
         (vec![], ",iothread=nope", "iothread \"nope\" not found"),
-        (vec!["iothread,id=io0"], ",iothread=io0,num-threads=1", "without num-threads or cpu-affinity"),
+        (vec!["iothread,id=io0"], ",iothread=io0,num-threads=1", "without num-threads, cpu-affinity or poll-us"),
         (vec!["iothread,id=io0,cpu-affinity=999"], "", "CPU 999 is not available"),
         (vec!["iothread,id=io0", "iothread,id=io0"], "", "attempt to add duplicate property 'io0'"),
         (vec!["iothread,id=io0,poll-max-ns=-1"], "", "poll-max-ns"),

@@ -57,9 +57,21 @@ pub struct Daemon {
 
 impl Daemon {
     /// Starts vsd with these arguments and waits until its pidfile says the
-    /// exports accept connections.
+    /// exports accept connections. With `VSD_TEST_IOTHREAD` set in the
+    /// environment, every vhost-user-blk export that does not choose its
+    /// own threads or polling runs on one shared `--object iothread`.
     pub fn vsd(dir: &Scratch, args: &[String]) -> Self {
-        Self::start(VSD, dir, args)
+        if std::env::var_os("VSD_TEST_IOTHREAD").is_none() {
+            return Self::start(VSD, dir, args);
+        }
+        let own_threads =
+            |a: &str| ["num-threads=", "cpu-affinity=", "poll-us=", "iothread="].iter().any(|key| a.contains(key));
+        let mut shared: Vec<String> = vec!["--object".into(), "iothread,id=vsd-test-io".into()];
+        shared.extend(args.iter().map(|a| match a.starts_with("type=vhost-user-blk") && !own_threads(a) {
+            true => format!("{a},iothread=vsd-test-io"),
+            false => a.clone(),
+        }));
+        Self::start(VSD, dir, &shared)
     }
 
     /// Starts qemu-storage-daemon the same way.
