@@ -108,6 +108,24 @@ impl Dice {
     }
 }
 
+/// vsd serving `device` with `cache.direct=on` as a two-queue disk of
+/// 512-byte logical blocks on `socket`.
+fn serve_with_512_byte_blocks(dir: &Scratch, device: &Loop, socket: &Path) -> Daemon {
+    let args = vec![
+        "--blockdev".into(),
+        format!("driver=host_device,node-name=d0,filename={},cache.direct=on", device.0.display()),
+        "--blockdev".into(),
+        "driver=raw,node-name=disk0,file=d0".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=e0,node-name=disk0,addr.type=unix,addr.path={},writable=on,num-queues=2,\
+             logical-block-size=512",
+            socket.display()
+        ),
+    ];
+    Daemon::vsd(dir, &args)
+}
+
 /// A 512-byte-sector disk on a 4096-byte-sector device with O_DIRECT:
 /// every request below is misaligned for the device, so vsd reads the
 /// blocks around it, merges and writes them back. Two queues write
@@ -124,19 +142,7 @@ fn a_4096_byte_sector_device_serves_512_byte_requests_with_cache_direct() {
     std::fs::write(&backing, &original).unwrap();
     let device = Loop::with_sector_size(&backing, 4096);
     let socket = dir.path("d.sock");
-    let args = vec![
-        "--blockdev".into(),
-        format!("driver=host_device,node-name=d0,filename={},cache.direct=on", device.0.display()),
-        "--blockdev".into(),
-        "driver=raw,node-name=disk0,file=d0".into(),
-        "--export".into(),
-        format!(
-            "type=vhost-user-blk,id=e0,node-name=disk0,addr.type=unix,addr.path={},writable=on,num-queues=2,\
-             logical-block-size=512",
-            socket.display()
-        ),
-    ];
-    let daemon = Daemon::vsd(&dir, &args);
+    let daemon = serve_with_512_byte_blocks(&dir, &device, &socket);
     let mut client = daemon.connect(ClientOptions { num_queues: 2, ..Default::default() });
     assert_eq!(client.capacity().unwrap(), 64 * MIB);
     let threads: Vec<_> = client
@@ -229,19 +235,7 @@ fn linux_guest_formats_and_uses_a_512_byte_disk_on_a_4096_byte_sector_device() {
     let backing = dir.image("backing.img", 64 * MIB);
     let device = Loop::with_sector_size(&backing, 4096);
     let socket = dir.path("vsd.sock");
-    let args = vec![
-        "--blockdev".into(),
-        format!("driver=host_device,node-name=d0,filename={},cache.direct=on", device.0.display()),
-        "--blockdev".into(),
-        "driver=raw,node-name=disk0,file=d0".into(),
-        "--export".into(),
-        format!(
-            "type=vhost-user-blk,id=e0,node-name=disk0,addr.type=unix,addr.path={},writable=on,num-queues=2,\
-             logical-block-size=512",
-            socket.display()
-        ),
-    ];
-    let daemon = Daemon::vsd(&dir, &args);
+    let daemon = serve_with_512_byte_blocks(&dir, &device, &socket);
     let socket_args = ["--socket", socket.to_str().unwrap()];
     let job = ["--queues", "2", "--size", "8M", "--bs", "512", "--append", "vsd.mkfs=on"];
     let facts = common::run_guest(&dir.path("console.log"), socket_args.iter().chain(&job));
