@@ -138,6 +138,8 @@ pub(super) struct WorkerThread {
     departures: Vec<Departure>,
     exiting: bool,
     next_group: u64,
+    /// The slot the current round starts with.
+    first: usize,
     /// Watches the control and every queue's kick and engine descriptors.
     epoll: Epoll,
     events: Vec<EpollEvent>,
@@ -161,6 +163,7 @@ impl WorkerThread {
             departures: Vec::new(),
             exiting: false,
             next_group: 0,
+            first: 0,
             epoll,
             events: vec![EpollEvent::default(); 1],
             control,
@@ -177,8 +180,13 @@ impl WorkerThread {
                     self.obey(command);
                 }
             }
+            // Each round starts one slot further on: the queue served
+            // first has its completions out first, and its client back
+            // first, so a fixed order would favour the lowest slots.
+            self.first = if self.first + 1 < self.members.len() { self.first + 1 } else { 0 };
+            let (later, earlier) = self.members.split_at_mut(self.first);
             let mut again = false;
-            for member in self.members.iter_mut().flatten() {
+            for member in earlier.iter_mut().chain(later).flatten() {
                 again |= member.queue.round(member.leaving);
             }
             if !self.departures.is_empty() {
