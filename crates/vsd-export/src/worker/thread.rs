@@ -184,9 +184,9 @@ impl WorkerThread {
             // first has its completions out first, and its client back
             // first, so a fixed order would favour the lowest slots.
             self.first = if self.first + 1 < self.members.len() { self.first + 1 } else { 0 };
-            let (later, earlier) = self.members.split_at_mut(self.first);
+            let (served_last, served_first) = self.members.split_at_mut(self.first);
             let mut again = false;
-            for member in earlier.iter_mut().chain(later).flatten() {
+            for member in served_first.iter_mut().chain(served_last).flatten() {
                 again |= member.queue.round(member.leaving);
             }
             if !self.departures.is_empty() {
