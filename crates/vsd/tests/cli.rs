@@ -5,17 +5,7 @@ mod common;
 
 use std::os::unix::net::UnixListener;
 
-use common::{Daemon, Scratch, VSD, file_export, run};
-
-/// Runs vsd expecting it to fail; returns its single stderr line.
-fn fails(args: &[String]) -> String {
-    let out = run(VSD, &args.iter().map(String::as_str).collect::<Vec<_>>());
-    assert_eq!(out.status.code(), Some(1), "vsd {args:?} must exit 1");
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_eq!(stderr.lines().count(), 1, "one error line, got: {stderr}");
-    assert!(stderr.starts_with("vsd: "), "{stderr}");
-    stderr
-}
+use common::{Daemon, Scratch, VSD, file_export, run, vsd_fails};
 
 fn strings(args: &[&str]) -> Vec<String> {
     args.iter().map(|s| s.to_string()).collect()
@@ -73,7 +63,7 @@ fn mistakes_name_their_culprit() {
         (strings(&["--blockdev", "driver=null-co,node-name=n"]), "--export"),
     ];
     for (args, culprit) in cases {
-        let line = fails(&args);
+        let line = vsd_fails(&args);
         assert!(line.contains(culprit), "error for {args:?} should name {culprit}: {line}");
         assert!(!sock.exists(), "no socket left behind by {args:?}");
     }
@@ -85,7 +75,7 @@ fn a_socket_in_use_is_refused_and_the_first_daemon_keeps_serving() {
     let image = dir.image("disk.img", 1 << 20);
     let sock = dir.path("s.sock");
     let mut first = Daemon::vsd(&dir, &file_export(&image, &sock, "", ""));
-    let line = fails(&file_export(&image, &sock, "", ""));
+    let line = vsd_fails(&file_export(&image, &sock, "", ""));
     assert!(line.contains("in use"), "{line}");
     assert!(first.is_running());
     assert!(sock.exists(), "the running daemon's socket is not removed");
@@ -99,7 +89,7 @@ fn only_stale_sockets_are_replaced() {
     // A regular file where the socket should go is never replaced.
     let not_socket = dir.path("file.sock");
     std::fs::write(&not_socket, "precious").unwrap();
-    let line = fails(&file_export(&image, &not_socket, "", ""));
+    let line = vsd_fails(&file_export(&image, &not_socket, "", ""));
     assert!(line.contains("not a socket"), "{line}");
     assert_eq!(std::fs::read(&not_socket).unwrap(), b"precious");
     // A socket nobody listens on is stale and is replaced.
@@ -150,7 +140,7 @@ fn a_failing_second_export_removes_the_first_socket() {
     let mut args = file_export(&image, &a, "", "");
     args.push("--export".into());
     args.push(format!("type=vhost-user-blk,id=exp1,node-name=nowhere,addr.type=unix,addr.path={}", b.display()));
-    fails(&args);
+    vsd_fails(&args);
     assert!(!a.exists() && !b.exists());
 }
 
@@ -237,7 +227,7 @@ fn unknown_users_and_groups_are_one_line_errors() {
         (strings(&["--blockdev", "driver=null-co,node-name=n", "--run-with", "chroot=/"]), "chroot"),
     ];
     for (args, culprit) in cases {
-        let line = fails(&args);
+        let line = vsd_fails(&args);
         assert!(line.contains(culprit), "error for {args:?} should name {culprit}: {line}");
         assert!(!sock.exists(), "no socket left behind by {args:?}");
     }

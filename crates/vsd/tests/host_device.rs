@@ -8,7 +8,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{Daemon, Scratch, VSD, pattern, run};
+use common::{Daemon, Scratch, pattern, run, vsd_fails};
 use vsd_bench::{BatchOp, ClientOptions};
 
 const MIB: u64 = 1 << 20;
@@ -46,14 +46,6 @@ fn device_export(driver: &str, path: &Path, socket: &Path) -> Vec<String> {
     ]
 }
 
-fn one_error_line(args: &[String]) -> String {
-    let out = run(VSD, &args.iter().map(String::as_str).collect::<Vec<_>>());
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert_eq!(stderr.lines().count(), 1, "{stderr}");
-    stderr
-}
-
 #[test]
 fn a_loop_device_is_served_as_a_host_device() {
     let dir = Scratch::new("host-device");
@@ -62,12 +54,12 @@ fn a_loop_device_is_served_as_a_host_device() {
     let device = Loop::over(&backing);
     let socket = dir.path("d.sock");
 
-    let wrong = one_error_line(&device_export("file", &device.0, &socket));
+    let wrong = vsd_fails(&device_export("file", &device.0, &socket));
     assert!(
         wrong.contains(&format!("'file' driver requires '{}' to be a regular file", device.0.display())),
         "{wrong}"
     );
-    let wrong = one_error_line(&device_export("host_device", &backing, &socket));
+    let wrong = vsd_fails(&device_export("host_device", &backing, &socket));
     assert!(wrong.contains("to be either a character or block device"), "{wrong}");
 
     let daemon = Daemon::vsd(&dir, &device_export("host_device", &device.0, &socket));

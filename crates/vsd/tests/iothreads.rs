@@ -7,9 +7,8 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 
-use common::{Daemon, Scratch, VSD, pattern};
+use common::{Daemon, Scratch, pattern, vsd_fails};
 use serde_json::json;
 use vsd_bench::{Client, ClientOptions};
 use vsd_control::client::QmpClient;
@@ -143,17 +142,12 @@ fn mistakes_are_one_error_line() {
         (vec!["iothread,id=io0,poll-max-ns=-1"], "", "poll-max-ns"),
     ] {
         let socket = dir.path("never.sock");
-        let mut command = Command::new(VSD);
-        for object in &objects {
-            command.args(["--object", object]);
-        }
         let export =
             format!("type=vhost-user-blk,id=d,node-name=dn,addr.type=unix,addr.path={}{extra}", socket.display());
-        let out = command.args(["--blockdev", &node, "--export", &export]).output().unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{objects:?} {extra}");
+        let mut args: Vec<&str> = objects.iter().flat_map(|object| ["--object", object]).collect();
+        args.extend(["--blockdev", &node, "--export", &export]);
+        let stderr = vsd_fails(&args);
         assert!(stderr.contains(expected), "{objects:?} {extra}: {stderr}");
-        assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
         assert!(!Path::new(&socket).exists());
     }
 }

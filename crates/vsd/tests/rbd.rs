@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use common::{Cluster, Daemon, Scratch, VSD, pattern, run};
+use common::{Cluster, Daemon, Scratch, VSD, pattern, run, vsd_fails};
 use serde_json::{Value, json};
 use vsd_bench::ClientOptions;
 use vsd_control::client::QmpClient;
@@ -276,15 +276,10 @@ fn a_wrong_pool_image_or_monitor_is_one_clear_error() {
         ("driver=rbd,node-name=r0,pool=rbd,image=x,key-secret=k0".into(), "No secret with id 'k0'"),
         ("driver=rbd,node-name=r0,pool=rbd,image=x,auth-client-required.0=kerberos".into(), "a list of cephx, none"),
     ] {
-        let out = Command::new(VSD)
-            .args(["--blockdev", &node, "--blockdev", "driver=raw,node-name=d0,file=r0", "--export"])
-            .arg(format!("type=vhost-user-blk,id=e0,node-name=d0,addr.type=unix,addr.path={}", socket.display()))
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{node}");
+        let export = format!("type=vhost-user-blk,id=e0,node-name=d0,addr.type=unix,addr.path={}", socket.display());
+        let stderr =
+            vsd_fails(&["--blockdev", &node, "--blockdev", "driver=raw,node-name=d0,file=r0", "--export", &export]);
         assert!(stderr.contains(expected), "{node}: {stderr}");
-        assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
         assert!(!Path::new(&socket).exists());
     }
 }
@@ -564,16 +559,10 @@ fn cephx_keys_come_from_secret_objects() {
         (vec!["--object", &wrong], ",key-secret=k0".into(), "error connecting (as client.admin): Permission denied"),
         (vec!["--object", &secret], ",key-secret=k0,user=nobody".into(), "error connecting (as client.nobody)"),
     ] {
-        let out = Command::new(VSD)
-            .args(&objects)
-            .args(["--blockdev", &node(&extra), "--export"])
-            .arg(format!("type=vhost-user-blk,id=e0,node-name=r0,addr.type=unix,addr.path={}", socket.display()))
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{extra}");
+        let export = format!("type=vhost-user-blk,id=e0,node-name=r0,addr.type=unix,addr.path={}", socket.display());
+        let node = node(&extra);
+        let stderr = vsd_fails(&[objects, vec!["--blockdev", &node, "--export", &export]].concat());
         assert!(stderr.contains(expected), "{extra}: {stderr}");
-        assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
         assert!(!socket.exists());
     }
 }

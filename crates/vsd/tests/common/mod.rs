@@ -207,6 +207,17 @@ pub fn json_count(text: &str, key: &str) -> u64 {
     digits.parse().unwrap_or(0)
 }
 
+/// Runs vsd expecting it to refuse to start: exit status 1 and a single
+/// `vsd: ...` line on stderr, which is returned.
+pub fn vsd_fails<S: AsRef<OsStr>>(args: &[S]) -> String {
+    let out = Command::new(VSD).args(args).stdin(Stdio::null()).output().expect("run vsd");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "vsd must exit 1: {stderr}");
+    assert_eq!(stderr.lines().count(), 1, "one error line, got: {stderr}");
+    assert!(stderr.starts_with("vsd: "), "{stderr}");
+    stderr
+}
+
 /// A deterministic pattern, different for each `seed`.
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
