@@ -1,8 +1,9 @@
 //! NBD over TLS against real peers: QEMU's client (qemu-img, qemu-io with
 //! `tls-creds-x509` objects) and libnbd's (nbdinfo, nbdcopy with `nbds+unix`
 //! URIs), with a CA and certificates each test makes with `openssl`; clients
-//! without TLS, or with a certificate another CA signed, are refused while
-//! the others are served, and a client stalling in the TLS handshake is cut.
+//! without TLS, or with a certificate another CA signed (GnuTLS's clients
+//! keep it; a rustls client sends it), are refused while the others are
+//! served, and a client stalling in the TLS handshake is cut.
 
 mod common;
 
@@ -320,6 +321,50 @@ fn clients_without_tls_or_a_trusted_certificate_are_refused_and_others_served() 
     let open_socket = open.path("nbd.sock");
     let _open = tls_daemon(&open, &open.image("disk.img", MIB), &open_socket, &pki.server, ",verify-peer=off", "");
     assert_eq!(ok("nbdinfo", &["--size", &tls_uri(&open_socket, &pki.anonymous)]).trim(), MIB.to_string());
+}
+
+/// Starts TLS as a rustls client with `client`'s certificate, trusting
+/// `ca`'s CA, sends LIST and returns its first reply's header.
+fn rustls_client_listing(socket: &Path, ca: &Path, client: &Path) -> std::io::Result<Vec<u8>> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(CertificateDer::from_pem_file(ca.join("ca-cert.pem")).unwrap()).unwrap();
+    let chain = vec![CertificateDer::from_pem_file(client.join("client-cert.pem")).unwrap()];
+    let key = PrivateKeyDer::from_pem_file(client.join("client-key.pem")).unwrap();
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)
+        .unwrap();
+    let name = "localhost".try_into().unwrap();
+    let mut tls = rustls::ClientConnection::new(std::sync::Arc::new(config), name).unwrap();
+    let mut raw = RawClient::greeted(socket);
+    raw.send_option(OPT_STARTTLS, &[]);
+    assert_eq!(raw.reply().0, REP_ACK);
+    let mut stream = rustls::Stream::new(&mut tls, &mut raw.s);
+    let list = [&IHAVEOPT.to_be_bytes()[..], &OPT_LIST.to_be_bytes(), &0u32.to_be_bytes()].concat();
+    stream.write_all(&list)?;
+    let mut reply = vec![0; 20];
+    stream.read_exact(&mut reply)?;
+    Ok(reply)
+}
+
+#[test]
+fn the_server_checks_a_client_certificate_it_is_sent() {
+    let dir = Scratch::new("nbd-tls-verify");
+    let pki = make_pki(&dir);
+    let socket = dir.path("nbd.sock");
+    let _daemon = tls_daemon(&dir, &dir.image("disk.img", MIB), &socket, &pki.server, "", "");
+    // The server names the CA it trusts; GnuTLS's clients then keep a
+    // certificate another CA signed. rustls's send it anyway.
+    let refused = rustls_client_listing(&socket, &pki.client, &pki.rogue);
+    let error = refused.expect_err("a certificate another CA signed is refused").to_string();
+    assert!(error.contains("UnknownCA"), "the server's alert: {error}");
+    let reply = rustls_client_listing(&socket, &pki.client, &pki.client).expect("the CA's client is served");
+    assert_eq!(u32::from_be_bytes(reply[12..16].try_into().unwrap()), 2, "NBD_REP_SERVER over TLS");
 }
 
 #[test]
