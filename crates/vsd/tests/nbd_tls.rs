@@ -238,6 +238,32 @@ fn nbdinfo_and_nbdcopy_work_over_tls() {
     assert!(std::fs::read(&back).unwrap() == sent, "what nbdcopy read is the image");
 }
 
+#[test]
+fn tls_over_tcp_with_the_server_s_name_checked() {
+    let dir = Scratch::new("nbd-tls-tcp");
+    let pki = make_pki(&dir);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let args = vec![
+        "--object".into(),
+        format!("tls-creds-x509,id=tls0,dir={},endpoint=server", pki.server.display()),
+        "--blockdev".into(),
+        "driver=null-co,node-name=n0,size=2097152,read-zeroes=on".into(),
+        "--nbd-server".into(),
+        format!("addr.type=inet,addr.host=127.0.0.1,addr.port={port},tls-creds=tls0"),
+        "--export".into(),
+        "type=nbd,id=e0,node-name=n0,name=disk".into(),
+    ];
+    let _daemon = Daemon::vsd(&dir, &args);
+    // Over TCP libnbd checks the host name against the certificate's.
+    let uri = format!("nbds://localhost:{port}/disk?tls-certificates={}", pki.client.display());
+    assert_eq!(ok("nbdinfo", &["--size", &uri]).trim(), (2 * MIB).to_string());
+    let creds = qemu_creds(&pki.client, "");
+    let opts =
+        format!("driver=nbd,server.type=inet,server.host=127.0.0.1,server.port={port},export=disk,tls-creds=tls0");
+    let out = run("qemu-io", &["--object", &creds, "--image-opts", &opts, "-r", "-c", "read -P 0 0 1M"]);
+    assert!(out.status.success() && !text(&out).contains("verification failed"), "{}", text(&out));
+}
+
 /// A client of the test's own, in the clear: greeting, flags, options.
 struct RawClient {
     s: UnixStream,
