@@ -4,8 +4,9 @@
 //!
 //! A TLS connection's memory stays bounded: rustls keeps at most
 //! [`TLS_BUFFER`] of records to send, 16 KiB of decrypted bytes not yet
-//! read, and one record (at most 16 KiB and change) being received; the
-//! transmission phase reads no more records while that plaintext waits.
+//! read, and one record being received (at most 16 KiB and change; a
+//! handshake message, during the handshake, at most 64 KiB); the
+//! transmission phase reads no more records while decrypted bytes wait.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
