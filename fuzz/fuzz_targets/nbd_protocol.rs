@@ -3,8 +3,10 @@
 //! transmission phase's request headers (`vsd_nbd::proto::Request::parse`
 //! and `check`) in the reply mode the handshake agreed on.
 //!
-//! The first two input bytes choose how the rest is cut into chunks. What
-//! must hold, besides not panicking:
+//! The first two input bytes choose how the rest is cut into chunks, and
+//! whether the server requires TLS (the bytes after STARTTLS are then read
+//! as the options that the TLS session would decrypt). What must hold,
+//! besides not panicking:
 //! - the handshake consumes no more than it is given, keeps at most one
 //!   option's worth of data, and answers the same bytes however the input
 //!   is chunked;
@@ -47,8 +49,8 @@ impl Catalog for OneExport {
 /// Feeds `input` in chunks whose sizes cycle through `cuts`; returns the
 /// server's output, how much of the input the handshake took, and the
 /// negotiation.
-fn handshake(input: &[u8], cuts: &[usize], read_only: bool) -> (Vec<u8>, usize, Negotiation<OneExport>) {
-    let mut negotiation = Negotiation::new(OneExport(read_only));
+fn handshake(input: &[u8], cuts: &[usize], read_only: bool, tls: bool) -> (Vec<u8>, usize, Negotiation<OneExport>) {
+    let mut negotiation = Negotiation::new(OneExport(read_only), tls);
     let (mut output, mut at) = (negotiation.take_output(), 0);
     for &cut in cuts.iter().cycle() {
         if at >= input.len() || negotiation.finished() {
@@ -59,7 +61,7 @@ fn handshake(input: &[u8], cuts: &[usize], read_only: bool) -> (Vec<u8>, usize, 
         assert!(taken <= chunk.len(), "took {taken} of {} bytes", chunk.len());
         output.extend(negotiation.take_output());
         at += taken;
-        if taken < chunk.len() {
+        if taken < chunk.len() && !negotiation.take_starttls() {
             assert!(negotiation.finished(), "stopped consuming before the end of the handshake");
         }
     }
@@ -68,11 +70,11 @@ fn handshake(input: &[u8], cuts: &[usize], read_only: bool) -> (Vec<u8>, usize, 
 
 fuzz_target!(|data: &[u8]| {
     let [seed, cut, rest @ ..] = data else { return };
-    let read_only = seed & 1 != 0;
-    let cuts = [usize::from(*cut).max(1), usize::from(seed >> 1).max(1)];
-    let (output, taken, mut negotiation) = handshake(rest, &cuts, read_only);
+    let (read_only, tls) = (seed & 1 != 0, cut & 0x80 != 0);
+    let cuts = [usize::from(cut & 0x7f).max(1), usize::from(seed >> 1).max(1)];
+    let (output, taken, mut negotiation) = handshake(rest, &cuts, read_only, tls);
     // The same bytes in one chunk: the same answer.
-    let (whole, whole_taken, _) = handshake(rest, &[rest.len().max(1)], read_only);
+    let (whole, whole_taken, _) = handshake(rest, &[rest.len().max(1)], read_only, tls);
     assert_eq!((output.len(), taken), (whole.len(), whole_taken), "chunking changed the handshake");
     assert_eq!(output, whole);
     // Bounded: the answers to the options given, not to their data.

@@ -14,9 +14,13 @@
 //! all of a connection's buffers together stay under [`BUDGET`]: a request
 //! that would pass it waits for earlier ones to finish. A payload larger
 //! than the maximum gets an error and the connection is closed.
+//!
+//! The socket is a [`Wire`] type parameter: a TLS connection reads and
+//! writes through rustls' bounded buffers ([`crate::tls`]), a plain one
+//! straight through the socket, with no TLS branch compiled in.
 
 use std::collections::VecDeque;
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, IoSlice};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
@@ -28,7 +32,8 @@ use vsd_trace::{Clock, OpKind, QueueStats};
 use crate::negotiate::{Agreement, BASE_ALLOCATION_ID};
 use crate::proto::{self, Command, Limits, Mode, Refusal, ReplyHeader, Request, errno, state};
 use crate::server::Export;
-use crate::stream::Stream;
+use crate::stream::{Stream, Wire};
+use crate::tls::TlsStream;
 
 /// Requests in flight per connection, as QEMU's server allows.
 const SLOTS: usize = 16;
@@ -68,11 +73,11 @@ struct Slot {
 /// One connection in the transmission phase. The queue is declared before
 /// the slots: dropping it waits for requests in flight, whose buffers the
 /// slots own.
-struct Transmission {
+struct Transmission<W: Wire> {
     queue: Box<dyn IoQueue>,
     slots: Vec<Slot>,
     free: Vec<usize>,
-    stream: Stream,
+    stream: W,
     export: Arc<Export>,
     limits: Limits,
     writethrough: bool,
@@ -97,9 +102,23 @@ struct Transmission {
     now: u64,
 }
 
-/// Serves a connection that negotiated `agreement`; `early` holds bytes
-/// the client sent right after the handshake.
-pub(crate) fn serve(stream: Stream, agreement: Agreement<Arc<Export>>, early: &[u8]) -> io::Result<()> {
+/// Serves a connection that negotiated `agreement`, over `tls` if the
+/// client started it; `early` holds bytes the client sent right after the
+/// handshake (decrypted).
+pub(crate) fn serve(
+    stream: Stream,
+    tls: Option<rustls::ServerConnection>,
+    agreement: Agreement<Arc<Export>>,
+    early: &[u8],
+) -> io::Result<()> {
+    stream.set_nonblocking()?;
+    match tls {
+        None => serve_on(stream, agreement, early),
+        Some(tls) => serve_on(TlsStream::new(tls, stream), agreement, early),
+    }
+}
+
+fn serve_on<W: Wire>(stream: W, agreement: Agreement<Arc<Export>>, early: &[u8]) -> io::Result<()> {
     let export = agreement.export;
     let limits = Limits {
         size: agreement.info.size,
@@ -111,22 +130,24 @@ pub(crate) fn serve(stream: Stream, agreement: Agreement<Arc<Export>>, early: &[
     let clock = Clock::get();
     let stats = Arc::new(QueueStats::timed_by(clock));
     export.attach_stats(stats.clone());
-    let result =
-        Transmission::new(stream, export.clone(), limits, stats.clone(), clock, early).and_then(|mut t| t.run());
+    let result = Transmission::new(stream, export.clone(), limits, stats.clone(), clock, early).and_then(|mut t| {
+        let served = t.run();
+        t.stream.close();
+        served
+    });
     export.detach_stats(&stats);
     result
 }
 
-impl Transmission {
+impl<W: Wire> Transmission<W> {
     fn new(
-        stream: Stream,
+        stream: W,
         export: Arc<Export>,
         limits: Limits,
         stats: Arc<QueueStats>,
         clock: Clock,
         early: &[u8],
     ) -> io::Result<Self> {
-        stream.set_nonblocking()?;
         let queue = export.node.open_uncounted_queue(SLOTS as u16)?;
         let epoll = Epoll::new()?;
         let edge = EventSet::IN | EventSet::OUT | EventSet::EDGE_TRIGGERED;
@@ -181,7 +202,8 @@ impl Transmission {
             let mut progress = self.receive()?;
             progress |= self.submit_and_reap()?;
             progress |= self.send()?;
-            if self.closing && self.in_flight == 0 && self.replies.is_empty() && self.receiving.is_none() {
+            let done = self.closing && self.in_flight == 0 && self.replies.is_empty() && self.receiving.is_none();
+            if done && !self.stream.holds_back() {
                 return Ok(());
             }
             if !progress {
@@ -227,7 +249,7 @@ impl Transmission {
             self.end -= self.start;
             self.start = 0;
         }
-        match (&self.stream).read(&mut self.input[self.end..]) {
+        match self.stream.read(&mut self.input[self.end..]) {
             Ok(0) => {
                 self.closing = true;
                 Ok(true)
@@ -246,7 +268,7 @@ impl Transmission {
     fn read_payload(&mut self, index: usize) -> io::Result<bool> {
         let slot = &mut self.slots[index];
         let (filled, len) = (slot.received, slot.request.len as usize);
-        match (&self.stream).read(&mut slot.buf[filled..len]) {
+        match self.stream.read(&mut slot.buf[filled..len]) {
             Ok(0) => {
                 // The payload stopped half-way: nothing to reply to.
                 self.receiving = None;
@@ -529,7 +551,8 @@ impl Transmission {
     /// any byte went out.
     fn send(&mut self) -> io::Result<bool> {
         if self.replies.is_empty() {
-            return Ok(false);
+            // A TLS wire may still hold records of replies it took.
+            return self.stream.flush_held();
         }
         let mut iov = [IoSlice::new(&[]); MAX_IOV];
         let mut count = 0;
@@ -545,7 +568,7 @@ impl Transmission {
                 }
             }
         }
-        let mut n = match (&self.stream).write_vectored(&iov[..count]) {
+        let mut n = match self.stream.write_vectored(&iov[..count]) {
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(true),

@@ -7,6 +7,9 @@
 //!                                        ▼
 //!              negotiate.rs (options, bytes in, bytes out) ──▶ conn.rs (transmission:
 //!              request slots, IoQueue of its own, batched submits, writev replies)
+//!                 │ after NBD_OPT_STARTTLS, both over
+//!                 ▼
+//!              tls.rs (rustls: X.509 credentials, a session per connection)
 //! ```
 //!
 //! The protocol is written here, not taken from a crate: none implements a
@@ -23,6 +26,8 @@ mod config;
 mod conn;
 mod server;
 mod stream;
+mod tls;
 
 pub use config::{Address, ExportConfig, ServerConfig};
 pub use server::{NbdError, NbdExport, NbdServer};
+pub use tls::{TlsCreds, TlsError};

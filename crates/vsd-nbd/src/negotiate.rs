@@ -7,6 +7,14 @@
 //! the bytes after it belong to the transmission phase. Memory is bounded
 //! whatever the client sends: option data over [`MAX_OPTION_DATA`] is
 //! skipped, not kept.
+//!
+//! A server that requires TLS answers every option but STARTTLS and ABORT
+//! with NBD_REP_ERR_TLS_REQD until the client has sent STARTTLS, and
+//! closes the connection on EXPORT_NAME, which has no error reply (as
+//! QEMU). After STARTTLS, [`Negotiation::feed`] stops consuming until the
+//! caller has started the TLS session ([`Negotiation::take_starttls`]);
+//! what was agreed before it is forgotten (CVE-2021-3716 was structured
+//! replies negotiated in the clear surviving STARTTLS in nbdkit).
 
 use crate::proto::{Mode, tx_flag};
 
@@ -40,6 +48,7 @@ mod rep {
     pub const ERR_UNSUP: u32 = ERR + 1;
     pub const ERR_POLICY: u32 = ERR + 2;
     pub const ERR_INVALID: u32 = ERR + 3;
+    pub const ERR_TLS_REQD: u32 = ERR + 5;
     pub const ERR_UNKNOWN: u32 = ERR + 6;
     pub const ERR_TOO_BIG: u32 = ERR + 9;
     pub const ERR_EXT_HEADER_REQD: u32 = ERR + 11;
@@ -114,6 +123,26 @@ pub enum Closed {
     /// has no error reply.
     #[error("NBD_OPT_EXPORT_NAME for an export that cannot be served")]
     ExportName,
+    /// An option a TLS server cannot refuse with a reply: EXPORT_NAME
+    /// before TLS, or any option from a client without fixed newstyle.
+    #[error("Option {0:#x} not permitted before TLS")]
+    TlsRequired(u32),
+    /// NBD_OPT_STARTTLS with data: the client cannot be talking TLS right.
+    #[error("NBD_OPT_STARTTLS with data")]
+    StartTlsData,
+}
+
+/// Where the connection stands with TLS.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tls {
+    /// The server has no credentials: STARTTLS is refused.
+    Off,
+    /// Required and not started: options are refused until STARTTLS.
+    Required,
+    /// STARTTLS acknowledged; the caller has yet to start the session.
+    Starting,
+    /// The rest of the handshake is encrypted.
+    On,
 }
 
 enum Phase {
@@ -131,6 +160,8 @@ pub struct Negotiation<C: Catalog> {
     input: Vec<u8>,
     output: Vec<u8>,
     no_zeroes: bool,
+    fixed: bool,
+    tls: Tls,
     mode: Mode,
     /// `base:allocation` selected with SET_META_CONTEXT, for this export name.
     contexts: Option<String>,
@@ -138,8 +169,9 @@ pub struct Negotiation<C: Catalog> {
 }
 
 impl<C: Catalog> Negotiation<C> {
-    /// A handshake whose greeting is ready to send.
-    pub fn new(catalog: C) -> Self {
+    /// A handshake whose greeting is ready to send; with `tls_required`,
+    /// the client must send STARTTLS before anything else.
+    pub fn new(catalog: C, tls_required: bool) -> Self {
         let mut output = Vec::with_capacity(64);
         output.extend(NBDMAGIC.to_be_bytes());
         output.extend(IHAVEOPT.to_be_bytes());
@@ -150,6 +182,8 @@ impl<C: Catalog> Negotiation<C> {
             input: Vec::new(),
             output,
             no_zeroes: false,
+            fixed: false,
+            tls: if tls_required { Tls::Required } else { Tls::Off },
             mode: Mode::Simple,
             contexts: None,
             outcome: None,
@@ -167,6 +201,17 @@ impl<C: Catalog> Negotiation<C> {
         self.outcome.take()
     }
 
+    /// Whether the client's STARTTLS was just acknowledged: the caller
+    /// sends the output, then starts TLS, feeding the session the bytes
+    /// [`Negotiation::feed`] left; the options that follow are encrypted.
+    pub fn take_starttls(&mut self) -> bool {
+        if self.tls != Tls::Starting {
+            return false;
+        }
+        self.tls = Tls::On;
+        true
+    }
+
     /// Whether the handshake has ended.
     pub fn finished(&self) -> bool {
         matches!(self.phase, Phase::Finished)
@@ -177,6 +222,9 @@ impl<C: Catalog> Negotiation<C> {
     pub fn feed(&mut self, mut bytes: &[u8]) -> usize {
         let given = bytes.len();
         loop {
+            if self.tls == Tls::Starting {
+                break;
+            }
             let need = match self.phase {
                 Phase::Finished => break,
                 Phase::ClientFlags => 4,
@@ -217,6 +265,7 @@ impl<C: Catalog> Negotiation<C> {
                     return self.close(Closed::ClientFlags(flags));
                 }
                 self.no_zeroes = flags & u32::from(FLAG_NO_ZEROES) != 0;
+                self.fixed = flags & u32::from(FLAG_FIXED_NEWSTYLE) != 0;
                 self.phase = Phase::OptionHeader;
             }
             Phase::OptionHeader => {
@@ -250,6 +299,9 @@ impl<C: Catalog> Negotiation<C> {
     /// the option ends the handshake.
     fn option(&mut self, option: u32, data: &[u8]) {
         self.phase = Phase::OptionHeader;
+        if self.tls == Tls::Required {
+            return self.before_tls(option, data);
+        }
         match option {
             opt::EXPORT_NAME => self.export_name(data),
             opt::ABORT => {
@@ -267,11 +319,34 @@ impl<C: Catalog> Negotiation<C> {
                 }
                 self.reply(option, rep::ACK, &[]);
             }
-            opt::STARTTLS => self.error(option, rep::ERR_POLICY, "TLS not configured"),
+            opt::STARTTLS if self.tls == Tls::Off => self.error(option, rep::ERR_POLICY, "TLS not configured"),
+            opt::STARTTLS => self.error(option, rep::ERR_INVALID, "TLS already enabled"),
             opt::INFO | opt::GO => self.info_or_go(option, data),
             opt::STRUCTURED_REPLY | opt::EXTENDED_HEADERS => self.reply_format(option, data),
             opt::LIST_META_CONTEXT | opt::SET_META_CONTEXT => self.meta_context(option, data),
             _ => self.error(option, rep::ERR_UNSUP, "option not supported"),
+        }
+    }
+
+    /// An option on a connection that must start TLS first.
+    fn before_tls(&mut self, option: u32, data: &[u8]) {
+        // Without fixed newstyle the client cannot be told why.
+        if !self.fixed {
+            return self.close(Closed::TlsRequired(option));
+        }
+        match option {
+            opt::STARTTLS if !data.is_empty() => self.close(Closed::StartTlsData),
+            opt::STARTTLS => {
+                self.reply(option, rep::ACK, &[]);
+                // Nothing agreed in the clear may outlive it.
+                (self.mode, self.contexts, self.tls) = (Mode::Simple, None, Tls::Starting);
+            }
+            opt::EXPORT_NAME => self.close(Closed::TlsRequired(option)),
+            opt::ABORT => {
+                self.reply(option, rep::ACK, &[]);
+                self.close(Closed::Aborted);
+            }
+            _ => self.error(option, rep::ERR_TLS_REQD, &format!("Option {option:#x} not permitted before TLS")),
         }
     }
 
@@ -489,7 +564,7 @@ mod tests {
 
     /// A negotiation past the greeting and client flags (NO_ZEROES set).
     fn started() -> Negotiation<Two> {
-        let mut n = Negotiation::new(Two);
+        let mut n = Negotiation::new(Two, false);
         let greeting = n.take_output();
         assert_eq!((be64(&greeting), be64(&greeting[8..]), &greeting[16..]), (NBDMAGIC, IHAVEOPT, &[0u8, 3][..]));
         assert_eq!(n.feed(&3u32.to_be_bytes()), 4);
@@ -642,7 +717,7 @@ mod tests {
 
     #[test]
     fn export_name_ends_the_handshake_or_the_connection() {
-        let mut n = Negotiation::new(Two);
+        let mut n = Negotiation::new(Two, false);
         n.take_output();
         n.feed(&1u32.to_be_bytes()); // fixed newstyle, zeroes wanted
         n.feed(&option(opt::EXPORT_NAME, b"disk"));
@@ -655,9 +730,68 @@ mod tests {
         assert_eq!(n.outcome().unwrap().unwrap_err(), Closed::ExportName);
     }
 
+    /// A TLS-requiring negotiation past the greeting and client flags.
+    fn started_tls() -> Negotiation<Two> {
+        let mut n = Negotiation::new(Two, true);
+        n.take_output();
+        n.feed(&3u32.to_be_bytes());
+        n
+    }
+
+    #[test]
+    fn before_starttls_options_are_refused_and_export_name_closes() {
+        let mut n = started_tls();
+        for (code, data) in [(opt::GO, go("disk", &[])), (opt::LIST, vec![]), (opt::STRUCTURED_REPLY, vec![])] {
+            let refused = exchange(&mut n, code, &data);
+            assert_eq!((refused.len(), refused[0].1), (1, rep::ERR_TLS_REQD), "option {code}");
+            assert_eq!(refused[0].2, format!("Option {code:#x} not permitted before TLS").as_bytes());
+        }
+        assert!(n.outcome().is_none(), "the client may go on");
+        n.feed(&option(opt::EXPORT_NAME, b"disk"));
+        assert_eq!(n.outcome().unwrap().unwrap_err(), Closed::TlsRequired(opt::EXPORT_NAME));
+        assert!(n.take_output().is_empty(), "EXPORT_NAME has no error reply");
+
+        let mut n = started_tls();
+        assert_eq!(exchange(&mut n, opt::ABORT, &[])[0].1, rep::ACK);
+        assert_eq!(n.outcome().unwrap().unwrap_err(), Closed::Aborted);
+
+        let mut n = started_tls();
+        n.feed(&option(opt::STARTTLS, &[0]));
+        assert_eq!(n.outcome().unwrap().unwrap_err(), Closed::StartTlsData);
+
+        // Fixed newstyle only: an old client could not be told why.
+        let mut n = Negotiation::new(Two, true);
+        n.take_output();
+        n.feed(&2u32.to_be_bytes());
+        n.feed(&option(opt::LIST, &[]));
+        assert_eq!(n.outcome().unwrap().unwrap_err(), Closed::TlsRequired(opt::LIST));
+    }
+
+    #[test]
+    fn starttls_stops_at_its_end_and_the_session_starts_afresh() {
+        let mut n = started_tls();
+        let mut bytes = option(opt::STARTTLS, &[]);
+        let option_len = bytes.len();
+        bytes.extend([0x16, 0x03, 0x01]); // a ClientHello's first bytes
+        assert_eq!(n.feed(&bytes), option_len, "TLS records are not options");
+        assert_eq!(replies(&n.take_output())[0].1, rep::ACK);
+        assert_eq!(n.feed(&option(opt::LIST, &[])), 0, "nothing is read before TLS has started");
+        assert!(n.take_starttls());
+        assert!(!n.take_starttls(), "once");
+        assert_eq!(exchange(&mut n, opt::STARTTLS, &[])[0].1, rep::ERR_INVALID, "TLS already enabled");
+        assert_eq!(exchange(&mut n, opt::STRUCTURED_REPLY, &[])[0].1, rep::ACK);
+        exchange(&mut n, opt::GO, &go("disk", &[]));
+        assert_eq!(n.outcome().unwrap().unwrap().mode, Mode::Structured);
+
+        // Without credentials STARTTLS is refused and nothing waits for it.
+        let mut n = started();
+        assert_eq!(exchange(&mut n, opt::STARTTLS, &[])[0].1, rep::ERR_POLICY);
+        assert!(!n.take_starttls());
+    }
+
     #[test]
     fn bad_flags_and_magic_close_the_connection() {
-        let mut n = Negotiation::new(Two);
+        let mut n = Negotiation::new(Two, false);
         n.feed(&4u32.to_be_bytes());
         assert_eq!(n.outcome().unwrap().unwrap_err(), Closed::ClientFlags(4));
         let mut n = started();

@@ -4,8 +4,9 @@
 //! connected (handshaking ones count: CVE-2024-7409 was idle half-open
 //! connections locking real clients out); the rest wait in the listen
 //! backlog. Each client gets a thread of its own: the handshake, bounded
-//! by `handshake-max-seconds`, then the transmission phase
-//! ([`crate::conn`]). Every connection is tracked, so that removing an
+//! by `handshake-max-seconds` (a TLS handshake included: a client that
+//! stalls inside it is cut like one that stalls between options), then the
+//! transmission phase ([`crate::conn`]). Every connection is tracked, so that removing an
 //! export, or stopping the server, cuts each one it concerns and waits for
 //! its requests in flight.
 
@@ -20,6 +21,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use rustls::ServerConnection;
+
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_block::BlockNode;
@@ -31,6 +34,7 @@ use crate::conn::{self, MAX_PAYLOAD};
 use crate::negotiate::{Agreement, Catalog, ExportInfo, Negotiation};
 use crate::proto::tx_flag;
 use crate::stream::Stream;
+use crate::tls::TlsCreds;
 
 /// Why the server or an export could not start.
 #[derive(Debug, thiserror::Error)]
@@ -69,6 +73,8 @@ pub struct NbdServer {
 
 struct Shared {
     config: ServerConfig,
+    /// Clients must start TLS with these before anything else.
+    tls: Option<Arc<TlsCreds>>,
     exports: RwLock<BTreeMap<String, Arc<Export>>>,
     conns: Mutex<Conns>,
     /// Written to stop the accepting thread.
@@ -137,13 +143,14 @@ pub struct NbdExport {
 }
 
 impl NbdServer {
-    /// Listens and starts accepting clients.
-    pub fn start(config: ServerConfig) -> Result<Self, NbdError> {
+    /// Listens and starts accepting clients; with `tls`, only over TLS.
+    pub fn start(config: ServerConfig, tls: Option<Arc<TlsCreds>>) -> Result<Self, NbdError> {
         let addr = describe(&config.addr);
         let error = |source| NbdError::Listen { addr: addr.clone(), source };
         let listener = Listener::bind(&config.addr).map_err(error)?;
         let shared = Arc::new(Shared {
             config,
+            tls,
             exports: RwLock::default(),
             conns: Mutex::default(),
             stop: EventFd::new(EFD_NONBLOCK).map_err(error)?,
@@ -423,10 +430,10 @@ fn start_connection(shared: &Arc<Shared>, stream: Stream) {
 /// A connection's whole life, on its own thread.
 fn serve(shared: &Arc<Shared>, id: u64, stream: Stream) {
     match handshake(shared, &stream) {
-        Ok((agreement, early)) => {
+        Ok(Handshake { agreement, early, tls }) => {
             if shared.join(id, &agreement.export) {
                 let name = agreement.export.config.id.clone();
-                if let Err(e) = conn::serve(stream, agreement, &early) {
+                if let Err(e) = conn::serve(stream, tls, agreement, &early) {
                     log::info!("NBD export '{name}': connection closed: {e}");
                 }
             }
@@ -462,38 +469,134 @@ fn too_long() -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, "the handshake took too long")
 }
 
-/// Runs the handshake with blocking I/O under the deadline; returns the
-/// agreement and the bytes the client sent after it.
-fn handshake(shared: &Shared, stream: &Stream) -> io::Result<(Agreement<Arc<Export>>, Vec<u8>)> {
-    let deadline = shared.config.handshake_max.map(|max| Instant::now() + max);
-    let mut negotiation = Negotiation::new(Offered(shared));
-    let mut buf = vec![0u8; 16 << 10];
-    let mut early = Vec::new();
-    loop {
-        let remaining = match deadline {
-            Some(deadline) => {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(too_long());
-                }
-                Some(left)
-            }
-            None => None,
+/// The end of a handshake that reached the transmission phase.
+struct Handshake {
+    agreement: Agreement<Arc<Export>>,
+    /// Bytes the client sent after it (decrypted, with TLS).
+    early: Vec<u8>,
+    /// The TLS session, if the client started one.
+    tls: Option<ServerConnection>,
+}
+
+/// When the handshake must be over; each blocking read or write on the
+/// socket gets what is left of it.
+struct Deadline(Option<Instant>);
+
+impl Deadline {
+    fn arm(&self, stream: &Stream) -> io::Result<()> {
+        let Some(deadline) = self.0 else { return Ok(()) };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(too_long());
+        }
+        stream.set_timeouts(Some(left))
+    }
+}
+
+/// A socket read or write that timed out ran past the deadline.
+fn timed_out(e: io::Error) -> io::Error {
+    if e.kind() == io::ErrorKind::WouldBlock { too_long() } else { e }
+}
+
+/// The handshake's side of the socket: plain, then maybe TLS.
+struct HandshakeWire<'a> {
+    stream: &'a Stream,
+    deadline: Deadline,
+    tls: Option<ServerConnection>,
+}
+
+impl HandshakeWire<'_> {
+    fn write_all(&mut self, mut bytes: &[u8]) -> io::Result<()> {
+        let Some(tls) = &mut self.tls else {
+            self.deadline.arm(self.stream)?;
+            return (&*self.stream).write_all(bytes).map_err(timed_out);
         };
-        stream.set_timeouts(remaining)?;
-        (&*stream).write_all(&negotiation.take_output())?;
+        while !bytes.is_empty() {
+            let n = tls.writer().write(bytes)?;
+            bytes = &bytes[n..];
+            send_records(tls, self.stream, &self.deadline)?;
+        }
+        Ok(())
+    }
+
+    /// Reads some bytes (decrypted, with TLS); 0 at the end.
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let Some(tls) = &mut self.tls else {
+            self.deadline.arm(self.stream)?;
+            return (&*self.stream).read(buf).map_err(timed_out);
+        };
+        loop {
+            match tls.reader().read(buf) {
+                Ok(n) => return Ok(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+            // Whatever TLS handshake messages are due go before waiting.
+            send_records(tls, self.stream, &self.deadline)?;
+            self.deadline.arm(self.stream)?;
+            if tls.read_tls(&mut &*self.stream).map_err(timed_out)? == 0 {
+                return Ok(0);
+            }
+            process_records(tls, self.stream, &self.deadline)?;
+        }
+    }
+
+    /// Starts TLS; `early` is what the client sent after STARTTLS.
+    fn start_tls(&mut self, creds: &TlsCreds, mut early: &[u8]) -> io::Result<()> {
+        let tls = self.tls.insert(creds.accept()?);
+        while !early.is_empty() {
+            tls.read_tls(&mut early)?;
+            process_records(tls, self.stream, &self.deadline)?;
+        }
+        Ok(())
+    }
+}
+
+/// Sends the TLS records rustls has queued.
+fn send_records(tls: &mut ServerConnection, stream: &Stream, deadline: &Deadline) -> io::Result<()> {
+    while tls.wants_write() {
+        deadline.arm(stream)?;
+        tls.write_tls(&mut &*stream).map_err(timed_out)?;
+    }
+    Ok(())
+}
+
+fn process_records(tls: &mut ServerConnection, stream: &Stream, deadline: &Deadline) -> io::Result<()> {
+    if let Err(e) = tls.process_new_packets() {
+        // The alert saying why, if it goes out in time.
+        let _ = send_records(tls, stream, deadline);
+        return Err(io::Error::new(io::ErrorKind::InvalidData, e));
+    }
+    Ok(())
+}
+
+/// Runs the handshake with blocking I/O under the deadline.
+fn handshake(shared: &Shared, stream: &Stream) -> io::Result<Handshake> {
+    let deadline = Deadline(shared.config.handshake_max.map(|max| Instant::now() + max));
+    let mut negotiation = Negotiation::new(Offered(shared), shared.tls.is_some());
+    let mut wire = HandshakeWire { stream, deadline, tls: None };
+    let mut buf = vec![0u8; 16 << 10];
+    // Bytes read and not consumed by the negotiation.
+    let mut rest = Vec::new();
+    loop {
+        wire.write_all(&negotiation.take_output())?;
         if let Some(outcome) = negotiation.outcome() {
             stream.set_timeouts(None)?;
-            return outcome.map(|agreement| (agreement, early)).map_err(io::Error::other);
+            let agreement = outcome.map_err(io::Error::other)?;
+            return Ok(Handshake { agreement, early: rest, tls: wire.tls });
         }
-        let n = match (&*stream).read(&mut buf) {
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Err(too_long()),
-            Err(e) => return Err(e),
+        if negotiation.take_starttls()
+            && let Some(creds) = &shared.tls
+        {
+            wire.start_tls(creds, &std::mem::take(&mut rest))?;
+            continue;
+        }
+        let n = match wire.read(&mut buf)? {
+            0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+            n => n,
         };
         let used = negotiation.feed(&buf[..n]);
-        // Not empty only once the handshake has ended.
-        early = buf[used..n].to_vec();
+        // Not empty only once the handshake has ended, or STARTTLS came.
+        rest = buf[used..n].to_vec();
     }
 }

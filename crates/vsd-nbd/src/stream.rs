@@ -1,4 +1,5 @@
-//! A connected client, over a unix or a TCP socket.
+//! A connected client, over a unix or a TCP socket, and the [`Wire`] the
+//! transmission phase speaks on: the socket itself, or TLS over it.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -65,5 +66,36 @@ impl Write for &Stream {
 impl AsRawFd for Stream {
     fn as_raw_fd(&self) -> RawFd {
         both!(self, s => s.as_raw_fd())
+    }
+}
+
+/// What the transmission phase reads requests from and writes replies to,
+/// non-blocking. The plain socket is one; [`crate::tls::TlsStream`] the
+/// other. Generic, so that plain connections pay for no TLS branch.
+pub(crate) trait Wire: AsRawFd {
+    /// As [`Read::read`]: `WouldBlock` when nothing is there.
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize>;
+    /// As [`Write::write_vectored`]: the bytes taken are the wire's to send.
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize>;
+    /// Sends what the wire took but could not send yet; true if any went out.
+    fn flush_held(&mut self) -> io::Result<bool> {
+        Ok(false)
+    }
+    /// Whether the wire still holds bytes taken and not sent.
+    fn holds_back(&self) -> bool {
+        false
+    }
+    /// Ends the session politely, without waiting.
+    fn close(&mut self) {}
+}
+
+impl Wire for Stream {
+    #[inline]
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        (&*self).read(buf)
+    }
+    #[inline]
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        Write::write_vectored(&mut &*self, bufs)
     }
 }

@@ -157,7 +157,8 @@ impl Daemon {
         if state.nbd.is_some() {
             anyhow::bail!("NBD server already running");
         }
-        state.nbd = Some(NbdServer::start(config)?);
+        let tls = config.tls_creds.as_deref().map(|id| self.objects.tls_creds(id)).transpose();
+        state.nbd = Some(NbdServer::start(config, tls.map_err(anyhow::Error::msg)?)?);
         Ok(())
     }
 

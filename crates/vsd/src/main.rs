@@ -46,7 +46,7 @@ enum Command {
 
 #[derive(clap::Args, Debug)]
 struct DaemonArgs {
-    /// An object nodes refer to by id: secret,id=ID,data=TEXT|file=PATH[,format=raw|base64]
+    /// An object others refer to by id: secret,id=ID,data=TEXT|file=PATH, iothread,id=ID or tls-creds-x509,id=ID,dir=DIR,endpoint=server
     #[arg(long, value_name = "OPTIONS")]
     object: Vec<String>,
     /// A block node: driver=file|raw|qcow2|null-co,node-name=NAME,... (or a JSON object)
@@ -55,7 +55,7 @@ struct DaemonArgs {
     /// An export: type=vhost-user-blk,id=ID,node-name=NAME,addr.type=unix,addr.path=SOCKET,... or type=nbd,id=ID,node-name=NAME,... (with --nbd-server)
     #[arg(long, value_name = "OPTIONS")]
     export: Vec<String>,
-    /// The NBD server: addr.type=unix,addr.path=SOCKET or addr.type=inet,addr.host=HOST,addr.port=PORT
+    /// The NBD server: addr.type=unix,addr.path=SOCKET or addr.type=inet,addr.host=HOST,addr.port=PORT[,tls-creds=ID]
     #[arg(long, value_name = "OPTIONS")]
     nbd_server: Option<String>,
     /// A socket for a monitor: socket,id=ID,path=PATH,server=on,wait=off

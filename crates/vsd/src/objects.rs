@@ -1,7 +1,12 @@
 //! User-created objects (`--object`, QMP `object-add`/`object-del`), as
 //! QEMU's QOM names them: `secret`, which holds what nodes name by id
-//! (`key-secret=ID` of an rbd node), and `iothread`, a thread exports
-//! share (`iothread=ID` of a vhost-user-blk export).
+//! (`key-secret=ID` of an rbd node), `iothread`, a thread exports share
+//! (`iothread=ID` of a vhost-user-blk export), and `tls-creds-x509`, the
+//! NBD server's certificates (`tls-creds=ID`).
+//!
+//! An I/O thread or credentials in use cannot be deleted (QEMU lets
+//! credentials go and keeps a reference; here the NBD server must stop
+//! first, so that what `object-del` removed is really out of use).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -10,6 +15,7 @@ use base64::Engine;
 use vsd_block::Secrets;
 use vsd_block::options::OptionMap;
 use vsd_export::{IoThread, PollConfig};
+use vsd_nbd::TlsCreds;
 
 /// The objects by id.
 #[derive(Default)]
@@ -21,6 +27,7 @@ enum Object {
     /// A `secret`'s bytes (decoded, if given as base64).
     Secret(Vec<u8>),
     IoThread(Arc<IoThread>),
+    TlsCreds(Arc<TlsCreds>),
 }
 
 impl Objects {
@@ -42,6 +49,7 @@ impl Objects {
         let object = match qom_type.as_str() {
             "secret" => Object::Secret(secret(&mut opts)?),
             "iothread" => Object::IoThread(iothread(&id, &mut opts)?),
+            "tls-creds-x509" => Object::TlsCreds(tls_creds_x509(&mut opts)?),
             _ => return Err(format!("invalid object type: {qom_type}")),
         };
         opts.finish().map_err(|e| e.to_string())?;
@@ -62,6 +70,9 @@ impl Objects {
             Some(Object::IoThread(thread)) if Arc::strong_count(thread) > 1 => {
                 Err(format!("object '{id}' is in use, can not be deleted"))
             }
+            Some(Object::TlsCreds(creds)) if Arc::strong_count(creds) > 1 => {
+                Err(format!("object '{id}' is in use, can not be deleted"))
+            }
             Some(_) => {
                 objects.remove(id);
                 Ok(())
@@ -74,6 +85,17 @@ impl Objects {
         match self.lock().get(id) {
             Some(Object::IoThread(thread)) => Ok(thread.clone()),
             _ => Err(format!("iothread \"{id}\" not found")),
+        }
+    }
+}
+
+impl Objects {
+    /// Credentials `id`, for the NBD server; errors are QEMU's.
+    pub fn tls_creds(&self, id: &str) -> Result<Arc<TlsCreds>, String> {
+        match self.lock().get(id) {
+            Some(Object::TlsCreds(creds)) => Ok(creds.clone()),
+            Some(_) => Err(format!("Object with id '{id}' is not TLS credentials")),
+            None => Err(format!("No TLS credentials with id '{id}'")),
         }
     }
 }
@@ -104,6 +126,44 @@ fn iothread(id: &str, opts: &mut OptionMap) -> Result<Arc<IoThread>, String> {
         None => Vec::new(),
     };
     IoThread::start(id, poll, cpus).map(Arc::new).map_err(|e| format!("cannot start iothread '{id}': {e}"))
+}
+
+/// X.509 credentials read now from `dir` with QEMU's file names; only a
+/// server's (`endpoint=server`), since vsd is no TLS client. `verify-peer`
+/// defaults to on, as in QEMU: clients need a certificate the CA signed.
+fn tls_creds_x509(opts: &mut OptionMap) -> Result<Arc<TlsCreds>, String> {
+    let endpoint = opts.take_choice("endpoint", &["server", "client"]).map_err(|e| e.to_string())?;
+    if endpoint != Some("server") {
+        return Err(
+            "endpoint=client (QEMU's default) is not supported: vsd serves TLS only, give endpoint=server".into()
+        );
+    }
+    let verify_peer = opts.take_bool("verify-peer").map_err(|e| e.to_string())?.unwrap_or(true);
+    if opts.take_bool("sanity-check").map_err(|e| e.to_string())? == Some(true) {
+        return Err("sanity-check=on is not supported: vsd does not check certificates' usage and dates when it \
+                    loads them (clients do when they connect); leave it out or give sanity-check=off"
+            .into());
+    }
+    if opts.has("priority") {
+        return Err("'priority' is not supported: vsd's TLS takes rustls' safe defaults (TLS 1.2 and 1.3)".into());
+    }
+    if opts.has("passwordid") {
+        return Err("'passwordid' is not supported: give server-key.pem unencrypted".into());
+    }
+    let dir = opts.take("dir").ok_or("Missing 'dir' property value")?;
+    let creds = TlsCreds::load(dir.as_ref(), verify_peer).map_err(|e| error_chain(&e))?;
+    Ok(Arc::new(creds))
+}
+
+/// An error and its causes on one line, as anyhow's `{:#}` prints them.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text = format!("{text}: {cause}");
+        source = cause.source();
+    }
+    text
 }
 
 /// A secret's bytes from `data=` or `file=` (read now, used as is, with no
@@ -172,5 +232,24 @@ mod tests {
         assert_eq!(objects.remove("t").unwrap_err(), "object 't' not found");
         objects.remove("s").unwrap();
         assert_eq!(objects.secret("s").unwrap_err(), "No secret with id 's'");
+    }
+
+    #[test]
+    fn tls_credentials_refuse_what_vsd_does_not_do() {
+        let objects = Objects::default();
+        let refused = |text: &str| add(&objects, text).unwrap_err();
+        assert!(refused("tls-creds-x509,id=t,dir=/d").starts_with("endpoint=client (QEMU's default) is not supported"));
+        assert!(refused("tls-creds-x509,id=t,dir=/d,endpoint=client").contains("give endpoint=server"));
+        assert_eq!(refused("tls-creds-x509,id=t,endpoint=server"), "Missing 'dir' property value");
+        assert!(refused("tls-creds-x509,id=t,dir=/d,endpoint=server,priority=NORMAL").starts_with("'priority'"));
+        assert!(refused("tls-creds-x509,id=t,dir=/d,endpoint=server,passwordid=s").starts_with("'passwordid'"));
+        assert!(refused("tls-creds-x509,id=t,dir=/d,endpoint=server,sanity-check=on").starts_with("sanity-check=on"));
+        assert_eq!(
+            refused("tls-creds-x509,id=t,dir=/nonexistent,endpoint=server,sanity-check=off"),
+            "Unable to access credentials /nonexistent/ca-cert.pem: No such file or directory (os error 2)"
+        );
+        add(&objects, "secret,id=s,data=x").unwrap();
+        assert_eq!(objects.tls_creds("s").unwrap_err(), "Object with id 's' is not TLS credentials");
+        assert_eq!(objects.tls_creds("t").unwrap_err(), "No TLS credentials with id 't'");
     }
 }

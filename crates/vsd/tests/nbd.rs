@@ -659,7 +659,10 @@ fn command_line_mistakes_are_one_line_errors_and_leave_no_socket() {
     let owned = |list: &[&str]| list.iter().map(|a| a.to_string()).collect::<Vec<String>>();
     let cases: Vec<(Vec<String>, &str)> = vec![
         (owned(&["--blockdev", node, "--export", export]), "NBD server not running"),
-        (owned(&["--nbd-server", &format!("{server},tls-creds=t0"), "--blockdev", node]), "tls-creds"),
+        (
+            owned(&["--nbd-server", &format!("{server},tls-creds=t0"), "--blockdev", node]),
+            "No TLS credentials with id 't0'",
+        ),
         (
             owned(&["--nbd-server", "addr.type=inet,addr.host=127.0.0.1,addr.port=http", "--blockdev", node]),
             "addr.port",
