@@ -488,10 +488,7 @@ fn command_line_tls_mistakes_are_one_line_errors_and_leave_no_socket() {
     ];
     for (object, nbd_server, culprit) in &cases {
         let args = ["--object", object, "--blockdev", "driver=null-co,node-name=n0", "--nbd-server", nbd_server];
-        let out = run(common::VSD, &args);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
-        assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+        let stderr = common::vsd_fails(&args);
         assert!(stderr.contains(culprit), "{args:?}: expected '{culprit}' in {stderr}");
         assert!(!socket.exists(), "{args:?} left its socket behind");
     }
