@@ -37,6 +37,7 @@ impl Catalog for OneExport {
             size: SIZE,
             flags: 1 | flags,
             block_sizes: [1, 4096, MAX_PAYLOAD as u32],
+            bitmaps: vec!["b".into()],
         };
         (name.is_empty() || name == "disk").then_some((self.0, info))
     }
@@ -85,7 +86,7 @@ fuzz_target!(|data: &[u8]| {
         size: agreement.info.size,
         read_only: agreement.export,
         mode: agreement.mode,
-        base_allocation: agreement.base_allocation,
+        block_status: !agreement.contexts.is_empty(),
         max_payload: MAX_PAYLOAD,
     };
     let mut stream = &rest[taken..];

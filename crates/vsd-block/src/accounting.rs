@@ -22,6 +22,7 @@ use vsd_engine::{Completion, IoOp, IoQueue};
 use vsd_trace::{Clock, OpKind, QueueSnapshot, QueueStats, Runs};
 
 use crate::BlockNode;
+use crate::dirty::{DirtyBitmaps, DirtyRecorder};
 
 /// The statistics of one node: one [`QueueStats`] per queue ever open at
 /// once, handed out again when a queue closes, so they keep counting.
@@ -82,11 +83,13 @@ pub(crate) struct AccountedNode {
     /// Whether the node is active ([`BlockNode::active`]): the graph keeps
     /// this for every driver.
     active: AtomicBool,
+    /// The graph keeps dirty bitmaps for every driver too.
+    bitmaps: Arc<DirtyBitmaps>,
 }
 
 impl AccountedNode {
     pub(crate) fn new(inner: Arc<dyn BlockNode>, cache: crate::Cache, active: bool) -> Self {
-        Self { inner, stats: Arc::default(), cache, active: AtomicBool::new(active) }
+        Self { inner, stats: Arc::default(), cache, active: AtomicBool::new(active), bitmaps: Arc::default() }
     }
 }
 
@@ -113,13 +116,17 @@ impl BlockNode for AccountedNode {
         self.inner.children()
     }
     fn resize(&self, size: u64) -> io::Result<()> {
-        self.inner.resize(size)
+        self.inner.resize(size)?;
+        self.bitmaps.resize(size);
+        Ok(())
     }
     fn close(&self) -> io::Result<()> {
         self.inner.close()
     }
     fn refresh_size(&self) -> io::Result<u64> {
-        self.inner.refresh_size()
+        let size = self.inner.refresh_size()?;
+        self.bitmaps.resize(size);
+        Ok(size)
     }
     fn claim(&self, claim: crate::Claim) -> Result<Vec<crate::ClaimGuard>, crate::LockError> {
         self.inner.claim(claim)
@@ -140,9 +147,15 @@ impl BlockNode for AccountedNode {
     fn block_status(&self, offset: u64, len: u64) -> io::Result<(crate::Allocation, u64)> {
         self.inner.block_status(offset, len)
     }
+    fn dirty_bitmaps(&self) -> Option<&Arc<DirtyBitmaps>> {
+        Some(&self.bitmaps)
+    }
+    fn default_bitmap_granularity(&self) -> u64 {
+        self.inner.default_bitmap_granularity()
+    }
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
         let inner = self.inner.open_queue(depth)?;
-        Ok(Box::new(AccountedQueue::new(inner, self.stats.lease(), depth)))
+        Ok(Box::new(AccountedQueue::new(inner, self.stats.lease(), self.bitmaps.recorder(), depth)))
     }
     fn open_uncounted_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
         self.inner.open_queue(depth)
@@ -164,6 +177,7 @@ struct Pending {
 struct AccountedQueue {
     inner: Box<dyn IoQueue>,
     lease: Lease,
+    dirty: DirtyRecorder,
     clock: Clock,
     /// By tag.
     pending: Vec<Pending>,
@@ -174,11 +188,12 @@ struct AccountedQueue {
 }
 
 impl AccountedQueue {
-    fn new(inner: Box<dyn IoQueue>, lease: Lease, depth: u16) -> Self {
+    fn new(inner: Box<dyn IoQueue>, lease: Lease, dirty: DirtyRecorder, depth: u16) -> Self {
         let depth = usize::from(depth);
         Self {
             inner,
             lease,
+            dirty,
             clock: Clock::get(),
             pending: vec![Pending { kind: OpKind::Flush, bytes: 0, submitted_at: 0 }; depth],
             unsubmitted: Vec::with_capacity(depth),
@@ -208,6 +223,7 @@ impl IoQueue for AccountedQueue {
             *request = Pending { kind, bytes, submitted_at: 0 };
             self.unsubmitted.push(tag);
         }
+        self.dirty.record(&op);
         // SAFETY: the caller's guarantee, passed on unchanged.
         unsafe { self.inner.push(tag, op) }
     }

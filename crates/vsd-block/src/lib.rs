@@ -14,6 +14,7 @@
 #![deny(missing_docs)]
 
 mod accounting;
+pub mod dirty;
 mod drivers;
 mod lock;
 pub mod options;
@@ -112,6 +113,16 @@ pub trait BlockNode: Send + Sync {
     /// By default all data, which is never wrong, only less precise.
     fn block_status(&self, _offset: u64, len: u64) -> io::Result<(Allocation, u64)> {
         Ok((Allocation::Data, len))
+    }
+    /// The node's dirty bitmaps, which every writer of the node records
+    /// its writes in: the nodes of a [`BlockGraph`] have them.
+    fn dirty_bitmaps(&self) -> Option<&Arc<dirty::DirtyBitmaps>> {
+        None
+    }
+    /// The granularity of a bitmap made without one (QEMU's default: the
+    /// cluster size between 4 KiB and 64 KiB, or 64 KiB).
+    fn default_bitmap_granularity(&self) -> u64 {
+        65536
     }
     /// The requests the node was sent through counted queues (by the nodes
     /// above it), if it counts them: the nodes of a [`BlockGraph`] do.

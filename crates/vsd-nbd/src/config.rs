@@ -83,6 +83,9 @@ pub struct ExportConfig {
     pub writable: bool,
     /// `writethrough=`: every write is durable before its reply.
     pub writethrough: bool,
+    /// `bitmaps=[...]`: dirty bitmaps of the node (or of a node below it
+    /// through backing files) shown as `qemu:dirty-bitmap:NAME` contexts.
+    pub bitmaps: Vec<String>,
 }
 
 impl ExportConfig {
@@ -101,12 +104,11 @@ impl ExportConfig {
         let description = opts.take("description").unwrap_or_default();
         let writable = opts.take_bool("writable")?.unwrap_or(false);
         let writethrough = opts.take_bool("writethrough")?.unwrap_or(false);
-        for unsupported in ["bitmaps", "allocation-depth"] {
-            if let Some(value) = opts.take(unsupported) {
-                return Err(opts.invalid(unsupported, value, "nothing: not supported by vsd's NBD exports yet"));
-            }
+        let bitmaps = opts.take_values("bitmaps");
+        if let Some(value) = opts.take("allocation-depth") {
+            return Err(opts.invalid("allocation-depth", value, "nothing: not supported by vsd's NBD exports yet"));
         }
-        Ok(Self { id, node_name, name, description, writable, writethrough })
+        Ok(Self { id, node_name, name, description, writable, writethrough, bitmaps })
     }
 }
 
@@ -149,7 +151,9 @@ mod tests {
         assert_eq!((e.name.as_str(), e.writable, e.description.as_str()), ("disk0", true, ""));
         let named = parse("type=nbd,id=e,node-name=n,name=,description=hello", ExportConfig::from_options).unwrap();
         assert_eq!((named.name.as_str(), named.description.as_str()), ("", "hello"));
-        assert!(parse("type=nbd,id=e,node-name=n,bitmaps=b", ExportConfig::from_options).is_err());
+        let marked = parse("type=nbd,id=e,node-name=n,bitmaps.0=b,bitmaps.1=c", ExportConfig::from_options).unwrap();
+        assert_eq!(marked.bitmaps, ["b", "c"]);
+        assert!(parse("type=nbd,id=e,node-name=n,allocation-depth=on", ExportConfig::from_options).is_err());
         assert!(parse("type=nbd,id=e,node-name=n,num-queues=2", ExportConfig::from_options).is_err());
     }
 }

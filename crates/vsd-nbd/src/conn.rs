@@ -25,11 +25,12 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vsd_block::dirty::DirtyRecorder;
 use vsd_block::{Allocation, Completion, IoOp, IoQueue, IoVecs};
 use vsd_qcow2::buf::AlignedBuf;
 use vsd_trace::{Clock, OpKind, QueueStats};
 
-use crate::negotiate::{Agreement, BASE_ALLOCATION_ID};
+use crate::negotiate::{Agreement, Context};
 use crate::proto::{self, Command, Limits, Mode, Refusal, ReplyHeader, Request, errno, state};
 use crate::server::Export;
 use crate::stream::{Stream, Wire};
@@ -75,11 +76,16 @@ struct Slot {
 /// slots own.
 struct Transmission<W: Wire> {
     queue: Box<dyn IoQueue>,
+    /// The queue is uncounted: the connection counts its requests, and
+    /// records its writes in the node's dirty bitmaps.
+    dirty: DirtyRecorder,
     slots: Vec<Slot>,
     free: Vec<usize>,
     stream: W,
     export: Arc<Export>,
     limits: Limits,
+    /// The metadata contexts block status reports, in id order.
+    contexts: Vec<Context>,
     writethrough: bool,
     input: Box<[u8]>,
     start: usize,
@@ -124,17 +130,19 @@ fn serve_on<W: Wire>(stream: W, agreement: Agreement<Arc<Export>>, early: &[u8])
         size: agreement.info.size,
         read_only: !export.config.writable,
         mode: agreement.mode,
-        base_allocation: agreement.base_allocation,
+        block_status: !agreement.contexts.is_empty(),
         max_payload: MAX_PAYLOAD,
     };
+    let contexts = agreement.contexts;
     let clock = Clock::get();
     let stats = Arc::new(QueueStats::timed_by(clock));
     export.attach_stats(stats.clone());
-    let result = Transmission::new(stream, export.clone(), limits, stats.clone(), clock, early).and_then(|mut t| {
-        let served = t.run();
-        t.stream.close();
-        served
-    });
+    let result =
+        Transmission::new(stream, export.clone(), limits, contexts, stats.clone(), clock, early).and_then(|mut t| {
+            let served = t.run();
+            t.stream.close();
+            served
+        });
     export.detach_stats(&stats);
     result
 }
@@ -144,11 +152,13 @@ impl<W: Wire> Transmission<W> {
         stream: W,
         export: Arc<Export>,
         limits: Limits,
+        contexts: Vec<Context>,
         stats: Arc<QueueStats>,
         clock: Clock,
         early: &[u8],
     ) -> io::Result<Self> {
         let queue = export.node.open_uncounted_queue(SLOTS as u16)?;
+        let dirty = DirtyRecorder::for_node(&*export.node);
         let epoll = Epoll::new()?;
         let edge = EventSet::IN | EventSet::OUT | EventSet::EDGE_TRIGGERED;
         epoll.ctl(ControlOperation::Add, stream.as_raw_fd(), EpollEvent::new(edge, TOKEN_SOCKET))?;
@@ -172,12 +182,14 @@ impl<W: Wire> Transmission<W> {
         input[..early.len()].copy_from_slice(early);
         Ok(Self {
             queue,
+            dirty,
             slots,
             free: (0..SLOTS).rev().collect(),
             stream,
             writethrough: export.config.writethrough,
             export,
             limits,
+            contexts,
             input,
             start: 0,
             end: early.len(),
@@ -308,7 +320,9 @@ impl<W: Wire> Transmission<W> {
             let room = match verdict {
                 _ if payload > 0 => payload,
                 Ok(Command::Read { len, .. }) => len as usize,
-                Ok(Command::BlockStatus { .. }) => MAX_EXTENTS * proto::extent_size(mode),
+                Ok(Command::BlockStatus { .. }) => {
+                    MAX_EXTENTS * proto::extent_size(mode) + self.contexts.len() * proto::MAX_REPLY_HEADER
+                }
                 _ => 0,
             };
             let fatal = matches!(verdict, Err(Refusal { fatal: true, .. }));
@@ -409,6 +423,7 @@ impl<W: Wire> Transmission<W> {
     }
 
     fn push(&mut self, index: usize, op: IoOp) {
+        self.dirty.record(&op);
         // SAFETY: as in `iovecs`: the buffers stay valid until the
         // completion tagged `index` is reaped.
         unsafe { self.queue.push(index as u32, op) };
@@ -498,31 +513,64 @@ impl<W: Wire> Transmission<W> {
         self.queue_reply(index, errno);
     }
 
-    /// Answers block status from the node's allocation, synchronously.
+    /// Answers block status, one chunk per selected context, synchronously:
+    /// the first chunk's header is the slot's reply, the others' headers
+    /// and every chunk's descriptors follow in its buffer.
     fn block_status(&mut self, index: usize, offset: u64, len: u64, one: bool) {
         let mode = self.limits.mode;
-        let (size, max) = (proto::extent_size(mode), if one { 1 } else { MAX_EXTENTS });
-        let node = self.export.node.clone();
-        let slot = &mut self.slots[index];
-        let (mut at, end, mut count) = (offset, offset + len, 0);
-        while at < end && count < max {
-            let (allocation, n) = match node.block_status(at, (end - at).min(proto::max_extent(mode))) {
-                Ok(status) => status,
-                Err(e) => {
-                    log::warn!("NBD export '{}': block status failed: {e}", self.export.config.id);
-                    return self.reply_error(index, errno::EIO);
-                }
-            };
-            let flags = match allocation {
-                Allocation::Data => 0,
-                Allocation::Hole => state::HOLE | state::ZERO,
-            };
-            proto::encode_extent(mode, n, flags, &mut slot.buf[count * size..(count + 1) * size]);
-            (at, count) = (at + n, count + 1);
+        let size = proto::extent_size(mode);
+        // The contexts share the room one context would have.
+        let max = if one { 1 } else { MAX_EXTENTS / self.contexts.len() };
+        let mut used = 0;
+        for (n, &context) in self.contexts.iter().enumerate() {
+            let header_at = used;
+            if n > 0 {
+                used += proto::MAX_REPLY_HEADER; // room for the header, moved down below
+            }
+            let (mut pos, end, mut count) = (offset, offset + len, 0);
+            while pos < end && count < max {
+                let (n, flags) = match self.status(context, pos, (end - pos).min(proto::max_extent(mode))) {
+                    Ok(status) => status,
+                    Err(e) => {
+                        log::warn!("NBD export '{}': block status failed: {e}", self.export.config.id);
+                        return self.reply_error(index, errno::EIO);
+                    }
+                };
+                let at = used + count * size;
+                proto::encode_extent(mode, n, flags, &mut self.slots[index].buf[at..at + size]);
+                (pos, count) = (pos + n, count + 1);
+            }
+            let last = n + 1 == self.contexts.len();
+            let slot = &mut self.slots[index];
+            let header = ReplyHeader::block_status(mode, &slot.request, context.id(), count, last);
+            let body = count * size;
+            if n == 0 {
+                slot.reply = header;
+            } else {
+                let bytes = header.as_bytes();
+                slot.buf.copy_within(used..used + body, header_at + bytes.len());
+                slot.buf[header_at..header_at + bytes.len()].copy_from_slice(bytes);
+                used = header_at + bytes.len();
+            }
+            used += body;
         }
-        slot.reply = ReplyHeader::block_status(mode, &slot.request, BASE_ALLOCATION_ID, count);
-        slot.data_len = count * size;
+        self.slots[index].data_len = used;
         self.queue_reply(index, 0);
+    }
+
+    /// How the bytes from `offset` are in `context`, and for how many of
+    /// them (1 to `len`): an extent's length and flags.
+    fn status(&self, context: Context, offset: u64, len: u64) -> io::Result<(u64, u32)> {
+        Ok(match context {
+            Context::BaseAllocation => match self.export.node.block_status(offset, len)? {
+                (Allocation::Data, n) => (n, 0),
+                (Allocation::Hole, n) => (n, state::HOLE | state::ZERO),
+            },
+            Context::DirtyBitmap(i) => {
+                let (dirty, n) = self.export.bitmaps[i].bitmap().status(offset, len);
+                (n, if dirty { state::DIRTY } else { 0 })
+            }
+        })
     }
 
     fn queue_reply(&mut self, index: usize, errno: u32) {

@@ -65,9 +65,39 @@ mod info {
 pub const MAX_OPTION_DATA: u32 = 64 << 10;
 /// The longest export name or query (the spec's limit for strings).
 const MAX_STRING: usize = 4096;
-/// The id of `base:allocation`, the only metadata context.
-pub const BASE_ALLOCATION_ID: u32 = 0;
 const BASE_ALLOCATION: &str = "base:allocation";
+const DIRTY_BITMAP: &str = "qemu:dirty-bitmap:";
+
+/// A metadata context an export offers to block status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Context {
+    /// `base:allocation`: holes and zeroes.
+    BaseAllocation,
+    /// `qemu:dirty-bitmap:NAME`: the export's bitmap at this index.
+    DirtyBitmap(usize),
+}
+
+impl Context {
+    /// The id replies name it by: its place in the export's offer.
+    pub fn id(self) -> u32 {
+        match self {
+            Context::BaseAllocation => 0,
+            Context::DirtyBitmap(index) => 1 + index as u32,
+        }
+    }
+
+    fn name(self, info: &ExportInfo) -> String {
+        match self {
+            Context::BaseAllocation => BASE_ALLOCATION.into(),
+            Context::DirtyBitmap(index) => format!("{DIRTY_BITMAP}{}", info.bitmaps[index]),
+        }
+    }
+
+    /// Every context `info`'s export offers, in id order.
+    fn offered(info: &ExportInfo) -> impl Iterator<Item = Context> {
+        std::iter::once(Context::BaseAllocation).chain((0..info.bitmaps.len()).map(Context::DirtyBitmap))
+    }
+}
 
 /// What a client is told about an export.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -82,6 +112,8 @@ pub struct ExportInfo {
     pub flags: u16,
     /// Minimum, preferred and maximum block sizes.
     pub block_sizes: [u32; 3],
+    /// The dirty bitmaps it shows as `qemu:dirty-bitmap:NAME` contexts.
+    pub bitmaps: Vec<String>,
 }
 
 /// The exports a server offers.
@@ -103,8 +135,8 @@ pub struct Agreement<E> {
     pub info: ExportInfo,
     /// Reply format.
     pub mode: Mode,
-    /// `base:allocation` was selected for this export.
-    pub base_allocation: bool,
+    /// The metadata contexts selected for this export, in id order.
+    pub contexts: Vec<Context>,
 }
 
 /// Why the handshake ended without an agreement.
@@ -163,8 +195,8 @@ pub struct Negotiation<C: Catalog> {
     fixed: bool,
     tls: Tls,
     mode: Mode,
-    /// `base:allocation` selected with SET_META_CONTEXT, for this export name.
-    contexts: Option<String>,
+    /// The contexts SET_META_CONTEXT selected, and for which export name.
+    contexts: Option<(String, Vec<Context>)>,
     outcome: Option<Result<Agreement<C::Export>, Closed>>,
 }
 
@@ -363,9 +395,12 @@ impl<C: Catalog> Negotiation<C> {
     }
 
     fn agree(&mut self, export: C::Export, info: ExportInfo) {
-        let base_allocation = self.contexts.as_deref() == Some(info.name.as_str());
+        let contexts = match self.contexts.take() {
+            Some((name, contexts)) if name == info.name => contexts,
+            _ => Vec::new(),
+        };
         self.phase = Phase::Finished;
-        self.outcome = Some(Ok(Agreement { export, info, mode: self.mode, base_allocation }));
+        self.outcome = Some(Ok(Agreement { export, info, mode: self.mode, contexts }));
     }
 
     fn advertised_flags(&self, info: &ExportInfo) -> u16 {
@@ -438,18 +473,22 @@ impl<C: Catalog> Negotiation<C> {
         let Some((name, queries)) = parsed else {
             return self.error(option, rep::ERR_INVALID, "malformed metadata context request");
         };
-        if self.catalog.find(&name).is_none() {
+        let Some((_, info)) = self.catalog.find(&name) else {
             return self.error(option, rep::ERR_UNKNOWN, "export not found");
+        };
+        // SET takes whole names; LIST also namespaces ("base:", "qemu:",
+        // "qemu:dirty-bitmap:"), and lists everything for no query.
+        let matches = |context: &str| {
+            queries.iter().any(|q| q == context || (!set && q.ends_with(':') && context.starts_with(q.as_str())))
+        };
+        let chosen: Vec<Context> =
+            Context::offered(&info).filter(|c| (!set && queries.is_empty()) || matches(&c.name(&info))).collect();
+        for context in &chosen {
+            let reply = [&context.id().to_be_bytes()[..], context.name(&info).as_bytes()].concat();
+            self.reply(option, rep::META_CONTEXT, &reply);
         }
-        // A namespace alone ("base:") lists its contexts but selects none.
-        let matches = |q: &str| q == BASE_ALLOCATION || (!set && q == "base:");
-        let selected = (!set && queries.is_empty()) || queries.iter().any(|q| matches(q));
         if set {
-            self.contexts = selected.then(|| name.clone());
-        }
-        if selected {
-            let context = [&BASE_ALLOCATION_ID.to_be_bytes()[..], BASE_ALLOCATION.as_bytes()].concat();
-            self.reply(option, rep::META_CONTEXT, &context);
+            self.contexts = Some((name, chosen));
         }
         self.reply(option, rep::ACK, &[]);
     }
@@ -520,6 +559,7 @@ mod tests {
                 size,
                 flags,
                 block_sizes: [1, 4096, 32 << 20],
+                bitmaps: if export == "disk" { vec!["b0".into(), "b1".into()] } else { vec![] },
             };
             Some((export, info))
         }
@@ -606,7 +646,7 @@ mod tests {
         assert_eq!(&all[2].2[2..], b"a disk");
         assert_eq!((be32(&all[3].2[2..]), be32(&all[3].2[6..]), be32(&all[3].2[10..])), (1, 4096, 32 << 20));
         let agreement = n.outcome().unwrap().unwrap();
-        assert_eq!((agreement.export, agreement.mode, agreement.base_allocation), ("disk", Mode::Simple, false));
+        assert_eq!((agreement.export, agreement.mode, agreement.contexts), ("disk", Mode::Simple, vec![]));
     }
 
     fn be16(b: &[u8]) -> u16 {
@@ -646,35 +686,46 @@ mod tests {
         assert_eq!(n.outcome().unwrap().unwrap().mode, Mode::Extended);
     }
 
+    /// The (id, name) of each context a reply lists.
+    fn contexts(replies: &[Reply]) -> Vec<(u32, String)> {
+        let listed = replies.iter().filter(|r| r.1 == rep::META_CONTEXT);
+        listed.map(|r| (be32(&r.2), String::from_utf8(r.2[4..].to_vec()).unwrap())).collect()
+    }
+
     #[test]
     fn meta_contexts_list_set_and_bind_to_their_export() {
         let mut n = started();
         let set = meta("disk", &[BASE_ALLOCATION]);
         assert_eq!(exchange(&mut n, opt::SET_META_CONTEXT, &set)[0].1, rep::ERR_INVALID, "needs structured replies");
-        let listed = exchange(&mut n, opt::LIST_META_CONTEXT, &meta("disk", &[]));
-        assert_eq!(
-            (listed[0].1, be32(&listed[0].2), &listed[0].2[4..]),
-            (rep::META_CONTEXT, BASE_ALLOCATION_ID, BASE_ALLOCATION.as_bytes())
-        );
-        assert_eq!(exchange(&mut n, opt::LIST_META_CONTEXT, &meta("disk", &["base:"]))[0].1, rep::META_CONTEXT);
-        assert_eq!(exchange(&mut n, opt::LIST_META_CONTEXT, &meta("disk", &["qemu:dirty-bitmap:x"]))[0].1, rep::ACK);
+        let all = [(0, "base:allocation"), (1, "qemu:dirty-bitmap:b0"), (2, "qemu:dirty-bitmap:b1")]
+            .map(|(id, name)| (id, name.to_string()));
+        let list = |n: &mut Negotiation<Two>, queries: &[&str]| {
+            let replies = exchange(n, opt::LIST_META_CONTEXT, &meta("disk", queries));
+            assert_eq!(replies.last().unwrap().1, rep::ACK);
+            contexts(&replies)
+        };
+        assert_eq!(list(&mut n, &[]), all, "no query lists everything");
+        assert_eq!(list(&mut n, &["base:"]), all[..1]);
+        assert_eq!(list(&mut n, &["qemu:"]), all[1..]);
+        assert_eq!(list(&mut n, &["qemu:dirty-bitmap:"]), all[1..]);
+        assert_eq!(list(&mut n, &["qemu:dirty-bitmap:b1", "qemu:dirty-bitmap:x"]), all[2..]);
+        assert_eq!(list(&mut n, &["qemu:dirty-bitmap:b"]), [], "a name is not a namespace");
         assert_eq!(exchange(&mut n, opt::LIST_META_CONTEXT, &meta("gone", &[]))[0].1, rep::ERR_UNKNOWN);
         exchange(&mut n, opt::STRUCTURED_REPLY, &[]);
-        assert_eq!(
-            exchange(&mut n, opt::SET_META_CONTEXT, &meta("disk", &["base:"]))[0].1,
-            rep::ACK,
-            "a namespace selects nothing"
-        );
-        assert_eq!(exchange(&mut n, opt::SET_META_CONTEXT, &set)[0].1, rep::META_CONTEXT);
+        let namespace = exchange(&mut n, opt::SET_META_CONTEXT, &meta("disk", &["base:", "qemu:"]));
+        assert_eq!(namespace[0].1, rep::ACK, "a namespace selects nothing");
+        assert_eq!(contexts(&exchange(&mut n, opt::SET_META_CONTEXT, &set)), all[..1]);
         // Contexts set for another export are not the chosen export's.
         exchange(&mut n, opt::GO, &go("ro", &[]));
-        assert!(!n.outcome().unwrap().unwrap().base_allocation);
+        assert_eq!(n.outcome().unwrap().unwrap().contexts, []);
 
         let mut n = started();
         exchange(&mut n, opt::STRUCTURED_REPLY, &[]);
-        exchange(&mut n, opt::SET_META_CONTEXT, &set);
+        let both = meta("disk", &["qemu:dirty-bitmap:b1", BASE_ALLOCATION]);
+        assert_eq!(contexts(&exchange(&mut n, opt::SET_META_CONTEXT, &both)), [all[0].clone(), all[2].clone()]);
         exchange(&mut n, opt::GO, &go("disk", &[]));
-        assert!(n.outcome().unwrap().unwrap().base_allocation);
+        let agreed = n.outcome().unwrap().unwrap().contexts;
+        assert_eq!(agreed, [Context::BaseAllocation, Context::DirtyBitmap(1)], "in id order");
     }
 
     #[test]

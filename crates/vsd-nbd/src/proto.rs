@@ -125,6 +125,8 @@ pub mod state {
     pub const HOLE: u32 = 1 << 0;
     /// Reads as zeroes.
     pub const ZERO: u32 = 1 << 1;
+    /// Dirty, in a `qemu:dirty-bitmap:` context.
+    pub const DIRTY: u32 = 1 << 0;
 }
 
 /// What replies look like on a connection, as negotiated.
@@ -210,8 +212,8 @@ pub struct Limits {
     pub read_only: bool,
     /// Reply format.
     pub mode: Mode,
-    /// `base:allocation` was selected (block status allowed).
-    pub base_allocation: bool,
+    /// A metadata context was selected (block status allowed).
+    pub block_status: bool,
     /// The largest read or write payload.
     pub max_payload: u64,
 }
@@ -338,7 +340,7 @@ impl Request {
                 Command::WriteZeroes { offset, len, fua, may_unmap: f & NO_HOLE == 0, fast: f & FAST_ZERO != 0 }
             }
             cmd::CACHE => Command::Cache,
-            _ if !limits.base_allocation || len == 0 => return Err(refuse(errno::EINVAL)),
+            _ if !limits.block_status || len == 0 => return Err(refuse(errno::EINVAL)),
             _ => Command::BlockStatus { offset, len, one: f & REQ_ONE != 0 },
         })
     }
@@ -441,11 +443,15 @@ impl ReplyHeader {
     }
 
     /// What goes before `count` block status descriptors (encoded by
-    /// [`encode_extent`]) for context `context`.
-    pub fn block_status(mode: Mode, request: &Request, context: u32, count: usize) -> Self {
+    /// [`encode_extent`]) for context `context`; all but the `last` chunk
+    /// of a reply leave the DONE flag off.
+    pub fn block_status(mode: Mode, request: &Request, context: u32, count: usize, last: bool) -> Self {
         let extended = mode == Mode::Extended;
         let (kind, fixed, each) = if extended { (chunk::BLOCK_STATUS_EXT, 8, 16) } else { (chunk::BLOCK_STATUS, 4, 8) };
         let mut h = Self::chunk(mode, request, kind, fixed + each * count as u64);
+        if !last {
+            h.bytes[4..6].copy_from_slice(&0u16.to_be_bytes());
+        }
         h.put(&context.to_be_bytes());
         if extended {
             h.put(&(count as u32).to_be_bytes());
@@ -500,7 +506,7 @@ mod tests {
     }
 
     fn limits(mode: Mode) -> Limits {
-        Limits { size: 1 << 30, read_only: false, mode, base_allocation: true, max_payload: 32 << 20 }
+        Limits { size: 1 << 30, read_only: false, mode, block_status: true, max_payload: 32 << 20 }
     }
 
     fn check(mode: Mode, flags: u16, kind: u16, offset: u64, len: u64, limits: &Limits) -> Result<Command, Refusal> {
@@ -567,8 +573,8 @@ mod tests {
     }
 
     #[test]
-    fn block_status_needs_base_allocation_and_a_length() {
-        let without = Limits { base_allocation: false, ..limits(Mode::Structured) };
+    fn block_status_needs_a_context_and_a_length() {
+        let without = Limits { block_status: false, ..limits(Mode::Structured) };
         assert_eq!(check(Mode::Structured, 0, cmd::BLOCK_STATUS, 0, 4096, &without), Err(refuse(errno::EINVAL)));
         let with = limits(Mode::Structured);
         assert_eq!(check(Mode::Structured, 0, cmd::BLOCK_STATUS, 0, 0, &with), Err(refuse(errno::EINVAL)));
@@ -672,12 +678,14 @@ mod tests {
     #[test]
     fn block_status_chunks_count_their_descriptors() {
         let request = Request { flags: 0, kind: cmd::BLOCK_STATUS, cookie: 1, offset: 0, len: 1 << 20 };
-        let compact = ReplyHeader::block_status(Mode::Structured, &request, 0, 3);
+        let compact = ReplyHeader::block_status(Mode::Structured, &request, 0, 3, true);
         let b = compact.as_bytes();
         assert_eq!((b.len(), be16(&b[6..]), be32(&b[16..]), be32(&b[20..])), (24, chunk::BLOCK_STATUS, 4 + 24, 0));
-        let extended = ReplyHeader::block_status(Mode::Extended, &request, 0, 3);
+        assert_eq!(be16(&b[4..]), chunk::FLAG_DONE, "the last chunk");
+        let extended = ReplyHeader::block_status(Mode::Extended, &request, 2, 3, false);
         let b = extended.as_bytes();
-        assert_eq!((b.len(), be16(&b[6..]), be64(&b[24..]), be32(&b[36..])), (40, chunk::BLOCK_STATUS_EXT, 8 + 48, 3));
+        assert_eq!((b.len(), be16(&b[6..]), be64(&b[24..]), be32(&b[32..])), (40, chunk::BLOCK_STATUS_EXT, 8 + 48, 2));
+        assert_eq!((be16(&b[4..]), be32(&b[36..])), (0, 3), "more chunks follow");
         let mut out = [0u8; 16];
         encode_extent(Mode::Extended, 5 << 32, state::HOLE | state::ZERO, &mut out);
         assert_eq!((be64(&out), be64(&out[8..])), (5 << 32, 3));

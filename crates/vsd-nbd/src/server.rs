@@ -26,6 +26,7 @@ use rustls::ServerConnection;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_block::BlockNode;
+use vsd_block::dirty::{Bitmap, BusyGuard};
 use vsd_sys::ListenError;
 use vsd_trace::{ExportSnapshot, QueueSnapshot, QueueStats};
 
@@ -104,6 +105,8 @@ pub(crate) struct Export {
     pub(crate) config: ExportConfig,
     pub(crate) node: Arc<dyn BlockNode>,
     pub(crate) info: ExportInfo,
+    /// The bitmaps of `config.bitmaps`, held busy while the export lives.
+    pub(crate) bitmaps: Vec<BusyGuard>,
     /// Set once the export is being removed: no connection may join it.
     closed: AtomicBool,
     stats: Mutex<ExportStats>,
@@ -182,7 +185,9 @@ impl NbdServer {
         if exports.contains_key(&config.name) {
             return Err(NbdError::NameTaken { id: config.id.clone(), name: config.name.clone() });
         }
-        let export = Arc::new(Export { config, node, info, closed: AtomicBool::new(false), stats: Mutex::default() });
+        let bitmaps = exported_bitmaps(&config, &node).map_err(invalid)?;
+        let export =
+            Arc::new(Export { config, node, info, bitmaps, closed: AtomicBool::new(false), stats: Mutex::default() });
         exports.insert(export.config.name.clone(), export.clone());
         Ok(NbdExport { export, server: self.shared.clone() })
     }
@@ -296,7 +301,32 @@ fn export_info(config: &ExportConfig, node: &dyn BlockNode, multi_conn: bool) ->
         size: node.size() & !511,
         flags,
         block_sizes: [min, min.max(4096), MAX_PAYLOAD as u32],
+        bitmaps: config.bitmaps.clone(),
     }
+}
+
+/// Takes the bitmaps an export shows, as QEMU: each found on the node or
+/// down its backing chain, not busy nor inconsistent, and not recording
+/// if clients cannot write but someone else can (the guest).
+fn exported_bitmaps(config: &ExportConfig, node: &Arc<dyn BlockNode>) -> Result<Vec<BusyGuard>, String> {
+    config
+        .bitmaps
+        .iter()
+        .map(|name| {
+            let bitmap = find_bitmap(node, name).ok_or_else(|| format!("Bitmap '{name}' is not found"))?;
+            if !config.writable && !node.read_only() && bitmap.info().recording {
+                return Err(format!("Enabled bitmap '{name}' incompatible with readonly export"));
+            }
+            bitmap.take().map_err(|e| e.to_string())
+        })
+        .collect()
+}
+
+fn find_bitmap(node: &Arc<dyn BlockNode>, name: &str) -> Option<Arc<Bitmap>> {
+    node.dirty_bitmaps().and_then(|bitmaps| bitmaps.get(name).ok()).or_else(|| {
+        let (_, backing) = node.children().into_iter().find(|(role, _)| *role == "backing")?;
+        find_bitmap(&backing, name)
+    })
 }
 
 fn describe(addr: &Address) -> String {

@@ -7,6 +7,7 @@ use vsd_control::qmp::{Dispatch, ErrorClass, QmpError};
 use vsd_export::ExportSnapshot;
 use vsd_trace::{ExportLabel, OpKind, QueueSnapshot};
 
+use crate::bitmaps::Change;
 use crate::daemon::{Bins, Daemon, LatencyBins};
 
 type Reply = Result<Value, QmpError>;
@@ -26,6 +27,12 @@ const COMMANDS: &[&str] = &[
     "query-blockstats",
     "block-latency-histogram-set",
     "block_resize",
+    "block-dirty-bitmap-add",
+    "block-dirty-bitmap-remove",
+    "block-dirty-bitmap-clear",
+    "block-dirty-bitmap-enable",
+    "block-dirty-bitmap-disable",
+    "block-dirty-bitmap-merge",
     "nbd-server-start",
     "nbd-server-stop",
     "object-add",
@@ -49,6 +56,12 @@ impl Dispatch for Daemon {
             "query-blockstats" => self.query_blockstats(parse(args)?),
             "block-latency-histogram-set" => self.latency_histogram_set(parse(args)?),
             "block_resize" => self.block_resize(parse(args)?),
+            "block-dirty-bitmap-add" => self.bitmap_add(parse(args)?),
+            "block-dirty-bitmap-remove" => self.bitmap_remove(parse(args)?),
+            "block-dirty-bitmap-clear" => self.bitmap_change(parse(args)?, Change::Clear),
+            "block-dirty-bitmap-enable" => self.bitmap_change(parse(args)?, Change::Enable),
+            "block-dirty-bitmap-disable" => self.bitmap_change(parse(args)?, Change::Disable),
+            "block-dirty-bitmap-merge" => self.bitmap_merge(parse(args)?),
             "nbd-server-start" => self.nbd_server_start(args),
             "nbd-server-stop" => no_arguments(&args).and_then(|()| self.nbd_server_stop()),
             "object-add" => {
@@ -261,7 +274,7 @@ impl Daemon {
         let nodes = state.graph.nodes().map(|node| {
             let children: Map<String, Value> =
                 node.children().into_iter().map(|(role, child)| (role.to_string(), child.name().into())).collect();
-            json!({
+            let mut entry = json!({
                 "node-name": node.name(),
                 "drv": node.driver(),
                 "ro": node.read_only(),
@@ -274,7 +287,11 @@ impl Daemon {
                 "backing_file_depth": backing_depth(&**node),
                 "image": { "filename": node.filename().unwrap_or(""), "format": node.driver(), "virtual-size": node.size() },
                 "children": children,
-            })
+            });
+            if let Some(bitmaps) = crate::bitmaps::listed(&**node) {
+                entry["dirty-bitmaps"] = bitmaps;
+            }
+            entry
         });
         nodes.collect()
     }

@@ -3,6 +3,7 @@
 //! may use earlier ones), `--export` serves one, `--chardev` + `--monitor`
 //! open a QMP socket. `vsd stat` prints a running export's statistics.
 
+mod bitmaps;
 mod commands;
 mod daemon;
 mod monitor;

@@ -360,14 +360,30 @@ impl RawClient {
     }
 
     fn connect(socket: &Path, export: &str, mode: Mode) -> Self {
-        let mut client = Self::greeted(socket);
-        if mode == Mode::Extended {
-            assert_eq!(client.option(11, &[])[0].0, 1, "extended headers acknowledged");
-            let query = [&15u32.to_be_bytes()[..], b"base:allocation"].concat();
-            let meta =
-                [&(export.len() as u32).to_be_bytes()[..], export.as_bytes(), &1u32.to_be_bytes(), &query].concat();
-            assert_eq!(client.option(10, &meta)[0].0, 4, "base:allocation selected");
+        match mode {
+            Mode::Simple => Self::go(Self::greeted(socket), export),
+            Mode::Extended => Self::connect_with(socket, export, &["base:allocation"]),
         }
+    }
+
+    /// Negotiates extended headers and selects these metadata contexts,
+    /// which the server must all acknowledge with their ids in order.
+    fn connect_with(socket: &Path, export: &str, contexts: &[&str]) -> Self {
+        let mut client = Self::greeted(socket);
+        assert_eq!(client.option(11, &[])[0].0, 1, "extended headers acknowledged");
+        let string = |s: &str| [&(s.len() as u32).to_be_bytes()[..], s.as_bytes()].concat();
+        let mut meta = [string(export), (contexts.len() as u32).to_be_bytes().to_vec()].concat();
+        contexts.iter().for_each(|c| meta.extend(string(c)));
+        let replies = client.option(10, &meta);
+        let mut selected: Vec<&[u8]> = replies.iter().filter(|r| r.0 == 4).map(|r| &r.1[4..]).collect();
+        let mut wanted: Vec<&[u8]> = contexts.iter().map(|c| c.as_bytes()).collect();
+        selected.sort();
+        wanted.sort();
+        assert_eq!(selected, wanted, "contexts selected");
+        Self::go(client, export)
+    }
+
+    fn go(mut client: Self, export: &str) -> Self {
         let go = [&(export.len() as u32).to_be_bytes()[..], export.as_bytes(), &0u16.to_be_bytes()].concat();
         let replies = client.option(7, &go);
         assert_eq!(replies.last().unwrap().0, 1, "GO acknowledged");
@@ -579,6 +595,56 @@ fn extended_headers_carry_64_bit_lengths() {
         ((1 << 15) + 1, 4, &EINVAL.to_be_bytes()[..]),
         "an ERROR chunk past the end"
     );
+}
+
+#[test]
+fn block_status_answers_every_selected_context_in_one_reply() {
+    let dir = Scratch::new("nbd-contexts");
+    let image = sparse_image(&dir, "disk.img");
+    let (socket, qmp_socket) = (dir.path("nbd.sock"), dir.path("qmp.sock"));
+    let mut args = unix_export(&image, &socket, ",writable=on");
+    args.extend([
+        "--chardev".into(),
+        format!("socket,id=m,path={},server=on,wait=off", qmp_socket.display()),
+        "--monitor".into(),
+        "chardev=m".into(),
+    ]);
+    let _daemon = Daemon::vsd(&dir, &args);
+    let mut qmp = QmpClient::connect(&qmp_socket).unwrap();
+    qmp.execute("block-dirty-bitmap-add", json!({"node": "r0", "name": "b", "granularity": 65536})).unwrap();
+    ok("qemu-io", &["-f", "raw", "-c", "write 1M 64k", &uri(&socket, "disk")]);
+    qmp.execute("block-dirty-bitmap-disable", json!({"node": "r0", "name": "b"})).unwrap();
+    let view = json!({"type": "nbd", "id": "e1", "node-name": "r0", "name": "view", "bitmaps": ["b"]});
+    qmp.execute("block-export-add", view).unwrap();
+
+    let mut c = RawClient::connect_with(&socket, "view", &["qemu:dirty-bitmap:b", "base:allocation"]);
+    c.extended_request(0, BLOCK_STATUS, 9, 0, 8 * MIB);
+    let mut chunks = Vec::new();
+    loop {
+        let (flags, kind, cookie, payload) = c.extended_reply();
+        assert_eq!((kind, cookie), (6, 9), "BLOCK_STATUS_EXT chunks of request 9");
+        let be32 = |at: usize| u32::from_be_bytes(payload[at..at + 4].try_into().unwrap());
+        let be64 = |at: usize| u64::from_be_bytes(payload[at..at + 8].try_into().unwrap());
+        let extents: Vec<(u64, u64)> = (0..be32(4) as usize).map(|i| (be64(8 + 16 * i), be64(16 + 16 * i))).collect();
+        chunks.push((be32(0), extents));
+        if flags & 1 != 0 {
+            break;
+        }
+    }
+    let (hole, dirty) = (3, 1);
+    assert_eq!(
+        chunks,
+        [
+            (0, vec![(MIB, hole), (64 << 10, 0), (3 * MIB - (64 << 10), hole), (MIB, 0), (3 * MIB, hole)]),
+            (1, vec![(MIB, 0), (64 << 10, dirty), (7 * MIB - (64 << 10), 0)]),
+        ],
+        "one chunk per context, in id order, the last one DONE"
+    );
+    c.extended_request(1 << 3, BLOCK_STATUS, 10, 0, 8 * MIB);
+    let (flags, _, _, first) = c.extended_reply();
+    let (last, _, _, second) = c.extended_reply();
+    assert_eq!((flags, last), (0, 1));
+    assert_eq!((first[7], second[7]), (1, 1), "REQ_ONE: one extent in each");
 }
 
 /// VmRSS of a process, in bytes.

@@ -16,6 +16,7 @@ use std::sync::atomic::AtomicBool;
 use virtio_queue::desc::split::Descriptor;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
 use vmm_sys_util::epoll::Epoll;
+use vsd_block::dirty::DirtyRecorder;
 use vsd_block::{Completion, IoOp, IoQueue, IoVecs};
 use vsd_trace::QueueStats;
 use vsd_virtio::dirty_log::GuestWrites;
@@ -68,6 +69,7 @@ pub(super) struct QueueWorker {
     /// The engine's count of kernel entries when last added to the stats
     /// (the engine is new with each worker; the stats live on).
     kernel_entries: u64,
+    dirty: DirtyRecorder,
 }
 
 impl QueueWorker {
@@ -85,6 +87,8 @@ impl QueueWorker {
         let depth = run.queue.size();
         // The worker counts its requests; the node need not count them again.
         let io = device.node.open_uncounted_queue(depth)?;
+        // ...nor record its writes in the node's dirty bitmaps.
+        let dirty = DirtyRecorder::for_node(&*device.node);
         watch(epoll, run.kick.as_raw_fd(), Wake::Kick(at))?;
         if let Some(fd) = io.notify_fd() {
             watch(epoll, fd.as_raw_fd(), Wake::Io(at))?;
@@ -105,6 +109,7 @@ impl QueueWorker {
             unsubmitted: Vec::with_capacity(usize::from(depth)),
             max_batch: io.max_batch(),
             kernel_entries: 0,
+            dirty,
             run,
             ram: Arc::new(GuestRam::new(mem.memory().into_inner())),
             mem,
@@ -416,6 +421,7 @@ impl QueueWorker {
         *self.slots.slot_mut(tag) =
             Slot { head, status, used_len: data_len + 1, kind, bytes, stamps, ram: Some(ram.clone()) };
         self.unsubmitted.push(tag);
+        self.dirty.record(&op);
         // SAFETY: the buffers live in guest memory kept mapped by the slot,
         // and the iovec array is the slot's own; both outlive the request,
         // which completes before the slot is reused or the worker drops.

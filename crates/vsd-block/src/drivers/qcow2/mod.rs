@@ -397,6 +397,10 @@ impl BlockNode for Qcow2Node {
         !self.options.writable
     }
 
+    fn default_bitmap_granularity(&self) -> u64 {
+        self.image().cluster_size().clamp(4096, 65536)
+    }
+
     fn children(&self) -> Vec<(&'static str, Arc<dyn BlockNode>)> {
         let optional = [("data-file", &self.data), ("backing", &self.backing)];
         let optional = optional.into_iter().filter_map(|(role, node)| Some((role, node.clone()?)));

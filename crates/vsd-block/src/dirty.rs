@@ -1,0 +1,613 @@
+//! Dirty bitmaps: which parts of a node were written since a point in
+//! time, at a granularity, by name (QEMU's `BdrvDirtyBitmap`). Backups
+//! read them to copy only what changed; NBD shows them to clients as the
+//! `qemu:dirty-bitmap:NAME` metadata context.
+//!
+//! ```text
+//!   QMP (add, enable, merge...) ──▶ DirtyBitmaps ──generation──▶ DirtyRecorder (one per queue)
+//!                                     └─ Bitmap ─▶ Words (atomics) ◀── fetch_or per write
+//! ```
+//!
+//! Every writer of a node (an export's queue, a node above) records its
+//! writes through its own [`DirtyRecorder`], which keeps the words of the
+//! enabled bitmaps and follows changes by a generation number: with no
+//! bitmap, a write costs two loads of a word that rarely changes; with one,
+//! a load more and, unless the range is already dirty, one `fetch_or` per
+//! word the write covers (one for writes within 64 granules).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use vsd_engine::IoOp;
+
+/// The longest name QEMU stores (`BDRV_BITMAP_MAX_NAME_SIZE`).
+pub const MAX_NAME_LEN: usize = 1023;
+
+/// Why a bitmap operation was refused, in QEMU's words.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BitmapError {
+    /// An empty name.
+    #[error("Bitmap name cannot be empty")]
+    EmptyName,
+    /// A name longer than [`MAX_NAME_LEN`].
+    #[error("Bitmap name too long: {0}")]
+    NameTooLong(String),
+    /// The node already has a bitmap of that name.
+    #[error("Bitmap already exists: {0}")]
+    Exists(String),
+    /// No bitmap of that name on the node.
+    #[error("Dirty bitmap '{0}' not found")]
+    NotFound(String),
+    /// Not a power of two, or below 512 bytes.
+    #[error("Granularity must be power of 2 and at least 512")]
+    Granularity,
+    /// A job or an export uses it.
+    #[error("Bitmap '{0}' is currently in use by another operation and cannot be used")]
+    Busy(String),
+    /// Loaded from an image a crash left it in use in: its contents are unknown.
+    #[error(
+        "Bitmap '{0}' is inconsistent and cannot be used\nTry block-dirty-bitmap-remove to delete this bitmap from disk"
+    )]
+    Inconsistent(String),
+    /// Merged bitmaps must cover the same number of bytes.
+    #[error(
+        "Bitmaps are of different sizes (destination size is {target}, source size is {merged}) and can't be merged"
+    )]
+    Sizes {
+        /// The target's size in bytes.
+        target: u64,
+        /// The merged bitmap's (QEMU's "source").
+        merged: u64,
+    },
+}
+
+/// How a bitmap is made.
+#[derive(Clone, Copy, Debug)]
+pub struct BitmapOptions {
+    /// Bytes one bit covers: a power of two, at least 512.
+    pub granularity: u64,
+    /// Kept in the image across restarts (the node must be able to).
+    pub persistent: bool,
+    /// Records writes from the start.
+    pub enabled: bool,
+}
+
+/// The bitmaps of one node.
+#[derive(Default)]
+pub struct DirtyBitmaps {
+    /// Bumped after every change of which words recorders write to.
+    generation: AtomicU64,
+    /// Newest first, as QEMU lists them.
+    bitmaps: Mutex<Vec<Arc<Bitmap>>>,
+}
+
+impl DirtyBitmaps {
+    fn list(&self) -> MutexGuard<'_, Vec<Arc<Bitmap>>> {
+        // The list is consistent whatever panicked while holding it.
+        self.bitmaps.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Tells every recorder to pick up the bitmaps' words again.
+    fn changed(&self) {
+        self.generation.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Adds bitmap `name` for a node of `size` bytes, clean.
+    pub fn add(&self, name: &str, size: u64, options: BitmapOptions) -> Result<Arc<Bitmap>, BitmapError> {
+        check_name(name)?;
+        if !options.granularity.is_power_of_two() || options.granularity < 512 {
+            return Err(BitmapError::Granularity);
+        }
+        let mut list = self.list();
+        if list.iter().any(|b| b.name == name) {
+            return Err(BitmapError::Exists(name.into()));
+        }
+        let bitmap = Arc::new(Bitmap::new(name.into(), size, options));
+        list.insert(0, bitmap.clone());
+        drop(list);
+        self.changed();
+        Ok(bitmap)
+    }
+
+    /// The bitmap called `name`.
+    pub fn get(&self, name: &str) -> Result<Arc<Bitmap>, BitmapError> {
+        self.list().iter().find(|b| b.name == name).cloned().ok_or_else(|| BitmapError::NotFound(name.into()))
+    }
+
+    /// Every bitmap, newest first.
+    pub fn all(&self) -> Vec<Arc<Bitmap>> {
+        self.list().clone()
+    }
+
+    /// Removes bitmap `name`, unless something uses it.
+    pub fn remove(&self, name: &str) -> Result<Arc<Bitmap>, BitmapError> {
+        let mut list = self.list();
+        let at = list.iter().position(|b| b.name == name).ok_or_else(|| BitmapError::NotFound(name.into()))?;
+        if list[at].state().busy {
+            return Err(BitmapError::Busy(name.into()));
+        }
+        let bitmap = list.remove(at);
+        drop(list);
+        self.changed();
+        Ok(bitmap)
+    }
+
+    /// Starts or stops `bitmap` recording writes.
+    pub fn set_enabled(&self, bitmap: &Bitmap, enabled: bool) -> Result<(), BitmapError> {
+        bitmap.usable()?;
+        bitmap.state().enabled = enabled;
+        self.changed();
+        Ok(())
+    }
+
+    /// Gives every bitmap the node's new size: bits past a smaller size
+    /// go, a larger size starts clean. Writes recorded meanwhile land in the
+    /// new words (see [`DirtyRecorder::record`]).
+    pub fn resize(&self, size: u64) {
+        for bitmap in self.list().iter() {
+            let old = {
+                let mut state = bitmap.state();
+                if state.words.size == size {
+                    continue;
+                }
+                std::mem::replace(&mut state.words, Arc::new(Words::new(size, bitmap.shift)))
+            };
+            // Published before the copy: a recorder that set a bit in the
+            // old words after this copy read them sees the new generation
+            // and sets it again in the new ones.
+            self.changed();
+            bitmap.words().or_from(&old);
+        }
+    }
+
+    /// A recorder for one writer of the node.
+    pub fn recorder(self: &Arc<Self>) -> DirtyRecorder {
+        let mut recorder = DirtyRecorder { bitmaps: self.clone(), seen: u64::MAX, targets: Vec::new() };
+        recorder.refresh();
+        recorder
+    }
+}
+
+fn check_name(name: &str) -> Result<(), BitmapError> {
+    match name.len() {
+        0 => Err(BitmapError::EmptyName),
+        n if n > MAX_NAME_LEN => Err(BitmapError::NameTooLong(name.into())),
+        _ => Ok(()),
+    }
+}
+
+/// One named bitmap.
+pub struct Bitmap {
+    name: String,
+    granularity: u64,
+    /// log2 of the granularity.
+    shift: u32,
+    persistent: bool,
+    state: Mutex<BitmapState>,
+}
+
+struct BitmapState {
+    enabled: bool,
+    /// A job or export uses it: it cannot be changed or removed.
+    busy: bool,
+    inconsistent: bool,
+    words: Arc<Words>,
+}
+
+/// What `query-named-block-nodes` shows of a bitmap.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BitmapInfo {
+    /// Its name.
+    pub name: String,
+    /// Dirty bytes (whole granules).
+    pub count: u64,
+    /// Bytes per bit.
+    pub granularity: u64,
+    /// Whether it records writes.
+    pub recording: bool,
+    /// Whether something uses it.
+    pub busy: bool,
+    /// Whether it is kept in the image.
+    pub persistent: bool,
+    /// Whether a crash left its contents unknown.
+    pub inconsistent: bool,
+}
+
+impl Bitmap {
+    fn new(name: String, size: u64, options: BitmapOptions) -> Self {
+        let shift = options.granularity.trailing_zeros();
+        let state = BitmapState {
+            enabled: options.enabled,
+            busy: false,
+            inconsistent: false,
+            words: Arc::new(Words::new(size, shift)),
+        };
+        Self { name, granularity: options.granularity, shift, persistent: options.persistent, state: Mutex::new(state) }
+    }
+
+    fn state(&self) -> MutexGuard<'_, BitmapState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn words(&self) -> Arc<Words> {
+        self.state().words.clone()
+    }
+
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Bytes per bit.
+    pub fn granularity(&self) -> u64 {
+        self.granularity
+    }
+
+    /// What QMP shows of it.
+    pub fn info(&self) -> BitmapInfo {
+        let state = self.state();
+        BitmapInfo {
+            name: self.name.clone(),
+            count: state.words.count() << self.shift,
+            granularity: self.granularity,
+            recording: state.enabled,
+            busy: state.busy,
+            persistent: self.persistent,
+            inconsistent: state.inconsistent,
+        }
+    }
+
+    /// Refuses a bitmap that is busy or inconsistent (QEMU's default check).
+    pub fn usable(&self) -> Result<(), BitmapError> {
+        let state = self.state();
+        if state.busy {
+            Err(BitmapError::Busy(self.name.clone()))
+        } else if state.inconsistent {
+            Err(BitmapError::Inconsistent(self.name.clone()))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Marks every bit clean.
+    pub fn clear(&self) -> Result<(), BitmapError> {
+        self.usable()?;
+        self.words().clear();
+        Ok(())
+    }
+
+    /// Sets in this bitmap every byte dirty in `source` (of any granularity).
+    pub fn merge(&self, source: &Bitmap) -> Result<(), BitmapError> {
+        self.usable()?;
+        source.usable()?;
+        self.check_merge(source)?;
+        let (target, from) = (self.words(), source.words());
+        let mut at = 0;
+        while let Some((offset, len)) = from.next_dirty(at, source.shift) {
+            target.set(offset, len, self.shift);
+            at = offset + len;
+        }
+        Ok(())
+    }
+
+    /// Refuses to merge `source` into this bitmap if their sizes differ.
+    pub fn check_merge(&self, source: &Bitmap) -> Result<(), BitmapError> {
+        let (target, merged) = (self.words().size, source.words().size);
+        if target == merged { Ok(()) } else { Err(BitmapError::Sizes { target, merged }) }
+    }
+
+    /// Whether the bytes from `offset` are dirty, and for how many of them
+    /// (1 to `len`; the range lies inside the node): NBD's block status.
+    pub fn status(&self, offset: u64, len: u64) -> (bool, u64) {
+        self.words().status(offset, len, self.shift)
+    }
+
+    /// Takes the bitmap for an export or a job until the guard drops.
+    pub fn take(self: &Arc<Self>) -> Result<BusyGuard, BitmapError> {
+        self.usable()?;
+        self.state().busy = true;
+        Ok(BusyGuard(self.clone()))
+    }
+}
+
+/// A bitmap in use: it cannot be changed or removed while this lives.
+pub struct BusyGuard(Arc<Bitmap>);
+
+impl BusyGuard {
+    /// The bitmap.
+    pub fn bitmap(&self) -> &Arc<Bitmap> {
+        &self.0
+    }
+}
+
+impl Drop for BusyGuard {
+    fn drop(&mut self) {
+        self.0.state().busy = false;
+    }
+}
+
+/// The bits of a bitmap for a node of `size` bytes.
+struct Words {
+    size: u64,
+    bits: u64,
+    words: Box<[AtomicU64]>,
+}
+
+impl Words {
+    fn new(size: u64, shift: u32) -> Self {
+        let bits = size.div_ceil(1 << shift);
+        let words = (0..bits.div_ceil(64)).map(|_| AtomicU64::new(0)).collect();
+        Self { size, bits, words }
+    }
+
+    /// Marks bytes `offset..offset + len` dirty (those inside the node).
+    #[inline]
+    fn set(&self, offset: u64, len: u64, shift: u32) {
+        if len == 0 || offset >= self.size {
+            return;
+        }
+        let first = offset >> shift;
+        let last = ((offset + len - 1) >> shift).min(self.bits - 1);
+        for index in first / 64..=last / 64 {
+            let low = if index == first / 64 { first % 64 } else { 0 };
+            let high = if index == last / 64 { last % 64 } else { 63 };
+            let mask = (u64::MAX >> (63 - high)) & (u64::MAX << low);
+            let word = &self.words[index as usize];
+            // Already dirty (the common case for a busy region): no write
+            // to a line other queues may be reading.
+            if word.load(Ordering::Relaxed) & mask != mask {
+                word.fetch_or(mask, Ordering::SeqCst);
+            }
+        }
+    }
+
+    fn clear(&self) {
+        self.words.iter().for_each(|w| w.store(0, Ordering::SeqCst));
+    }
+
+    fn count(&self) -> u64 {
+        self.words.iter().map(|w| u64::from(w.load(Ordering::Relaxed).count_ones())).sum()
+    }
+
+    fn bit(&self, index: u64) -> bool {
+        self.words[(index / 64) as usize].load(Ordering::Relaxed) & (1 << (index % 64)) != 0
+    }
+
+    /// The first dirty run at or after byte `from`, in bytes, clamped to the node.
+    fn next_dirty(&self, from: u64, shift: u32) -> Option<(u64, u64)> {
+        if from >= self.size {
+            return None;
+        }
+        let mut bit = from >> shift;
+        while bit < self.bits && !self.bit(bit) {
+            bit += 1;
+        }
+        if bit >= self.bits {
+            return None;
+        }
+        let start = bit;
+        while bit < self.bits && self.bit(bit) {
+            bit += 1;
+        }
+        let offset = (start << shift).max(from);
+        Some((offset, (bit << shift).min(self.size) - offset))
+    }
+
+    fn status(&self, offset: u64, len: u64, shift: u32) -> (bool, u64) {
+        if offset >= self.size {
+            return (false, len); // the node grew and the bitmap not yet
+        }
+        let end = offset + len;
+        let dirty = self.bit(offset >> shift);
+        let mut bit = (offset >> shift) + 1;
+        while bit << shift < end && self.bit(bit) == dirty {
+            bit += 1;
+        }
+        (dirty, (bit << shift).min(end) - offset)
+    }
+
+    fn or_from(&self, other: &Words) {
+        for (to, from) in self.words.iter().zip(other.words.iter()) {
+            to.fetch_or(from.load(Ordering::SeqCst), Ordering::SeqCst);
+        }
+        // Bits past this size came from a larger node.
+        if let Some(last) = self.words.last().filter(|_| !self.bits.is_multiple_of(64)) {
+            last.fetch_and(u64::MAX >> (64 - self.bits % 64), Ordering::SeqCst);
+        }
+    }
+}
+
+/// Records one writer's writes in a node's enabled bitmaps.
+pub struct DirtyRecorder {
+    bitmaps: Arc<DirtyBitmaps>,
+    /// The generation `targets` were taken at.
+    seen: u64,
+    /// The words of the enabled bitmaps, with their granularity's shift.
+    targets: Vec<(Arc<Words>, u32)>,
+}
+
+impl DirtyRecorder {
+    /// A recorder for one writer of `node` (that records nothing if the
+    /// node keeps no bitmaps).
+    pub fn for_node(node: &dyn crate::BlockNode) -> Self {
+        node.dirty_bitmaps().cloned().unwrap_or_default().recorder()
+    }
+
+    /// Marks what `op` changes dirty, if it changes anything.
+    #[inline]
+    pub fn record(&mut self, op: &IoOp) {
+        let (offset, len) = match *op {
+            IoOp::Write { offset, len, .. } | IoOp::WriteZeroes { offset, len, .. } | IoOp::Discard { offset, len } => {
+                (offset, len)
+            }
+            IoOp::Read { .. } | IoOp::Flush => return,
+        };
+        // Checked before setting, so that a disabled or removed bitmap
+        // records nothing more...
+        if self.bitmaps.generation.load(Ordering::SeqCst) != self.seen {
+            self.refresh();
+        }
+        loop {
+            for (words, shift) in &self.targets {
+                words.set(offset, len, *shift);
+            }
+            // ...and after, so that bits set in words a resize replaced
+            // meanwhile are set again in the new ones.
+            if self.bitmaps.generation.load(Ordering::SeqCst) == self.seen {
+                return;
+            }
+            self.refresh();
+        }
+    }
+
+    fn refresh(&mut self) {
+        self.seen = self.bitmaps.generation.load(Ordering::SeqCst);
+        self.targets.clear();
+        for bitmap in self.bitmaps.list().iter() {
+            let state = bitmap.state();
+            if state.enabled {
+                self.targets.push((state.words.clone(), bitmap.shift));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn write(offset: u64, len: u64) -> IoOp {
+        // SAFETY: recording never touches the buffers.
+        let iov = unsafe { vsd_engine::IoVecs::new(std::ptr::null(), 0) };
+        IoOp::Write { offset, len, iov, durable: false }
+    }
+
+    fn options(granularity: u64) -> BitmapOptions {
+        BitmapOptions { granularity, persistent: false, enabled: true }
+    }
+
+    fn runs(bitmap: &Bitmap) -> Vec<(u64, u64)> {
+        let words = bitmap.words();
+        let mut out = Vec::new();
+        let mut at = 0;
+        while let Some(run) = words.next_dirty(at, bitmap.shift) {
+            out.push(run);
+            at = run.0 + run.1;
+        }
+        out
+    }
+
+    #[test]
+    fn writes_mark_whole_granules_and_only_enabled_bitmaps() {
+        let set = Arc::new(DirtyBitmaps::default());
+        let mut recorder = set.recorder();
+        recorder.record(&write(0, 4096)); // before any bitmap: nowhere
+        let a = set.add("a", MIB, options(65536)).unwrap();
+        let b = set.add("b", MIB, BitmapOptions { enabled: false, ..options(512) }).unwrap();
+        recorder.record(&write(65536 + 100, 10));
+        recorder.record(&write(3 * 65536 - 1, 2)); // straddles a granule boundary
+        assert_eq!(runs(&a), [(65536, 3 * 65536)], "granules 1, 2 and 3");
+        assert_eq!(a.info().count, 3 * 65536);
+        assert_eq!(b.info().count, 0, "a disabled bitmap records nothing");
+
+        set.set_enabled(&b, true).unwrap();
+        // SAFETY: as in `write`.
+        let iov = unsafe { vsd_engine::IoVecs::new(std::ptr::null(), 0) };
+        recorder.record(&IoOp::Read { offset: 0, len: 512, iov });
+        recorder.record(&IoOp::Discard { offset: MIB - 512, len: 512 });
+        assert_eq!(runs(&b), [(MIB - 512, 512)], "reads are not writes; discards are");
+        set.set_enabled(&a, false).unwrap();
+        recorder.record(&write(0, 512));
+        assert_eq!(a.status(0, 512), (false, 512), "a disabled bitmap stops at once, whatever the recorder held");
+        assert_eq!(a.status(0, MIB), (false, 65536));
+        assert_eq!(a.status(65536, MIB - 65536), (true, 3 * 65536));
+        assert_eq!(a.status(65536 + 7, 100), (true, 100), "clamped to the range");
+    }
+
+    #[test]
+    fn ranges_across_many_words_and_past_the_end() {
+        let set = Arc::new(DirtyBitmaps::default());
+        let bitmap = set.add("x", 1000 * 512 + 100, options(512)).unwrap();
+        let mut recorder = set.recorder();
+        recorder.record(&write(512 * 60, 512 * 200));
+        assert_eq!(runs(&bitmap), [(512 * 60, 512 * 200)]);
+        recorder.record(&write(1000 * 512, 4096)); // the last, partial granule; the rest is outside
+        recorder.record(&write(1 << 40, 512));
+        let last = runs(&bitmap).pop().unwrap();
+        assert_eq!(last, (1000 * 512, 100), "runs end at the node's end");
+        assert_eq!(bitmap.info().count, 201 * 512, "count is in whole granules");
+    }
+
+    #[test]
+    fn merge_takes_bytes_across_granularities_and_refuses_other_sizes() {
+        let set = Arc::new(DirtyBitmaps::default());
+        let fine = set.add("fine", MIB, options(512)).unwrap();
+        let coarse = set.add("coarse", MIB, BitmapOptions { enabled: false, ..options(65536) }).unwrap();
+        set.recorder().record(&write(70000, 1000));
+        coarse.merge(&fine).unwrap();
+        assert_eq!(runs(&coarse), [(65536, 65536)]);
+        let other = DirtyBitmaps::default().add("o", 2 * MIB, options(512)).unwrap();
+        assert_eq!(coarse.merge(&other), Err(BitmapError::Sizes { target: MIB, merged: 2 * MIB }));
+    }
+
+    #[test]
+    fn names_granularities_and_busy_bitmaps_are_refused_as_qemu_does() {
+        let set = DirtyBitmaps::default();
+        assert_eq!(set.add("", MIB, options(512)).err(), Some(BitmapError::EmptyName));
+        assert!(matches!(set.add(&"x".repeat(1024), MIB, options(512)), Err(BitmapError::NameTooLong(_))));
+        set.add(&"x".repeat(1023), MIB, options(512)).unwrap();
+        for bad in [0, 256, 1000, 3 << 20] {
+            assert_eq!(set.add("g", MIB, options(bad)).err(), Some(BitmapError::Granularity), "{bad}");
+        }
+        let b = set.add("b", MIB, options(512)).unwrap();
+        assert_eq!(set.add("b", MIB, options(512)).err(), Some(BitmapError::Exists("b".into())));
+        let guard = b.take().unwrap();
+        let busy = || BitmapError::Busy("b".into());
+        assert_eq!(b.take().err(), Some(busy()));
+        assert_eq!(b.clear(), Err(busy()));
+        assert_eq!(set.set_enabled(&b, false), Err(busy()));
+        assert_eq!(set.remove("b").err(), Some(busy()));
+        drop(guard);
+        assert_eq!(set.remove("b").unwrap().name(), "b");
+        assert_eq!(set.get("b").err(), Some(BitmapError::NotFound("b".into())));
+    }
+
+    #[test]
+    fn a_resize_keeps_bits_and_catches_writes_recorded_meanwhile() {
+        let set = Arc::new(DirtyBitmaps::default());
+        let bitmap = set.add("r", MIB, options(4096)).unwrap();
+        let mut recorder = set.recorder();
+        recorder.record(&write(MIB - 4096, 4096));
+        set.resize(2 * MIB);
+        recorder.record(&write(MIB, 4096)); // the recorder still holds the old words
+        assert_eq!(runs(&bitmap), [(MIB - 4096, 8192)]);
+        set.resize(MIB - 8192);
+        assert_eq!(runs(&bitmap), [], "bits past a smaller size go");
+        assert_eq!(bitmap.info().count, 0);
+    }
+
+    #[test]
+    fn concurrent_writers_lose_no_bit_while_bitmaps_change() {
+        let set = Arc::new(DirtyBitmaps::default());
+        let bitmap = set.add("c", 64 * MIB, options(512)).unwrap();
+        let writers: Vec<_> = (0..2u64)
+            .map(|w| {
+                let mut recorder = set.recorder();
+                std::thread::spawn(move || {
+                    for i in 0..64 * 1024u64 {
+                        // Inside the smallest size the node takes below.
+                        recorder.record(&write((i * 2 + w) * 512, 512));
+                    }
+                })
+            })
+            .collect();
+        let mut sizes = [80 * MIB, 64 * MIB, 128 * MIB].into_iter().cycle();
+        while writers.iter().any(|w| !w.is_finished()) {
+            set.resize(sizes.next().unwrap());
+        }
+        writers.into_iter().for_each(|w| w.join().unwrap());
+        assert_eq!(bitmap.info().count, 64 * MIB);
+    }
+}

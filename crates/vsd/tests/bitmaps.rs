@@ -1,0 +1,213 @@
+//! Dirty bitmaps: QMP's `block-dirty-bitmap-*` against qemu-storage-daemon
+//! answering the same commands, writes recorded from every kind of
+//! client (libblkio over vhost-user, qemu-io over NBD), and bitmaps read
+//! back by libnbd's `nbdinfo --map=qemu:dirty-bitmap:NAME`.
+
+mod common;
+
+use std::path::Path;
+
+use common::{Daemon, Scratch, pattern, run};
+use serde_json::{Value, json};
+use vsd_bench::ClientOptions;
+use vsd_control::client::QmpClient;
+
+const MIB: u64 = 1 << 20;
+const KIB: u64 = 1 << 10;
+
+fn monitor(socket: &Path) -> Vec<String> {
+    vec![
+        "--chardev".into(),
+        format!("socket,id=m,path={},server=on,wait=off", socket.display()),
+        "--monitor".into(),
+        "chardev=m".into(),
+    ]
+}
+
+/// A qcow2 node `q` over file node `f`, and a raw file node `r`.
+fn two_nodes(dir: &Scratch) -> Vec<String> {
+    let qcow2 = dir.path("a.qcow2");
+    let out = run("qemu-img", &["create", "-q", "-f", "qcow2", qcow2.to_str().unwrap(), "1M"]);
+    assert!(out.status.success());
+    let raw = dir.image("r.img", MIB);
+    vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=f,filename={}", qcow2.display()),
+        "--blockdev".into(),
+        "driver=qcow2,node-name=q,file=f".into(),
+        "--blockdev".into(),
+        format!("driver=file,node-name=r,filename={}", raw.display()),
+    ]
+}
+
+/// What a command answered: its return value, or its error's class and text.
+fn answer(qmp: &mut QmpClient, command: &str, args: Value) -> Value {
+    match qmp.execute(command, args) {
+        Ok(value) => json!({ "return": value }),
+        Err(e) => json!({ "error": e.to_string() }),
+    }
+}
+
+/// The `dirty-bitmaps` of every node that has some, by node.
+fn bitmaps_by_node(qmp: &mut QmpClient) -> Value {
+    let nodes = qmp.execute("query-named-block-nodes", json!({})).unwrap();
+    let with = nodes.as_array().unwrap().iter().filter_map(|n| Some((n["node-name"].clone(), n.get("dirty-bitmaps")?)));
+    Value::Object(with.map(|(name, bitmaps)| (name.as_str().unwrap().to_string(), bitmaps.clone())).collect())
+}
+
+#[test]
+fn bitmap_commands_answer_as_qemu_storage_daemon_does() {
+    let long = "x".repeat(1024);
+    let script = [
+        ("block-dirty-bitmap-add", json!({"node": "q", "name": "b"})),
+        ("block-dirty-bitmap-add", json!({"node": "q", "name": "b"})),
+        ("block-dirty-bitmap-add", json!({"node": "zz", "name": "b"})),
+        ("block-dirty-bitmap-add", json!({"node": "q", "name": ""})),
+        ("block-dirty-bitmap-add", json!({"node": "q", "name": long})),
+        ("block-dirty-bitmap-add", json!({"node": "q", "name": "c", "granularity": 1000})),
+        ("block-dirty-bitmap-add", json!({"node": "q", "name": "c", "granularity": 256})),
+        ("block-dirty-bitmap-add", json!({"node": "r", "name": "p", "persistent": true})),
+        ("block-dirty-bitmap-add", json!({"node": "q", "name": "d", "disabled": true, "granularity": 512})),
+        ("block-dirty-bitmap-add", json!({"node": "r", "name": "e", "granularity": 4096})),
+        ("block-dirty-bitmap-add", json!({"node": "f", "name": "g"})),
+        ("block-dirty-bitmap-remove", json!({"node": "q", "name": "zz"})),
+        ("block-dirty-bitmap-remove", json!({"node": "zz", "name": "zz"})),
+        ("block-dirty-bitmap-clear", json!({"node": "q", "name": "zz"})),
+        ("block-dirty-bitmap-merge", json!({"node": "q", "target": "b", "bitmaps": ["d", {"node": "r", "name": "e"}]})),
+        ("block-dirty-bitmap-merge", json!({"node": "q", "target": "b", "bitmaps": ["nope"]})),
+        ("block-dirty-bitmap-merge", json!({"node": "q", "target": "b", "bitmaps": [{"node": "r", "name": "no"}]})),
+        ("block-dirty-bitmap-merge", json!({"node": "q", "target": "nope", "bitmaps": ["d"]})),
+        ("block-dirty-bitmap-disable", json!({"node": "q", "name": "b"})),
+        ("block-dirty-bitmap-enable", json!({"node": "q", "name": "d"})),
+        ("block-dirty-bitmap-clear", json!({"node": "q", "name": "b"})),
+        ("block-dirty-bitmap-remove", json!({"node": "f", "name": "g"})),
+    ];
+    let run_script = |program: fn(&Scratch, &[String]) -> Daemon, name: &str| {
+        let dir = Scratch::new(name);
+        let socket = dir.path("qmp.sock");
+        let mut args = two_nodes(&dir);
+        args.extend(monitor(&socket));
+        let _daemon = program(&dir, &args);
+        let mut qmp = QmpClient::connect(&socket).unwrap();
+        let mut answers: Vec<Value> = script.iter().map(|(c, a)| answer(&mut qmp, c, a.clone())).collect();
+        answers.push(bitmaps_by_node(&mut qmp));
+        answers
+    };
+    let (vsd, qsd) = (run_script(Daemon::vsd, "bitmap-qmp-vsd"), run_script(Daemon::qsd, "bitmap-qmp-qsd"));
+    for ((command, args), (ours, theirs)) in script.iter().zip(vsd.iter().zip(&qsd)) {
+        assert_eq!(ours, theirs, "{command} {args}");
+    }
+    assert_eq!(vsd.last(), qsd.last(), "query-named-block-nodes' dirty-bitmaps");
+    assert_eq!(vsd.last().unwrap()["q"].as_array().unwrap().len(), 2, "b and d, newest first");
+}
+
+/// The dirty extents of `bitmap` on NBD export `name`, as nbdinfo maps them.
+fn dirty_map(socket: &Path, name: &str, bitmap: &str) -> Vec<(u64, u64)> {
+    let uri = format!("nbd+unix:///{name}?socket={}", socket.display());
+    let out = run("nbdinfo", &[&format!("--map=qemu:dirty-bitmap:{bitmap}"), "--json", &uri]);
+    assert!(out.status.success(), "nbdinfo: {}", String::from_utf8_lossy(&out.stderr));
+    let map: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let extents = map.as_array().unwrap().iter();
+    let dirty = extents.filter(|e| e["type"].as_u64().unwrap() & 1 != 0);
+    dirty.map(|e| (e["offset"].as_u64().unwrap(), e["length"].as_u64().unwrap())).collect()
+}
+
+#[test]
+fn writes_from_every_client_are_recorded_and_nbd_shows_exactly_them() {
+    let dir = Scratch::new("bitmap-record");
+    let image = dir.image("disk.img", 64 * MIB);
+    let (qmp_socket, nbd_socket, vhost) = (dir.path("qmp.sock"), dir.path("nbd.sock"), dir.path("vhost.sock"));
+    let mut args = vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=f0,filename={}", image.display()),
+        "--blockdev".into(),
+        "driver=raw,node-name=disk,file=f0".into(),
+        "--export".into(),
+        format!("type=vhost-user-blk,id=v0,node-name=disk,addr.type=unix,addr.path={},writable=on", vhost.display()),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", nbd_socket.display()),
+        "--export".into(),
+        "type=nbd,id=n0,node-name=disk,name=rw,writable=on".into(),
+    ];
+    args.extend(monitor(&qmp_socket));
+    let daemon = Daemon::vsd(&dir, &args);
+    let mut qmp = QmpClient::connect(&qmp_socket).unwrap();
+    let mut client = daemon.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    queue.write_at(0, &pattern(1, 4096)).unwrap(); // before the bitmap: not recorded
+    qmp.execute("block-dirty-bitmap-add", json!({"node": "disk", "name": "b", "granularity": 65536})).unwrap();
+    qmp.execute("block-dirty-bitmap-add", json!({"node": "disk", "name": "fine", "granularity": 4096})).unwrap();
+
+    queue.write_at(MIB + 512, &pattern(2, 4096)).unwrap(); // inside one 64 KiB granule
+    queue.write_at(8 * MIB - 4096, &pattern(3, 8192)).unwrap(); // across two
+    queue.discard(20 * MIB, MIB).unwrap();
+    let nbd = format!("nbd+unix:///rw?socket={}", nbd_socket.display());
+    let out = run("qemu-io", &["-f", "raw", "-c", "write -P 7 40M 100k", "-c", "write -z 60M 64k", &nbd]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut back = vec![0u8; 4096];
+    queue.read_at(30 * MIB, &mut back).unwrap(); // reads are not writes
+
+    let g = 64 * KIB;
+    let want = [(MIB, g), (8 * MIB - g, 2 * g), (20 * MIB, MIB), (40 * MIB, 2 * g), (60 * MIB, g)];
+    let count: u64 = want.iter().map(|(_, len)| len).sum();
+    let listed = bitmaps_by_node(&mut qmp);
+    let b = listed["disk"].as_array().unwrap().iter().find(|b| b["name"] == "b").unwrap().clone();
+    assert_eq!(
+        b,
+        json!({"name": "b", "count": count, "granularity": g, "recording": true, "busy": false, "persistent": false})
+    );
+
+    // A read-only export may show a bitmap only once it stops recording.
+    let view = json!({"type": "nbd", "id": "n1", "node-name": "disk", "name": "view", "bitmaps": ["b", "fine"]});
+    let refused = qmp.execute("block-export-add", view.clone()).unwrap_err().to_string();
+    assert!(refused.contains("Enabled bitmap 'b' incompatible with readonly export"), "{refused}");
+    qmp.execute("block-dirty-bitmap-disable", json!({"node": "disk", "name": "b"})).unwrap();
+    qmp.execute("block-dirty-bitmap-disable", json!({"node": "disk", "name": "fine"})).unwrap();
+    qmp.execute("block-export-add", view).unwrap();
+    queue.write_at(50 * MIB, &pattern(4, 4096)).unwrap(); // after the disable: in neither
+
+    assert_eq!(dirty_map(&nbd_socket, "view", "b"), want);
+    let fine = [(MIB, 8 * KIB), (8 * MIB - 4096, 8 * KIB), (20 * MIB, MIB), (40 * MIB, 100 * KIB), (60 * MIB, g)];
+    assert_eq!(dirty_map(&nbd_socket, "view", "fine"), fine);
+
+    let busy = qmp.execute("block-dirty-bitmap-remove", json!({"node": "disk", "name": "b"})).unwrap_err();
+    assert!(busy.to_string().contains("is currently in use by another operation"), "{busy}");
+    assert_eq!(bitmaps_by_node(&mut qmp)["disk"][1]["busy"], json!(true), "exported: busy");
+    qmp.execute("block-export-del", json!({"id": "n1"})).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while qmp.execute("block-dirty-bitmap-remove", json!({"node": "disk", "name": "b"})).is_err() {
+        assert!(std::time::Instant::now() < deadline, "the export's end frees the bitmap");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_bitmap_follows_a_resize_and_merges_across_nodes() {
+    let dir = Scratch::new("bitmap-resize");
+    let image = dir.image("disk.img", 4 * MIB);
+    let (qmp_socket, nbd_socket) = (dir.path("qmp.sock"), dir.path("nbd.sock"));
+    let mut args = vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=disk,filename={}", image.display()),
+        "--blockdev".into(),
+        "driver=null-co,node-name=other,size=8M".into(),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", nbd_socket.display()),
+        "--export".into(),
+        "type=nbd,id=n0,node-name=disk,name=rw,writable=on".into(),
+    ];
+    args.extend(monitor(&qmp_socket));
+    let _daemon = Daemon::vsd(&dir, &args);
+    let mut qmp = QmpClient::connect(&qmp_socket).unwrap();
+    qmp.execute("block-dirty-bitmap-add", json!({"node": "disk", "name": "b", "granularity": 4096})).unwrap();
+    qmp.execute("block_resize", json!({"node-name": "disk", "size": 8 * MIB})).unwrap();
+    let nbd = format!("nbd+unix:///rw?socket={}", nbd_socket.display());
+    let out = run("qemu-io", &["-f", "raw", "-c", "write 3M 4k", "-c", "write 7M 4k", &nbd]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    qmp.execute("block-dirty-bitmap-add", json!({"node": "other", "name": "copy", "disabled": true})).unwrap();
+    let merge = json!({"node": "other", "target": "copy", "bitmaps": [{"node": "disk", "name": "b"}]});
+    qmp.execute("block-dirty-bitmap-merge", merge).unwrap();
+    let listed = bitmaps_by_node(&mut qmp);
+    assert_eq!(listed["disk"][0]["count"], json!(8192), "a write past the old end is recorded");
+    assert_eq!(listed["other"][0]["count"], json!(2 * 65536), "merged into 64 KiB granules");
+}
