@@ -77,7 +77,8 @@ fn threads_not_running_as(uid: u32, gid: u32) -> Result<Vec<String>> {
         let path = task?.path().join("status");
         let status = match std::fs::read_to_string(&path) {
             Ok(status) => status,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue, // it exited meanwhile
+            // It exited meanwhile: gone (ENOENT), or between exit and reaping (ESRCH).
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ESRCH)) => continue,
             Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
         };
         let field = |key: &str| status.lines().find_map(|line| line.strip_prefix(key)).unwrap_or_default().trim();
