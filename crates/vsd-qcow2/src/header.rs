@@ -110,9 +110,36 @@ pub struct Header {
     pub backing_format: Option<String>,
     /// The external data file's name, if the image has one.
     pub data_file: Option<String>,
-    /// The bitmaps extension is present.
+    /// The bitmaps extension is present, consistent or not.
     pub has_bitmaps: bool,
+    /// The bitmaps extension, if present and consistent (autoclear bit 0
+    /// set): without the bit another program changed the image since, and
+    /// the bitmaps are stale.
+    pub bitmaps: Option<BitmapsExtension>,
 }
+
+/// Where the bitmap directory is (qcow2 spec, "Bitmaps extension").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BitmapsExtension {
+    /// Bitmaps in the directory, 1 to 65535.
+    pub count: u32,
+    /// The directory's length in bytes.
+    pub directory_size: u64,
+    /// Its offset, cluster aligned.
+    pub directory_offset: u64,
+}
+
+/// QEMU's limits on bitmaps, which vsd shares so that either reads what
+/// the other writes.
+pub mod bitmap_limits {
+    /// Bitmaps in one image.
+    pub const MAX_BITMAPS: u32 = 65535;
+    /// Bytes of bitmap directory.
+    pub const MAX_DIRECTORY: u64 = 64 << 20;
+}
+
+/// Bytes of the bitmaps extension's data.
+const BITMAPS_EXTENSION_LEN: usize = 24;
 
 impl Header {
     /// Parses and validates the header in `buf`: the image's first cluster,
@@ -174,6 +201,7 @@ impl Header {
             backing_format: None,
             data_file: None,
             has_bitmaps: false,
+            bitmaps: None,
         };
         let feature_names = header.read_extensions(buf, header_len as usize)?;
 
@@ -230,7 +258,12 @@ impl Header {
                 extension::END => break,
                 extension::BACKING_FORMAT => self.backing_format = Some(text(data, "backing format")?),
                 extension::DATA_FILE => self.data_file = Some(text(data, "external data file name")?),
-                extension::BITMAPS => self.has_bitmaps = true,
+                extension::BITMAPS => {
+                    self.has_bitmaps = true;
+                    if self.autoclear & autoclear::BITMAPS != 0 {
+                        self.bitmaps = Some(bitmaps_extension(data)?);
+                    }
+                }
                 extension::ENCRYPTION => {
                     return Err(FormatError::Unsupported("encrypted image (full disk encryption header)".into()));
                 }
@@ -306,7 +339,12 @@ impl Header {
             }
         };
         past_end("L1 table", self.l1_offset, u64::from(self.l1_size) * 8)?;
-        past_end("refcount table", self.refcount_table_offset, u64::from(self.refcount_table_clusters) * cs)
+        past_end("refcount table", self.refcount_table_offset, u64::from(self.refcount_table_clusters) * cs)?;
+        if let Some(ext) = self.bitmaps {
+            aligned("bitmap directory", ext.directory_offset)?;
+            past_end("bitmap directory", ext.directory_offset, ext.directory_size)?;
+        }
+        Ok(())
     }
 
     /// Bytes per cluster.
@@ -348,6 +386,87 @@ impl Header {
     pub fn l1_entries_for(&self, size: u64) -> u64 {
         size.div_ceil(self.cluster_size()).div_ceil(self.l2_entries())
     }
+}
+
+/// Parses and checks the bitmaps extension's data (its placement is
+/// checked with the other tables').
+fn bitmaps_extension(data: &[u8]) -> Result<BitmapsExtension, FormatError> {
+    let bad = |what: &str| Err(FormatError::Header(format!("bitmaps extension: {what}")));
+    if data.len() != BITMAPS_EXTENSION_LEN {
+        return bad(&format!("{} bytes long instead of {BITMAPS_EXTENSION_LEN}", data.len()));
+    }
+    let ext =
+        BitmapsExtension { count: be32(data, 0), directory_size: be64(data, 8), directory_offset: be64(data, 16) };
+    if be32(data, 4) != 0 {
+        return bad("reserved field is not zero");
+    }
+    if ext.count == 0 || ext.count > bitmap_limits::MAX_BITMAPS {
+        return bad(&format!("{} bitmaps (1 to {} allowed)", ext.count, bitmap_limits::MAX_BITMAPS));
+    }
+    if ext.directory_size == 0 || ext.directory_size > bitmap_limits::MAX_DIRECTORY {
+        return bad(&format!("a bitmap directory of {} bytes", ext.directory_size));
+    }
+    Ok(ext)
+}
+
+/// Rewrites the header extensions in `chunk` (the start of the header
+/// cluster, as on disk) with `bitmaps` as the bitmaps extension (`None`:
+/// without one), and autoclear bit 0 to match. The other extensions keep
+/// their order; the backing file name moves to follow them, as QEMU lays
+/// it out. Fails, leaving `chunk` unchanged, if they do not fit in it.
+pub fn set_bitmaps_extension(chunk: &mut [u8], bitmaps: Option<BitmapsExtension>) -> Result<(), FormatError> {
+    let unfit = |what: &str| Err(FormatError::Unsupported(format!("cannot rewrite the header extensions: {what}")));
+    if be32(chunk, 4) < 3 {
+        return unfit("a version 2 image has no autoclear bits for bitmaps");
+    }
+    let mut area = Vec::new();
+    let mut at = be32(chunk, 100) as usize;
+    loop {
+        let Some(head) = chunk.get(at..at + 8) else { return unfit("they run past the first 4 KiB") };
+        let (kind, len) = (be32(head, 0), be32(head, 4) as usize);
+        if kind == extension::END {
+            break;
+        }
+        let padded = len.next_multiple_of(8);
+        let Some(whole) = chunk.get(at..at + 8 + padded) else { return unfit("they run past the first 4 KiB") };
+        if kind != extension::BITMAPS {
+            area.extend_from_slice(whole);
+        }
+        at += 8 + padded;
+    }
+    if let Some(ext) = bitmaps {
+        area.extend_from_slice(&extension::BITMAPS.to_be_bytes());
+        area.extend_from_slice(&(BITMAPS_EXTENSION_LEN as u32).to_be_bytes());
+        area.extend_from_slice(&ext.count.to_be_bytes());
+        area.extend_from_slice(&0u32.to_be_bytes());
+        area.extend_from_slice(&ext.directory_size.to_be_bytes());
+        area.extend_from_slice(&ext.directory_offset.to_be_bytes());
+    }
+    area.extend_from_slice(&[0; 8]); // the end marker
+
+    let header_len = be32(chunk, 100) as usize;
+    let backing_at = header_len + area.len();
+    let (backing_offset, backing_len) = (be64(chunk, 8) as usize, be32(chunk, 16) as usize);
+    let backing = if backing_offset == 0 {
+        Vec::new()
+    } else {
+        let name = chunk.get(backing_offset..backing_offset.saturating_add(backing_len));
+        let Some(name) = name else { return unfit("the backing file name lies past the first 4 KiB") };
+        name.to_vec()
+    };
+    if backing_at + backing.len() > chunk.len() {
+        return unfit("they would run past the first 4 KiB");
+    }
+    chunk[header_len..backing_at].copy_from_slice(&area);
+    chunk[backing_at..backing_at + backing.len()].copy_from_slice(&backing);
+    chunk[backing_at + backing.len()..].fill(0);
+    if backing_offset != 0 {
+        chunk[8..16].copy_from_slice(&(backing_at as u64).to_be_bytes());
+    }
+    let at = field::AUTOCLEAR as usize;
+    let bits = be64(chunk, at) & !autoclear::BITMAPS | if bitmaps.is_some() { autoclear::BITMAPS } else { 0 };
+    chunk[at..at + 8].copy_from_slice(&bits.to_be_bytes());
+    Ok(())
 }
 
 fn be32(buf: &[u8], at: usize) -> u32 {

@@ -35,6 +35,7 @@
 
 #![deny(missing_docs)]
 
+pub mod bitmap;
 pub mod buf;
 pub mod compress;
 pub mod entry;
@@ -46,6 +47,7 @@ pub mod refcount;
 
 use std::io;
 
+pub use bitmap::StoredBitmap;
 pub use image::{Allocation, Busy, Extent, Image, ImageIo, MapMemo, Mapping, Options};
 
 /// Why an image cannot be opened (or a range of it used).
