@@ -545,4 +545,84 @@ mod tests {
         b[116..120].copy_from_slice(&u32::MAX.to_be_bytes());
         assert!(Header::parse(&b, 1 << 20).is_err());
     }
+
+    /// Appends an extension at `at` (after the fixed header); returns where
+    /// the next one goes.
+    fn put_extension(b: &mut [u8], at: usize, kind: u32, data: &[u8]) -> usize {
+        b[at..at + 4].copy_from_slice(&kind.to_be_bytes());
+        b[at + 4..at + 8].copy_from_slice(&(data.len() as u32).to_be_bytes());
+        b[at + 8..at + 8 + data.len()].copy_from_slice(data);
+        at + 8 + data.len().next_multiple_of(8)
+    }
+
+    fn bitmaps_data(count: u32, size: u64, offset: u64) -> Vec<u8> {
+        [&count.to_be_bytes()[..], &[0; 4], &size.to_be_bytes(), &offset.to_be_bytes()].concat()
+    }
+
+    #[test]
+    fn the_bitmaps_extension_counts_only_with_its_autoclear_bit() {
+        let mut b = v3();
+        put_extension(&mut b, 112, extension::BITMAPS, &bitmaps_data(2, 64, 0x40000));
+        let h = Header::parse(&b, 1 << 20).unwrap();
+        assert!(h.has_bitmaps && h.bitmaps.is_none(), "stale without the bit");
+        b[88..96].copy_from_slice(&autoclear::BITMAPS.to_be_bytes());
+        let h = Header::parse(&b, 1 << 20).unwrap();
+        let want = BitmapsExtension { count: 2, directory_size: 64, directory_offset: 0x40000 };
+        assert_eq!(h.bitmaps, Some(want));
+        for (data, err) in [
+            (bitmaps_data(0, 64, 0x40000), "0 bitmaps"),
+            (bitmaps_data(65536, 64, 0x40000), "65536 bitmaps"),
+            (bitmaps_data(1, 0, 0x40000), "directory of 0 bytes"),
+            (bitmaps_data(1, (64 << 20) + 1, 0x40000), "directory of 67108865"),
+            (bitmaps_data(1, 64, 0x40200), "not cluster aligned"),
+            (bitmaps_data(1, 64, 0x100000), "past the end"),
+            (bitmaps_data(1, 64, 0x40000)[..16].to_vec(), "16 bytes long"),
+        ] {
+            put_extension(&mut b, 112, extension::BITMAPS, &data);
+            let got = Header::parse(&b, 1 << 20).unwrap_err().to_string();
+            assert!(got.contains(err), "{err}: {got}");
+        }
+    }
+
+    #[test]
+    fn setting_the_bitmaps_extension_keeps_the_others_and_moves_the_backing_name() {
+        let mut b = v3();
+        let at = put_extension(&mut b, 112, extension::BACKING_FORMAT, b"qcow2");
+        let at = put_extension(&mut b, at, extension::BITMAPS, &bitmaps_data(1, 32, 0x40000));
+        let at = put_extension(&mut b, at, 0x1234_5678, b"unknown, kept");
+        let name_at = at + 8;
+        b[name_at..name_at + 8].copy_from_slice(b"base.img");
+        b[8..16].copy_from_slice(&(name_at as u64).to_be_bytes());
+        b[16..20].copy_from_slice(&8u32.to_be_bytes());
+        b[88..96].copy_from_slice(&(autoclear::BITMAPS | 1 << 7).to_be_bytes());
+        let mut chunk = b[..4096].to_vec();
+
+        let ext = BitmapsExtension { count: 3, directory_size: 96, directory_offset: 0x50000 };
+        set_bitmaps_extension(&mut chunk, Some(ext)).unwrap();
+        let h = Header::parse(&chunk, 1 << 20).unwrap();
+        assert_eq!(h.bitmaps, Some(ext));
+        assert_eq!((h.backing_file.as_deref(), h.backing_format.as_deref()), (Some("base.img"), Some("qcow2")));
+        assert_eq!(h.autoclear, autoclear::BITMAPS | 1 << 7, "other autoclear bits are the caller's");
+        assert!(chunk.windows(13).any(|w| w == b"unknown, kept"));
+
+        set_bitmaps_extension(&mut chunk, None).unwrap();
+        let h = Header::parse(&chunk, 1 << 20).unwrap();
+        assert!(!h.has_bitmaps && h.autoclear == 1 << 7);
+        assert_eq!(h.backing_file.as_deref(), Some("base.img"));
+        assert_eq!(be64(&chunk, 8) as usize, name_at - 32, "the name follows the shorter extensions");
+    }
+
+    #[test]
+    fn setting_the_bitmaps_extension_refuses_what_does_not_fit() {
+        let ext = Some(BitmapsExtension { count: 1, directory_size: 32, directory_offset: 0x40000 });
+        let mut b = v3();
+        b[4..8].copy_from_slice(&2u32.to_be_bytes());
+        assert!(set_bitmaps_extension(&mut b[..4096], ext).unwrap_err().to_string().contains("version 2"));
+        let mut b = v3();
+        put_extension(&mut b, 112, 0x1234_5678, &[7; 4096 - 112 - 8 - 8]);
+        let before = b[..4096].to_vec();
+        let mut chunk = before.clone();
+        assert!(set_bitmaps_extension(&mut chunk, ext).unwrap_err().to_string().contains("past the first 4 KiB"));
+        assert_eq!(chunk, before, "unchanged");
+    }
 }
