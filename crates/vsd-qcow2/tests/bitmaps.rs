@@ -212,6 +212,98 @@ fn bitmaps_stored_keep_the_backing_file_and_other_extensions() {
     }
 }
 
+/// Every write and flush a store makes, to replay up to a crash.
+struct Recorder {
+    file: MemFile,
+    /// Writes in order; `None` for a flush.
+    ops: Vec<Option<(u64, Vec<u8>)>>,
+}
+
+impl SyncIo for Recorder {
+    fn read_at(&mut self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        self.file.read_at(buf, offset)
+    }
+
+    fn write_at(&mut self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        self.ops.push(Some((offset, buf.to_vec())));
+        self.file.write_at(buf, offset)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.ops.push(None);
+        Ok(())
+    }
+
+    fn discard(&mut self, _: u64, _: u64) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A crash after any flush of a store (what was written before it
+/// durable, nothing after) leaves either the old bitmaps or the new ones,
+/// and no corruption: at worst leaked clusters.
+#[test]
+fn bitmaps_store_cut_short_by_a_crash_leaves_old_or_new() {
+    let dir = Scratch::new("bitmaps-crash");
+    let img = dir.path("a.qcow2");
+    create(&img, "cluster_size=4096", DISK);
+    qemu_img(&["bitmap", "--add", "-g", "512", &img, "a"]);
+    qemu_io(&img, &["write -q 0 64k", "write -q 30M 4k"]);
+    let (image, file) = open(&img, true, true).unwrap();
+    let original = file.bytes.clone();
+    let mut recorder = Recorder { file, ops: Vec::new() };
+    let mut rio = ImageIo { meta: &mut recorder, data: None, backing: None };
+    let old = image.load_bitmaps(&mut rio).unwrap();
+    let mut a = old[0].clone();
+    a.words[1500] = 0xff;
+    let new = [named("n", false, pattern(4096, 9)), a];
+    image.store_bitmaps(&mut rio, &new).unwrap();
+
+    let crash = dir.path("crash.qcow2");
+    let cuts = recorder.ops.iter().enumerate().filter(|(_, op)| op.is_none()).map(|(i, _)| i);
+    let mut seen = BTreeSet::new();
+    for cut in std::iter::once(0).chain(cuts) {
+        let mut file = MemFile::new(original.clone(), 256 * MIB);
+        for (offset, bytes) in recorder.ops[..cut].iter().flatten() {
+            file.write_at(bytes, *offset).unwrap();
+        }
+        save(&file, &crash);
+        let status = Command::new("qemu-img").args(["check", "-q", &crash]).output().unwrap().status;
+        assert!(matches!(status.code(), Some(0 | 3)), "cut at {cut}: corruption ({status})");
+        let names: Vec<_> = qemu_bitmaps(&crash).into_iter().map(|(name, ..)| name).collect();
+        let state = if names == ["a"] { &old[..] } else { &new[..] };
+        for b in state {
+            assert_eq!(qemu_dirty_ranges(&crash, &b.name), dirty_ranges(b, DISK), "cut at {cut}: {names:?}");
+        }
+        seen.insert(names);
+    }
+    assert_eq!(seen.len(), 2, "both states were seen: {seen:?}");
+}
+
+/// A store that fails (the file cannot grow) gives its clusters back and
+/// leaves the old bitmaps in place.
+#[test]
+fn bitmaps_store_that_fails_leaves_no_trace() {
+    let dir = Scratch::new("bitmaps-enospc");
+    let img = dir.path("a.qcow2");
+    create(&img, "", DISK);
+    qemu_img(&["bitmap", "--add", &img, "a"]);
+    qemu_io(&img, &["write -q 0 64k"]);
+    let bytes = std::fs::read(&img).unwrap();
+    let mut file = MemFile::new(bytes.clone(), bytes.len() as u64 + 2 * 65536);
+    let len = bytes.len() as u64;
+    let opts = Options { writable: true, keep_bitmaps: true, ..Options::default() };
+    let image = Image::open(&mut file, len, opts).unwrap();
+    let big = [named("x", true, pattern(65536, 1)), named("y", true, pattern(65536, 2))];
+    let err = image.store_bitmaps(&mut io(&mut file), &big).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::StorageFull);
+    image.close(&mut io(&mut file)).unwrap();
+    save(&file, &img);
+    assert_check_clean(&img);
+    assert_eq!(qemu_bitmaps(&img), [("a".into(), 65536, vec!["auto".to_string()])]);
+    assert_eq!(qemu_dirty_ranges(&img, "a"), [(0, 64 * KIB)]);
+}
+
 /// Marked in use and never stored back (a crash): QEMU and vsd both see
 /// the bitmap as in use; stored in use again, it keeps its table; stored
 /// consistent, its new bits are what QEMU reads.
@@ -469,11 +561,12 @@ fn bitmaps_damaged_are_refused_with_an_error() {
 
 // Helpers.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use vsd_qcow2::mem::MemFile;
-use vsd_qcow2::{Image, ImageIo, Options};
+use vsd_qcow2::{Image, ImageIo, Options, SyncIo};
 
 const KIB: u64 = 1024;
 const MIB: u64 = 1024 * KIB;
