@@ -103,10 +103,8 @@ impl DirEntry {
         (ENTRY_HEAD + self.name.len()).next_multiple_of(8)
     }
 
-    /// Checks the entry's table against QEMU's limits; a bitmap not in use
-    /// must also have exactly the table a disk of `disk_size` needs (one in
-    /// use may be left from before a resize).
-    fn check_table(&self, cluster_size: u64, disk_size: u64) -> Result<(), String> {
+    /// Checks the entry's table against QEMU's limits.
+    fn check_table(&self, cluster_size: u64) -> Result<(), String> {
         let size = u64::from(self.table_size);
         if self.table_offset == 0 || !self.table_offset.is_multiple_of(cluster_size) {
             return Err(format!("table offset {:#x} is zero or unaligned", self.table_offset));
@@ -114,22 +112,27 @@ impl DirEntry {
         if size == 0 || size > MAX_TABLE_ENTRIES || size * cluster_size > MAX_DATA_BYTES {
             return Err(format!("a table of {size} entries"));
         }
+        Ok(())
+    }
+
+    /// A bitmap's data is readable if its table is exactly what a disk of
+    /// `disk_size` bytes needs. Checked only when the data is read: one in
+    /// use may be left from before a resize, and a stale one is freed
+    /// whatever its size.
+    pub(crate) fn check_size(&self, cluster_size: u64, disk_size: u64) -> Result<(), FormatError> {
         let needed = table_size_for(disk_size, self.granularity_bits, cluster_size);
-        if !self.in_use && size != needed {
-            return Err(format!("a table of {size} entries where a disk of {disk_size} bytes needs {needed}"));
+        if u64::from(self.table_size) != needed {
+            return Err(corrupt(format!(
+                "bitmap '{}': a table of {} entries where a disk of {disk_size} bytes needs {needed}",
+                self.name, self.table_size
+            )));
         }
         Ok(())
     }
 }
 
-/// Parses and checks a bitmap directory of `count` entries, for a disk of
-/// `disk_size` bytes.
-pub(crate) fn parse_directory(
-    raw: &[u8],
-    count: u32,
-    cluster_size: u64,
-    disk_size: u64,
-) -> Result<Vec<DirEntry>, FormatError> {
+/// Parses and checks a bitmap directory of `count` entries.
+pub(crate) fn parse_directory(raw: &[u8], count: u32, cluster_size: u64) -> Result<Vec<DirEntry>, FormatError> {
     let mut entries: Vec<DirEntry> = Vec::new();
     let mut at = 0;
     while at < raw.len() {
@@ -137,7 +140,7 @@ pub(crate) fn parse_directory(
             return Err(corrupt(format!("more than the {count} entries the header announces")));
         }
         let entry = parse_entry(&raw[at..]).map_err(|e| corrupt(format!("entry {}: {e}", entries.len())))?;
-        entry.check_table(cluster_size, disk_size).map_err(|e| corrupt(format!("bitmap '{}': {e}", entry.name)))?;
+        entry.check_table(cluster_size).map_err(|e| corrupt(format!("bitmap '{}': {e}", entry.name)))?;
         if entries.iter().any(|e| e.name == entry.name) {
             return Err(corrupt(format!("two bitmaps named '{}'", entry.name)));
         }
@@ -313,7 +316,7 @@ mod tests {
         let raw = serialize_directory(&entries);
         assert_eq!(raw.len(), 32 + 40);
         assert_eq!(&raw[12..18], &[0, 0, 0, 2, 1, 16], "flags auto, type 1, granularity 2^16");
-        assert_eq!(parse_directory(&raw, 2, CS, DISK).unwrap(), entries);
+        assert_eq!(parse_directory(&raw, 2, CS).unwrap(), entries);
     }
 
     #[test]
@@ -329,7 +332,7 @@ mod tests {
     #[test]
     fn bad_entries_are_refused_by_what_is_wrong() {
         type Damage = fn(&mut Vec<u8>);
-        let cases: [(Damage, &str); 14] = [
+        let cases: [(Damage, &str); 13] = [
             (|r| r[16] = 2, "bitmap type 2"),
             (|r| r[15] = 4, "unknown flags"),
             (|r| r[17] = 8, "granularity bits 8"),
@@ -340,7 +343,6 @@ mod tests {
             (|r| r[23] = 8, "extra data"),
             (|r| r[7] = 1, "unaligned"),
             (|r| r[0..8].fill(0), "zero or unaligned"),
-            (|r| r[8..12].copy_from_slice(&2u32.to_be_bytes()), "needs 1"),
             (|r| r[8..12].copy_from_slice(&u32::MAX.to_be_bytes()), "a table of 4294967295"),
             (|r| r[24] = 0xff, "not UTF-8"),
             (|r| r.truncate(20), "truncated"),
@@ -348,7 +350,7 @@ mod tests {
         for (damage, want) in cases {
             let mut raw = serialize_directory(&[entry("a", 1)]);
             damage(&mut raw);
-            let err = parse_directory(&raw, 1, CS, DISK).unwrap_err().to_string();
+            let err = parse_directory(&raw, 1, CS).unwrap_err().to_string();
             assert!(err.contains(want), "{want}: {err}");
         }
     }
@@ -356,16 +358,18 @@ mod tests {
     #[test]
     fn counts_and_names_must_agree_with_the_header() {
         let raw = serialize_directory(&[entry("a", 1), entry("a", 1)]);
-        assert!(parse_directory(&raw, 2, CS, DISK).unwrap_err().to_string().contains("two bitmaps named 'a'"));
-        assert!(parse_directory(&raw, 1, CS, DISK).unwrap_err().to_string().contains("more than the 1"));
+        assert!(parse_directory(&raw, 2, CS).unwrap_err().to_string().contains("two bitmaps named 'a'"));
+        assert!(parse_directory(&raw, 1, CS).unwrap_err().to_string().contains("more than the 1"));
         let raw = serialize_directory(&[entry("a", 1), entry("b", 1)]);
-        assert!(parse_directory(&raw, 3, CS, DISK).unwrap_err().to_string().contains("2 entries where"));
+        assert!(parse_directory(&raw, 3, CS).unwrap_err().to_string().contains("2 entries where"));
     }
 
     #[test]
-    fn a_bitmap_in_use_may_have_a_table_from_another_disk_size() {
-        let raw = serialize_directory(&[DirEntry { in_use: true, ..entry("a", 5) }]);
-        assert!(parse_directory(&raw, 1, CS, DISK).is_ok());
+    fn a_table_must_match_the_disk_only_to_be_read() {
+        let raw = serialize_directory(&[entry("a", 2)]);
+        let parsed = parse_directory(&raw, 1, CS).unwrap();
+        assert!(parsed[0].check_size(CS, DISK).unwrap_err().to_string().contains("needs 1"));
+        assert!(parsed[0].check_size(CS, 33 * DISK).is_ok(), "32 GiB per cluster of bitmap");
     }
 
     #[test]

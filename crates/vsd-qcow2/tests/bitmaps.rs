@@ -212,6 +212,54 @@ fn bitmaps_stored_keep_the_backing_file_and_other_extensions() {
     }
 }
 
+/// After the disk grows, the old bitmaps no longer fit it: they cannot be
+/// loaded, but storing new ones of the new size replaces and frees them.
+#[test]
+fn bitmaps_stored_after_the_disk_grew() {
+    // Past 32 GiB, a 64 KiB-granularity bitmap needs a second cluster.
+    const GROWN: u64 = 40 << 30;
+    let dir = Scratch::new("bitmaps-grow");
+    let img = dir.path("a.qcow2");
+    create(&img, "", DISK);
+    qemu_img(&["bitmap", "--add", &img, "a"]);
+    qemu_io(&img, &["write -q 0 64k"]);
+    let (image, mut file) = open(&img, true, true).unwrap();
+    let mut a = image.load_bitmaps(&mut io(&mut file)).unwrap().remove(0);
+    image.grow(&mut io(&mut file), GROWN).unwrap();
+    let err = image.load_bitmaps(&mut io(&mut file)).unwrap_err().to_string();
+    assert!(err.contains("needs 2"), "{err}");
+    assert!(image.store_bitmaps(&mut io(&mut file), std::slice::from_ref(&a)).is_err(), "a is too short");
+    a.words.resize(StoredBitmap::words_for(GROWN, a.granularity), 0);
+    a.words[1000] = 1 << 5;
+    image.store_bitmaps(&mut io(&mut file), std::slice::from_ref(&a)).unwrap();
+    image.close(&mut io(&mut file)).unwrap();
+    save(&file, &img);
+    assert_check_clean(&img);
+    assert_eq!(qemu_dirty_ranges(&img, "a"), [(0, 64 * KIB), (64005 * 64 * KIB, 64 * KIB)]);
+}
+
+/// Storing needs a writable version 3 image; storing none where there
+/// are none changes nothing.
+#[test]
+fn bitmaps_are_stored_only_where_they_can_be() {
+    let dir = Scratch::new("bitmaps-where");
+    let img = dir.path("a.qcow2");
+    create(&img, "compat=0.10", DISK);
+    let (image, mut file) = open(&img, true, true).unwrap();
+    let b = named("b", true, pattern(65536, 1));
+    let err = image.store_bitmaps(&mut io(&mut file), std::slice::from_ref(&b)).unwrap_err().to_string();
+    assert!(err.contains("version 3"), "{err}");
+    let before = file.bytes.clone();
+    image.store_bitmaps(&mut io(&mut file), &[]).unwrap();
+    assert!(file.bytes == before, "untouched");
+
+    create(&img, "", DISK);
+    let (image, mut file) = open(&img, false, false).unwrap();
+    let err = image.store_bitmaps(&mut io(&mut file), &[b]).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EROFS));
+    assert_eq!(image.mark_bitmaps_in_use(&mut io(&mut file)).unwrap_err().raw_os_error(), Some(libc::EROFS));
+}
+
 /// Every write and flush a store makes, to replay up to a crash.
 struct Recorder {
     file: MemFile,

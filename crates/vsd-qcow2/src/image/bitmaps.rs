@@ -18,18 +18,12 @@ use crate::buf::AlignedBuf;
 use crate::header::{self, BitmapsExtension};
 use crate::{FormatError, SyncIo};
 
-/// Reads and checks the bitmap directory `ext` names, for a disk of
-/// `disk_size` bytes in a file of `file_end` bytes.
-fn read_directory(
-    io: &mut dyn SyncIo,
-    ext: BitmapsExtension,
-    cluster_size: u64,
-    disk_size: u64,
-) -> Result<Vec<DirEntry>, FormatError> {
+/// Reads and checks the bitmap directory `ext` names.
+fn read_directory(io: &mut dyn SyncIo, ext: BitmapsExtension, cluster_size: u64) -> Result<Vec<DirEntry>, FormatError> {
     // The header checked the size (at most 64 MiB) and that it is in the file.
     let mut raw = AlignedBuf::zeroed(ext.directory_size.next_multiple_of(512) as usize);
     io.read_at(&mut raw, ext.directory_offset)?;
-    bitmap::parse_directory(&raw[..ext.directory_size as usize], ext.count, cluster_size, disk_size)
+    bitmap::parse_directory(&raw[..ext.directory_size as usize], ext.count, cluster_size)
 }
 
 /// Reads a bitmap's table, every entry checked and inside the file.
@@ -59,11 +53,10 @@ pub(super) fn bitmap_clusters(
     io: &mut dyn SyncIo,
     ext: BitmapsExtension,
     cluster_size: u64,
-    disk_size: u64,
     file_end: u64,
 ) -> Result<Vec<(u64, u64)>, FormatError> {
     let mut ranges = vec![(ext.directory_offset, ext.directory_size)];
-    for e in read_directory(io, ext, cluster_size, disk_size)? {
+    for e in read_directory(io, ext, cluster_size)? {
         ranges.extend(entry_clusters(io, &e, cluster_size, file_end)?);
     }
     Ok(ranges)
@@ -100,7 +93,7 @@ impl Image {
         let meta = self.lock();
         let Some(ext) = meta.bitmaps else { return Ok(Vec::new()) };
         let file_end = meta.fresh_from();
-        let entries = read_directory(io.meta, ext, self.cluster_size(), self.size())?;
+        let entries = read_directory(io.meta, ext, self.cluster_size())?;
         entries.iter().map(|e| self.load_bitmap(io.meta, e, file_end)).collect()
     }
 
@@ -111,9 +104,10 @@ impl Image {
         if e.in_use {
             return Ok(loaded); // inconsistent: its data means nothing
         }
+        e.check_size(self.cluster_size(), self.size())?;
         let table = read_bitmap_table(io, e, self.cluster_size(), file_end)?;
-        // The directory checked that the table matches the disk, so this is
-        // at most QEMU's 512 MiB of bitmap data.
+        // The table matches the disk and QEMU's limits: this is at most
+        // 512 MiB of bitmap data.
         loaded.words = vec![0; StoredBitmap::words_for(self.size(), granularity)];
         let per_cluster = bitmap::words_per_cluster(self.cluster_size());
         let mut buf = AlignedBuf::zeroed(self.cluster_size() as usize);
@@ -141,7 +135,13 @@ impl Image {
     pub fn store_bitmaps(&self, io: &mut ImageIo, bitmaps: &[StoredBitmap]) -> io::Result<()> {
         self.check_writable()?;
         bitmap::check_for_store(bitmaps, self.size(), self.cluster_size())?;
+        if !bitmaps.is_empty() && self.header.version < 3 {
+            return Err(FormatError::Unsupported("bitmaps need a version 3 (compat=1.1) image".into()).into());
+        }
         let mut meta = self.lock();
+        if bitmaps.is_empty() && meta.bitmaps.is_none() {
+            return Ok(()); // nothing stored, nothing to remove
+        }
         // Nothing else queued: the decrements below may be applied at once.
         self.flush_metadata(&mut meta, io)?;
         let old = self.current_directory(&meta, io.meta)?;
@@ -186,7 +186,7 @@ impl Image {
     /// The entries of the directory the header names now.
     fn current_directory(&self, meta: &Meta, io: &mut dyn SyncIo) -> Result<Vec<DirEntry>, FormatError> {
         match meta.bitmaps {
-            Some(ext) => read_directory(io, ext, self.cluster_size(), self.size()),
+            Some(ext) => read_directory(io, ext, self.cluster_size()),
             None => Ok(Vec::new()),
         }
     }

@@ -43,7 +43,7 @@ impl Image {
         // drops them (and their clusters leak, as with QEMU).
         let kept_bitmaps = header.bitmaps.filter(|_| opts.writable && opts.keep_bitmaps);
         let bitmap_ranges = match kept_bitmaps {
-            Some(ext) => bitmap_clusters(io, ext, cs, header.size, file_len)?,
+            Some(ext) => bitmap_clusters(io, ext, cs, file_len)?,
             None => Vec::new(),
         };
 
