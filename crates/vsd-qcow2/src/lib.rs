@@ -32,6 +32,12 @@
 //!
 //! Clusters freed by discard are not reused until the image is reopened: a
 //! write in flight on another queue may still target them.
+//!
+//! Persistent dirty bitmaps ([`bitmap`]) are kept in memory by the block
+//! driver, not here: the image loads them at open, marks them in use, and
+//! stores them back whole ([`Image::store_bitmaps`]), as QEMU does at a
+//! clean close. Their clusters are metadata meanwhile, known to the
+//! overlap checks and to a refcount rebuild.
 
 #![deny(missing_docs)]
 

@@ -576,6 +576,15 @@ fn bitmaps_damaged_are_refused_with_an_error() {
             "invalid bitmap table entry",
         ),
         ("entry past the end", Box::new(move |b| put64(b, table, 1 << 40)), "past the end"),
+        (
+            "shared table",
+            Box::new(move |b| {
+                let v = be64(b, d);
+                put64(b, second, v)
+            }),
+            "bitmap tables overlap",
+        ),
+        ("table in the directory", Box::new(move |b| put64(b, second, d as u64)), "bitmap tables overlap"),
     ];
     for (what, damage, want) in cases {
         let mut bytes = v.bytes.clone();
@@ -595,9 +604,9 @@ fn bitmaps_damaged_are_refused_with_an_error() {
                 let v = be64(b, table);
                 put64(b, table + 8, v)
             }),
-            "also other metadata",
+            "used twice",
         ),
-        ("data in the directory", Box::new(move |b| put64(b, table + 8, d as u64)), "also other metadata"),
+        ("data in the directory", Box::new(move |b| put64(b, table + 8, d as u64)), "used twice"),
     ];
     for (what, damage, want) in shared {
         let mut bytes = v.bytes.clone();

@@ -23,7 +23,22 @@ fn read_directory(io: &mut dyn SyncIo, ext: BitmapsExtension, cluster_size: u64)
     // The header checked the size (at most 64 MiB) and that it is in the file.
     let mut raw = AlignedBuf::zeroed(ext.directory_size.next_multiple_of(512) as usize);
     io.read_at(&mut raw, ext.directory_offset)?;
-    bitmap::parse_directory(&raw[..ext.directory_size as usize], ext.count, cluster_size)
+    let entries = bitmap::parse_directory(&raw[..ext.directory_size as usize], ext.count, cluster_size)?;
+    check_tables_apart(ext, &entries, cluster_size)?;
+    Ok(entries)
+}
+
+/// Tables shared between bitmaps (or with the directory) are corrupt, and
+/// would let a small file load the same huge bitmap many times over.
+fn check_tables_apart(ext: BitmapsExtension, entries: &[DirEntry], cluster_size: u64) -> Result<(), FormatError> {
+    let span = |at: u64, len: u64| (at / cluster_size, (at + len).div_ceil(cluster_size));
+    let mut spans: Vec<_> = entries.iter().map(|e| span(e.table_offset, u64::from(e.table_size) * 8)).collect();
+    spans.push(span(ext.directory_offset, ext.directory_size));
+    spans.sort_unstable();
+    match spans.windows(2).find(|w| w[1].0 < w[0].1) {
+        Some(w) => Err(FormatError::Corrupt(format!("bitmap tables overlap at {:#x}", w[1].0 * cluster_size))),
+        None => Ok(()),
+    }
 }
 
 /// Reads a bitmap's table, every entry checked and inside the file.
@@ -47,19 +62,26 @@ fn read_bitmap_table(
         .collect()
 }
 
-/// The byte ranges of every cluster the bitmaps `ext` names use: the
-/// directory, the tables and the data clusters.
+/// Every cluster the bitmaps `ext` names use: the directory, the tables
+/// and the data clusters. A cluster used twice is an error, found as soon
+/// as it is met, so that bitmaps sharing one table cannot make the list
+/// grow beyond the clusters the file holds.
 pub(super) fn bitmap_clusters(
     io: &mut dyn SyncIo,
     ext: BitmapsExtension,
-    cluster_size: u64,
+    cluster_bits: u32,
     file_end: u64,
-) -> Result<Vec<(u64, u64)>, FormatError> {
-    let mut ranges = vec![(ext.directory_offset, ext.directory_size)];
-    for e in read_directory(io, ext, cluster_size)? {
-        ranges.extend(entry_clusters(io, &e, cluster_size, file_end)?);
+) -> Result<BTreeSet<u64>, FormatError> {
+    let mut clusters = BTreeSet::new();
+    let mut add = |ranges: &[(u64, u64)]| match clusters_of(ranges, cluster_bits).find(|&c| !clusters.insert(c)) {
+        Some(c) => Err(FormatError::Corrupt(format!("bitmap cluster {:#x} is used twice", c << cluster_bits))),
+        None => Ok(()),
+    };
+    add(&[(ext.directory_offset, ext.directory_size)])?;
+    for e in read_directory(io, ext, 1 << cluster_bits)? {
+        add(&entry_clusters(io, &e, 1 << cluster_bits, file_end)?)?;
     }
-    Ok(ranges)
+    Ok(clusters)
 }
 
 /// The byte ranges of one bitmap's table and data clusters.

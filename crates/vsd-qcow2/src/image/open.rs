@@ -42,9 +42,9 @@ impl Image {
         // Bitmaps matter only if they are kept: otherwise opening writable
         // drops them (and their clusters leak, as with QEMU).
         let kept_bitmaps = header.bitmaps.filter(|_| opts.writable && opts.keep_bitmaps);
-        let bitmap_ranges = match kept_bitmaps {
-            Some(ext) => bitmap_clusters(io, ext, cs, file_len)?,
-            None => Vec::new(),
+        let bitmap_clusters = match kept_bitmaps {
+            Some(ext) => bitmap_clusters(io, ext, header.cluster_bits, file_len)?,
+            None => BTreeSet::new(),
         };
 
         let mut header_chunk = AlignedBuf::zeroed(cs.min(4096) as usize);
@@ -52,7 +52,8 @@ impl Image {
         header_chunk.copy_from_slice(&header_buf[..chunk_len]);
         let (rt_raw, rt_offset, file_len) = if opts.writable && header.dirty() {
             let l1s: Vec<&[u64]> = std::iter::once(&l1_raw).chain(&snapshot_l1s).map(Vec::as_slice).collect();
-            let counted = [&structures[..], &bitmap_ranges].concat();
+            let bitmaps = bitmap_clusters.iter().map(|&c| (c * cs, cs));
+            let counted: Vec<_> = structures.iter().copied().chain(bitmaps).collect();
             let new = rebuild(io, &header, &layout, &counted, &l1s, file_len, &mut header_chunk)?;
             let end = new.table_offset + (new.table.len() as u64 * 8).next_multiple_of(cs);
             (new.table, new.table_offset, end)
@@ -72,11 +73,9 @@ impl Image {
         add(rt_offset, (rt_raw.len() as u64 * 8).max(1));
         rt_raw.iter().filter(|&&b| b != 0).for_each(|&b| add(b, cs));
         // Bitmap clusters are freed when bitmaps are stored: one that is
-        // also other metadata, or twice a bitmap's, would be freed in use.
-        for &(offset, len) in &bitmap_ranges {
-            if let Some(c) = (offset / cs..(offset + len).div_ceil(cs)).find(|&c| !metadata.insert(c)) {
-                return Err(FormatError::Corrupt(format!("bitmap cluster {:#x} is also other metadata", c * cs)));
-            }
+        // also other metadata would be freed in use.
+        if let Some(c) = bitmap_clusters.iter().find(|&&c| !metadata.insert(c)) {
+            return Err(FormatError::Corrupt(format!("bitmap cluster {:#x} is also other metadata", c * cs)));
         }
         let non_l2 = metadata.clone();
         for (name, table) in std::iter::once(("active", &l1_raw)).chain(snapshot_l1s.iter().map(|t| ("snapshot", t))) {
