@@ -423,6 +423,22 @@ fn bitmaps_are_kept_only_when_the_caller_keeps_them() {
     assert!(image.load_bitmaps(&mut io(&mut file)).unwrap().is_empty(), "and so does vsd");
 }
 
+/// Dropping the bitmaps (clearing autoclear bit 0) is durable before the
+/// open returns, so no guest write can reach the disk while the bitmaps
+/// still look consistent.
+#[test]
+fn bitmaps_dropped_at_open_are_dropped_durably() {
+    let dir = Scratch::new("bitmaps-drop");
+    let img = dir.path("a.qcow2");
+    create(&img, "", DISK);
+    qemu_img(&["bitmap", "--add", &img, "a"]);
+    let bytes = std::fs::read(&img).unwrap();
+    let mut recorder = Recorder { file: MemFile::new(bytes.clone(), 256 * MIB), ops: Vec::new() };
+    let opts = Options { writable: true, ..Options::default() };
+    Image::open(&mut recorder, bytes.len() as u64, opts).unwrap();
+    assert!(matches!(&recorder.ops[..], [Some((0, header)), None] if !bitmaps_bit(header)), "{:?}", recorder.ops.len());
+}
+
 /// Sets the dirty bit (lazy refcounts, then a crash) and zeroes every
 /// refcount, so that opening writable must rebuild them all.
 fn crash_with_lazy_refcounts(path: &str) {

@@ -234,6 +234,9 @@ fn prepare_for_writing(
         let at = field::AUTOCLEAR as usize;
         meta.header_chunk[at..at + 8].copy_from_slice(&kept.to_be_bytes());
         io.write_at(&meta.header_chunk, 0)?;
+        // Durable before any guest write may be: a write that lands while
+        // the bit is lost would leave the bitmaps looking consistent.
+        io.flush()?;
     }
     Ok(())
 }
