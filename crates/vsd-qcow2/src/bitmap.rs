@@ -210,8 +210,8 @@ pub(crate) fn serialize_directory(entries: &[DirEntry]) -> Vec<u8> {
 }
 
 /// Checks bitmaps to be stored against QEMU's limits for a disk of
-/// `disk_size` bytes; returns the directory's length.
-pub(crate) fn check_for_store(bitmaps: &[StoredBitmap], disk_size: u64, cluster_size: u64) -> Result<u64, FormatError> {
+/// `disk_size` bytes.
+pub(crate) fn check_for_store(bitmaps: &[StoredBitmap], disk_size: u64, cluster_size: u64) -> Result<(), FormatError> {
     let bad = |what: String| Err(FormatError::Unsupported(format!("cannot store bitmaps: {what}")));
     if bitmaps.len() > MAX_BITMAPS as usize {
         return bad(format!("{} bitmaps (QEMU allows {MAX_BITMAPS})", bitmaps.len()));
@@ -231,6 +231,9 @@ pub(crate) fn check_for_store(bitmaps: &[StoredBitmap], disk_size: u64, cluster_
             return bad(format!("two bitmaps named '{}'", b.name));
         }
         let table = table_size_for(disk_size, bits, cluster_size);
+        if table == 0 {
+            return bad("a disk of 0 bytes has no room for bitmaps (QEMU refuses empty tables)".into());
+        }
         if table > MAX_TABLE_ENTRIES || table * cluster_size > MAX_DATA_BYTES {
             return bad(format!("bitmap '{}' is too large; use a larger granularity", b.name));
         }
@@ -243,7 +246,7 @@ pub(crate) fn check_for_store(bitmaps: &[StoredBitmap], disk_size: u64, cluster_
     if directory > MAX_DIRECTORY {
         return bad(format!("a directory of {directory} bytes (QEMU allows {MAX_DIRECTORY})"));
     }
-    Ok(directory)
+    Ok(())
 }
 
 /// Decodes a bitmap table entry.
@@ -405,7 +408,7 @@ mod tests {
             enabled: true,
             words: vec![0; StoredBitmap::words_for(DISK, 65536)],
         };
-        assert_eq!(check_for_store(std::slice::from_ref(&ok), DISK, CS).unwrap(), 32);
+        assert!(check_for_store(std::slice::from_ref(&ok), DISK, CS).is_ok());
         let cases = [
             (StoredBitmap { granularity: 3 << 16, ..ok.clone() }, "granularity"),
             (StoredBitmap { granularity: 256, ..ok.clone() }, "granularity"),
@@ -421,6 +424,9 @@ mod tests {
         let err = check_for_store(&[ok.clone(), ok.clone()], DISK, CS).unwrap_err().to_string();
         assert!(err.contains("two bitmaps"), "{err}");
         let huge = StoredBitmap { granularity: 512, words: Vec::new(), in_use: true, ..ok };
-        assert!(check_for_store(&[huge], 1 << 50, CS).unwrap_err().to_string().contains("too large"));
+        assert!(
+            check_for_store(std::slice::from_ref(&huge), 1 << 50, CS).unwrap_err().to_string().contains("too large")
+        );
+        assert!(check_for_store(&[huge], 0, CS).unwrap_err().to_string().contains("0 bytes"));
     }
 }
