@@ -118,6 +118,8 @@ impl Image {
         };
         if header.has_bitmaps && header.bitmaps.is_none() {
             log::warn!("qcow2: the image's bitmaps are stale (another program changed it): they are ignored");
+        } else if header.bitmaps.is_some() && opts.writable && !opts.keep_bitmaps {
+            log::warn!("qcow2: the image's persistent bitmaps are dropped: they are not kept up to date");
         }
         if opts.writable {
             prepare_for_writing(io, &header, &opts, &mut meta)?;
