@@ -110,9 +110,36 @@ pub struct Header {
     pub backing_format: Option<String>,
     /// The external data file's name, if the image has one.
     pub data_file: Option<String>,
-    /// The bitmaps extension is present.
+    /// The bitmaps extension is present, consistent or not.
     pub has_bitmaps: bool,
+    /// The bitmaps extension, if present and consistent (autoclear bit 0
+    /// set): without the bit another program changed the image since, and
+    /// the bitmaps are stale.
+    pub bitmaps: Option<BitmapsExtension>,
 }
+
+/// Where the bitmap directory is (qcow2 spec, "Bitmaps extension").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BitmapsExtension {
+    /// Bitmaps in the directory, 1 to 65535.
+    pub count: u32,
+    /// The directory's length in bytes.
+    pub directory_size: u64,
+    /// Its offset, cluster aligned.
+    pub directory_offset: u64,
+}
+
+/// QEMU's limits on bitmaps, which vsd shares so that either reads what
+/// the other writes.
+pub mod bitmap_limits {
+    /// Bitmaps in one image.
+    pub const MAX_BITMAPS: u32 = 65535;
+    /// Bytes of bitmap directory.
+    pub const MAX_DIRECTORY: u64 = 64 << 20;
+}
+
+/// Bytes of the bitmaps extension's data.
+const BITMAPS_EXTENSION_LEN: usize = 24;
 
 impl Header {
     /// Parses and validates the header in `buf`: the image's first cluster,
@@ -174,6 +201,7 @@ impl Header {
             backing_format: None,
             data_file: None,
             has_bitmaps: false,
+            bitmaps: None,
         };
         let feature_names = header.read_extensions(buf, header_len as usize)?;
 
@@ -230,7 +258,12 @@ impl Header {
                 extension::END => break,
                 extension::BACKING_FORMAT => self.backing_format = Some(text(data, "backing format")?),
                 extension::DATA_FILE => self.data_file = Some(text(data, "external data file name")?),
-                extension::BITMAPS => self.has_bitmaps = true,
+                extension::BITMAPS => {
+                    self.has_bitmaps = true;
+                    if self.autoclear & autoclear::BITMAPS != 0 {
+                        self.bitmaps = Some(bitmaps_extension(data)?);
+                    }
+                }
                 extension::ENCRYPTION => {
                     return Err(FormatError::Unsupported("encrypted image (full disk encryption header)".into()));
                 }
@@ -306,7 +339,12 @@ impl Header {
             }
         };
         past_end("L1 table", self.l1_offset, u64::from(self.l1_size) * 8)?;
-        past_end("refcount table", self.refcount_table_offset, u64::from(self.refcount_table_clusters) * cs)
+        past_end("refcount table", self.refcount_table_offset, u64::from(self.refcount_table_clusters) * cs)?;
+        if let Some(ext) = self.bitmaps {
+            aligned("bitmap directory", ext.directory_offset)?;
+            past_end("bitmap directory", ext.directory_offset, ext.directory_size)?;
+        }
+        Ok(())
     }
 
     /// Bytes per cluster.
@@ -348,6 +386,87 @@ impl Header {
     pub fn l1_entries_for(&self, size: u64) -> u64 {
         size.div_ceil(self.cluster_size()).div_ceil(self.l2_entries())
     }
+}
+
+/// Parses and checks the bitmaps extension's data (its placement is
+/// checked with the other tables').
+fn bitmaps_extension(data: &[u8]) -> Result<BitmapsExtension, FormatError> {
+    let bad = |what: &str| Err(FormatError::Header(format!("bitmaps extension: {what}")));
+    if data.len() != BITMAPS_EXTENSION_LEN {
+        return bad(&format!("{} bytes long instead of {BITMAPS_EXTENSION_LEN}", data.len()));
+    }
+    let ext =
+        BitmapsExtension { count: be32(data, 0), directory_size: be64(data, 8), directory_offset: be64(data, 16) };
+    if be32(data, 4) != 0 {
+        return bad("reserved field is not zero");
+    }
+    if ext.count == 0 || ext.count > bitmap_limits::MAX_BITMAPS {
+        return bad(&format!("{} bitmaps (1 to {} allowed)", ext.count, bitmap_limits::MAX_BITMAPS));
+    }
+    if ext.directory_size == 0 || ext.directory_size > bitmap_limits::MAX_DIRECTORY {
+        return bad(&format!("a bitmap directory of {} bytes", ext.directory_size));
+    }
+    Ok(ext)
+}
+
+/// Rewrites the header extensions in `chunk` (the start of the header
+/// cluster, as on disk) with `bitmaps` as the bitmaps extension (`None`:
+/// without one), and autoclear bit 0 to match. The other extensions keep
+/// their order; the backing file name moves to follow them, as QEMU lays
+/// it out. Fails, leaving `chunk` unchanged, if they do not fit in it.
+pub fn set_bitmaps_extension(chunk: &mut [u8], bitmaps: Option<BitmapsExtension>) -> Result<(), FormatError> {
+    let unfit = |what: &str| Err(FormatError::Unsupported(format!("cannot rewrite the header extensions: {what}")));
+    if be32(chunk, 4) < 3 {
+        return unfit("a version 2 image has no autoclear bits for bitmaps");
+    }
+    let mut area = Vec::new();
+    let mut at = be32(chunk, 100) as usize;
+    loop {
+        let Some(head) = chunk.get(at..at + 8) else { return unfit("they run past the first 4 KiB") };
+        let (kind, len) = (be32(head, 0), be32(head, 4) as usize);
+        if kind == extension::END {
+            break;
+        }
+        let padded = len.next_multiple_of(8);
+        let Some(whole) = chunk.get(at..at + 8 + padded) else { return unfit("they run past the first 4 KiB") };
+        if kind != extension::BITMAPS {
+            area.extend_from_slice(whole);
+        }
+        at += 8 + padded;
+    }
+    if let Some(ext) = bitmaps {
+        area.extend_from_slice(&extension::BITMAPS.to_be_bytes());
+        area.extend_from_slice(&(BITMAPS_EXTENSION_LEN as u32).to_be_bytes());
+        area.extend_from_slice(&ext.count.to_be_bytes());
+        area.extend_from_slice(&0u32.to_be_bytes());
+        area.extend_from_slice(&ext.directory_size.to_be_bytes());
+        area.extend_from_slice(&ext.directory_offset.to_be_bytes());
+    }
+    area.extend_from_slice(&[0; 8]); // the end marker
+
+    let header_len = be32(chunk, 100) as usize;
+    let backing_at = header_len + area.len();
+    let (backing_offset, backing_len) = (be64(chunk, 8) as usize, be32(chunk, 16) as usize);
+    let backing = if backing_offset == 0 {
+        Vec::new()
+    } else {
+        let name = chunk.get(backing_offset..backing_offset.saturating_add(backing_len));
+        let Some(name) = name else { return unfit("the backing file name lies past the first 4 KiB") };
+        name.to_vec()
+    };
+    if backing_at + backing.len() > chunk.len() {
+        return unfit("they would run past the first 4 KiB");
+    }
+    chunk[header_len..backing_at].copy_from_slice(&area);
+    chunk[backing_at..backing_at + backing.len()].copy_from_slice(&backing);
+    chunk[backing_at + backing.len()..].fill(0);
+    if backing_offset != 0 {
+        chunk[8..16].copy_from_slice(&(backing_at as u64).to_be_bytes());
+    }
+    let at = field::AUTOCLEAR as usize;
+    let bits = be64(chunk, at) & !autoclear::BITMAPS | if bitmaps.is_some() { autoclear::BITMAPS } else { 0 };
+    chunk[at..at + 8].copy_from_slice(&bits.to_be_bytes());
+    Ok(())
 }
 
 fn be32(buf: &[u8], at: usize) -> u32 {
@@ -425,5 +544,85 @@ mod tests {
         b[112..116].copy_from_slice(&extension::BACKING_FORMAT.to_be_bytes());
         b[116..120].copy_from_slice(&u32::MAX.to_be_bytes());
         assert!(Header::parse(&b, 1 << 20).is_err());
+    }
+
+    /// Appends an extension at `at` (after the fixed header); returns where
+    /// the next one goes.
+    fn put_extension(b: &mut [u8], at: usize, kind: u32, data: &[u8]) -> usize {
+        b[at..at + 4].copy_from_slice(&kind.to_be_bytes());
+        b[at + 4..at + 8].copy_from_slice(&(data.len() as u32).to_be_bytes());
+        b[at + 8..at + 8 + data.len()].copy_from_slice(data);
+        at + 8 + data.len().next_multiple_of(8)
+    }
+
+    fn bitmaps_data(count: u32, size: u64, offset: u64) -> Vec<u8> {
+        [&count.to_be_bytes()[..], &[0; 4], &size.to_be_bytes(), &offset.to_be_bytes()].concat()
+    }
+
+    #[test]
+    fn the_bitmaps_extension_counts_only_with_its_autoclear_bit() {
+        let mut b = v3();
+        put_extension(&mut b, 112, extension::BITMAPS, &bitmaps_data(2, 64, 0x40000));
+        let h = Header::parse(&b, 1 << 20).unwrap();
+        assert!(h.has_bitmaps && h.bitmaps.is_none(), "stale without the bit");
+        b[88..96].copy_from_slice(&autoclear::BITMAPS.to_be_bytes());
+        let h = Header::parse(&b, 1 << 20).unwrap();
+        let want = BitmapsExtension { count: 2, directory_size: 64, directory_offset: 0x40000 };
+        assert_eq!(h.bitmaps, Some(want));
+        for (data, err) in [
+            (bitmaps_data(0, 64, 0x40000), "0 bitmaps"),
+            (bitmaps_data(65536, 64, 0x40000), "65536 bitmaps"),
+            (bitmaps_data(1, 0, 0x40000), "directory of 0 bytes"),
+            (bitmaps_data(1, (64 << 20) + 1, 0x40000), "directory of 67108865"),
+            (bitmaps_data(1, 64, 0x40200), "not cluster aligned"),
+            (bitmaps_data(1, 64, 0x100000), "past the end"),
+            (bitmaps_data(1, 64, 0x40000)[..16].to_vec(), "16 bytes long"),
+        ] {
+            put_extension(&mut b, 112, extension::BITMAPS, &data);
+            let got = Header::parse(&b, 1 << 20).unwrap_err().to_string();
+            assert!(got.contains(err), "{err}: {got}");
+        }
+    }
+
+    #[test]
+    fn setting_the_bitmaps_extension_keeps_the_others_and_moves_the_backing_name() {
+        let mut b = v3();
+        let at = put_extension(&mut b, 112, extension::BACKING_FORMAT, b"qcow2");
+        let at = put_extension(&mut b, at, extension::BITMAPS, &bitmaps_data(1, 32, 0x40000));
+        let at = put_extension(&mut b, at, 0x1234_5678, b"unknown, kept");
+        let name_at = at + 8;
+        b[name_at..name_at + 8].copy_from_slice(b"base.img");
+        b[8..16].copy_from_slice(&(name_at as u64).to_be_bytes());
+        b[16..20].copy_from_slice(&8u32.to_be_bytes());
+        b[88..96].copy_from_slice(&(autoclear::BITMAPS | 1 << 7).to_be_bytes());
+        let mut chunk = b[..4096].to_vec();
+
+        let ext = BitmapsExtension { count: 3, directory_size: 96, directory_offset: 0x50000 };
+        set_bitmaps_extension(&mut chunk, Some(ext)).unwrap();
+        let h = Header::parse(&chunk, 1 << 20).unwrap();
+        assert_eq!(h.bitmaps, Some(ext));
+        assert_eq!((h.backing_file.as_deref(), h.backing_format.as_deref()), (Some("base.img"), Some("qcow2")));
+        assert_eq!(h.autoclear, autoclear::BITMAPS | 1 << 7, "other autoclear bits are the caller's");
+        assert!(chunk.windows(13).any(|w| w == b"unknown, kept"));
+
+        set_bitmaps_extension(&mut chunk, None).unwrap();
+        let h = Header::parse(&chunk, 1 << 20).unwrap();
+        assert!(!h.has_bitmaps && h.autoclear == 1 << 7);
+        assert_eq!(h.backing_file.as_deref(), Some("base.img"));
+        assert_eq!(be64(&chunk, 8) as usize, name_at - 32, "the name follows the shorter extensions");
+    }
+
+    #[test]
+    fn setting_the_bitmaps_extension_refuses_what_does_not_fit() {
+        let ext = Some(BitmapsExtension { count: 1, directory_size: 32, directory_offset: 0x40000 });
+        let mut b = v3();
+        b[4..8].copy_from_slice(&2u32.to_be_bytes());
+        assert!(set_bitmaps_extension(&mut b[..4096], ext).unwrap_err().to_string().contains("version 2"));
+        let mut b = v3();
+        put_extension(&mut b, 112, 0x1234_5678, &[7; 4096 - 112 - 8 - 8]);
+        let before = b[..4096].to_vec();
+        let mut chunk = before.clone();
+        assert!(set_bitmaps_extension(&mut chunk, ext).unwrap_err().to_string().contains("past the first 4 KiB"));
+        assert_eq!(chunk, before, "unchanged");
     }
 }

@@ -32,9 +32,16 @@
 //!
 //! Clusters freed by discard are not reused until the image is reopened: a
 //! write in flight on another queue may still target them.
+//!
+//! Persistent dirty bitmaps ([`bitmap`]) are kept in memory by the block
+//! driver, not here: the image loads them at open, marks them in use, and
+//! stores them back whole ([`Image::store_bitmaps`]), as QEMU does at a
+//! clean close. Their clusters are metadata meanwhile, known to the
+//! overlap checks and to a refcount rebuild.
 
 #![deny(missing_docs)]
 
+pub mod bitmap;
 pub mod buf;
 pub mod compress;
 pub mod entry;
@@ -46,6 +53,7 @@ pub mod refcount;
 
 use std::io;
 
+pub use bitmap::StoredBitmap;
 pub use image::{Allocation, Busy, Extent, Image, ImageIo, MapMemo, Mapping, Options};
 
 /// Why an image cannot be opened (or a range of it used).

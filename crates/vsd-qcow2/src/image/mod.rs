@@ -2,6 +2,7 @@
 //! metadata state that allocation changes.
 
 mod allocate;
+mod bitmaps;
 mod cache;
 mod open;
 mod overlap;
@@ -23,7 +24,7 @@ use refcounts::Refcounts;
 use crate::SyncIo;
 use crate::buf::AlignedBuf;
 use crate::entry::{self, Layout, Subcluster};
-use crate::header::{Compression, Header};
+use crate::header::{BitmapsExtension, Compression, Header};
 
 pub use allocate::{Allocation, Busy};
 
@@ -49,6 +50,11 @@ pub struct Options {
     /// ordering between them and the tables; None: as the header's
     /// compatible feature bit says.
     pub lazy_refcounts: Option<bool>,
+    /// The caller keeps the image's persistent bitmaps up to date (loads
+    /// them, marks them in use, stores them back): opening writable keeps
+    /// autoclear bit 0, as QEMU does, instead of clearing it and so making
+    /// the bitmaps stale.
+    pub keep_bitmaps: bool,
 }
 
 /// What a range of the guest disk reads as.
@@ -177,6 +183,8 @@ struct Meta {
     allocating: HashSet<u64>,
     /// Requests waiting for an allocation to finish, woken when one does.
     waiters: Vec<Waker>,
+    /// The bitmap directory the header names, if the bitmaps are consistent.
+    bitmaps: Option<BitmapsExtension>,
 }
 
 impl Image {
@@ -419,9 +427,13 @@ impl Image {
         if let Some(data) = io.data.as_deref_mut() {
             data.flush()?;
         }
-        let mut meta = self.lock();
+        self.flush_metadata(&mut self.lock(), io)
+    }
+
+    /// [`Image::flush`] of the image file, under the metadata mutex: no
+    /// decrement is left queued afterwards.
+    fn flush_metadata(&self, meta: &mut Meta, io: &mut ImageIo) -> io::Result<()> {
         if !self.metadata_dirty() {
-            drop(meta);
             return io.meta.flush();
         }
         meta.refcounts.write_dirty(io.meta)?;
@@ -444,7 +456,7 @@ impl Image {
         }
         io.meta.flush()?;
         meta.apply_decrements(io.meta)?;
-        self.note_dirty(&meta);
+        self.note_dirty(meta);
         Ok(())
     }
 

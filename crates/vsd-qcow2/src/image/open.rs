@@ -5,6 +5,7 @@ use std::collections::{BTreeSet, HashSet};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
+use super::bitmaps::bitmap_clusters;
 use super::cache::L2Cache;
 use super::overlap::MetadataMap;
 use super::rebuild::rebuild;
@@ -38,13 +39,22 @@ impl Image {
         // and L2 tables.
         let mut structures = vec![(0, cs), (header.l1_offset, u64::from(header.l1_size) * 8)];
         let snapshot_l1s = read_snapshots(io, &header, file_len, &mut structures)?;
+        // Bitmaps matter only if they are kept: otherwise opening writable
+        // drops them (and their clusters leak, as with QEMU).
+        let kept_bitmaps = header.bitmaps.filter(|_| opts.writable && opts.keep_bitmaps);
+        let bitmap_clusters = match kept_bitmaps {
+            Some(ext) => bitmap_clusters(io, ext, header.cluster_bits, file_len)?,
+            None => BTreeSet::new(),
+        };
 
         let mut header_chunk = AlignedBuf::zeroed(cs.min(4096) as usize);
         let chunk_len = header_chunk.len();
         header_chunk.copy_from_slice(&header_buf[..chunk_len]);
         let (rt_raw, rt_offset, file_len) = if opts.writable && header.dirty() {
             let l1s: Vec<&[u64]> = std::iter::once(&l1_raw).chain(&snapshot_l1s).map(Vec::as_slice).collect();
-            let new = rebuild(io, &header, &layout, &structures, &l1s, file_len, &mut header_chunk)?;
+            let bitmaps = bitmap_clusters.iter().map(|&c| (c * cs, cs));
+            let counted: Vec<_> = structures.iter().copied().chain(bitmaps).collect();
+            let new = rebuild(io, &header, &layout, &counted, &l1s, file_len, &mut header_chunk)?;
             let end = new.table_offset + (new.table.len() as u64 * 8).next_multiple_of(cs);
             (new.table, new.table_offset, end)
         } else {
@@ -62,6 +72,11 @@ impl Image {
         structures.iter().for_each(|&(offset, len)| add(offset, len));
         add(rt_offset, (rt_raw.len() as u64 * 8).max(1));
         rt_raw.iter().filter(|&&b| b != 0).for_each(|&b| add(b, cs));
+        // Bitmap clusters are freed when bitmaps are stored: one that is
+        // also other metadata would be freed in use.
+        if let Some(c) = bitmap_clusters.iter().find(|&&c| !metadata.insert(c)) {
+            return Err(FormatError::Corrupt(format!("bitmap cluster {:#x} is also other metadata", c * cs)));
+        }
         let non_l2 = metadata.clone();
         for (name, table) in std::iter::once(("active", &l1_raw)).chain(snapshot_l1s.iter().map(|t| ("snapshot", t))) {
             for (i, &e) in table.iter().enumerate() {
@@ -99,9 +114,15 @@ impl Image {
             decrements: Vec::new(),
             allocating: HashSet::new(),
             waiters: Vec::new(),
+            bitmaps: if opts.writable { kept_bitmaps } else { header.bitmaps },
         };
+        if header.has_bitmaps && header.bitmaps.is_none() {
+            log::warn!("qcow2: the image's bitmaps are stale (another program changed it): they are ignored");
+        } else if header.bitmaps.is_some() && opts.writable && !opts.keep_bitmaps {
+            log::warn!("qcow2: the image's persistent bitmaps are dropped: they are not kept up to date");
+        }
         if opts.writable {
-            prepare_for_writing(io, &header, &mut meta)?;
+            prepare_for_writing(io, &header, &opts, &mut meta)?;
         }
 
         let lazy = opts.lazy_refcounts.unwrap_or(header.compatible & compatible::LAZY_REFCOUNTS != 0);
@@ -144,7 +165,7 @@ fn read_header(io: &mut dyn SyncIo) -> Result<AlignedBuf, FormatError> {
 }
 
 /// Reads `entries` big-endian u64s at `offset`.
-fn read_table(io: &mut dyn SyncIo, offset: u64, entries: u64) -> Result<Vec<u64>, FormatError> {
+pub(super) fn read_table(io: &mut dyn SyncIo, offset: u64, entries: u64) -> Result<Vec<u64>, FormatError> {
     let mut raw = AlignedBuf::zeroed((entries * 8).next_multiple_of(512) as usize);
     io.read_at(&mut raw, offset)?;
     Ok(raw.chunks_exact(8).take(entries as usize).map(|w| u64::from_be_bytes(w.try_into().unwrap())).collect())
@@ -201,13 +222,23 @@ fn read_snapshots(
 }
 
 /// What QEMU does before writing to an image: clear the autoclear bits
-/// of features vsd does not keep up to date.
-fn prepare_for_writing(io: &mut dyn SyncIo, header: &Header, meta: &mut Meta) -> Result<(), FormatError> {
-    let kept = header.autoclear & autoclear::KEPT;
+/// of features vsd does not keep up to date (bitmaps, unless the caller
+/// keeps them).
+fn prepare_for_writing(
+    io: &mut dyn SyncIo,
+    header: &Header,
+    opts: &Options,
+    meta: &mut Meta,
+) -> Result<(), FormatError> {
+    let kept_bits = if opts.keep_bitmaps { autoclear::KEPT | autoclear::BITMAPS } else { autoclear::KEPT };
+    let kept = header.autoclear & kept_bits;
     if kept != header.autoclear {
         let at = field::AUTOCLEAR as usize;
         meta.header_chunk[at..at + 8].copy_from_slice(&kept.to_be_bytes());
         io.write_at(&meta.header_chunk, 0)?;
+        // Durable before any guest write may be: a write that lands while
+        // the bit is lost would leave the bitmaps looking consistent.
+        io.flush()?;
     }
     Ok(())
 }

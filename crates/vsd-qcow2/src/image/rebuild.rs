@@ -16,7 +16,8 @@ pub(super) struct Rebuilt {
 }
 
 /// Counts references and writes new refcount structures. `structures`
-/// are the byte ranges of the header, L1 tables and snapshot table; `l1s`
+/// are the byte ranges of the header, L1 tables, snapshot table and kept
+/// bitmaps (directory, tables and data clusters); `l1s`
 /// every L1 table (active and snapshots). `header_chunk` is updated to the
 /// header as written.
 pub(super) fn rebuild(
