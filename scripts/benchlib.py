@@ -39,11 +39,38 @@ def thread_ticks(pid):
     return ticks
 
 
-def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk0", export_opts="", cpus=("0", "1")):
+def monitor_args(workdir, qmp):
+    """A QMP monitor's arguments if there are `qmp` commands to run, and its socket."""
+    if not qmp:
+        return [], None
+    sock = os.path.join(workdir, "bench-qmp.sock")
+    if os.path.exists(sock):
+        os.unlink(sock)
+    return ["--chardev", f"socket,id=bench-m,path={sock},server=on,wait=off", "--monitor", "chardev=bench-m"], sock
+
+
+def run_qmp(sock, qmp):
+    """Runs each (command, arguments) of `qmp` on the monitor at `sock`; any error is fatal."""
+    if not qmp:
+        return
+    from qemu.qmp.legacy import QEMUMonitorProtocol
+    monitor = QEMUMonitorProtocol(sock)
+    monitor.connect()
+    try:
+        for command, arguments in qmp:
+            reply = monitor.cmd_raw(command, arguments)
+            if "error" in reply:
+                raise RuntimeError(f"{command}: {reply['error']}")
+    finally:
+        monitor.close()
+
+
+def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk0", export_opts="", cpus=("0", "1"),
+                    qmp=()):
     """Runs `program` with `blockdevs` (a list of --blockdev values) and an
-    export of `node` (plus `export_opts`, e.g. ",trace=off"), then vsd-bench
-    with `bench_args` for `seconds`; `cpus` are the daemon's and the
-    client's."""
+    export of `node` (plus `export_opts`, e.g. ",trace=off"), runs the `qmp`
+    commands ((command, arguments) pairs), then vsd-bench with `bench_args`
+    for `seconds`; `cpus` are the daemon's and the client's."""
     sock = os.path.join(workdir, "bench.sock")
     pidfile = os.path.join(workdir, "bench.pid")
     for path in (sock, pidfile):
@@ -53,8 +80,9 @@ def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk
     args = ["taskset", "-c", daemon_cpu, program]
     for blockdev in blockdevs:
         args += ["--blockdev", blockdev]
+    monitor, qmp_sock = monitor_args(workdir, qmp)
     args += ["--export", f"type=vhost-user-blk,id=e0,node-name={node},addr.type=unix,addr.path={sock},writable=on{export_opts}",
-             "--pidfile", pidfile]
+             "--pidfile", pidfile, *monitor]
     daemon = subprocess.Popen(args)
     try:
         deadline = time.time() + 10
@@ -62,6 +90,7 @@ def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk
             if daemon.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"{program} did not start")
             time.sleep(0.01)
+        run_qmp(qmp_sock, qmp)
         before, threads_before = cpu_ticks(daemon.pid), thread_ticks(daemon.pid)
         out = subprocess.run(
             ["taskset", "-c", client_cpu, BENCH, "--socket", sock, *bench_args,
@@ -80,10 +109,10 @@ def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk
                                       for name, ticks in threads_after.items() if ticks > threads_before.get(name, 0)}}
 
 
-def callgrind_worker(vsd, bench, work, name, blockdevs, bench_args, seconds, export_opts=""):
+def callgrind_worker(vsd, bench, work, name, blockdevs, bench_args, seconds, export_opts="", qmp=()):
     """`vsd` serving `blockdevs` (--blockdev values; the exported node is
-    disk0, with `export_opts` such as ",trace=off") under valgrind
-    --tool=callgrind with one output file per thread, driven by `bench`
+    disk0, with `export_opts` such as ",trace=off", and `qmp` commands run
+    first) under valgrind --tool=callgrind with one output file per thread, driven by `bench`
     (vsd-bench, with `bench_args`) for `seconds` without ramp. Returns the
     instructions per request of the busiest thread (the queue worker), the
     requests completed, and that thread's callgrind file, which stays in
@@ -96,8 +125,9 @@ def callgrind_worker(vsd, bench, work, name, blockdevs, bench_args, seconds, exp
     args = ["valgrind", "--tool=callgrind", "--separate-threads=yes", f"--callgrind-out-file={out}.%p", vsd]
     for blockdev in blockdevs:
         args += ["--blockdev", blockdev]
+    monitor, qmp_sock = monitor_args(work, qmp)
     args += ["--export", f"type=vhost-user-blk,id=e0,node-name=disk0,addr.type=unix,addr.path={sock},writable=on,"
-             f"poll-us=0{export_opts}", "--pidfile", pidfile]
+             f"poll-us=0{export_opts}", "--pidfile", pidfile, *monitor]
     daemon = subprocess.Popen(args, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 60
@@ -105,6 +135,7 @@ def callgrind_worker(vsd, bench, work, name, blockdevs, bench_args, seconds, exp
             if daemon.poll() is not None or time.time() > deadline:
                 raise RuntimeError("vsd under valgrind did not start")
             time.sleep(0.1)
+        run_qmp(qmp_sock, qmp)
         res = json.loads(subprocess.run(
             [bench, "--socket", sock, *bench_args, "--seconds", str(seconds), "--ramp-seconds", "0", "--json"],
             check=True, capture_output=True, text=True).stdout)["results"]

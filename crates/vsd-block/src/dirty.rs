@@ -72,13 +72,22 @@ pub struct BitmapOptions {
     pub enabled: bool,
 }
 
-/// The bitmaps of one node.
+/// What must happen before a write reaches a node: a backup copies the
+/// old data of the range first (copy-before-write).
+pub trait BeforeWrite: Send + Sync {
+    /// Returns once bytes `offset..offset + len` may be overwritten. Called
+    /// on the writer's thread, which it may block for about one request.
+    fn before_write(&self, offset: u64, len: u64);
+}
+
+/// The bitmaps of one node, and the hook its writes wait for, if any.
 #[derive(Default)]
 pub struct DirtyBitmaps {
-    /// Bumped after every change of which words recorders write to.
+    /// Bumped after every change of what recorders act on.
     generation: AtomicU64,
     /// Newest first, as QEMU lists them.
     bitmaps: Mutex<Vec<Arc<Bitmap>>>,
+    hook: Mutex<Option<Arc<dyn BeforeWrite>>>,
 }
 
 impl DirtyBitmaps {
@@ -160,9 +169,18 @@ impl DirtyBitmaps {
         }
     }
 
+    /// Makes every write wait for `hook` first (`None`: no more). Writes
+    /// already past their recorder are not waited for: the caller decides
+    /// whether they count.
+    pub fn set_hook(&self, hook: Option<Arc<dyn BeforeWrite>>) {
+        *self.hook.lock().unwrap_or_else(PoisonError::into_inner) = hook;
+        self.changed();
+    }
+
     /// A recorder for one writer of the node.
     pub fn recorder(self: &Arc<Self>) -> DirtyRecorder {
-        let mut recorder = DirtyRecorder { bitmaps: self.clone(), seen: u64::MAX, targets: Vec::new() };
+        let mut recorder =
+            DirtyRecorder { bitmaps: self.clone(), seen: u64::MAX, targets: Vec::new(), hook: None };
         recorder.refresh();
         recorder
     }
@@ -318,6 +336,112 @@ impl BusyGuard {
     pub fn bitmap(&self) -> &Arc<Bitmap> {
         &self.0
     }
+
+    /// Takes every dirty bit out of the bitmap, which goes on recording
+    /// from clean: what was dirty until now, for a backup to copy.
+    pub fn split(&self) -> DirtySet {
+        let words = self.0.words();
+        let bits = words.words.iter().map(|w| w.swap(0, Ordering::SeqCst)).collect();
+        DirtySet { bits, shift: self.0.shift, size: words.size }
+    }
+
+    /// Marks dirty again what `set` holds (of any granularity): what a
+    /// backup did not copy.
+    pub fn restore(&self, set: &DirtySet) {
+        let words = self.0.words();
+        let mut index = 0;
+        while let Some(dirty) = set.next_dirty(index) {
+            words.set(dirty << set.shift, 1 << set.shift, self.0.shift);
+            index = dirty + 1;
+        }
+    }
+}
+
+/// Dirty bits taken out of a bitmap ([`BusyGuard::split`]), or made for a
+/// whole node ([`DirtySet::all`]).
+#[derive(Clone, Debug)]
+pub struct DirtySet {
+    bits: Vec<u64>,
+    shift: u32,
+    size: u64,
+}
+
+impl DirtySet {
+    /// Every byte of a node of `size` bytes dirty, at `granularity` (a
+    /// power of two).
+    pub fn all(size: u64, granularity: u64) -> Self {
+        let mut set = Self::clean_set(size, granularity);
+        let count = size.div_ceil(granularity);
+        set.bits.fill(u64::MAX);
+        if let Some(last) = set.bits.last_mut().filter(|_| !count.is_multiple_of(64)) {
+            *last = u64::MAX >> (64 - count % 64);
+        }
+        set
+    }
+
+    /// No byte dirty.
+    pub fn clean_set(size: u64, granularity: u64) -> Self {
+        let bits = vec![0; size.div_ceil(granularity).div_ceil(64) as usize];
+        Self { bits, shift: granularity.trailing_zeros(), size }
+    }
+
+    /// The same bytes at a coarser `granularity`: a granule is dirty if any
+    /// byte of it was.
+    pub fn coarsen(&self, granularity: u64) -> Self {
+        let mut out = Self::clean_set(self.size, granularity.max(self.granularity()));
+        let mut index = 0;
+        while let Some(dirty) = self.next_dirty(index) {
+            out.mark((dirty << self.shift) >> out.shift);
+            index = dirty + 1;
+        }
+        out
+    }
+
+    fn mark(&mut self, index: u64) {
+        if let Some(word) = self.bits.get_mut((index / 64) as usize) {
+            *word |= 1 << (index % 64);
+        }
+    }
+
+    /// Bytes per bit.
+    pub fn granularity(&self) -> u64 {
+        1 << self.shift
+    }
+
+    /// Dirty bytes, in whole granules.
+    pub fn count(&self) -> u64 {
+        self.bits.iter().map(|w| u64::from(w.count_ones())).sum::<u64>() << self.shift
+    }
+
+    /// Whether granule `index` is dirty.
+    pub fn is_dirty(&self, index: u64) -> bool {
+        self.bits.get((index / 64) as usize).is_some_and(|w| w & (1 << (index % 64)) != 0)
+    }
+
+    /// Marks granule `index` clean.
+    pub fn clean(&mut self, index: u64) {
+        if let Some(word) = self.bits.get_mut((index / 64) as usize) {
+            *word &= !(1 << (index % 64));
+        }
+    }
+
+    /// The first dirty granule at or after `index`.
+    pub fn next_dirty(&self, index: u64) -> Option<u64> {
+        let mut word = (index / 64) as usize;
+        let mut bits = *self.bits.get(word)? & (u64::MAX << (index % 64));
+        loop {
+            if bits != 0 {
+                return Some(word as u64 * 64 + u64::from(bits.trailing_zeros()));
+            }
+            word += 1;
+            bits = *self.bits.get(word)?;
+        }
+    }
+
+    /// The size of the node the set covers.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
 }
 
 impl Drop for BusyGuard {
@@ -424,6 +548,7 @@ pub struct DirtyRecorder {
     seen: u64,
     /// The words of the enabled bitmaps, with their granularity's shift.
     targets: Vec<(Arc<Words>, u32)>,
+    hook: Option<Arc<dyn BeforeWrite>>,
 }
 
 impl DirtyRecorder {
@@ -447,6 +572,9 @@ impl DirtyRecorder {
         if self.bitmaps.generation.load(Ordering::SeqCst) != self.seen {
             self.refresh();
         }
+        if let Some(hook) = &self.hook {
+            hook.before_write(offset, len);
+        }
         loop {
             for (words, shift) in &self.targets {
                 words.set(offset, len, *shift);
@@ -462,6 +590,7 @@ impl DirtyRecorder {
 
     fn refresh(&mut self) {
         self.seen = self.bitmaps.generation.load(Ordering::SeqCst);
+        self.hook = self.bitmaps.hook.lock().unwrap_or_else(PoisonError::into_inner).clone();
         self.targets.clear();
         for bitmap in self.bitmaps.list().iter() {
             let state = bitmap.state();
@@ -572,6 +701,48 @@ mod tests {
         drop(guard);
         assert_eq!(set.remove("b").unwrap().name(), "b");
         assert_eq!(set.get("b").err(), Some(BitmapError::NotFound("b".into())));
+    }
+
+    #[test]
+    fn a_split_takes_the_bits_and_a_restore_gives_back_any_granularity() {
+        let set = Arc::new(DirtyBitmaps::default());
+        let bitmap = set.add("s", 4 * MIB, options(4096)).unwrap();
+        let mut recorder = set.recorder();
+        recorder.record(&write(0, 4096));
+        recorder.record(&write(MIB + 4096, 4096));
+        let guard = bitmap.take().unwrap();
+        let taken = guard.split();
+        assert_eq!((bitmap.info().count, taken.count()), (0, 8192), "the bitmap starts clean");
+        recorder.record(&write(2 * MIB, 4096)); // recorded after the split: stays in the bitmap
+        let clusters = taken.coarsen(65536);
+        assert_eq!((clusters.granularity(), clusters.count()), (65536, 2 * 65536));
+        assert_eq!((clusters.next_dirty(0), clusters.next_dirty(1), clusters.next_dirty(17)), (Some(0), Some(16), None));
+        let mut uncopied = clusters.clone();
+        uncopied.clean(0);
+        guard.restore(&uncopied);
+        assert_eq!(runs(&bitmap), [(MIB, 65536), (2 * MIB, 4096)], "a whole cluster comes back");
+        let all = DirtySet::all(MIB + 1, 65536);
+        assert_eq!((all.count(), all.next_dirty(16), all.next_dirty(17)), (17 * 65536, Some(16), None));
+    }
+
+    #[test]
+    fn a_hook_sees_every_write_before_it_goes() {
+        struct Log(Mutex<Vec<(u64, u64)>>);
+        impl BeforeWrite for Log {
+            fn before_write(&self, offset: u64, len: u64) {
+                self.0.lock().unwrap().push((offset, len));
+            }
+        }
+        let set = Arc::new(DirtyBitmaps::default());
+        let mut recorder = set.recorder();
+        let log = Arc::new(Log(Mutex::default()));
+        set.set_hook(Some(log.clone()));
+        recorder.record(&write(4096, 512));
+        recorder.record(&IoOp::Discard { offset: 0, len: 8192 });
+        recorder.record(&IoOp::Flush);
+        set.set_hook(None);
+        recorder.record(&write(0, 512));
+        assert_eq!(*log.0.lock().unwrap(), [(4096, 512), (0, 8192)]);
     }
 
     #[test]

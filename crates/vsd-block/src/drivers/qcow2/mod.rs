@@ -152,6 +152,7 @@ impl Qcow2Node {
             has_backing,
             lazy_refcounts: settings.lazy_refcounts,
             refcount_cache_bytes: settings.refcount_cache_bytes,
+            keep_bitmaps: false,
         };
         let locked = |e: LockError| invalid(e.to_string());
         // Before anything is read or written: another process may own it.
