@@ -1,0 +1,475 @@
+//! The backup job (`blockdev-backup`): copies a source node into a target
+//! node as the source was when the job started, while the source's
+//! writers go on writing.
+//!
+//! ```text
+//!   guest write ─▶ recorder ─▶ Hook::before_write ── all copied? ──▶ write goes on
+//!                                   │ no: queue the clusters, wait
+//!                                   ▼
+//!   job thread: serve queued clusters first, then background runs
+//!               source.read ─▶ target.write ─▶ mark copied ─▶ wake writers
+//! ```
+//!
+//! The point in time is when the hook is installed: writes submitted
+//! before it may still be in flight and land in the copy or not, which is
+//! what a crash at that moment would leave (crash-consistent).
+//!
+//! Only the job's thread copies, with queues of its own; a cluster is
+//! marked copied once its data is on the target, and a write to it waits
+//! until then. Writers whose clusters are all copied (or not part of the
+//! backup) take no lock.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use vsd_block::dirty::{BeforeWrite, BusyGuard, DirtyBitmaps, DirtySet};
+use vsd_block::{Allocation, BlockNode, IoOp, IoQueue, IoVecs};
+use vsd_qcow2::buf::AlignedBuf;
+
+use crate::{ErrorPolicy, Job, JobBody, strerror};
+
+/// Bytes per cluster: the unit of copying and of copy-before-write.
+pub const CLUSTER: u64 = 65536;
+/// Clusters copied at once in the background.
+const RUN: u64 = 16;
+
+/// What the backup copies (QAPI's `MirrorSyncMode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sync {
+    /// Everything.
+    Full,
+    /// What the top node holds. vsd's nodes say what reads as data or as
+    /// a hole, not which layer holds it: only nodes without a backing
+    /// child are taken, for which it is everything, as in QEMU.
+    Top,
+    /// Nothing in the background: only the old data of what is written
+    /// while the job runs, until it is cancelled (fleecing).
+    None,
+    /// The clusters dirty in the bitmap when the job starts.
+    Bitmap,
+}
+
+/// What happens to the bitmap when the job ends (QAPI's `BitmapSyncMode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BitmapMode {
+    /// Cleared of what was copied if the job succeeds.
+    OnSuccess,
+    /// Never cleared.
+    Never,
+    /// Cleared of what was copied, whatever the outcome.
+    Always,
+}
+
+/// How a backup is made.
+pub struct BackupSpec {
+    /// The node copied.
+    pub source: Arc<dyn BlockNode>,
+    /// The node written.
+    pub target: Arc<dyn BlockNode>,
+    /// What is copied.
+    pub sync: Sync,
+    /// The bitmap taken for the job (busy until it ends), and its mode.
+    pub bitmap: Option<(BusyGuard, BitmapMode)>,
+    /// On a read error of the source.
+    pub on_source_error: ErrorPolicy,
+    /// On a write error of the target.
+    pub on_target_error: ErrorPolicy,
+}
+
+/// The backup job's body.
+pub struct Backup {
+    spec: BackupSpec,
+    /// The bitmap's dirty bits, taken out of it when the job started.
+    taken: Option<DirtySet>,
+    clusters: Option<Arc<Clusters>>,
+}
+
+impl Backup {
+    /// A backup as `spec` says.
+    pub fn new(spec: BackupSpec) -> Self {
+        Self { spec, taken: None, clusters: None }
+    }
+}
+
+/// Which clusters are done, shared by the job's thread and the writers.
+struct Clusters {
+    size: u64,
+    /// A set bit: nothing to wait for (copied, or not part of the backup).
+    done: Box<[AtomicU64]>,
+    requests: Mutex<Requests>,
+    /// Signalled when clusters are done or the hook goes.
+    copied: Condvar,
+    /// Woken when a writer queues a request.
+    job: Arc<Job>,
+}
+
+#[derive(Default)]
+struct Requests {
+    /// Ranges of clusters, first and last, writers wait for.
+    ranges: Vec<(u64, u64)>,
+    /// False once the job let go of the writers.
+    active: bool,
+}
+
+impl Clusters {
+    /// `belongs` says which clusters of a node of `size` bytes the backup copies.
+    fn new(size: u64, belongs: impl Fn(u64) -> bool, job: Arc<Job>) -> Self {
+        let count = size.div_ceil(CLUSTER);
+        let done: Box<[AtomicU64]> = (0..count.div_ceil(64)).map(|_| AtomicU64::new(0)).collect();
+        for index in (0..count).filter(|&i| !belongs(i)) {
+            done[(index / 64) as usize].fetch_or(1 << (index % 64), Ordering::Relaxed);
+        }
+        let requests = Mutex::new(Requests { ranges: Vec::new(), active: true });
+        Self { size, done, requests, copied: Condvar::new(), job }
+    }
+
+    fn count(&self) -> u64 {
+        self.size.div_ceil(CLUSTER)
+    }
+
+    fn is_done(&self, index: u64) -> bool {
+        self.done.get((index / 64) as usize).is_none_or(|w| w.load(Ordering::Acquire) & (1 << (index % 64)) != 0)
+    }
+
+    fn all_done(&self, (first, last): (u64, u64)) -> bool {
+        (first..=last).all(|index| self.is_done(index))
+    }
+
+    fn requests(&self) -> MutexGuard<'_, Requests> {
+        self.requests.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Marks clusters `first..first + count` done and wakes their writers.
+    fn mark_done(&self, first: u64, count: u64) {
+        for index in first..first + count {
+            if let Some(word) = self.done.get((index / 64) as usize) {
+                word.fetch_or(1 << (index % 64), Ordering::Release);
+            }
+        }
+        // Under the lock: a writer checks and waits under it, so it
+        // cannot miss this.
+        let _requests = self.requests();
+        self.copied.notify_all();
+    }
+
+    /// The bytes of clusters `first..first + count`, clamped to the node.
+    fn bytes(&self, first: u64, count: u64) -> (u64, u64) {
+        let offset = first * CLUSTER;
+        (offset, ((first + count) * CLUSTER).min(self.size) - offset)
+    }
+
+    /// The first run of at most [`RUN`] clusters to copy at or after `from`.
+    fn next_run(&self, from: u64) -> Option<(u64, u64)> {
+        let first = (from..self.count()).find(|&i| !self.is_done(i))?;
+        let count = (first..self.count().min(first + RUN)).take_while(|&i| !self.is_done(i)).count();
+        Some((first, count as u64))
+    }
+
+    /// Lets every writer go, now and from now on.
+    fn release(&self) {
+        self.requests().active = false;
+        self.copied.notify_all();
+    }
+}
+
+/// The copy-before-write hook installed on the source.
+struct Hook(Arc<Clusters>);
+
+impl BeforeWrite for Hook {
+    fn before_write(&self, offset: u64, len: u64) {
+        let clusters = &self.0;
+        if len == 0 || offset >= clusters.size {
+            return;
+        }
+        let last = (offset.saturating_add(len - 1).min(clusters.size - 1)) / CLUSTER;
+        let range = (offset / CLUSTER, last);
+        if clusters.all_done(range) {
+            return;
+        }
+        let mut requests = clusters.requests();
+        if !requests.active {
+            return;
+        }
+        requests.ranges.push(range);
+        clusters.job.kick();
+        while requests.active && !clusters.all_done(range) {
+            requests = clusters.copied.wait(requests).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+}
+
+/// Removes the hook and lets the writers go however the job ends.
+struct Installed {
+    bitmaps: Arc<DirtyBitmaps>,
+    clusters: Arc<Clusters>,
+}
+
+impl Drop for Installed {
+    fn drop(&mut self) {
+        self.bitmaps.set_hook(None);
+        self.clusters.release();
+    }
+}
+
+/// Why a copy failed.
+enum Failure {
+    /// A request failed with this errno: a read of the source or a write
+    /// of the target.
+    Io { write: bool, errno: i32 },
+    /// The engine itself failed: nothing can be retried.
+    Engine(String),
+}
+
+/// The job thread's queues and buffer. The queues come first: they are
+/// dropped first, waiting for anything in flight in the buffer.
+struct Copier {
+    source_queue: Box<dyn IoQueue>,
+    target_queue: Box<dyn IoQueue>,
+    source: Arc<dyn BlockNode>,
+    buf: AlignedBuf,
+}
+
+/// Runs one request to its end on `queue`.
+fn run_one(queue: &mut dyn IoQueue, op: IoOp) -> Result<(), Failure> {
+    let write = !matches!(op, IoOp::Read { .. });
+    // SAFETY: the buffers `op` names are the copier's, which outlives the
+    // queue (dropped first); the request is reaped below before they are
+    // used again.
+    unsafe { queue.push(0, op) };
+    queue.submit().map_err(|e| Failure::Engine(e.to_string()))?;
+    let mut done = Vec::with_capacity(1);
+    loop {
+        queue.reap(&mut done);
+        if let Some(completion) = done.pop() {
+            return match completion.errno {
+                0 => Ok(()),
+                errno => Err(Failure::Io { write, errno }),
+            };
+        }
+        queue.wait().map_err(|e| Failure::Engine(e.to_string()))?;
+    }
+}
+
+impl Copier {
+    fn open(source: &Arc<dyn BlockNode>, target: &Arc<dyn BlockNode>) -> Result<Self, String> {
+        let open = |node: &Arc<dyn BlockNode>| {
+            node.open_queue(4).map_err(|e| format!("Cannot open a queue on node '{}': {e}", node.name()))
+        };
+        Ok(Self {
+            source_queue: open(source)?,
+            target_queue: open(target)?,
+            source: source.clone(),
+            buf: AlignedBuf::zeroed((RUN * CLUSTER) as usize),
+        })
+    }
+
+    /// Copies bytes `offset..offset + len` (at most a run): holes of the
+    /// source become zeroes on the target.
+    fn copy(&mut self, offset: u64, len: u64) -> Result<(), Failure> {
+        let end = offset + len;
+        let mut at = offset;
+        while at < end {
+            let (allocation, n) =
+                self.source.block_status(at, end - at).map_err(|e| Failure::Io { write: false, errno: errno(&e) })?;
+            // Pieces that end off a page boundary are copied as data: the
+            // requests stay aligned for O_DIRECT.
+            let mut n = n.clamp(1, end - at);
+            let allocation = if (at + n) % 4096 != 0 && at + n < end {
+                n = ((at + n).next_multiple_of(4096)).min(end) - at;
+                Allocation::Data
+            } else {
+                allocation
+            };
+            match allocation {
+                Allocation::Hole => {
+                    let zero = IoOp::WriteZeroes { offset: at, len: n, may_unmap: true };
+                    run_one(&mut *self.target_queue, zero)?;
+                }
+                Allocation::Data => self.copy_data(at, n)?,
+            }
+            at += n;
+        }
+        Ok(())
+    }
+
+    fn copy_data(&mut self, offset: u64, len: u64) -> Result<(), Failure> {
+        let iov = [libc::iovec { iov_base: self.buf.as_mut_ptr().cast(), iov_len: len as usize }];
+        // SAFETY: `iov` names `len` bytes of the buffer (a run at most),
+        // and both live until the requests below are reaped.
+        let iovecs = unsafe { IoVecs::new(iov.as_ptr(), 1) };
+        run_one(&mut *self.source_queue, IoOp::Read { offset, len, iov: iovecs })?;
+        run_one(&mut *self.target_queue, IoOp::Write { offset, len, iov: iovecs, durable: false })
+    }
+
+    fn flush(&mut self) -> Result<(), Failure> {
+        run_one(&mut *self.target_queue, IoOp::Flush)
+    }
+}
+
+fn errno(e: &std::io::Error) -> i32 {
+    e.raw_os_error().unwrap_or(libc::EIO)
+}
+
+/// The job's own view while it runs.
+struct Run<'a> {
+    job: &'a Arc<Job>,
+    copier: Copier,
+    clusters: Arc<Clusters>,
+    on_source_error: ErrorPolicy,
+    on_target_error: ErrorPolicy,
+    /// When the last background run was copied, and its bytes: the next
+    /// waits for them at the speed limit.
+    last: (Instant, u64),
+}
+
+impl Run<'_> {
+    /// Copies what writers wait for. Their errors fail the job: a write
+    /// is never left waiting for a job that stopped.
+    fn serve_writers(&mut self) -> Result<(), String> {
+        let ranges = std::mem::take(&mut self.clusters.requests().ranges);
+        for (first, last) in ranges {
+            let mut at = first;
+            while let Some((start, count)) = self.clusters.next_run(at).filter(|(start, _)| *start <= last) {
+                let count = count.min(last + 1 - start);
+                self.copy_clusters(start, count).map_err(|f| self.describe(f))?;
+                at = start + count;
+            }
+        }
+        Ok(())
+    }
+
+    fn copy_clusters(&mut self, first: u64, count: u64) -> Result<(), Failure> {
+        let (offset, len) = self.clusters.bytes(first, count);
+        self.copier.copy(offset, len)?;
+        self.clusters.mark_done(first, count);
+        self.job.add_progress(len);
+        Ok(())
+    }
+
+    fn describe(&self, failure: Failure) -> String {
+        match failure {
+            Failure::Io { write, errno } => {
+                self.job.io_error(ErrorPolicy::Report, write, errno);
+                strerror(errno)
+            }
+            Failure::Engine(text) => text,
+        }
+    }
+
+    /// Copies a background run under the error policies; `Ok(false)`: it
+    /// is to be tried again.
+    fn background(&mut self, first: u64, count: u64) -> Result<bool, String> {
+        match self.copy_clusters(first, count) {
+            Ok(()) => {
+                self.last = (Instant::now(), self.clusters.bytes(first, count).1);
+                Ok(true)
+            }
+            Err(Failure::Io { write, errno }) => {
+                let policy = if write { self.on_target_error } else { self.on_source_error };
+                if self.job.io_error(policy, write, errno) { Ok(false) } else { Err(strerror(errno)) }
+            }
+            Err(Failure::Engine(text)) => Err(text),
+        }
+    }
+
+    /// When the next background run may start under the speed limit.
+    fn allowed_at(&self) -> Instant {
+        match self.job.speed() {
+            0 => self.last.0,
+            speed => self.last.0 + Duration::from_secs_f64(self.last.1 as f64 / speed as f64),
+        }
+    }
+
+    /// Copies until everything is (or, without background work, until
+    /// cancelled), writers first.
+    fn copy_all(&mut self, background: bool) -> Result<(), String> {
+        let mut cursor = 0;
+        loop {
+            self.serve_writers()?;
+            if self.job.cancelled() {
+                return Err(crate::CANCELLED.into());
+            }
+            if self.job.pause_point() || !background {
+                self.job.wait(None);
+                continue;
+            }
+            let allowed = self.allowed_at();
+            if Instant::now() < allowed {
+                self.job.wait(Some(allowed));
+                continue;
+            }
+            let Some((first, count)) = self.clusters.next_run(cursor).or_else(|| self.clusters.next_run(0)) else {
+                return self.copier.flush().map_err(|f| self.describe(f));
+            };
+            if self.background(first, count)? {
+                cursor = first + count;
+            }
+        }
+    }
+}
+
+impl JobBody for Backup {
+    fn run(&mut self, job: &Arc<Job>) -> Result<(), String> {
+        let (source, target) = (self.spec.source.clone(), self.spec.target.clone());
+        let bitmaps = source.dirty_bitmaps().cloned().ok_or("the source keeps no dirty bitmaps")?;
+        let copier = Copier::open(&source, &target)?;
+        // Taken at the same moment as the hook is installed: writes from
+        // now on are in the bitmap again, and their old data in the copy.
+        let taken = self.spec.bitmap.as_ref().map(|(guard, _)| guard.split());
+        let belongs: Box<dyn Fn(u64) -> bool> = match (&taken, self.spec.sync) {
+            (Some(set), Sync::Bitmap) => {
+                let set = set.coarsen(CLUSTER);
+                Box::new(move |index| set.is_dirty(index))
+            }
+            _ => Box::new(|_| true),
+        };
+        let clusters = Arc::new(Clusters::new(source.size(), belongs, job.clone()));
+        let total = match self.spec.sync {
+            Sync::Bitmap => {
+                (0..clusters.count()).filter(|&i| !clusters.is_done(i)).map(|i| clusters.bytes(i, 1).1).sum()
+            }
+            _ => source.size(),
+        };
+        job.set_total(total);
+        self.taken = taken;
+        self.clusters = Some(clusters.clone());
+        bitmaps.set_hook(Some(Arc::new(Hook(clusters.clone()))));
+        let _installed = Installed { bitmaps, clusters: clusters.clone() };
+        let mut run = Run {
+            job,
+            copier,
+            clusters,
+            on_source_error: self.spec.on_source_error,
+            on_target_error: self.spec.on_target_error,
+            last: (Instant::now(), 0),
+        };
+        run.copy_all(self.spec.sync != Sync::None)
+    }
+
+    fn commit(&mut self) {
+        if let (Some((guard, BitmapMode::Never)), Some(taken)) = (&self.spec.bitmap, &self.taken) {
+            guard.restore(taken);
+        }
+    }
+
+    fn abort(&mut self) {
+        let (Some((guard, mode)), Some(taken)) = (&self.spec.bitmap, &self.taken) else { return };
+        let mut back = taken.coarsen(CLUSTER);
+        if let (BitmapMode::Always, Some(clusters)) = (mode, &self.clusters) {
+            // Only what was not copied stays dirty.
+            for index in (0..clusters.count()).filter(|&i| clusters.is_done(i)) {
+                back.clean(index);
+            }
+            guard.restore(&back);
+        } else {
+            guard.restore(taken);
+        }
+    }
+
+    fn clean(&mut self) {
+        // The bitmap is free again, and the clusters' hold on the job goes.
+        self.spec.bitmap = None;
+        self.clusters = None;
+    }
+}

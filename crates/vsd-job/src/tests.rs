@@ -1,0 +1,185 @@
+//! The status machine: the verb table and the finishing sequence.
+
+use std::sync::mpsc::{Receiver, channel};
+use std::time::Duration;
+
+use super::*;
+
+/// A body that waits for a verdict sent to it, pausing and cancelling as asked.
+struct Scripted(Receiver<Result<(), String>>);
+
+impl JobBody for Scripted {
+    fn run(&mut self, job: &Arc<Job>) -> Result<(), String> {
+        loop {
+            if job.cancelled() {
+                return Err(CANCELLED.into());
+            }
+            if !job.pause_point()
+                && let Ok(verdict) = self.0.try_recv()
+            {
+                return verdict;
+            }
+            job.wait(Some(Instant::now() + Duration::from_millis(5)));
+        }
+    }
+}
+
+/// A registry whose events are collected, and a way to read them.
+fn registry() -> (Jobs, Arc<Mutex<Vec<String>>>) {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let sink = log.clone();
+    let emit: Emit = Arc::new(move |name: &str, data: Value| {
+        let text = match data.get("status") {
+            Some(status) => status.as_str().unwrap_or_default().to_string(),
+            None => name.to_string(),
+        };
+        sink.lock().unwrap().push(text);
+    });
+    (Jobs::new(emit), log)
+}
+
+fn spec(id: &str, auto: bool) -> JobSpec {
+    JobSpec {
+        id: id.into(),
+        kind: "backup",
+        auto_finalize: auto,
+        auto_dismiss: auto,
+        speed: 0,
+        nodes: vec![format!("{id}-target"), format!("{id}-source")],
+    }
+}
+
+fn wait_for(job: &Job, status: Status) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while job.status() != status {
+        assert!(Instant::now() < deadline, "still {:?}, not {status:?}", job.status());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn events(log: &Mutex<Vec<String>>) -> Vec<String> {
+    std::mem::take(&mut *log.lock().unwrap())
+}
+
+#[test]
+fn the_verb_table_is_qemus() {
+    use Status::*;
+    let all = [Created, Running, Paused, Ready, Standby, Waiting, Pending, Aborting, Concluded, Null];
+    let allowed = |verb: Verb| all.iter().filter(|s| verb.allowed(**s)).map(|s| s.name()).collect::<Vec<_>>();
+    assert_eq!(allowed(Verb::Cancel), ["created", "running", "paused", "ready", "standby", "waiting", "pending"]);
+    for verb in [Verb::Pause, Verb::Resume, Verb::SetSpeed] {
+        assert_eq!(allowed(verb), ["created", "running", "paused", "ready", "standby"], "{verb:?}");
+    }
+    assert_eq!(allowed(Verb::Complete), ["ready"]);
+    assert_eq!(allowed(Verb::Finalize), ["pending"]);
+    assert_eq!(allowed(Verb::Dismiss), ["concluded"]);
+}
+
+#[test]
+fn a_job_that_succeeds_goes_through_every_status_in_order() {
+    let (jobs, log) = registry();
+    let (send, receive) = channel();
+    let job = jobs.start(spec("j1", true), Box::new(Scripted(receive))).unwrap();
+    wait_for(&job, Status::Running);
+    assert_eq!(
+        jobs.start(spec("j1", true), Box::new(Scripted(channel().1))).err().unwrap(),
+        "Job ID 'j1' already in use"
+    );
+    assert_eq!(job.dismiss().unwrap_err(), "Job 'j1' in state 'running' cannot accept command verb 'dismiss'");
+    assert_eq!(job.complete().unwrap_err(), "Job 'j1' in state 'running' cannot accept command verb 'complete'");
+    assert_eq!(jobs.user_of("j1-source").map(|(_, at)| at), Some(1));
+    send.send(Ok(())).unwrap();
+    wait_for(&job, Status::Null);
+    assert_eq!(events(&log), ["created", "running", "waiting", "pending", "BLOCK_JOB_COMPLETED", "concluded", "null"]);
+    assert!(jobs.get("j1").is_none() && jobs.user_of("j1-target").is_none(), "dismissed jobs go");
+}
+
+#[test]
+fn pause_resume_and_manual_finalize_and_dismiss() {
+    let (jobs, log) = registry();
+    let (send, receive) = channel();
+    let job = jobs.start(spec("j2", false), Box::new(Scripted(receive))).unwrap();
+    job.pause().unwrap();
+    assert_eq!(job.pause().unwrap_err(), "Job is already paused");
+    wait_for(&job, Status::Paused);
+    assert!(job.info().paused);
+    job.resume().unwrap();
+    assert_eq!(job.resume().unwrap_err(), "Can't resume a job that was not paused");
+    wait_for(&job, Status::Running);
+    send.send(Ok(())).unwrap();
+    wait_for(&job, Status::Pending);
+    assert!(job.pause().is_err(), "a pending job cannot pause");
+    job.finalize().unwrap();
+    wait_for(&job, Status::Concluded);
+    assert_eq!(job.finalize().unwrap_err(), "Job 'j2' in state 'concluded' cannot accept command verb 'finalize'");
+    job.dismiss().unwrap();
+    let want = [
+        "created",
+        "running",
+        "paused",
+        "running",
+        "waiting",
+        "pending",
+        "BLOCK_JOB_PENDING",
+        "BLOCK_JOB_COMPLETED",
+        "concluded",
+        "null",
+    ];
+    assert_eq!(events(&log), want);
+}
+
+#[test]
+fn failures_and_cancels_abort() {
+    let (jobs, log) = registry();
+    let (send, receive) = channel();
+    let failed = jobs.start(spec("f", false), Box::new(Scripted(receive))).unwrap();
+    send.send(Err("Input/output error".into())).unwrap();
+    wait_for(&failed, Status::Concluded);
+    assert_eq!(failed.info().error.as_deref(), Some("Input/output error"));
+    assert_eq!(events(&log), ["created", "running", "aborting", "BLOCK_JOB_COMPLETED", "concluded"]);
+
+    let (send, receive) = channel();
+    let pending = jobs.start(spec("p", false), Box::new(Scripted(receive))).unwrap();
+    send.send(Ok(())).unwrap();
+    wait_for(&pending, Status::Pending);
+    pending.cancel().unwrap();
+    wait_for(&pending, Status::Concluded);
+    assert_eq!(pending.info().error.as_deref(), Some(CANCELLED));
+    let want = [
+        "created",
+        "running",
+        "waiting",
+        "pending",
+        "BLOCK_JOB_PENDING",
+        "aborting",
+        "BLOCK_JOB_CANCELLED",
+        "concluded",
+    ];
+    assert_eq!(events(&log), want);
+
+    let running = jobs.start(spec("r", true), Box::new(Scripted(channel().1))).unwrap();
+    running.pause().unwrap();
+    wait_for(&running, Status::Paused);
+    jobs.shutdown();
+    assert_eq!(running.status(), Status::Null, "shutdown cancels a paused job and waits for it");
+    assert_eq!(jobs.all().len(), 2, "concluded jobs stay until dismissed");
+}
+
+#[test]
+fn errors_follow_the_policy() {
+    let (jobs, log) = registry();
+    let job = jobs.start(spec("e", true), Box::new(Scripted(channel().1))).unwrap();
+    assert!(!job.io_error(ErrorPolicy::Report, true, libc::EIO));
+    assert!(job.io_error(ErrorPolicy::Ignore, false, libc::EIO));
+    assert!(!job.io_error(ErrorPolicy::Enospc, true, libc::EIO));
+    assert!(!job.info().io_failed);
+    assert!(job.io_error(ErrorPolicy::Enospc, true, libc::ENOSPC));
+    wait_for(&job, Status::Paused);
+    assert!(job.info().io_failed);
+    job.resume().unwrap();
+    assert!(!job.info().io_failed);
+    job.cancel().unwrap();
+    wait_for(&job, Status::Null);
+    assert_eq!(strerror(libc::EIO), "Input/output error");
+    assert_eq!(events(&log).iter().filter(|e| *e == "BLOCK_JOB_ERROR").count(), 4);
+}
