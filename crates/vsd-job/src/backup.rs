@@ -275,7 +275,7 @@ impl Copier {
             // Pieces that end off a page boundary are copied as data: the
             // requests stay aligned for O_DIRECT.
             let mut n = n.clamp(1, end - at);
-            let allocation = if (at + n) % 4096 != 0 && at + n < end {
+            let allocation = if !(at + n).is_multiple_of(4096) && at + n < end {
                 n = ((at + n).next_multiple_of(4096)).min(end) - at;
                 Allocation::Data
             } else {

@@ -5,6 +5,7 @@ use serde_json::{Map, Value, json};
 use vsd_block::options::OptionMap;
 use vsd_control::qmp::{Dispatch, ErrorClass, QmpError};
 use vsd_export::ExportSnapshot;
+use vsd_job::Verb;
 use vsd_trace::{ExportLabel, OpKind, QueueSnapshot};
 
 use crate::bitmaps::Change;
@@ -33,6 +34,22 @@ const COMMANDS: &[&str] = &[
     "block-dirty-bitmap-enable",
     "block-dirty-bitmap-disable",
     "block-dirty-bitmap-merge",
+    "blockdev-backup",
+    "query-jobs",
+    "job-pause",
+    "job-resume",
+    "job-cancel",
+    "job-complete",
+    "job-dismiss",
+    "job-finalize",
+    "query-block-jobs",
+    "block-job-cancel",
+    "block-job-set-speed",
+    "block-job-pause",
+    "block-job-resume",
+    "block-job-complete",
+    "block-job-dismiss",
+    "block-job-finalize",
     "nbd-server-start",
     "nbd-server-stop",
     "object-add",
@@ -62,6 +79,10 @@ impl Dispatch for Daemon {
             "block-dirty-bitmap-enable" => self.bitmap_change(parse(args)?, Change::Enable),
             "block-dirty-bitmap-disable" => self.bitmap_change(parse(args)?, Change::Disable),
             "block-dirty-bitmap-merge" => self.bitmap_merge(parse(args)?),
+            "blockdev-backup" => self.blockdev_backup(parse(args)?),
+            "query-jobs" => no_arguments(&args).map(|()| self.query_jobs()),
+            "query-block-jobs" => no_arguments(&args).map(|()| self.query_block_jobs()),
+            "block-job-set-speed" => self.block_job_set_speed(parse(args)?),
             "nbd-server-start" => self.nbd_server_start(args),
             "nbd-server-stop" => no_arguments(&args).and_then(|()| self.nbd_server_stop()),
             "object-add" => {
@@ -69,7 +90,13 @@ impl Dispatch for Daemon {
             }
             "object-del" => self.objects.remove(&parse::<Id>(args)?.id).map(|()| json!({})).map_err(QmpError::generic),
             "quit" => no_arguments(&args).map(|()| json!({})),
-            _ => Err(QmpError::new(ErrorClass::CommandNotFound, format!("The command {command} has not been found"))),
+            _ => match job_verb(command) {
+                Some((false, verb)) => self.job_verb(parse(args)?, verb),
+                Some((true, verb)) => self.block_job_verb(parse(args)?, verb),
+                None => {
+                    Err(QmpError::new(ErrorClass::CommandNotFound, format!("The command {command} has not been found")))
+                }
+            },
         }
     }
 
@@ -79,6 +106,17 @@ impl Dispatch for Daemon {
             vsd_sys::raise_termination();
         }
     }
+}
+
+/// The verb a `job-*` command names, or a `block-job-*` one (true).
+fn job_verb(command: &str) -> Option<(bool, Verb)> {
+    let (block, rest) = match command.strip_prefix("block-") {
+        Some(rest) => (true, rest),
+        None => (false, command),
+    };
+    let name = rest.strip_prefix("job-")?;
+    let verbs = [Verb::Cancel, Verb::Pause, Verb::Resume, Verb::Complete, Verb::Finalize, Verb::Dismiss];
+    verbs.into_iter().find(|v| v.name() == name).map(|verb| (block, verb))
 }
 
 fn version() -> Value {
@@ -197,6 +235,11 @@ impl Daemon {
             .graph
             .get(&args.node_name)
             .ok_or_else(|| QmpError::generic(format!("Failed to find node with node-name='{}'", args.node_name)))?;
+        match self.jobs.user_of(&args.node_name) {
+            Some((job, 0)) => return Err(QmpError::generic(crate::jobs::busy(&args.node_name, &job))),
+            Some(_) => return Err(QmpError::generic(format!("Block device {} is in use", args.node_name))),
+            None => {}
+        }
         let (exports, stopping) = (&state.exports, &state.stopping);
         let exported = |name: &str| {
             let serving = exports.values().find(|e| e.node().name() == name).map(|e| e.id().to_string());

@@ -22,6 +22,8 @@ pub struct Daemon {
     pub(crate) events: Events,
     /// `--object`s; nodes take their secrets from here.
     pub(crate) objects: Arc<Objects>,
+    /// Block jobs (`blockdev-backup`). Never waited for under the state lock.
+    pub(crate) jobs: vsd_job::Jobs,
 }
 
 pub(crate) struct State {
@@ -68,7 +70,10 @@ impl Daemon {
             histograms: BTreeMap::new(),
             claims: BTreeMap::new(),
         };
-        Self { state: Mutex::new(state), export_stopped: Condvar::new(), events: Events::new(), objects }
+        let events = Events::new();
+        let sink = events.clone();
+        let jobs = vsd_job::Jobs::new(Arc::new(move |name: &str, data| sink.emit(name, data)));
+        Self { state: Mutex::new(state), export_stopped: Condvar::new(), events, objects, jobs }
     }
 
     /// The state, for one command at a time. A panic while holding it
@@ -195,9 +200,11 @@ impl Daemon {
         state
     }
 
-    /// Stops every export (their requests in flight complete first), then
-    /// writes back what nodes cache (qcow2 metadata).
+    /// Cancels every job, stops every export (their requests in flight
+    /// complete first), then writes back what nodes cache (qcow2 metadata).
     pub fn shutdown(&self) {
+        // First: guest writes may be waiting for a backup to copy.
+        self.jobs.shutdown();
         let mut state = self.state();
         for (_, export) in std::mem::take(&mut state.exports) {
             export.stop();

@@ -6,6 +6,7 @@
 mod bitmaps;
 mod commands;
 mod daemon;
+mod jobs;
 mod monitor;
 mod objects;
 mod pidfile;

@@ -1,0 +1,305 @@
+//! QMP's job commands (`blockdev-backup`, `job-*`, `block-job-*`,
+//! `query-jobs`, `query-block-jobs`) over the daemon's [`Jobs`], with
+//! QEMU's argument shapes and error wording.
+
+use std::sync::Arc;
+
+use serde::Deserialize;
+use serde_json::{Value, json};
+use vsd_block::BlockNode;
+use vsd_control::qmp::{ErrorClass, QmpError};
+use vsd_job::backup::{Backup, BackupSpec, BitmapMode, Sync};
+use vsd_job::{ErrorPolicy, Job, JobInfo, JobSpec, Verb};
+
+use crate::daemon::{Daemon, State};
+
+type Reply = Result<Value, QmpError>;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub(crate) struct BackupArgs {
+    job_id: Option<String>,
+    device: String,
+    target: String,
+    sync: SyncArg,
+    speed: Option<i64>,
+    bitmap: Option<String>,
+    bitmap_mode: Option<BitmapModeArg>,
+    #[serde(default)]
+    compress: bool,
+    #[serde(default)]
+    on_source_error: OnError,
+    #[serde(default)]
+    on_target_error: OnError,
+    auto_finalize: Option<bool>,
+    auto_dismiss: Option<bool>,
+}
+
+#[derive(Deserialize, Clone, Copy, PartialEq)]
+#[serde(rename_all = "lowercase")]
+enum SyncArg {
+    Full,
+    Top,
+    None,
+    Incremental,
+    Bitmap,
+}
+
+#[derive(Deserialize, Clone, Copy, PartialEq)]
+#[serde(rename_all = "kebab-case")]
+enum BitmapModeArg {
+    OnSuccess,
+    Never,
+    Always,
+}
+
+#[derive(Deserialize, Clone, Copy, Default)]
+#[serde(rename_all = "lowercase")]
+enum OnError {
+    #[default]
+    Report,
+    Ignore,
+    Enospc,
+    Stop,
+}
+
+impl From<OnError> for ErrorPolicy {
+    fn from(policy: OnError) -> Self {
+        match policy {
+            OnError::Report => ErrorPolicy::Report,
+            OnError::Ignore => ErrorPolicy::Ignore,
+            OnError::Enospc => ErrorPolicy::Enospc,
+            OnError::Stop => ErrorPolicy::Stop,
+        }
+    }
+}
+
+/// `job-*`'s argument.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct JobId {
+    id: String,
+}
+
+/// `block-job-*`'s arguments (`force` of `block-job-cancel` changes
+/// nothing for a job that is never ready).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct BlockJobArgs {
+    device: String,
+    #[serde(default, rename = "force")]
+    _force: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct SetSpeed {
+    device: String,
+    speed: i64,
+}
+
+fn generic(text: impl Into<String>) -> QmpError {
+    QmpError::generic(text)
+}
+
+fn speed(value: i64) -> Result<u64, QmpError> {
+    u64::try_from(value).map_err(|_| generic("Parameter 'speed' expects a non-negative value"))
+}
+
+/// QEMU's rule for ids: a letter, then letters, digits, `-`, `.`, `_`.
+fn well_formed(id: &str) -> bool {
+    let mut chars = id.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || "-._".contains(c))
+}
+
+/// What a node used by a job says when something else wants it.
+pub(crate) fn busy(node: &str, job: &Job) -> String {
+    format!("Node '{node}' is busy: block device is in use by block job: {}", job.kind())
+}
+
+impl Daemon {
+    pub(crate) fn blockdev_backup(&self, args: BackupArgs) -> Reply {
+        let state = self.state();
+        let (source, target) = (node(&state, &args.device)?, node(&state, &args.target)?);
+        if source.name() == target.name() {
+            return Err(generic("Source and target cannot be the same"));
+        }
+        if source.size() != target.size() {
+            return Err(generic("Source and target image have different sizes"));
+        }
+        let (sync, bitmap) = backup_bitmap(&args, &source)?;
+        if args.compress {
+            return Err(generic("Compression is not supported for this drive "));
+        }
+        if sync == Sync::Top && source.children().iter().any(|(role, _)| *role == "backing") {
+            return Err(generic("sync 'top' of a node with a backing file is not supported by vsd"));
+        }
+        if target.read_only() {
+            return Err(generic(format!("Node '{}' is read-only", target.name())));
+        }
+        for name in [target.name(), source.name()] {
+            if let Some((job, _)) = self.jobs.user_of(name) {
+                return Err(generic(busy(name, &job)));
+            }
+        }
+        let id = args.job_id.unwrap_or_default();
+        if !well_formed(&id) {
+            return Err(generic(format!("Invalid job ID '{id}'")));
+        }
+        let Ok(speed) = speed(args.speed.unwrap_or(0)) else {
+            // QEMU makes the job before it looks at the speed.
+            for status in ["created", "null"] {
+                self.events.emit("JOB_STATUS_CHANGE", json!({ "status": status, "id": id }));
+            }
+            return Err(generic("Parameter 'speed' expects a non-negative value"));
+        };
+        let bitmap = match bitmap {
+            Some((bitmap, mode)) => Some((bitmap.take().map_err(|e| generic(e.to_string()))?, mode)),
+            None => None,
+        };
+        let spec = JobSpec {
+            id,
+            kind: "backup",
+            auto_finalize: args.auto_finalize.unwrap_or(true),
+            auto_dismiss: args.auto_dismiss.unwrap_or(true),
+            speed,
+            // The target first: `blockdev-del` words the two differently.
+            nodes: vec![target.name().to_string(), source.name().to_string()],
+        };
+        let backup = Backup::new(BackupSpec {
+            source,
+            target,
+            sync,
+            bitmap,
+            on_source_error: args.on_source_error.into(),
+            on_target_error: args.on_target_error.into(),
+        });
+        self.jobs.start(spec, Box::new(backup)).map_err(generic)?;
+        Ok(json!({}))
+    }
+
+    /// The job for `job-*` commands.
+    fn job(&self, id: &str) -> Result<Arc<Job>, QmpError> {
+        self.jobs.get(id).ok_or_else(|| generic("Job not found"))
+    }
+
+    /// The job for `block-job-*` commands.
+    fn block_job(&self, id: &str) -> Result<Arc<Job>, QmpError> {
+        self.jobs
+            .get(id)
+            .ok_or_else(|| QmpError::new(ErrorClass::DeviceNotActive, format!("Block job '{id}' not found")))
+    }
+
+    pub(crate) fn job_verb(&self, args: JobId, verb: Verb) -> Reply {
+        act(&*self.job(&args.id)?, verb)
+    }
+
+    pub(crate) fn block_job_verb(&self, args: BlockJobArgs, verb: Verb) -> Reply {
+        act(&*self.block_job(&args.device)?, verb)
+    }
+
+    pub(crate) fn block_job_set_speed(&self, args: SetSpeed) -> Reply {
+        let job = self.block_job(&args.device)?;
+        job.set_speed(speed(args.speed)?).map_err(generic)?;
+        Ok(json!({}))
+    }
+
+    pub(crate) fn query_jobs(&self) -> Value {
+        let entry = |info: JobInfo| {
+            let mut entry = json!({
+                "id": info.id,
+                "type": info.kind,
+                "status": info.status.name(),
+                "current-progress": info.progress,
+                "total-progress": info.total,
+            });
+            if let Some(error) = info.error {
+                entry["error"] = json!(error);
+            }
+            entry
+        };
+        self.jobs.all().iter().map(|job| entry(job.info())).collect()
+    }
+
+    pub(crate) fn query_block_jobs(&self) -> Value {
+        let entry = |info: JobInfo| {
+            let mut entry = json!({
+                "type": info.kind,
+                "device": info.id,
+                "len": info.total,
+                "offset": info.progress,
+                "busy": false,
+                "paused": info.paused,
+                "speed": info.speed,
+                "io-status": if info.io_failed { "failed" } else { "ok" },
+                "ready": false,
+                "status": info.status.name(),
+                "auto-finalize": info.auto_finalize,
+                "auto-dismiss": info.auto_dismiss,
+            });
+            if let Some(error) = info.error {
+                entry["error"] = json!(error);
+            }
+            entry
+        };
+        self.jobs.all().iter().map(|job| entry(job.info())).collect()
+    }
+}
+
+fn act(job: &Job, verb: Verb) -> Reply {
+    match verb {
+        Verb::Cancel => job.cancel(),
+        Verb::Pause => job.pause(),
+        Verb::Resume => job.resume(),
+        Verb::Complete => job.complete(),
+        Verb::Finalize => job.finalize(),
+        Verb::Dismiss => job.dismiss(),
+        Verb::SetSpeed => Err("set-speed takes a speed".into()),
+    }
+    .map(|()| json!({}))
+    .map_err(generic)
+}
+
+fn node(state: &State, name: &str) -> Result<Arc<dyn BlockNode>, QmpError> {
+    state.graph.get(name).ok_or_else(|| generic(format!("Cannot find device='{name}' nor node-name='{name}'")))
+}
+
+/// The sync mode, and the bitmap with its mode if one is given, checked
+/// as QEMU checks them.
+type BitmapChoice = Option<(Arc<vsd_block::dirty::Bitmap>, BitmapMode)>;
+
+fn backup_bitmap(args: &BackupArgs, source: &Arc<dyn BlockNode>) -> Result<(Sync, BitmapChoice), QmpError> {
+    let sync = match args.sync {
+        SyncArg::Full => Sync::Full,
+        SyncArg::Top => Sync::Top,
+        SyncArg::None => Sync::None,
+        SyncArg::Incremental | SyncArg::Bitmap => Sync::Bitmap,
+    };
+    let Some(name) = &args.bitmap else {
+        if sync == Sync::Bitmap {
+            let word = if args.sync == SyncArg::Incremental { "incremental" } else { "bitmap" };
+            return Err(generic(format!("must provide a valid bitmap name for '{word}' sync mode")));
+        }
+        if args.bitmap_mode.is_some() {
+            return Err(generic("Cannot specify bitmap sync mode without a bitmap"));
+        }
+        return Ok((sync, None));
+    };
+    let bitmap = source
+        .dirty_bitmaps()
+        .and_then(|bitmaps| bitmaps.get(name).ok())
+        .ok_or_else(|| generic(format!("Bitmap '{name}' could not be found")))?;
+    let mode = match (args.sync, args.bitmap_mode) {
+        (SyncArg::Incremental, None | Some(BitmapModeArg::OnSuccess)) => BitmapMode::OnSuccess,
+        (SyncArg::Incremental, Some(_)) => {
+            return Err(generic("Bitmap sync mode must be 'on-success' when using sync mode 'incremental'"));
+        }
+        (_, None) => return Err(generic("Bitmap sync mode must be given when providing a bitmap")),
+        (SyncArg::None, Some(_)) => return Err(generic("vsd takes no bitmap with sync 'none'")),
+        (_, Some(BitmapModeArg::OnSuccess)) => BitmapMode::OnSuccess,
+        (_, Some(BitmapModeArg::Never)) => BitmapMode::Never,
+        (_, Some(BitmapModeArg::Always)) => BitmapMode::Always,
+    };
+    Ok((sync, Some((bitmap, mode))))
+}
