@@ -10,6 +10,7 @@ use vsd_trace::{ExportLabel, OpKind, QueueSnapshot};
 
 use crate::bitmaps::Change;
 use crate::daemon::{Bins, Daemon, LatencyBins};
+use crate::jobs::{BlockJobArgs, JobId};
 
 type Reply = Result<Value, QmpError>;
 
@@ -91,8 +92,11 @@ impl Dispatch for Daemon {
             "object-del" => self.objects.remove(&parse::<Id>(args)?.id).map(|()| json!({})).map_err(QmpError::generic),
             "quit" => no_arguments(&args).map(|()| json!({})),
             _ => match job_verb(command) {
-                Some((false, verb)) => self.job_verb(parse(args)?, verb),
-                Some((true, verb)) => self.block_job_verb(parse(args)?, verb),
+                Some((false, verb)) => self.job_verb(&parse::<JobId>(args)?.id, verb),
+                Some((true, verb @ (Verb::Finalize | Verb::Dismiss))) => {
+                    self.block_job_verb(&parse::<JobId>(args)?.id, verb)
+                }
+                Some((true, verb)) => self.block_job_verb(&parse::<BlockJobArgs>(args)?.device, verb),
                 None => {
                     Err(QmpError::new(ErrorClass::CommandNotFound, format!("The command {command} has not been found")))
                 }

@@ -78,15 +78,16 @@ impl From<OnError> for ErrorPolicy {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct JobId {
-    id: String,
+    pub(crate) id: String,
 }
 
-/// `block-job-*`'s arguments (`force` of `block-job-cancel` changes
-/// nothing for a job that is never ready).
+/// `block-job-*`'s arguments but `-finalize`'s and `-dismiss`' (which
+/// take a [`JobId`]); `force` of `block-job-cancel` changes nothing for a
+/// job that is never ready.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct BlockJobArgs {
-    device: String,
+    pub(crate) device: String,
     #[serde(default, rename = "force")]
     _force: bool,
 }
@@ -191,12 +192,12 @@ impl Daemon {
             .ok_or_else(|| QmpError::new(ErrorClass::DeviceNotActive, format!("Block job '{id}' not found")))
     }
 
-    pub(crate) fn job_verb(&self, args: JobId, verb: Verb) -> Reply {
-        act(&*self.job(&args.id)?, verb)
+    pub(crate) fn job_verb(&self, id: &str, verb: Verb) -> Reply {
+        act(&*self.job(id)?, verb)
     }
 
-    pub(crate) fn block_job_verb(&self, args: BlockJobArgs, verb: Verb) -> Reply {
-        act(&*self.block_job(&args.device)?, verb)
+    pub(crate) fn block_job_verb(&self, id: &str, verb: Verb) -> Reply {
+        act(&*self.block_job(id)?, verb)
     }
 
     pub(crate) fn block_job_set_speed(&self, args: SetSpeed) -> Reply {

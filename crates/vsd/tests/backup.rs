@@ -1,0 +1,497 @@
+//! Backups (`blockdev-backup`) and the job commands: the same QMP script
+//! against vsd and qemu-storage-daemon, answers and events compared; the
+//! copy holding the disk as it was when the job started while clients
+//! write through vhost-user and NBD; incremental backups from a bitmap;
+//! failing targets; and a daemon stopped with a job running.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{Daemon, Scratch, run};
+use serde_json::{Value, json};
+use vsd_bench::ClientOptions;
+
+const MIB: u64 = 1 << 20;
+const KIB: u64 = 1 << 10;
+const CLUSTER: u64 = 64 * KIB;
+
+/// A QMP connection that keeps every event, in order.
+struct Qmp {
+    writer: UnixStream,
+    reader: BufReader<UnixStream>,
+    events: Vec<Value>,
+    /// Events before this one were matched by [`Qmp::await_event`].
+    seen: usize,
+}
+
+impl Qmp {
+    fn connect(path: &Path) -> Self {
+        let writer = UnixStream::connect(path).unwrap();
+        writer.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let reader = BufReader::new(writer.try_clone().unwrap());
+        let mut qmp = Self { writer, reader, events: Vec::new(), seen: 0 };
+        assert!(qmp.receive().get("QMP").is_some(), "a greeting");
+        qmp.answer("qmp_capabilities", json!({}));
+        qmp
+    }
+
+    fn receive(&mut self) -> Value {
+        let mut line = String::new();
+        let n = self.reader.read_line(&mut line).expect("a QMP message in time");
+        assert!(n > 0, "the daemon hung up");
+        serde_json::from_str(&line).unwrap()
+    }
+
+    /// The command's return value or its error (class and text).
+    fn answer(&mut self, command: &str, args: Value) -> Value {
+        let request = json!({"execute": command, "arguments": args});
+        self.writer.write_all(format!("{request}\n").as_bytes()).unwrap();
+        loop {
+            let mut message = self.receive();
+            if message.get("event").is_some() {
+                self.events.push(message);
+                continue;
+            }
+            if let Some(value) = message.get_mut("return") {
+                return json!({ "return": value.take() });
+            }
+            return json!({ "error": message["error"].clone() });
+        }
+    }
+
+    /// Runs a command that must succeed; returns what it returned.
+    fn ok(&mut self, command: &str, args: Value) -> Value {
+        let mut answer = self.answer(command, args.clone());
+        assert!(answer.get("return").is_some(), "{command} {args}: {answer}");
+        answer["return"].take()
+    }
+
+    /// Waits for an event `name` whose data holds every member of `data`.
+    fn await_event(&mut self, name: &str, data: Value) -> Value {
+        let matches = |event: &Value| {
+            event["event"] == name && data.as_object().unwrap().iter().all(|(k, v)| &event["data"][k] == v)
+        };
+        loop {
+            if let Some(at) = self.events[self.seen..].iter().position(matches) {
+                self.seen += at + 1;
+                return self.events[self.seen - 1]["data"].clone();
+            }
+            let message = self.receive();
+            assert!(message.get("event").is_some(), "an event, not {message}");
+            self.events.push(message);
+        }
+    }
+
+    /// Every event's name and data so far (timestamps left out).
+    fn event_log(&self) -> Vec<Value> {
+        self.events.iter().map(|e| json!([e["event"], e["data"]])).collect()
+    }
+}
+
+fn monitor(socket: &Path) -> Vec<String> {
+    vec![
+        "--chardev".into(),
+        format!("socket,id=m,path={},server=on,wait=off", socket.display()),
+        "--monitor".into(),
+        "chardev=m".into(),
+    ]
+}
+
+/// `--blockdev` arguments for file nodes, each over a new image.
+fn file_nodes(dir: &Scratch, nodes: &[(&str, u64)]) -> Vec<String> {
+    let mut args = Vec::new();
+    for (name, size) in nodes {
+        let image = dir.image(&format!("{name}.img"), *size);
+        args.extend(["--blockdev".into(), format!("driver=file,node-name={name},filename={}", image.display())]);
+    }
+    args
+}
+
+/// One step of the differential script.
+enum Step {
+    Command(&'static str, Value),
+    /// Waits for an event (name, data members).
+    Await(&'static str, Value),
+    Sleep(u64),
+}
+
+use Step::{Await, Command, Sleep};
+
+fn differential_script() -> Vec<Step> {
+    let (src, tgt) = ("src", "tgt");
+    let full = |job: &str, source: &str, target: &str| json!({"job-id": job, "device": source, "target": target, "sync": "full", "speed": 1});
+    let null = |id: &str| json!({"status": "null", "id": id});
+    vec![
+        Command("blockdev-backup", json!({"job-id": "x", "device": "nope", "target": tgt, "sync": "full"})),
+        Command("blockdev-backup", json!({"job-id": "x", "device": src, "target": src, "sync": "full"})),
+        Command("blockdev-backup", json!({"job-id": "x", "device": src, "target": "small", "sync": "full"})),
+        Command("blockdev-backup", json!({"job-id": "x", "device": src, "target": tgt, "sync": "incremental"})),
+        Command("blockdev-backup", json!({"job-id": "x", "device": src, "target": tgt, "sync": "bitmap"})),
+        Command(
+            "blockdev-backup",
+            json!({"job-id": "x", "device": src, "target": tgt, "sync": "incremental", "bitmap": "nope"}),
+        ),
+        Command("block-dirty-bitmap-add", json!({"node": src, "name": "b", "granularity": 65536})),
+        Command(
+            "blockdev-backup",
+            json!({"job-id": "x", "device": src, "target": tgt, "sync": "bitmap", "bitmap": "b"}),
+        ),
+        Command(
+            "blockdev-backup",
+            json!({"job-id": "x", "device": src, "target": tgt, "sync": "incremental", "bitmap": "b", "bitmap-mode": "never"}),
+        ),
+        Command(
+            "blockdev-backup",
+            json!({"job-id": "x", "device": src, "target": tgt, "sync": "full", "bitmap-mode": "never"}),
+        ),
+        Command(
+            "blockdev-backup",
+            json!({"job-id": "x", "device": src, "target": tgt, "sync": "full", "compress": true}),
+        ),
+        Command("blockdev-backup", json!({"device": src, "target": tgt, "sync": "full"})),
+        Command("blockdev-backup", json!({"job-id": "j4", "device": src, "target": tgt, "sync": "full", "speed": -1})),
+        Command("blockdev-backup", full("j1", src, tgt)),
+        Sleep(300),
+        Command("blockdev-backup", full("j1", src, tgt)),
+        Command("blockdev-backup", full("j1", "src2", "tgt2")),
+        Command("blockdev-backup", full("j2", "src2", tgt)),
+        Command(
+            "blockdev-backup",
+            json!({"job-id": "j2", "device": "src2", "target": "tgt2", "sync": "full", "speed": 1, "auto-finalize": false, "auto-dismiss": false}),
+        ),
+        Sleep(300),
+        Command("query-jobs", json!({})),
+        Command("query-block-jobs", json!({})),
+        Command("job-pause", json!({"id": "j1"})),
+        Sleep(200),
+        Command("job-pause", json!({"id": "j1"})),
+        Command("query-jobs", json!({})),
+        Command("query-block-jobs", json!({})),
+        Command("job-resume", json!({"id": "j1"})),
+        Sleep(200),
+        Command("job-resume", json!({"id": "j1"})),
+        Command("job-complete", json!({"id": "j1"})),
+        Command("job-finalize", json!({"id": "j1"})),
+        Command("job-dismiss", json!({"id": "j1"})),
+        Command("block-job-complete", json!({"device": "j1"})),
+        Command("blockdev-del", json!({"node-name": tgt})),
+        Command("blockdev-del", json!({"node-name": src})),
+        Command("block-job-set-speed", json!({"device": "j1", "speed": -5})),
+        Command("block-job-set-speed", json!({"device": "nope", "speed": 5})),
+        Command("block-job-set-speed", json!({"device": "j2", "speed": 0})),
+        Await("BLOCK_JOB_PENDING", json!({"id": "j2"})),
+        Command("query-jobs", json!({})),
+        Command("job-dismiss", json!({"id": "j2"})),
+        Command("job-cancel", json!({"id": "j2"})),
+        Await("JOB_STATUS_CHANGE", json!({"status": "concluded", "id": "j2"})),
+        Command("job-finalize", json!({"id": "j2"})),
+        Command("query-jobs", json!({})),
+        Command("query-block-jobs", json!({})),
+        Command("job-dismiss", json!({"id": "j2"})),
+        Command("block-job-pause", json!({"device": "j1"})),
+        Command("block-job-resume", json!({"device": "j1"})),
+        Command("block-job-cancel", json!({"device": "j1", "force": true})),
+        Await("JOB_STATUS_CHANGE", null("j1")),
+        Command("query-jobs", json!({})),
+        Command("job-cancel", json!({"id": "nope"})),
+        Command("job-dismiss", json!({"id": "nope"})),
+        Command("block-job-cancel", json!({"device": "nope"})),
+        Command("block-job-dismiss", json!({"id": "nope"})),
+        Command("block-job-finalize", json!({"id": "nope"})),
+        Command(
+            "blockdev-backup",
+            json!({"job-id": "i1", "device": src, "target": tgt, "sync": "incremental", "bitmap": "b"}),
+        ),
+        Await("JOB_STATUS_CHANGE", null("i1")),
+        Command("blockdev-backup", json!({"job-id": "t1", "device": src, "target": tgt, "sync": "top", "speed": 1})),
+        Sleep(300),
+        Command("query-jobs", json!({})),
+        Command("job-cancel", json!({"id": "t1"})),
+        Await("JOB_STATUS_CHANGE", null("t1")),
+        Command("blockdev-backup", json!({"job-id": "n1", "device": src, "target": tgt, "sync": "none"})),
+        Sleep(100),
+        Command("query-jobs", json!({})),
+        Command("job-cancel", json!({"id": "n1"})),
+        Await("JOB_STATUS_CHANGE", null("n1")),
+        Command(
+            "blockdev-backup",
+            json!({"job-id": "f1", "device": src, "target": tgt, "sync": "full", "auto-dismiss": false}),
+        ),
+        Await("JOB_STATUS_CHANGE", json!({"status": "concluded", "id": "f1"})),
+        Command("query-jobs", json!({})),
+        Command("job-dismiss", json!({"id": "f1"})),
+        Command("blockdev-del", json!({"node-name": tgt})),
+    ]
+}
+
+/// Paused and running flap around every command in QEMU (its drained
+/// sections): only the other statuses are compared.
+fn stable(events: Vec<Value>) -> Vec<Value> {
+    events.into_iter().filter(|e| !matches!(e[1]["status"].as_str(), Some("paused" | "running"))).collect()
+}
+
+#[test]
+fn job_commands_answer_and_notify_as_qemu_storage_daemon_does() {
+    let script = differential_script();
+    let run_script = |program: fn(&Scratch, &[String]) -> Daemon, name: &str| {
+        let dir = Scratch::new(name);
+        let socket = dir.path("qmp.sock");
+        let big = 64 * MIB;
+        let mut args =
+            file_nodes(&dir, &[("src", big), ("tgt", big), ("src2", big), ("tgt2", big), ("small", 2 * MIB)]);
+        args.extend(monitor(&socket));
+        let _daemon = program(&dir, &args);
+        let mut qmp = Qmp::connect(&socket);
+        let mut answers = Vec::new();
+        for step in &script {
+            match step {
+                Command(command, args) => answers.push(qmp.answer(command, args.clone())),
+                Await(event, data) => drop(qmp.await_event(event, data.clone())),
+                Sleep(ms) => std::thread::sleep(Duration::from_millis(*ms)),
+            }
+        }
+        (answers, stable(qmp.event_log()))
+    };
+    let (vsd, qsd) = (run_script(Daemon::vsd, "backup-qmp-vsd"), run_script(Daemon::qsd, "backup-qmp-qsd"));
+    let commands = script.iter().filter_map(|s| match s {
+        Command(command, args) => Some((command, args)),
+        _ => None,
+    });
+    for ((command, args), (ours, theirs)) in commands.zip(vsd.0.iter().zip(&qsd.0)) {
+        assert_eq!(ours, theirs, "{command} {args}");
+    }
+    for (at, (ours, theirs)) in vsd.1.iter().zip(&qsd.1).enumerate() {
+        assert_eq!(ours, theirs, "event {at}; vsd's: {:#?}", &vsd.1);
+    }
+    assert_eq!(vsd.1.len(), qsd.1.len(), "as many events");
+}
+
+/// Fills `len` bytes at `offset` of NBD export `name` with `byte`
+/// (`write -z` for 0).
+fn nbd_write(socket: &Path, name: &str, offset: u64, len: u64, byte: u8) {
+    let uri = format!("nbd+unix:///{name}?socket={}", socket.display());
+    let command = format!("write -P {byte} {offset} {len}");
+    let out = run("qemu-io", &["-f", "raw", "-c", &command, &uri]);
+    assert!(out.status.success(), "{command}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// The bytes of `image` that differ from `expect(offset)`, as (first offset, count).
+fn mismatches(image: &Path, expect: impl Fn(u64) -> u8) -> Option<(u64, usize)> {
+    unexpected(image, |at, byte| byte == expect(at))
+}
+
+/// The bytes of `image` that `fits(offset, byte)` refuses, as (first offset, count).
+fn unexpected(image: &Path, fits: impl Fn(u64, u8) -> bool) -> Option<(u64, usize)> {
+    let data = std::fs::read(image).unwrap();
+    let wrong: Vec<u64> = (0..data.len() as u64).filter(|&at| !fits(at, data[at as usize])).collect();
+    wrong.first().map(|&first| (first, wrong.len()))
+}
+
+/// A raw disk `disk` (over file node `f0`), served writable over NBD as
+/// `rw` and over vhost-user, and file nodes for targets.
+fn served_disk(dir: &Scratch, size: u64, targets: &[&str], extra: &[String]) -> (Daemon, Qmp) {
+    let image = dir.image("disk.img", size);
+    let (qmp_socket, nbd_socket, vhost) = (dir.path("qmp.sock"), dir.path("nbd.sock"), dir.path("vhost.sock"));
+    let mut args = vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=f0,filename={}", image.display()),
+        "--blockdev".into(),
+        "driver=raw,node-name=disk,file=f0".into(),
+        "--export".into(),
+        format!("type=vhost-user-blk,id=v0,node-name=disk,addr.type=unix,addr.path={},writable=on", vhost.display()),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", nbd_socket.display()),
+        "--export".into(),
+        "type=nbd,id=n0,node-name=disk,name=rw,writable=on".into(),
+    ];
+    let nodes: Vec<(&str, u64)> = targets.iter().map(|t| (*t, size)).collect();
+    args.extend(file_nodes(dir, &nodes));
+    args.extend(extra.iter().cloned());
+    args.extend(monitor(&qmp_socket));
+    let daemon = Daemon::vsd(dir, &args);
+    let qmp = Qmp::connect(&qmp_socket);
+    (daemon, qmp)
+}
+
+#[test]
+fn a_full_backup_holds_the_disk_as_it_was_when_the_job_started() {
+    let dir = Scratch::new("backup-point-in-time");
+    let size = 64 * MIB;
+    let (daemon, mut qmp) = served_disk(&dir, size, &["tgt"], &[]);
+    let nbd = dir.path("nbd.sock");
+    nbd_write(&nbd, "rw", 0, size, 0x11);
+    qmp.ok("blockdev-backup", json!({"job-id": "b", "device": "disk", "target": "tgt", "sync": "full", "speed": 1}));
+    // The job copied its first run and waits: these writes wait for their
+    // clusters' old data instead.
+    nbd_write(&nbd, "rw", 10 * MIB + 4096, 4096, 0x22);
+    nbd_write(&nbd, "rw", 30 * MIB - 32 * KIB, CLUSTER, 0x22);
+    nbd_write(&nbd, "rw", 50 * MIB, 3 * MIB, 0);
+    nbd_write(&nbd, "rw", 0, 4096, 0x22);
+    // A vhost-user client writes on while the job runs at full speed.
+    let mut client = daemon.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut writes = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let offset = 40 * MIB + (writes % 120) * 68 * KIB;
+                queue.write_at(offset, &[0x33; 4096]).unwrap();
+                writes += 1;
+            }
+            writes
+        })
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    qmp.ok("block-job-set-speed", json!({"device": "b", "speed": 0}));
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "b"}));
+    stop.store(true, Ordering::Relaxed);
+    let writes = writer.join().unwrap();
+    assert!(writes > 0 && done.get("error").is_none(), "{writes} writes; {done}");
+    assert_eq!((done["len"].as_u64(), done["offset"].as_u64()), (Some(size), Some(size)));
+    assert_eq!(mismatches(&dir.path("tgt.img"), |_| 0x11), None, "the copy is the disk before the job");
+    let source = |at: u64| match at {
+        0..4096 => 0x22,
+        _ if (10 * MIB + 4096..10 * MIB + 8192).contains(&at) => 0x22,
+        _ if (30 * MIB - 32 * KIB..30 * MIB + 32 * KIB).contains(&at) => 0x22,
+        _ if (50 * MIB..53 * MIB).contains(&at) => 0,
+        _ => 0x11,
+    };
+    // The vhost-user writer may not have come round to all its offsets.
+    let written = |at: u64| (40 * MIB..40 * MIB + 120 * 68 * KIB).contains(&at) && (at - 40 * MIB) % (68 * KIB) < 4096;
+    let fits = |at, byte| byte == source(at) || (written(at) && byte == 0x33);
+    assert_eq!(unexpected(&dir.path("disk.img"), fits), None, "the source has every write");
+}
+
+/// The `dirty-bitmaps` entry of bitmap `name` on node `node`.
+fn bitmap(qmp: &mut Qmp, node: &str, name: &str) -> Value {
+    let nodes = qmp.ok("query-named-block-nodes", json!({}));
+    let node = nodes.as_array().unwrap().iter().find(|n| n["node-name"] == node).unwrap().clone();
+    node["dirty-bitmaps"].as_array().unwrap().iter().find(|b| b["name"] == name).unwrap().clone()
+}
+
+#[test]
+fn incremental_backups_copy_the_dirty_clusters_and_keep_the_bitmap_right() {
+    let dir = Scratch::new("backup-incremental");
+    let size = 16 * MIB;
+    let (_daemon, mut qmp) = served_disk(&dir, size, &["full", "inc", "inc2"], &[]);
+    let nbd = dir.path("nbd.sock");
+    qmp.ok("block-dirty-bitmap-add", json!({"node": "disk", "name": "b", "granularity": 65536}));
+    nbd_write(&nbd, "rw", 0, size, 0x11);
+    let full = json!({"job-id": "full", "device": "disk", "target": "full", "sync": "full", "bitmap": "b", "bitmap-mode": "on-success"});
+    qmp.ok("blockdev-backup", full);
+    qmp.await_event("JOB_STATUS_CHANGE", json!({"status": "null", "id": "full"}));
+    assert_eq!(bitmap(&mut qmp, "disk", "b")["count"], json!(0), "a full backup with the bitmap clears it");
+    assert_eq!(mismatches(&dir.path("full.img"), |_| 0x11), None);
+
+    let changed = [(MIB, 4 * KIB), (5 * MIB - 4 * KIB, 8 * KIB), (9 * MIB, 128 * KIB)];
+    for (offset, len) in changed {
+        nbd_write(&nbd, "rw", offset, len, 0x22);
+    }
+    assert_eq!(bitmap(&mut qmp, "disk", "b")["count"], json!(5 * CLUSTER));
+    let inc =
+        json!({"job-id": "inc", "device": "disk", "target": "inc", "sync": "incremental", "bitmap": "b", "speed": 1});
+    qmp.ok("blockdev-backup", inc);
+    assert_eq!(bitmap(&mut qmp, "disk", "b")["busy"], json!(true));
+    // During the job: a cluster outside it, and one it has yet to copy.
+    nbd_write(&nbd, "rw", 12 * MIB, 4 * KIB, 0x33);
+    nbd_write(&nbd, "rw", 9 * MIB + 64 * KIB, 4 * KIB, 0x33);
+    let jobs = qmp.ok("query-jobs", json!({}));
+    assert_eq!(jobs[0]["total-progress"], json!(5 * CLUSTER));
+    qmp.ok("block-job-set-speed", json!({"device": "inc", "speed": 0}));
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "inc"}));
+    assert_eq!(done["len"], json!(5 * CLUSTER));
+    qmp.await_event("JOB_STATUS_CHANGE", json!({"status": "null", "id": "inc"}));
+    let before_job = |at: u64| if changed.iter().any(|(o, l)| (*o..o + l).contains(&at)) { 0x22 } else { 0x11 };
+    let dirty =
+        |at: u64| changed.iter().any(|(o, l)| at / CLUSTER >= o / CLUSTER && at / CLUSTER <= (o + l - 1) / CLUSTER);
+    let wrong = mismatches(&dir.path("inc.img"), |at| if dirty(at) { before_job(at) } else { 0 });
+    assert_eq!(wrong, None, "the dirty clusters as they were, nothing else");
+    let after = bitmap(&mut qmp, "disk", "b");
+    assert_eq!(
+        (after["count"].clone(), after["busy"].clone()),
+        (json!(2 * CLUSTER), json!(false)),
+        "the writes made during the job"
+    );
+
+    let inc2 =
+        json!({"job-id": "inc2", "device": "disk", "target": "inc2", "sync": "incremental", "bitmap": "b", "speed": 1});
+    qmp.ok("blockdev-backup", inc2);
+    qmp.ok("job-cancel", json!({"id": "inc2"}));
+    qmp.await_event("BLOCK_JOB_CANCELLED", json!({"device": "inc2"}));
+    qmp.await_event("JOB_STATUS_CHANGE", json!({"status": "null", "id": "inc2"}));
+    assert_eq!(bitmap(&mut qmp, "disk", "b")["count"], json!(2 * CLUSTER), "a cancelled job gives the bits back");
+}
+
+/// A blkdebug node `bad` over a file node, failing writes as `rules` say.
+fn failing_target(dir: &Scratch, size: u64, rules: &str) -> Vec<String> {
+    let image = dir.image("bad.img", size);
+    vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=badfile,filename={}", image.display()),
+        "--blockdev".into(),
+        format!("driver=blkdebug,node-name=bad,image=badfile{rules}"),
+    ]
+}
+
+#[test]
+fn a_failing_target_fails_the_job_and_never_the_guest() {
+    let dir = Scratch::new("backup-failing");
+    let size = 16 * MIB;
+    let rules = ",inject-error.0.iotype=write,inject-error.0.sector=16384";
+    let (_daemon, mut qmp) = served_disk(&dir, size, &[], &failing_target(&dir, size, rules));
+    let nbd = dir.path("nbd.sock");
+    nbd_write(&nbd, "rw", 0, size, 0x11);
+
+    qmp.ok("blockdev-backup", json!({"job-id": "f", "device": "disk", "target": "bad", "sync": "full"}));
+    let error = qmp.await_event("BLOCK_JOB_ERROR", json!({"device": "f"}));
+    assert_eq!(error, json!({"device": "f", "operation": "write", "action": "report"}));
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "f"}));
+    assert_eq!(done["error"], json!("Input/output error"));
+    qmp.await_event("JOB_STATUS_CHANGE", json!({"status": "null", "id": "f"}));
+
+    // A guest write whose old data cannot be copied fails the job, not the write.
+    qmp.ok("blockdev-backup", json!({"job-id": "g", "device": "disk", "target": "bad", "sync": "full", "speed": 1}));
+    nbd_write(&nbd, "rw", 8 * MIB, 4096, 0x22);
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "g"}));
+    assert_eq!(done["error"], json!("Input/output error"));
+    nbd_write(&nbd, "rw", 8 * MIB + 4096, 4096, 0x22);
+    let source = |at: u64| if (8 * MIB..8 * MIB + 8192).contains(&at) { 0x22 } else { 0x11 };
+    assert_eq!(mismatches(&dir.path("disk.img"), source), None, "the source has every write");
+}
+
+#[test]
+fn a_stopped_job_waits_for_resume_and_then_succeeds() {
+    let dir = Scratch::new("backup-stop");
+    let size = 16 * MIB;
+    let rules = ",inject-error.0.iotype=write,inject-error.0.sector=16384,inject-error.0.once=on";
+    let (_daemon, mut qmp) = served_disk(&dir, size, &[], &failing_target(&dir, size, rules));
+    nbd_write(&dir.path("nbd.sock"), "rw", 0, size, 0x11);
+    let args = json!({"job-id": "s", "device": "disk", "target": "bad", "sync": "full", "on-target-error": "stop"});
+    qmp.ok("blockdev-backup", args);
+    let error = qmp.await_event("BLOCK_JOB_ERROR", json!({"device": "s"}));
+    assert_eq!(error["action"], json!("stop"));
+    qmp.await_event("JOB_STATUS_CHANGE", json!({"status": "paused", "id": "s"}));
+    let jobs = qmp.ok("query-block-jobs", json!({}));
+    assert_eq!((jobs[0]["io-status"].clone(), jobs[0]["paused"].clone()), (json!("failed"), json!(true)));
+    qmp.ok("job-resume", json!({"id": "s"}));
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "s"}));
+    assert!(done.get("error").is_none(), "{done}");
+}
+
+#[test]
+fn a_daemon_stops_with_a_job_running() {
+    let dir = Scratch::new("backup-quit");
+    let (daemon, mut qmp) = served_disk(&dir, 16 * MIB, &["tgt"], &[]);
+    qmp.ok("blockdev-backup", json!({"job-id": "q", "device": "disk", "target": "tgt", "sync": "none"}));
+    let started = Instant::now();
+    assert!(daemon.stop().success());
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
