@@ -411,6 +411,10 @@ impl Daemon {
         let node = state.graph.get(&name).ok_or_else(|| {
             QmpError::new(ErrorClass::DeviceNotFound, format!("Cannot find device='' nor node-name='{name}'"))
         })?;
+        if let Some((job, _)) = self.jobs.user_of(&name) {
+            // A backup's source and target keep the same size.
+            return Err(QmpError::generic(crate::jobs::busy(&name, &job)));
+        }
         if !node.active() {
             return Err(QmpError::generic("Permission 'resize' unavailable on inactive node"));
         }

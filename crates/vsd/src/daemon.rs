@@ -142,6 +142,7 @@ impl Daemon {
         let pinned = |node: &str| {
             state.exports.values().any(|e| !e.allows_inactive() && e.node().name() == node)
                 || state.stopping.values().any(|(stopping, _)| stopping == node)
+                || self.jobs.user_of(node).is_some()
         };
         let queues: Vec<&VhostUserBlkExport> = state
             .exports

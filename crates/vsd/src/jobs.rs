@@ -126,6 +126,9 @@ impl Daemon {
         if source.name() == target.name() {
             return Err(generic("Source and target cannot be the same"));
         }
+        if below(&source, target.name()) {
+            return Err(generic(format!("Target '{}' is below source '{}'", target.name(), source.name())));
+        }
         if source.size() != target.size() {
             return Err(generic("Source and target image have different sizes"));
         }
@@ -260,6 +263,12 @@ fn act(job: &Job, verb: Verb) -> Reply {
     }
     .map(|()| json!({}))
     .map_err(generic)
+}
+
+/// Whether node `name` is a child of `node`, or further down: writing
+/// it would change the source behind the hook's back.
+fn below(node: &Arc<dyn BlockNode>, name: &str) -> bool {
+    node.children().iter().any(|(_, child)| child.name() == name || below(child, name))
 }
 
 fn node(state: &State, name: &str) -> Result<Arc<dyn BlockNode>, QmpError> {

@@ -495,3 +495,69 @@ fn a_daemon_stops_with_a_job_running() {
     assert!(daemon.stop().success());
     assert!(started.elapsed() < Duration::from_secs(5));
 }
+
+#[test]
+fn sync_none_into_a_scratch_over_the_source_serves_the_old_data() {
+    let dir = Scratch::new("backup-fleecing");
+    let size = 16 * MIB;
+    let scratch = dir.path("scratch.qcow2");
+    let out = run("qemu-img", &["create", "-q", "-f", "qcow2", scratch.to_str().unwrap(), "16M"]);
+    assert!(out.status.success());
+    let fleece = vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=sf,filename={}", scratch.display()),
+        "--blockdev".into(),
+        "driver=qcow2,node-name=fleece,file=sf,backing=disk".into(),
+    ];
+    let (_daemon, mut qmp) = served_disk(&dir, size, &[], &fleece);
+    let nbd = dir.path("nbd.sock");
+    nbd_write(&nbd, "rw", 0, size, 0x11);
+    qmp.ok("blockdev-backup", json!({"job-id": "n", "device": "disk", "target": "fleece", "sync": "none"}));
+    qmp.ok("block-export-add", json!({"type": "nbd", "id": "view", "node-name": "fleece", "name": "view"}));
+    nbd_write(&nbd, "rw", 2 * MIB - 4096, CLUSTER, 0x22);
+    nbd_write(&nbd, "rw", 9 * MIB, 4096, 0);
+    let uri = format!("nbd+unix:///view?socket={}", nbd.display());
+    let out = run("qemu-io", &["-r", "-f", "raw", "-c", "read -P 17 0 16M", &uri]);
+    assert!(
+        out.status.success() && !String::from_utf8_lossy(&out.stdout).contains("Pattern verification failed"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let jobs = qmp.ok("query-jobs", json!({}));
+    assert_eq!(jobs[0]["current-progress"], json!(3 * CLUSTER), "the old data of three clusters was copied");
+    let refused = qmp.answer("blockdev-del", json!({"node-name": "fleece"}));
+    assert_eq!(refused["error"]["desc"], json!("Node 'fleece' is busy: block device is in use by block job: backup"));
+    qmp.ok("block-export-del", json!({"id": "view"}));
+    qmp.ok("job-cancel", json!({"id": "n"}));
+    qmp.await_event("BLOCK_JOB_CANCELLED", json!({"device": "n"}));
+    let source = |at: u64| match at {
+        _ if (2 * MIB - 4096..2 * MIB - 4096 + CLUSTER).contains(&at) => 0x22,
+        _ if (9 * MIB..9 * MIB + 4096).contains(&at) => 0,
+        _ => 0x11,
+    };
+    assert_eq!(mismatches(&dir.path("disk.img"), source), None);
+}
+
+#[test]
+fn what_vsd_refuses_beyond_qemu() {
+    let dir = Scratch::new("backup-refusals");
+    let (_daemon, mut qmp) = served_disk(&dir, 16 * MIB, &["tgt", "tgt2"], &[]);
+    let below = qmp.answer("blockdev-backup", json!({"job-id": "x", "device": "disk", "target": "f0", "sync": "full"}));
+    assert_eq!(below["error"]["desc"], json!("Target 'f0' is below source 'disk'"));
+    qmp.ok("blockdev-backup", json!({"job-id": "a", "device": "disk", "target": "tgt", "sync": "full", "speed": 1}));
+    // One copy-before-write hook per node: QEMU takes a second backup of
+    // the same source, vsd does not.
+    let second =
+        qmp.answer("blockdev-backup", json!({"job-id": "b", "device": "disk", "target": "tgt2", "sync": "full"}));
+    assert_eq!(second["error"]["desc"], json!("Node 'disk' is busy: block device is in use by block job: backup"));
+    let resize = qmp.answer("block_resize", json!({"node-name": "tgt", "size": 32 * MIB}));
+    assert_eq!(resize["error"]["desc"], json!("Node 'tgt' is busy: block device is in use by block job: backup"));
+    let compress = qmp.answer(
+        "blockdev-backup",
+        json!({"job-id": "c", "device": "tgt2", "target": "disk", "sync": "full", "compress": true}),
+    );
+    assert_eq!(compress["error"]["desc"], json!("Compression is not supported for this drive "));
+    qmp.ok("job-cancel", json!({"id": "a"}));
+    qmp.await_event("JOB_STATUS_CHANGE", json!({"status": "null", "id": "a"}));
+    qmp.ok("block_resize", json!({"node-name": "tgt", "size": 32 * MIB}));
+}
