@@ -448,7 +448,16 @@ fn a_failing_target_fails_the_job_and_never_the_guest() {
     let rules = ",inject-error.0.iotype=write,inject-error.0.sector=16384";
     let (_daemon, mut qmp) = served_disk(&dir, size, &[], &failing_target(&dir, size, rules));
     let nbd = dir.path("nbd.sock");
+    qmp.ok("block-dirty-bitmap-add", json!({"node": "disk", "name": "b", "granularity": 65536}));
     nbd_write(&nbd, "rw", 0, size, 0x11);
+
+    // Copied in order up to the failing 8 MiB: `always` keeps the rest dirty.
+    let args = json!({"job-id": "m", "device": "disk", "target": "bad", "sync": "bitmap", "bitmap": "b", "bitmap-mode": "always"});
+    qmp.ok("blockdev-backup", args);
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "m"}));
+    assert_eq!((done["error"].clone(), done["offset"].clone()), (json!("Input/output error"), json!(8 * MIB)));
+    qmp.await_event("JOB_STATUS_CHANGE", json!({"status": "null", "id": "m"}));
+    assert_eq!(bitmap(&mut qmp, "disk", "b")["count"], json!(8 * MIB), "what was not copied");
 
     qmp.ok("blockdev-backup", json!({"job-id": "f", "device": "disk", "target": "bad", "sync": "full"}));
     let error = qmp.await_event("BLOCK_JOB_ERROR", json!({"device": "f"}));
