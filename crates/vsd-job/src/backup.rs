@@ -159,10 +159,11 @@ impl Clusters {
         (offset, ((first + count) * CLUSTER).min(self.size) - offset)
     }
 
-    /// The first run of at most [`RUN`] clusters to copy at or after `from`.
-    fn next_run(&self, from: u64) -> Option<(u64, u64)> {
-        let first = (from..self.count()).find(|&i| !self.is_done(i))?;
-        let count = (first..self.count().min(first + RUN)).take_while(|&i| !self.is_done(i)).count();
+    /// The first run of at most [`RUN`] clusters to copy in `from..end`.
+    fn next_run(&self, from: u64, end: u64) -> Option<(u64, u64)> {
+        let end = end.min(self.count());
+        let first = (from..end).find(|&i| !self.is_done(i))?;
+        let count = (first..end.min(first + RUN)).take_while(|&i| !self.is_done(i)).count();
         Some((first, count as u64))
     }
 
@@ -330,8 +331,7 @@ impl Run<'_> {
         let ranges = std::mem::take(&mut self.clusters.requests().ranges);
         for (first, last) in ranges {
             let mut at = first;
-            while let Some((start, count)) = self.clusters.next_run(at).filter(|(start, _)| *start <= last) {
-                let count = count.min(last + 1 - start);
+            while let Some((start, count)) = self.clusters.next_run(at, last + 1) {
                 self.copy_clusters(start, count).map_err(|f| self.describe(f))?;
                 at = start + count;
             }
@@ -399,7 +399,9 @@ impl Run<'_> {
                 self.job.wait(Some(allowed));
                 continue;
             }
-            let Some((first, count)) = self.clusters.next_run(cursor).or_else(|| self.clusters.next_run(0)) else {
+            let end = self.clusters.count();
+            let next = self.clusters.next_run(cursor, end).or_else(|| self.clusters.next_run(0, cursor));
+            let Some((first, count)) = next else {
                 return self.copier.flush().map_err(|f| self.describe(f));
             };
             if self.background(first, count)? {
@@ -471,5 +473,67 @@ impl JobBody for Backup {
         // The bitmap is free again, and the clusters' hold on the job goes.
         self.spec.bitmap = None;
         self.clusters = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::JobSpec;
+
+    fn job() -> Arc<Job> {
+        let spec = JobSpec {
+            id: "t".into(),
+            kind: "backup",
+            auto_finalize: true,
+            auto_dismiss: true,
+            speed: 0,
+            nodes: Vec::new(),
+        };
+        Job::new(spec, Arc::new(|_: &str, _| {}))
+    }
+
+    #[test]
+    fn runs_stop_at_copied_clusters_at_the_run_length_and_at_the_bound() {
+        // 40 clusters and a half; clusters 3 and 30..33 are not in the backup.
+        let size = 40 * CLUSTER + CLUSTER / 2;
+        let clusters = Clusters::new(size, |i| i != 3 && !(30..33).contains(&i), job());
+        assert_eq!(clusters.count(), 41);
+        assert_eq!(clusters.next_run(0, 41), Some((0, 3)));
+        assert_eq!(clusters.next_run(3, 41), Some((4, RUN)), "at most a run");
+        assert_eq!(clusters.next_run(4, 10), Some((4, 6)), "within the bound");
+        assert_eq!(clusters.next_run(25, 41), Some((25, 5)));
+        clusters.mark_done(33, 8);
+        assert_eq!(clusters.next_run(30, 41), None);
+        assert_eq!(clusters.bytes(40, 1), (40 * CLUSTER, CLUSTER / 2), "the last cluster ends with the node");
+    }
+
+    #[test]
+    fn writers_wait_for_their_clusters_and_go_when_released() {
+        let clusters = Arc::new(Clusters::new(4 * CLUSTER, |i| i != 0, job()));
+        let hook = Hook(clusters.clone());
+        hook.before_write(100, 4096); // cluster 0 is not in the backup
+        hook.before_write(4 * CLUSTER, 512); // past the end
+        let writer = {
+            let clusters = clusters.clone();
+            std::thread::spawn(move || Hook(clusters).before_write(CLUSTER - 1, 2))
+        };
+        while clusters.requests().ranges.is_empty() {
+            std::thread::yield_now();
+        }
+        assert_eq!(clusters.requests().ranges, [(0, 1)]);
+        assert!(!writer.is_finished(), "cluster 1 is not copied yet");
+        clusters.mark_done(1, 1);
+        writer.join().unwrap();
+        let late = {
+            let clusters = clusters.clone();
+            std::thread::spawn(move || Hook(clusters).before_write(2 * CLUSTER, CLUSTER))
+        };
+        while clusters.requests().ranges.len() < 2 {
+            std::thread::yield_now();
+        }
+        clusters.release();
+        late.join().unwrap();
+        Hook(clusters.clone()).before_write(3 * CLUSTER, 1); // released: no wait
     }
 }

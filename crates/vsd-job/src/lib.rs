@@ -452,12 +452,7 @@ impl Job {
 
     /// The job's thread: runs the body, then the finishing sequence.
     fn main(self: &Arc<Self>, mut body: Box<dyn JobBody>) {
-        let cancelled_early = {
-            let mut state = self.state();
-            self.set_status(&mut state, Status::Running);
-            state.cancelled
-        };
-        let result = if cancelled_early { Err(CANCELLED.into()) } else { body.run(self) };
+        let result = if self.cancelled() { Err(CANCELLED.into()) } else { body.run(self) };
         let ok = self.settle(result);
         if ok {
             body.commit();
@@ -465,7 +460,16 @@ impl Job {
             body.abort();
         }
         body.clean();
+        // Before anyone sees the job gone: what it holds goes first.
+        drop(body);
         self.conclude();
+    }
+
+    /// Says the job runs, before its thread starts (QEMU says so before
+    /// the command that made it returns).
+    fn start(&self) {
+        let mut state = self.state();
+        self.set_status(&mut state, Status::Running);
     }
 
     /// From the body's result to `pending` (waiting for a finalize unless

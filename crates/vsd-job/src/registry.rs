@@ -46,6 +46,7 @@ impl Jobs {
             return Err(format!("Job ID '{}' already in use", spec.id));
         }
         let job = Job::new(spec, self.emit.clone());
+        job.start();
         let runner = job.clone();
         let thread = std::thread::Builder::new()
             .name(format!("job {}", job.id()))
