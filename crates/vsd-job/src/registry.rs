@@ -1,5 +1,6 @@
 //! Every job of the daemon, by id.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::{Emit, Job, JobBody, JobSpec, Status};
@@ -9,12 +10,14 @@ pub struct Jobs {
     emit: Emit,
     /// Newest first, as QEMU lists them; dismissed jobs are pruned.
     list: Mutex<Vec<Arc<Job>>>,
+    /// The daemon stops: no new job, their nodes are about to close.
+    closed: AtomicBool,
 }
 
 impl Jobs {
     /// No job yet; jobs send their events through `emit`.
     pub fn new(emit: Emit) -> Self {
-        Self { emit, list: Mutex::new(Vec::new()) }
+        Self { emit, list: Mutex::new(Vec::new()), closed: AtomicBool::new(false) }
     }
 
     fn list(&self) -> MutexGuard<'_, Vec<Arc<Job>>> {
@@ -42,6 +45,9 @@ impl Jobs {
     /// Starts `body` as a job, unless its id is taken (QEMU's words).
     pub fn start(&self, spec: JobSpec, body: Box<dyn JobBody>) -> Result<Arc<Job>, String> {
         let mut list = self.list();
+        if self.closed.load(Ordering::SeqCst) {
+            return Err("The daemon is shutting down".into());
+        }
         if list.iter().any(|job| job.id() == spec.id) {
             return Err(format!("Job ID '{}' already in use", spec.id));
         }
@@ -62,7 +68,12 @@ impl Jobs {
 
     /// Cancels every job and waits for their threads (the daemon stops).
     pub fn shutdown(&self) {
-        let jobs = self.all();
+        // Under the lock: a job starting meanwhile is in the list or refused.
+        let jobs = {
+            let list = self.list();
+            self.closed.store(true, Ordering::SeqCst);
+            list.clone()
+        };
         for job in &jobs {
             job.end();
         }
