@@ -88,8 +88,13 @@ pub(crate) struct AccountedNode {
 }
 
 impl AccountedNode {
-    pub(crate) fn new(inner: Arc<dyn BlockNode>, cache: crate::Cache, active: bool) -> Self {
-        Self { inner, stats: Arc::default(), cache, active: AtomicBool::new(active), bitmaps: Arc::default() }
+    pub(crate) fn new(
+        inner: Arc<dyn BlockNode>,
+        cache: crate::Cache,
+        active: bool,
+        bitmaps: Arc<DirtyBitmaps>,
+    ) -> Self {
+        Self { inner, stats: Arc::default(), cache, active: AtomicBool::new(active), bitmaps }
     }
 }
 
@@ -152,6 +157,12 @@ impl BlockNode for AccountedNode {
     }
     fn default_bitmap_granularity(&self) -> u64 {
         self.inner.default_bitmap_granularity()
+    }
+    fn can_store_bitmaps(&self) -> bool {
+        self.inner.can_store_bitmaps()
+    }
+    fn persistent_bitmap_removed(&self) -> io::Result<()> {
+        self.inner.persistent_bitmap_removed()
     }
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
         let inner = self.inner.open_queue(depth)?;

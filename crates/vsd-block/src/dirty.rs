@@ -80,6 +80,22 @@ pub trait BeforeWrite: Send + Sync {
     fn before_write(&self, offset: u64, len: u64);
 }
 
+/// A persistent bitmap as an image format stores it: bit i covers bytes
+/// `i * granularity..`, bit `i % 64` of `words[i / 64]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Persisted {
+    /// Its name.
+    pub name: String,
+    /// Bytes per bit.
+    pub granularity: u64,
+    /// Whether it records writes.
+    pub enabled: bool,
+    /// Whether its bits mean nothing (in use when the image was left).
+    pub inconsistent: bool,
+    /// Its bits (none if inconsistent).
+    pub words: Vec<u64>,
+}
+
 /// The bitmaps of one node, and the hook its writes wait for, if any.
 #[derive(Default)]
 pub struct DirtyBitmaps {
@@ -169,6 +185,53 @@ impl DirtyBitmaps {
         }
     }
 
+    /// Adds the bitmaps an image holds, for a node of `size` bytes (those
+    /// of a name already taken are skipped, with a warning).
+    pub fn load(&self, size: u64, stored: Vec<Persisted>) {
+        for p in stored {
+            let options = BitmapOptions { granularity: p.granularity, persistent: true, enabled: p.enabled };
+            match self.add(&p.name, size, options) {
+                Ok(bitmap) => {
+                    let mut state = bitmap.state();
+                    state.inconsistent = p.inconsistent;
+                    for (word, bits) in state.words.words.iter().zip(p.words) {
+                        word.store(bits, Ordering::SeqCst);
+                    }
+                }
+                Err(e) => log::warn!("bitmap '{}' stored in the image is not loaded: {e}", p.name),
+            }
+        }
+    }
+
+    /// The persistent bitmaps, as an image is to store them; `in_use`
+    /// leaves their bits out (the image only flags them, while open).
+    pub fn persistent(&self, in_use: bool) -> Vec<Persisted> {
+        let list = self.list();
+        let persistent = list.iter().filter(|b| b.persistent).map(|b| {
+            let state = b.state();
+            let keep_bits = !in_use && !state.inconsistent;
+            Persisted {
+                name: b.name.clone(),
+                granularity: b.granularity,
+                enabled: state.enabled,
+                inconsistent: in_use || state.inconsistent,
+                words: if keep_bits {
+                    state.words.words.iter().map(|w| w.load(Ordering::SeqCst)).collect()
+                } else {
+                    Vec::new()
+                },
+            }
+        });
+        persistent.collect()
+    }
+
+    /// Forgets the persistent bitmaps: the image now belongs to another
+    /// process (the other end of a migration), which loads them.
+    pub fn drop_persistent(&self) {
+        self.list().retain(|b| !b.persistent);
+        self.changed();
+    }
+
     /// Makes every write wait for `hook` first (`None`: no more). Writes
     /// already past their recorder are not waited for: the caller decides
     /// whether they count.
@@ -179,8 +242,7 @@ impl DirtyBitmaps {
 
     /// A recorder for one writer of the node.
     pub fn recorder(self: &Arc<Self>) -> DirtyRecorder {
-        let mut recorder =
-            DirtyRecorder { bitmaps: self.clone(), seen: u64::MAX, targets: Vec::new(), hook: None };
+        let mut recorder = DirtyRecorder { bitmaps: self.clone(), seen: u64::MAX, targets: Vec::new(), hook: None };
         recorder.refresh();
         recorder
     }
@@ -716,7 +778,10 @@ mod tests {
         recorder.record(&write(2 * MIB, 4096)); // recorded after the split: stays in the bitmap
         let clusters = taken.coarsen(65536);
         assert_eq!((clusters.granularity(), clusters.count()), (65536, 2 * 65536));
-        assert_eq!((clusters.next_dirty(0), clusters.next_dirty(1), clusters.next_dirty(17)), (Some(0), Some(16), None));
+        assert_eq!(
+            (clusters.next_dirty(0), clusters.next_dirty(1), clusters.next_dirty(17)),
+            (Some(0), Some(16), None)
+        );
         let mut uncopied = clusters.clone();
         uncopied.clean(0);
         guard.restore(&uncopied);

@@ -119,6 +119,15 @@ pub trait BlockNode: Send + Sync {
     fn dirty_bitmaps(&self) -> Option<&Arc<dirty::DirtyBitmaps>> {
         None
     }
+    /// Whether the node can keep persistent dirty bitmaps (in its image).
+    fn can_store_bitmaps(&self) -> bool {
+        false
+    }
+    /// Tells a node that keeps persistent bitmaps that one of them was
+    /// removed, so that its image forgets it at once.
+    fn persistent_bitmap_removed(&self) -> io::Result<()> {
+        Ok(())
+    }
     /// The granularity of a bitmap made without one (QEMU's default: the
     /// cluster size between 4 KiB and 64 KiB, or 64 KiB).
     fn default_bitmap_granularity(&self) -> u64 {
@@ -356,8 +365,9 @@ impl BlockGraph {
         if active {
             self.refuse_inactive_children(&opts, &name)?;
         }
-        let opened = drivers::open(&driver, name, cache, active, &mut opts, self)?;
-        let node: Arc<dyn BlockNode> = Arc::new(accounting::AccountedNode::new(opened, cache, active));
+        let bitmaps = Arc::default();
+        let opened = drivers::open(&driver, name, cache, active, &bitmaps, &mut opts, self)?;
+        let node: Arc<dyn BlockNode> = Arc::new(accounting::AccountedNode::new(opened, cache, active, bitmaps));
         opts.finish()?;
         self.nodes.push(node.clone());
         Ok(node)

@@ -80,7 +80,7 @@ impl Daemon {
         let missing = || QmpError::generic(format!("Cannot find device='{node}' nor node-name='{node}'"));
         let graph_node = graph_node.ok_or_else(missing)?;
         let bitmaps = graph_node.dirty_bitmaps().ok_or_else(missing)?;
-        if args.persistent {
+        if args.persistent && !graph_node.can_store_bitmaps() {
             return Err(QmpError::generic(format!(
                 "Can't store persistent bitmaps to {node}: Operation not supported"
             )));
@@ -95,8 +95,14 @@ impl Daemon {
     }
 
     pub(crate) fn bitmap_remove(&self, args: BitmapName) -> Reply {
-        let bitmaps = self.bitmaps_of(&args.node, || format!("Node '{}' not found", args.node))?;
-        bitmaps.remove(&args.name).map_err(failed)?;
+        let missing = || QmpError::generic(format!("Node '{}' not found", args.node));
+        let node = self.state().graph.get(&args.node).ok_or_else(missing)?;
+        let removed = node.dirty_bitmaps().ok_or_else(missing)?.remove(&args.name).map_err(failed)?;
+        if removed.info().persistent {
+            node.persistent_bitmap_removed().map_err(|e| {
+                QmpError::generic(format!("Failed to remove bitmap '{}' from the image: {e}", args.name))
+            })?;
+        }
         Ok(json!({}))
     }
 
