@@ -16,7 +16,7 @@
 //! word the write covers (one for writes within 64 granules).
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use vsd_engine::IoOp;
 
@@ -78,6 +78,20 @@ pub trait BeforeWrite: Send + Sync {
     /// Returns once bytes `offset..offset + len` may be overwritten. Called
     /// on the writer's thread, which it may block for about one request.
     fn before_write(&self, offset: u64, len: u64);
+}
+
+/// Held to read bitmaps' states for recording, or to change several at
+/// once ([`batch`]).
+static CHANGES: RwLock<()> = RwLock::new(());
+
+/// Runs `changes` to bitmaps (of any nodes) as one: a writer records each
+/// write in the bitmaps as they were before, or as they are after, or
+/// both, never in a mix (QMP's `transaction`: a write between disabling
+/// one bitmap and adding its successor is in one of them). Writers wait
+/// for it: `changes` must not write to a node itself.
+pub fn batch<T>(changes: impl FnOnce() -> T) -> T {
+    let _batch = CHANGES.write().unwrap_or_else(PoisonError::into_inner);
+    changes()
 }
 
 /// A persistent bitmap as an image format stores it: bit i covers bytes
@@ -144,17 +158,10 @@ impl DirtyBitmaps {
         self.list().clone()
     }
 
-    /// Removes bitmap `name`, unless something uses it.
-    pub fn remove(&self, name: &str) -> Result<Arc<Bitmap>, BitmapError> {
-        let mut list = self.list();
-        let at = list.iter().position(|b| b.name == name).ok_or_else(|| BitmapError::NotFound(name.into()))?;
-        if list[at].state().busy {
-            return Err(BitmapError::Busy(name.into()));
-        }
-        let bitmap = list.remove(at);
-        drop(list);
+    /// Removes the bitmap `guard` holds.
+    pub fn remove_held(&self, guard: BusyGuard) {
+        self.list().retain(|b| !Arc::ptr_eq(b, guard.bitmap()));
         self.changed();
-        Ok(bitmap)
     }
 
     /// Starts or stops `bitmap` recording writes.
@@ -242,9 +249,8 @@ impl DirtyBitmaps {
 
     /// A recorder for one writer of the node.
     pub fn recorder(self: &Arc<Self>) -> DirtyRecorder {
-        let mut recorder = DirtyRecorder { bitmaps: self.clone(), seen: u64::MAX, targets: Vec::new(), hook: None };
-        recorder.refresh();
-        recorder
+        // No generation is u64::MAX: the first write looks the bitmaps up.
+        DirtyRecorder { bitmaps: self.clone(), seen: u64::MAX, targets: Vec::new(), hook: None }
     }
 }
 
@@ -370,6 +376,27 @@ impl Bitmap {
         Ok(())
     }
 
+    /// A copy of its bits, to put back with [`Bitmap::put_back`].
+    pub fn copy_bits(&self) -> Vec<u64> {
+        self.words().words.iter().map(|w| w.load(Ordering::SeqCst)).collect()
+    }
+
+    /// Sets its bits to `bits` (from [`Bitmap::copy_bits`]): an undone
+    /// change. A write recorded since the copy is lost from this bitmap.
+    pub fn put_back(&self, bits: &[u64]) {
+        for (word, bits) in self.words().words.iter().zip(bits) {
+            word.store(*bits, Ordering::SeqCst);
+        }
+    }
+
+    /// Marks dirty again the bits of `bits` (from [`Bitmap::copy_bits`]):
+    /// an undone clear, which loses no write recorded since.
+    pub fn add_back(&self, bits: &[u64]) {
+        for (word, bits) in self.words().words.iter().zip(bits) {
+            word.fetch_or(*bits, Ordering::SeqCst);
+        }
+    }
+
     /// Refuses to merge `source` into this bitmap if their sizes differ.
     pub fn check_merge(&self, source: &Bitmap) -> Result<(), BitmapError> {
         let (target, merged) = (self.words().size, source.words().size);
@@ -385,7 +412,17 @@ impl Bitmap {
     /// Takes the bitmap for an export or a job until the guard drops.
     pub fn take(self: &Arc<Self>) -> Result<BusyGuard, BitmapError> {
         self.usable()?;
-        self.state().busy = true;
+        self.hold()
+    }
+
+    /// Takes the bitmap whatever its bits are (even inconsistent): to
+    /// remove it ([`DirtyBitmaps::remove_held`]).
+    pub fn hold(self: &Arc<Self>) -> Result<BusyGuard, BitmapError> {
+        let mut state = self.state();
+        if state.busy {
+            return Err(BitmapError::Busy(self.name.clone()));
+        }
+        state.busy = true;
         Ok(BusyGuard(self.clone()))
     }
 }
@@ -651,6 +688,8 @@ impl DirtyRecorder {
     }
 
     fn refresh(&mut self) {
+        // Never in the middle of a batch of changes: all or none of them.
+        let _batch = CHANGES.read().unwrap_or_else(PoisonError::into_inner);
         self.seen = self.bitmaps.generation.load(Ordering::SeqCst);
         self.hook = self.bitmaps.hook.lock().unwrap_or_else(PoisonError::into_inner).clone();
         self.targets.clear();
@@ -759,9 +798,9 @@ mod tests {
         assert_eq!(b.take().err(), Some(busy()));
         assert_eq!(b.clear(), Err(busy()));
         assert_eq!(set.set_enabled(&b, false), Err(busy()));
-        assert_eq!(set.remove("b").err(), Some(busy()));
+        assert_eq!(b.hold().err(), Some(busy()));
         drop(guard);
-        assert_eq!(set.remove("b").unwrap().name(), "b");
+        set.remove_held(b.hold().unwrap());
         assert_eq!(set.get("b").err(), Some(BitmapError::NotFound("b".into())));
     }
 
@@ -808,6 +847,33 @@ mod tests {
         set.set_hook(None);
         recorder.record(&write(0, 512));
         assert_eq!(*log.0.lock().unwrap(), [(4096, 512), (0, 8192)]);
+    }
+
+    #[test]
+    fn a_batch_of_changes_loses_no_write_between_its_bitmaps() {
+        const SIZE: u64 = 8 * MIB;
+        let set = Arc::new(DirtyBitmaps::default());
+        let mut previous = set.add("c0", SIZE, options(512)).unwrap();
+        let mut recorder = set.recorder();
+        let writer = std::thread::spawn(move || {
+            for i in 0..SIZE / 512 {
+                recorder.record(&write(i * 512, 512));
+            }
+        });
+        let mut checkpoints = vec![previous.clone()];
+        while !writer.is_finished() && checkpoints.len() < 500 {
+            // A checkpoint: the next bitmap starts as the previous stops.
+            let next = batch(|| {
+                set.set_enabled(&previous, false).unwrap();
+                set.add(&format!("c{}", checkpoints.len()), SIZE, options(512)).unwrap()
+            });
+            checkpoints.push(next.clone());
+            previous = next;
+        }
+        writer.join().unwrap();
+        let all = set.add("all", SIZE, BitmapOptions { enabled: false, ..options(512) }).unwrap();
+        checkpoints.iter().for_each(|c| all.merge(c).unwrap());
+        assert_eq!(all.info().count, SIZE, "every write is in one checkpoint or another ({})", checkpoints.len());
     }
 
     #[test]

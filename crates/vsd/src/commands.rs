@@ -7,8 +7,8 @@ use vsd_control::qmp::{Dispatch, ErrorClass, QmpError};
 use vsd_export::ExportSnapshot;
 use vsd_trace::{ExportLabel, OpKind, QueueSnapshot};
 
-use crate::bitmaps::Change;
 use crate::daemon::{Bins, Daemon, LatencyBins};
+use crate::transaction::{Action, Transaction};
 
 type Reply = Result<Value, QmpError>;
 
@@ -33,6 +33,7 @@ const COMMANDS: &[&str] = &[
     "block-dirty-bitmap-enable",
     "block-dirty-bitmap-disable",
     "block-dirty-bitmap-merge",
+    "transaction",
     "nbd-server-start",
     "nbd-server-stop",
     "object-add",
@@ -56,12 +57,13 @@ impl Dispatch for Daemon {
             "query-blockstats" => self.query_blockstats(parse(args)?),
             "block-latency-histogram-set" => self.latency_histogram_set(parse(args)?),
             "block_resize" => self.block_resize(parse(args)?),
-            "block-dirty-bitmap-add" => self.bitmap_add(parse(args)?),
-            "block-dirty-bitmap-remove" => self.bitmap_remove(parse(args)?),
-            "block-dirty-bitmap-clear" => self.bitmap_change(parse(args)?, Change::Clear),
-            "block-dirty-bitmap-enable" => self.bitmap_change(parse(args)?, Change::Enable),
-            "block-dirty-bitmap-disable" => self.bitmap_change(parse(args)?, Change::Disable),
-            "block-dirty-bitmap-merge" => self.bitmap_merge(parse(args)?),
+            "block-dirty-bitmap-add" => self.transaction(vec![Action::AddBitmap(parse(args)?)]),
+            "block-dirty-bitmap-remove" => self.transaction(vec![Action::RemoveBitmap(parse(args)?)]),
+            "block-dirty-bitmap-clear" => self.transaction(vec![Action::ClearBitmap(parse(args)?)]),
+            "block-dirty-bitmap-enable" => self.transaction(vec![Action::EnableBitmap(parse(args)?)]),
+            "block-dirty-bitmap-disable" => self.transaction(vec![Action::DisableBitmap(parse(args)?)]),
+            "block-dirty-bitmap-merge" => self.transaction(vec![Action::MergeBitmaps(parse(args)?)]),
+            "transaction" => self.transaction(parse::<Transaction>(args)?.actions()?),
             "nbd-server-start" => self.nbd_server_start(args),
             "nbd-server-stop" => no_arguments(&args).and_then(|()| self.nbd_server_stop()),
             "object-add" => {

@@ -40,6 +40,11 @@ fn two_nodes(dir: &Scratch) -> Vec<String> {
     ]
 }
 
+/// A `transaction` action of type `block-dirty-bitmap-{kind}`.
+fn action(kind: &str, data: Value) -> Value {
+    json!({"type": format!("block-dirty-bitmap-{kind}"), "data": data})
+}
+
 /// What a command answered: its return value, or its error's class and text.
 fn answer(qmp: &mut QmpClient, command: &str, args: Value) -> Value {
     match qmp.execute(command, args) {
@@ -82,6 +87,26 @@ fn bitmap_commands_answer_as_qemu_storage_daemon_does() {
         ("block-dirty-bitmap-enable", json!({"node": "q", "name": "d"})),
         ("block-dirty-bitmap-clear", json!({"node": "q", "name": "b"})),
         ("block-dirty-bitmap-remove", json!({"node": "f", "name": "g"})),
+        // All or nothing: the failing third action undoes the first two.
+        (
+            "transaction",
+            json!({"actions": [action("add", json!({"node": "q", "name": "new"})),
+            action("enable", json!({"node": "q", "name": "b"})), action("add", json!({"node": "q", "name": "b"}))]}),
+        ),
+        (
+            "transaction",
+            json!({"actions": [action("add", json!({"node": "q", "name": "new"})),
+            action("disable", json!({"node": "q", "name": "d"})), action("clear", json!({"node": "q", "name": "d"})),
+            action("merge", json!({"node": "q", "target": "new", "bitmaps": ["d"]})),
+            action("remove", json!({"node": "q", "name": "d"}))]}),
+        ),
+        (
+            "transaction",
+            json!({"actions": [action("remove", json!({"node": "q", "name": "new"})),
+            action("remove", json!({"node": "q", "name": "new"}))]}),
+        ),
+        ("transaction", json!({"actions": [{"type": "bogus", "data": {}}]})),
+        ("transaction", json!({"actions": []})),
     ];
     let run_script = |program: fn(&Scratch, &[String]) -> Daemon, name: &str| {
         let dir = Scratch::new(name);
@@ -99,7 +124,7 @@ fn bitmap_commands_answer_as_qemu_storage_daemon_does() {
         assert_eq!(ours, theirs, "{command} {args}");
     }
     assert_eq!(vsd.last(), qsd.last(), "query-named-block-nodes' dirty-bitmaps");
-    assert_eq!(vsd.last().unwrap()["q"].as_array().unwrap().len(), 3, "b, p and d, newest first");
+    assert_eq!(vsd.last().unwrap()["q"].as_array().unwrap().len(), 3, "new, p and b, newest first");
 }
 
 /// The dirty extents of `bitmap` on NBD export `name`, as nbdinfo maps them.
