@@ -152,6 +152,9 @@ impl BlockNode for AccountedNode {
     fn block_status(&self, offset: u64, len: u64) -> io::Result<(crate::Allocation, u64)> {
         self.inner.block_status(offset, len)
     }
+    fn allocation_depth(&self, offset: u64, len: u64) -> io::Result<(u32, u64)> {
+        self.inner.allocation_depth(offset, len)
+    }
     fn dirty_bitmaps(&self) -> Option<&Arc<DirtyBitmaps>> {
         Some(&self.bitmaps)
     }

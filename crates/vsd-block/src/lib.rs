@@ -133,6 +133,13 @@ pub trait BlockNode: Send + Sync {
     fn default_bitmap_granularity(&self) -> u64 {
         65536
     }
+    /// How many layers down the bytes from `offset` are stored, and for how
+    /// many of them (1 to `len`): 1 in this node, 2 in its backing file,
+    /// and so on; 0 in none (NBD's `qemu:allocation-depth`). A node
+    /// without a backing file stores every byte itself.
+    fn allocation_depth(&self, _offset: u64, len: u64) -> io::Result<(u32, u64)> {
+        Ok((1, len))
+    }
     /// The requests the node was sent through counted queues (by the nodes
     /// above it), if it counts them: the nodes of a [`BlockGraph`] do.
     fn stats(&self) -> Option<QueueSnapshot> {

@@ -302,6 +302,7 @@ fn export_info(config: &ExportConfig, node: &dyn BlockNode, multi_conn: bool) ->
         flags,
         block_sizes: [min, min.max(4096), MAX_PAYLOAD as u32],
         bitmaps: config.bitmaps.clone(),
+        allocation_depth: config.allocation_depth,
     }
 }
 

@@ -232,6 +232,10 @@ impl BlockNode for BlkdebugNode {
         self.child.block_status(offset, len)
     }
 
+    fn allocation_depth(&self, offset: u64, len: u64) -> io::Result<(u32, u64)> {
+        self.child.allocation_depth(offset, len)
+    }
+
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
         Ok(Box::new(FilteredQueue::new(self.child.open_queue(depth)?, self.rules.clone(), depth)))
     }

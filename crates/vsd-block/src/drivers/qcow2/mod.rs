@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
 use vsd_qcow2::buf::AlignedBuf;
-use vsd_qcow2::{FormatError, Image, StoredBitmap, SyncIo};
+use vsd_qcow2::{FormatError, Image, MapMemo, Mapping, StoredBitmap, SyncIo};
 
 use super::child::ChildQueue;
 use super::file::FileNode;
@@ -306,6 +306,12 @@ impl Qcow2Node {
         self.with_io(|image, io| image.store_bitmaps(io, &stored))
     }
 
+    /// How the image maps the bytes from `offset`, and for how many of them.
+    fn mapping(&self, offset: u64, len: u64) -> io::Result<(Mapping, u64)> {
+        let extent = self.with_io(|image, io| image.map(&mut MapMemo::default(), &mut *io.meta, offset, len))?;
+        Ok((extent.mapping, extent.len.clamp(1, len)))
+    }
+
     /// Drops unused cache entries of the image now open every
     /// `cache-clean-interval` seconds, for as long as it stays open.
     fn clean_caches(&self) -> io::Result<()> {
@@ -504,15 +510,28 @@ impl BlockNode for Qcow2Node {
     /// Clusters as the image maps them: zero clusters are holes, and
     /// unallocated ones are what the backing file says (holes without one).
     fn block_status(&self, offset: u64, len: u64) -> io::Result<(crate::Allocation, u64)> {
-        use vsd_qcow2::{MapMemo, Mapping};
-        let extent = self.with_io(|image, io| image.map(&mut MapMemo::default(), &mut *io.meta, offset, len))?;
-        let n = extent.len.clamp(1, len);
-        match (extent.mapping, &self.backing) {
+        let (mapping, n) = self.mapping(offset, len)?;
+        match (mapping, &self.backing) {
             (Mapping::Data { .. } | Mapping::Compressed { .. }, _) => Ok((crate::Allocation::Data, n)),
             (Mapping::Unallocated, Some(backing)) if offset < backing.size() => {
                 backing.block_status(offset, n.min(backing.size() - offset))
             }
             (Mapping::Zero | Mapping::Unallocated, _) => Ok((crate::Allocation::Hole, n)),
+            (Mapping::Invalid, _) => Err(io::Error::from_raw_os_error(libc::EIO)),
+        }
+    }
+
+    /// Data and zero clusters are this image's; unallocated ones one layer
+    /// deeper than the backing file has them, if it does.
+    fn allocation_depth(&self, offset: u64, len: u64) -> io::Result<(u32, u64)> {
+        let (mapping, n) = self.mapping(offset, len)?;
+        match (mapping, &self.backing) {
+            (Mapping::Data { .. } | Mapping::Compressed { .. } | Mapping::Zero, _) => Ok((1, n)),
+            (Mapping::Unallocated, Some(backing)) if offset < backing.size() => {
+                let (depth, n) = backing.allocation_depth(offset, n.min(backing.size() - offset))?;
+                Ok((if depth == 0 { 0 } else { depth + 1 }, n))
+            }
+            (Mapping::Unallocated, _) => Ok((0, n)),
             (Mapping::Invalid, _) => Err(io::Error::from_raw_os_error(libc::EIO)),
         }
     }
