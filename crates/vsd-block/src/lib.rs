@@ -18,6 +18,7 @@ pub mod dirty;
 mod drivers;
 mod lock;
 pub mod options;
+pub mod throttle;
 
 use std::io;
 use std::sync::Arc;
@@ -196,7 +197,9 @@ pub enum GraphError {
     #[error(transparent)]
     Options(#[from] OptionError),
     /// `driver=` names no driver vsd has.
-    #[error("{context}: unknown driver '{driver}' (vsd has file, host_device, raw, qcow2, rbd, null-co, blkdebug)")]
+    #[error(
+        "{context}: unknown driver '{driver}' (vsd has file, host_device, raw, qcow2, rbd, null-co, blkdebug, throttle)"
+    )]
     UnknownDriver {
         /// Which option string.
         context: String,
@@ -292,11 +295,13 @@ pub enum RemoveError {
 /// name, or defined inline under the role's prefix.
 const CHILD_ROLES: [&str; 4] = ["file", "backing", "data-file", "image"];
 
-/// Where nodes find the secrets they name (`key-secret=ID`): the daemon's
-/// `--object secret` objects.
-pub trait Secrets: Send + Sync {
-    /// The bytes of secret `id`, or why there are none, in QEMU's words.
+/// Where nodes find the objects they name by id: the daemon's `--object`s.
+pub trait NodeObjects: Send + Sync {
+    /// The bytes of secret `id` (`key-secret=ID`), or why there are none,
+    /// in QEMU's words.
     fn secret(&self, id: &str) -> Result<Vec<u8>, String>;
+    /// Throttle group `id` (`throttle-group=ID`), or why there is none.
+    fn throttle_group(&self, id: &str) -> Result<Arc<throttle::ThrottleGroup>, String>;
 }
 
 /// The nodes defined so far, by name.
@@ -305,7 +310,7 @@ pub struct BlockGraph {
     nodes: Vec<Arc<dyn BlockNode>>,
     /// Names given to nodes defined inline without one (`#block<n>`, as QEMU).
     implicit: u64,
-    secrets: Option<Arc<dyn Secrets>>,
+    objects: Option<Arc<dyn NodeObjects>>,
 }
 
 impl BlockGraph {
@@ -314,16 +319,24 @@ impl BlockGraph {
         Self::default()
     }
 
-    /// Gives nodes added from now on the daemon's secrets.
-    pub fn set_secrets(&mut self, secrets: Arc<dyn Secrets>) {
-        self.secrets = Some(secrets);
+    /// Gives nodes added from now on the daemon's objects.
+    pub fn set_objects(&mut self, objects: Arc<dyn NodeObjects>) {
+        self.objects = Some(objects);
     }
 
     /// The bytes of secret `id`.
     fn secret(&self, id: &str) -> Result<Vec<u8>, String> {
-        match &self.secrets {
-            Some(secrets) => secrets.secret(id),
+        match &self.objects {
+            Some(objects) => objects.secret(id),
             None => Err(format!("No secret with id '{id}'")),
+        }
+    }
+
+    /// Throttle group `id`.
+    fn throttle_group(&self, id: &str) -> Result<Arc<throttle::ThrottleGroup>, String> {
+        match &self.objects {
+            Some(objects) => objects.throttle_group(id),
+            None => Err(format!("Throttle group '{id}' does not exist")),
         }
     }
 

@@ -38,6 +38,8 @@ const COMMANDS: &[&str] = &[
     "nbd-server-stop",
     "object-add",
     "object-del",
+    "qom-get",
+    "qom-set",
     "quit",
 ];
 
@@ -70,6 +72,15 @@ impl Dispatch for Daemon {
                 self.objects.add(options("object-add", &args)?).map(|()| json!({})).map_err(QmpError::generic)
             }
             "object-del" => self.objects.remove(&parse::<Id>(args)?.id).map(|()| json!({})).map_err(QmpError::generic),
+            "qom-get" => {
+                let args: QomPath = parse(args)?;
+                self.objects.get(&args.path, &args.property).map_err(|e| qom_error(&args.path, e))
+            }
+            "qom-set" => {
+                let args: QomSet = parse(args)?;
+                self.objects.set(&args.path, &args.property, &args.value).map_err(|e| qom_error(&args.path, e))?;
+                Ok(json!({}))
+            }
             "quit" => no_arguments(&args).map(|()| json!({})),
             _ => Err(QmpError::new(ErrorClass::CommandNotFound, format!("The command {command} has not been found"))),
         }
@@ -129,6 +140,30 @@ struct Flat {
 #[serde(deny_unknown_fields)]
 struct Id {
     id: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct QomPath {
+    path: String,
+    property: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct QomSet {
+    path: String,
+    property: String,
+    value: Value,
+}
+
+/// A `qom-get`/`qom-set` refusal: no object at `path` (QEMU's class for
+/// it), or the property's own error.
+fn qom_error(path: &str, error: Option<String>) -> QmpError {
+    match error {
+        None => QmpError::new(ErrorClass::DeviceNotFound, format!("Device '{path}' not found")),
+        Some(message) => QmpError::generic(message),
+    }
 }
 
 #[derive(Deserialize)]

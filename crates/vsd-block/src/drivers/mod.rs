@@ -7,6 +7,7 @@ mod null;
 mod qcow2;
 mod raw;
 mod rbd;
+mod throttle;
 
 use std::io;
 use std::os::fd::BorrowedFd;
@@ -38,6 +39,7 @@ pub(crate) fn open(
         "null-co" => Ok(Arc::new(null::NullNode::open(name, opts)?)),
         "blkdebug" => Ok(Arc::new(blkdebug::BlkdebugNode::open(name, opts, graph)?)),
         "rbd" => Ok(Arc::new(rbd::RbdNode::open(name, cache, opts, graph)?)),
+        "throttle" => Ok(Arc::new(throttle::ThrottleNode::open(name, opts, graph)?)),
         _ => Err(GraphError::UnknownDriver { context: opts.context().into(), driver: driver.into() }),
     }
 }
