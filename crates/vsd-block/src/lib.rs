@@ -324,6 +324,12 @@ impl BlockGraph {
         self.objects = Some(objects);
     }
 
+    /// The node option `role` names (`file=NODE`), taken from `opts`.
+    fn child(&self, opts: &mut OptionMap, role: &str) -> Result<Arc<dyn BlockNode>, GraphError> {
+        let name = opts.require(role)?;
+        self.get(&name).ok_or_else(|| GraphError::NoSuchNode { context: opts.context().into(), name })
+    }
+
     /// The bytes of secret `id`.
     fn secret(&self, id: &str) -> Result<Vec<u8>, String> {
         match &self.objects {

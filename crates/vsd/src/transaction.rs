@@ -28,16 +28,6 @@ pub(crate) enum Action {
     MergeBitmaps(BitmapMerge),
 }
 
-/// The action types vsd takes, for QEMU's refusal of the others.
-const TYPES: [&str; 6] = [
-    "block-dirty-bitmap-add",
-    "block-dirty-bitmap-remove",
-    "block-dirty-bitmap-clear",
-    "block-dirty-bitmap-enable",
-    "block-dirty-bitmap-disable",
-    "block-dirty-bitmap-merge",
-];
-
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct Transaction {
@@ -53,11 +43,11 @@ impl Transaction {
         self.actions
             .into_iter()
             .map(|action| {
-                let kind = action.get("type").and_then(Value::as_str).unwrap_or_default();
-                if !TYPES.contains(&kind) {
-                    return Err(QmpError::generic(format!("Parameter 'type' does not accept value '{kind}'")));
-                }
-                serde_json::from_value(action).map_err(|e| QmpError::generic(format!("Invalid parameters: {e}")))
+                let kind = action.get("type").and_then(Value::as_str).unwrap_or_default().to_string();
+                serde_json::from_value(action).map_err(|e| match e.to_string().starts_with("unknown variant") {
+                    true => QmpError::generic(format!("Parameter 'type' does not accept value '{kind}'")),
+                    false => QmpError::generic(format!("Invalid parameters: {e}")),
+                })
             })
             .collect()
     }

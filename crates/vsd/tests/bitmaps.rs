@@ -7,22 +7,13 @@ mod common;
 
 use std::path::Path;
 
-use common::{Daemon, Scratch, pattern, run};
+use common::{Daemon, Scratch, monitor, pattern, run};
 use serde_json::{Value, json};
 use vsd_bench::ClientOptions;
 use vsd_control::client::QmpClient;
 
 const MIB: u64 = 1 << 20;
 const KIB: u64 = 1 << 10;
-
-fn monitor(socket: &Path) -> Vec<String> {
-    vec![
-        "--chardev".into(),
-        format!("socket,id=m,path={},server=on,wait=off", socket.display()),
-        "--monitor".into(),
-        "chardev=m".into(),
-    ]
-}
 
 /// A qcow2 node `q` over file node `f`, and a raw file node `r`.
 fn two_nodes(dir: &Scratch) -> Vec<String> {

@@ -603,12 +603,7 @@ fn block_status_answers_every_selected_context_in_one_reply() {
     let image = sparse_image(&dir, "disk.img");
     let (socket, qmp_socket) = (dir.path("nbd.sock"), dir.path("qmp.sock"));
     let mut args = unix_export(&image, &socket, ",writable=on");
-    args.extend([
-        "--chardev".into(),
-        format!("socket,id=m,path={},server=on,wait=off", qmp_socket.display()),
-        "--monitor".into(),
-        "chardev=m".into(),
-    ]);
+    args.extend(common::monitor(&qmp_socket));
     let _daemon = Daemon::vsd(&dir, &args);
     let mut qmp = QmpClient::connect(&qmp_socket).unwrap();
     qmp.execute("block-dirty-bitmap-add", json!({"node": "r0", "name": "b", "granularity": 65536})).unwrap();
@@ -636,7 +631,7 @@ fn block_status_answers_every_selected_context_in_one_reply() {
         chunks,
         [
             (0, vec![(MIB, hole), (64 << 10, 0), (3 * MIB - (64 << 10), hole), (MIB, 0), (3 * MIB, hole)]),
-            (1, vec![(MIB, 0), (64 << 10, dirty), (7 * MIB - (64 << 10), 0)]),
+            (2, vec![(MIB, 0), (64 << 10, dirty), (7 * MIB - (64 << 10), 0)]),
         ],
         "one chunk per context, in id order, the last one DONE"
     );

@@ -12,18 +12,9 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use common::{Daemon, Scratch};
+use common::{Daemon, Scratch, monitor};
 use serde_json::{Value, json};
 use vsd_control::client::QmpClient;
-
-fn monitor(socket: &Path) -> Vec<String> {
-    vec![
-        "--chardev".into(),
-        format!("socket,id=m,path={},server=on,wait=off", socket.display()),
-        "--monitor".into(),
-        "chardev=m".into(),
-    ]
-}
 
 fn answer(qmp: &mut QmpClient, command: &str, args: Value) -> Value {
     match qmp.execute(command, args) {

@@ -133,10 +133,7 @@ pub(crate) struct BlkdebugNode {
 
 impl BlkdebugNode {
     pub(crate) fn open(name: String, opts: &mut OptionMap, graph: &BlockGraph) -> Result<Self, GraphError> {
-        let child_name = opts.require("image")?;
-        let child = graph
-            .get(&child_name)
-            .ok_or_else(|| GraphError::NoSuchNode { context: opts.context().into(), name: child_name })?;
+        let child = graph.child(opts, "image")?;
         let rules = parse_rules(opts)?;
         let read_only = opts.take_bool("read-only")?.unwrap_or(false) || child.read_only();
         Ok(Self { name, child, rules: Rules(rules.into()), read_only })

@@ -31,13 +31,10 @@ pub(crate) struct ThrottleNode {
 
 impl ThrottleNode {
     pub(crate) fn open(name: String, opts: &mut OptionMap, graph: &BlockGraph) -> Result<Self, GraphError> {
-        let context = opts.context().to_string();
-        let child_name = opts.require("file")?;
-        let child = graph
-            .get(&child_name)
-            .ok_or_else(|| GraphError::NoSuchNode { context: context.clone(), name: child_name })?;
+        let child = graph.child(opts, "file")?;
         let group = opts.require("throttle-group")?;
-        let group = graph.throttle_group(&group).map_err(|reason| GraphError::Invalid { context, reason })?;
+        let invalid = |reason| GraphError::Invalid { context: opts.context().into(), reason };
+        let group = graph.throttle_group(&group).map_err(invalid)?;
         Ok(Self { name, child, group })
     }
 }
