@@ -66,18 +66,19 @@ def run_qmp(sock, qmp):
 
 
 def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk0", export_opts="", cpus=("0", "1"),
-                    qmp=()):
-    """Runs `program` with `blockdevs` (a list of --blockdev values) and an
-    export of `node` (plus `export_opts`, e.g. ",trace=off"), runs the `qmp`
-    commands ((command, arguments) pairs), then vsd-bench with `bench_args`
-    for `seconds`; `cpus` are the daemon's and the client's."""
+                    qmp=(), extra_args=()):
+    """Runs `program` with `blockdevs` (a list of --blockdev values), the
+    `extra_args` (e.g. --object ...) and an export of `node` (plus
+    `export_opts`, e.g. ",trace=off"), runs the `qmp` commands ((command,
+    arguments) pairs), then vsd-bench with `bench_args` for `seconds`;
+    `cpus` are the daemon's and the client's."""
     sock = os.path.join(workdir, "bench.sock")
     pidfile = os.path.join(workdir, "bench.pid")
     for path in (sock, pidfile):
         if os.path.exists(path):
             os.unlink(path)
     daemon_cpu, client_cpu = cpus
-    args = ["taskset", "-c", daemon_cpu, program]
+    args = ["taskset", "-c", daemon_cpu, program, *extra_args]
     for blockdev in blockdevs:
         args += ["--blockdev", blockdev]
     monitor, qmp_sock = monitor_args(workdir, qmp)
@@ -109,7 +110,7 @@ def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk
                                       for name, ticks in threads_after.items() if ticks > threads_before.get(name, 0)}}
 
 
-def callgrind_worker(vsd, bench, work, name, blockdevs, bench_args, seconds, export_opts="", qmp=()):
+def callgrind_worker(vsd, bench, work, name, blockdevs, bench_args, seconds, export_opts="", qmp=(), extra_args=()):
     """`vsd` serving `blockdevs` (--blockdev values; the exported node is
     disk0, with `export_opts` such as ",trace=off", and `qmp` commands run
     first) under valgrind --tool=callgrind with one output file per thread, driven by `bench`
@@ -122,7 +123,7 @@ def callgrind_worker(vsd, bench, work, name, blockdevs, bench_args, seconds, exp
     for stale in glob.glob(out + ".*") + [sock, pidfile]:
         if os.path.exists(stale):
             os.unlink(stale)
-    args = ["valgrind", "--tool=callgrind", "--separate-threads=yes", f"--callgrind-out-file={out}.%p", vsd]
+    args = ["valgrind", "--tool=callgrind", "--separate-threads=yes", f"--callgrind-out-file={out}.%p", vsd, *extra_args]
     for blockdev in blockdevs:
         args += ["--blockdev", blockdev]
     monitor, qmp_sock = monitor_args(work, qmp)

@@ -22,10 +22,10 @@ $cephx running || stop_ceph="$stop_ceph; $cephx stop"
 trap 'rm -f "$log"; eval "$stop_ceph"' EXIT
 status=0
 cargo test --workspace --locked 2>&1 | tee "$log" || status=$?
-# The guest, libblkio, control and hostile-front-end tests again, every
-# export on one shared I/O thread (tests/common: VSD_TEST_IOTHREAD).
+# The guest, libblkio, control, hostile-front-end and throttle tests again,
+# every export on one shared I/O thread (tests/common: VSD_TEST_IOTHREAD).
 VSD_TEST_IOTHREAD=1 cargo test --locked -p vsd --test libblkio --test guest --test guest_reconnect \
-    --test control --test hostile --test faults 2>&1 | tee -a "$log" || status=$?
+    --test control --test hostile --test faults --test throttle 2>&1 | tee -a "$log" || status=$?
 # cargo prints one result line per test binary, the last often a doc-test
 # run with nothing in it: close with the total.
 awk '/^test result:/ { p += $4; f += $6 } END { printf "tests: %d passed, %d failed\n", p, f }' "$log"

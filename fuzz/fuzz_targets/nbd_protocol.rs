@@ -38,6 +38,7 @@ impl Catalog for OneExport {
             flags: 1 | flags,
             block_sizes: [1, 4096, MAX_PAYLOAD as u32],
             bitmaps: vec!["b".into()],
+            allocation_depth: true,
         };
         (name.is_empty() || name == "disk").then_some((self.0, info))
     }

@@ -1,7 +1,8 @@
 //! A qcow2 image of arbitrary bytes: opened read-only and writable (which
 //! may rebuild refcounts and clears autoclear bits), mapped across the
 //! disk, then written, zeroed, discarded and flushed at places the input
-//! picks. Any result is fine except a panic, a hang or an out-of-bounds
+//! picks; writable, it keeps its persistent bitmaps as vsd's qcow2 node
+//! does (loaded, flagged in use, stored back before the close). Any result is fine except a panic, a hang or an out-of-bounds
 //! access; corrupt metadata must surface as errors.
 
 #![no_main]
@@ -17,7 +18,13 @@ const MAX_FILE: u64 = 64 << 20;
 fn exercise(file: &mut MemFile, writable: bool, pick: u64) {
     let len = file.bytes.len() as u64;
     // No backing file is supplied, so none is assumed.
-    let opts = Options { writable, l2_cache_bytes: Some(1 << 20), has_backing: Some(false), ..Options::default() };
+    let opts = Options {
+        writable,
+        l2_cache_bytes: Some(1 << 20),
+        has_backing: Some(false),
+        keep_bitmaps: writable,
+        ..Options::default()
+    };
     let Ok(image) = Image::open(file, len, opts) else { return };
     let size = image.size();
     if size == 0 {
@@ -36,10 +43,13 @@ fn exercise(file: &mut MemFile, writable: bool, pick: u64) {
     let at = pick % size;
     let n = (size - at).min(64 << 10);
     let mut io = ImageIo { meta: file, data: None, backing: None };
+    let bitmaps = image.load_bitmaps(&mut io).unwrap_or_default();
+    let _ = image.mark_bitmaps_in_use(&mut io);
     let _ = image.write(&mut io, at, n, &mut |_, buf: &mut [u8]| buf.fill(0x5a));
     let _ = image.write_zeroes(&mut io, at / 2, n, pick & 1 == 0);
     let _ = image.discard(&mut io, at / 3, n);
     let _ = image.flush(&mut io);
+    let _ = image.store_bitmaps(&mut io, &bitmaps);
     let _ = image.close(&mut io);
 }
 

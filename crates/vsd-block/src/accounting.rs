@@ -88,8 +88,13 @@ pub(crate) struct AccountedNode {
 }
 
 impl AccountedNode {
-    pub(crate) fn new(inner: Arc<dyn BlockNode>, cache: crate::Cache, active: bool) -> Self {
-        Self { inner, stats: Arc::default(), cache, active: AtomicBool::new(active), bitmaps: Arc::default() }
+    pub(crate) fn new(
+        inner: Arc<dyn BlockNode>,
+        cache: crate::Cache,
+        active: bool,
+        bitmaps: Arc<DirtyBitmaps>,
+    ) -> Self {
+        Self { inner, stats: Arc::default(), cache, active: AtomicBool::new(active), bitmaps }
     }
 }
 
@@ -147,11 +152,20 @@ impl BlockNode for AccountedNode {
     fn block_status(&self, offset: u64, len: u64) -> io::Result<(crate::Allocation, u64)> {
         self.inner.block_status(offset, len)
     }
+    fn allocation_depth(&self, offset: u64, len: u64) -> io::Result<(u32, u64)> {
+        self.inner.allocation_depth(offset, len)
+    }
     fn dirty_bitmaps(&self) -> Option<&Arc<DirtyBitmaps>> {
         Some(&self.bitmaps)
     }
     fn default_bitmap_granularity(&self) -> u64 {
         self.inner.default_bitmap_granularity()
+    }
+    fn can_store_bitmaps(&self) -> bool {
+        self.inner.can_store_bitmaps()
+    }
+    fn persistent_bitmap_removed(&self) -> io::Result<()> {
+        self.inner.persistent_bitmap_removed()
     }
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
         let inner = self.inner.open_queue(depth)?;

@@ -18,6 +18,7 @@ pub mod dirty;
 mod drivers;
 mod lock;
 pub mod options;
+pub mod throttle;
 
 use std::io;
 use std::sync::Arc;
@@ -119,10 +120,26 @@ pub trait BlockNode: Send + Sync {
     fn dirty_bitmaps(&self) -> Option<&Arc<dirty::DirtyBitmaps>> {
         None
     }
+    /// Whether the node can keep persistent dirty bitmaps (in its image).
+    fn can_store_bitmaps(&self) -> bool {
+        false
+    }
+    /// Tells a node that keeps persistent bitmaps that one of them was
+    /// removed, so that its image forgets it at once.
+    fn persistent_bitmap_removed(&self) -> io::Result<()> {
+        Ok(())
+    }
     /// The granularity of a bitmap made without one (QEMU's default: the
     /// cluster size between 4 KiB and 64 KiB, or 64 KiB).
     fn default_bitmap_granularity(&self) -> u64 {
         65536
+    }
+    /// How many layers down the bytes from `offset` are stored, and for how
+    /// many of them (1 to `len`): 1 in this node, 2 in its backing file,
+    /// and so on; 0 in none (NBD's `qemu:allocation-depth`). A node
+    /// without a backing file stores every byte itself.
+    fn allocation_depth(&self, _offset: u64, len: u64) -> io::Result<(u32, u64)> {
+        Ok((1, len))
     }
     /// The requests the node was sent through counted queues (by the nodes
     /// above it), if it counts them: the nodes of a [`BlockGraph`] do.
@@ -180,7 +197,9 @@ pub enum GraphError {
     #[error(transparent)]
     Options(#[from] OptionError),
     /// `driver=` names no driver vsd has.
-    #[error("{context}: unknown driver '{driver}' (vsd has file, host_device, raw, qcow2, rbd, null-co, blkdebug)")]
+    #[error(
+        "{context}: unknown driver '{driver}' (vsd has file, host_device, raw, qcow2, rbd, null-co, blkdebug, throttle)"
+    )]
     UnknownDriver {
         /// Which option string.
         context: String,
@@ -276,11 +295,13 @@ pub enum RemoveError {
 /// name, or defined inline under the role's prefix.
 const CHILD_ROLES: [&str; 4] = ["file", "backing", "data-file", "image"];
 
-/// Where nodes find the secrets they name (`key-secret=ID`): the daemon's
-/// `--object secret` objects.
-pub trait Secrets: Send + Sync {
-    /// The bytes of secret `id`, or why there are none, in QEMU's words.
+/// Where nodes find the objects they name by id: the daemon's `--object`s.
+pub trait NodeObjects: Send + Sync {
+    /// The bytes of secret `id` (`key-secret=ID`), or why there are none,
+    /// in QEMU's words.
     fn secret(&self, id: &str) -> Result<Vec<u8>, String>;
+    /// Throttle group `id` (`throttle-group=ID`), or why there is none.
+    fn throttle_group(&self, id: &str) -> Result<Arc<throttle::ThrottleGroup>, String>;
 }
 
 /// The nodes defined so far, by name.
@@ -289,7 +310,7 @@ pub struct BlockGraph {
     nodes: Vec<Arc<dyn BlockNode>>,
     /// Names given to nodes defined inline without one (`#block<n>`, as QEMU).
     implicit: u64,
-    secrets: Option<Arc<dyn Secrets>>,
+    objects: Option<Arc<dyn NodeObjects>>,
 }
 
 impl BlockGraph {
@@ -298,16 +319,30 @@ impl BlockGraph {
         Self::default()
     }
 
-    /// Gives nodes added from now on the daemon's secrets.
-    pub fn set_secrets(&mut self, secrets: Arc<dyn Secrets>) {
-        self.secrets = Some(secrets);
+    /// Gives nodes added from now on the daemon's objects.
+    pub fn set_objects(&mut self, objects: Arc<dyn NodeObjects>) {
+        self.objects = Some(objects);
+    }
+
+    /// The node option `role` names (`file=NODE`), taken from `opts`.
+    fn child(&self, opts: &mut OptionMap, role: &str) -> Result<Arc<dyn BlockNode>, GraphError> {
+        let name = opts.require(role)?;
+        self.get(&name).ok_or_else(|| GraphError::NoSuchNode { context: opts.context().into(), name })
     }
 
     /// The bytes of secret `id`.
     fn secret(&self, id: &str) -> Result<Vec<u8>, String> {
-        match &self.secrets {
-            Some(secrets) => secrets.secret(id),
+        match &self.objects {
+            Some(objects) => objects.secret(id),
             None => Err(format!("No secret with id '{id}'")),
+        }
+    }
+
+    /// Throttle group `id`.
+    fn throttle_group(&self, id: &str) -> Result<Arc<throttle::ThrottleGroup>, String> {
+        match &self.objects {
+            Some(objects) => objects.throttle_group(id),
+            None => Err(format!("Throttle group '{id}' does not exist")),
         }
     }
 
@@ -356,8 +391,9 @@ impl BlockGraph {
         if active {
             self.refuse_inactive_children(&opts, &name)?;
         }
-        let opened = drivers::open(&driver, name, cache, active, &mut opts, self)?;
-        let node: Arc<dyn BlockNode> = Arc::new(accounting::AccountedNode::new(opened, cache, active));
+        let bitmaps = Arc::default();
+        let opened = drivers::open(&driver, name, cache, active, &bitmaps, &mut opts, self)?;
+        let node: Arc<dyn BlockNode> = Arc::new(accounting::AccountedNode::new(opened, cache, active, bitmaps));
         opts.finish()?;
         self.nodes.push(node.clone());
         Ok(node)

@@ -86,6 +86,8 @@ pub struct ExportConfig {
     /// `bitmaps=[...]`: dirty bitmaps of the node (or of a node below it
     /// through backing files) shown as `qemu:dirty-bitmap:NAME` contexts.
     pub bitmaps: Vec<String>,
+    /// `allocation-depth=`: show the `qemu:allocation-depth` context.
+    pub allocation_depth: bool,
 }
 
 impl ExportConfig {
@@ -105,10 +107,8 @@ impl ExportConfig {
         let writable = opts.take_bool("writable")?.unwrap_or(false);
         let writethrough = opts.take_bool("writethrough")?.unwrap_or(false);
         let bitmaps = opts.take_values("bitmaps");
-        if let Some(value) = opts.take("allocation-depth") {
-            return Err(opts.invalid("allocation-depth", value, "nothing: not supported by vsd's NBD exports yet"));
-        }
-        Ok(Self { id, node_name, name, description, writable, writethrough, bitmaps })
+        let allocation_depth = opts.take_bool("allocation-depth")?.unwrap_or(false);
+        Ok(Self { id, node_name, name, description, writable, writethrough, bitmaps, allocation_depth })
     }
 }
 
@@ -153,7 +153,9 @@ mod tests {
         assert_eq!((named.name.as_str(), named.description.as_str()), ("", "hello"));
         let marked = parse("type=nbd,id=e,node-name=n,bitmaps.0=b,bitmaps.1=c", ExportConfig::from_options).unwrap();
         assert_eq!(marked.bitmaps, ["b", "c"]);
-        assert!(parse("type=nbd,id=e,node-name=n,allocation-depth=on", ExportConfig::from_options).is_err());
+        let depth = parse("type=nbd,id=e,node-name=n,allocation-depth=on", ExportConfig::from_options).unwrap();
+        assert!(depth.allocation_depth && !e.allocation_depth);
+        assert!(parse("type=nbd,id=e,node-name=n,allocation-depth=2", ExportConfig::from_options).is_err());
         assert!(parse("type=nbd,id=e,node-name=n,num-queues=2", ExportConfig::from_options).is_err());
     }
 }

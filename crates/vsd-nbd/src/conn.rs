@@ -566,6 +566,10 @@ impl<W: Wire> Transmission<W> {
                 (Allocation::Data, n) => (n, 0),
                 (Allocation::Hole, n) => (n, state::HOLE | state::ZERO),
             },
+            Context::AllocationDepth => {
+                let (depth, n) = self.export.node.allocation_depth(offset, len)?;
+                (n, depth)
+            }
             Context::DirtyBitmap(i) => {
                 let (dirty, n) = self.export.bitmaps[i].bitmap().status(offset, len);
                 (n, if dirty { state::DIRTY } else { 0 })

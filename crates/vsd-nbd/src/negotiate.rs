@@ -66,6 +66,7 @@ pub const MAX_OPTION_DATA: u32 = 64 << 10;
 /// The longest export name or query (the spec's limit for strings).
 const MAX_STRING: usize = 4096;
 const BASE_ALLOCATION: &str = "base:allocation";
+const ALLOCATION_DEPTH: &str = "qemu:allocation-depth";
 const DIRTY_BITMAP: &str = "qemu:dirty-bitmap:";
 
 /// A metadata context an export offers to block status.
@@ -73,6 +74,8 @@ const DIRTY_BITMAP: &str = "qemu:dirty-bitmap:";
 pub enum Context {
     /// `base:allocation`: holes and zeroes.
     BaseAllocation,
+    /// `qemu:allocation-depth`: in which layer of the backing chain.
+    AllocationDepth,
     /// `qemu:dirty-bitmap:NAME`: the export's bitmap at this index.
     DirtyBitmap(usize),
 }
@@ -82,20 +85,24 @@ impl Context {
     pub fn id(self) -> u32 {
         match self {
             Context::BaseAllocation => 0,
-            Context::DirtyBitmap(index) => 1 + index as u32,
+            Context::AllocationDepth => 1,
+            Context::DirtyBitmap(index) => 2 + index as u32,
         }
     }
 
     fn name(self, info: &ExportInfo) -> String {
         match self {
             Context::BaseAllocation => BASE_ALLOCATION.into(),
+            Context::AllocationDepth => ALLOCATION_DEPTH.into(),
             Context::DirtyBitmap(index) => format!("{DIRTY_BITMAP}{}", info.bitmaps[index]),
         }
     }
 
     /// Every context `info`'s export offers, in id order.
     fn offered(info: &ExportInfo) -> impl Iterator<Item = Context> {
-        std::iter::once(Context::BaseAllocation).chain((0..info.bitmaps.len()).map(Context::DirtyBitmap))
+        let depth = info.allocation_depth.then_some(Context::AllocationDepth);
+        let bitmaps = (0..info.bitmaps.len()).map(Context::DirtyBitmap);
+        std::iter::once(Context::BaseAllocation).chain(depth).chain(bitmaps)
     }
 }
 
@@ -114,6 +121,8 @@ pub struct ExportInfo {
     pub block_sizes: [u32; 3],
     /// The dirty bitmaps it shows as `qemu:dirty-bitmap:NAME` contexts.
     pub bitmaps: Vec<String>,
+    /// It shows `qemu:allocation-depth`.
+    pub allocation_depth: bool,
 }
 
 /// The exports a server offers.
@@ -560,6 +569,7 @@ mod tests {
                 flags,
                 block_sizes: [1, 4096, 32 << 20],
                 bitmaps: if export == "disk" { vec!["b0".into(), "b1".into()] } else { vec![] },
+                allocation_depth: export == "disk",
             };
             Some((export, info))
         }
@@ -697,8 +707,13 @@ mod tests {
         let mut n = started();
         let set = meta("disk", &[BASE_ALLOCATION]);
         assert_eq!(exchange(&mut n, opt::SET_META_CONTEXT, &set)[0].1, rep::ERR_INVALID, "needs structured replies");
-        let all = [(0, "base:allocation"), (1, "qemu:dirty-bitmap:b0"), (2, "qemu:dirty-bitmap:b1")]
-            .map(|(id, name)| (id, name.to_string()));
+        let all = [
+            (0, "base:allocation"),
+            (1, "qemu:allocation-depth"),
+            (2, "qemu:dirty-bitmap:b0"),
+            (3, "qemu:dirty-bitmap:b1"),
+        ]
+        .map(|(id, name)| (id, name.to_string()));
         let list = |n: &mut Negotiation<Two>, queries: &[&str]| {
             let replies = exchange(n, opt::LIST_META_CONTEXT, &meta("disk", queries));
             assert_eq!(replies.last().unwrap().1, rep::ACK);
@@ -707,8 +722,8 @@ mod tests {
         assert_eq!(list(&mut n, &[]), all, "no query lists everything");
         assert_eq!(list(&mut n, &["base:"]), all[..1]);
         assert_eq!(list(&mut n, &["qemu:"]), all[1..]);
-        assert_eq!(list(&mut n, &["qemu:dirty-bitmap:"]), all[1..]);
-        assert_eq!(list(&mut n, &["qemu:dirty-bitmap:b1", "qemu:dirty-bitmap:x"]), all[2..]);
+        assert_eq!(list(&mut n, &["qemu:dirty-bitmap:"]), all[2..]);
+        assert_eq!(list(&mut n, &["qemu:dirty-bitmap:b1", "qemu:dirty-bitmap:x"]), all[3..]);
         assert_eq!(list(&mut n, &["qemu:dirty-bitmap:b"]), [], "a name is not a namespace");
         assert_eq!(exchange(&mut n, opt::LIST_META_CONTEXT, &meta("gone", &[]))[0].1, rep::ERR_UNKNOWN);
         exchange(&mut n, opt::STRUCTURED_REPLY, &[]);
@@ -722,7 +737,7 @@ mod tests {
         let mut n = started();
         exchange(&mut n, opt::STRUCTURED_REPLY, &[]);
         let both = meta("disk", &["qemu:dirty-bitmap:b1", BASE_ALLOCATION]);
-        assert_eq!(contexts(&exchange(&mut n, opt::SET_META_CONTEXT, &both)), [all[0].clone(), all[2].clone()]);
+        assert_eq!(contexts(&exchange(&mut n, opt::SET_META_CONTEXT, &both)), [all[0].clone(), all[3].clone()]);
         exchange(&mut n, opt::GO, &go("disk", &[]));
         let agreed = n.outcome().unwrap().unwrap().contexts;
         assert_eq!(agreed, [Context::BaseAllocation, Context::DirtyBitmap(1)], "in id order");

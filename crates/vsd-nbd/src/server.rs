@@ -302,6 +302,7 @@ fn export_info(config: &ExportConfig, node: &dyn BlockNode, multi_conn: bool) ->
         flags,
         block_sizes: [min, min.max(4096), MAX_PAYLOAD as u32],
         bitmaps: config.bitmaps.clone(),
+        allocation_depth: config.allocation_depth,
     }
 }
 
@@ -314,10 +315,11 @@ fn exported_bitmaps(config: &ExportConfig, node: &Arc<dyn BlockNode>) -> Result<
         .iter()
         .map(|name| {
             let bitmap = find_bitmap(node, name).ok_or_else(|| format!("Bitmap '{name}' is not found"))?;
+            let taken = bitmap.take().map_err(|e| e.to_string())?;
             if !config.writable && !node.read_only() && bitmap.info().recording {
                 return Err(format!("Enabled bitmap '{name}' incompatible with readonly export"));
             }
-            bitmap.take().map_err(|e| e.to_string())
+            Ok(taken)
         })
         .collect()
 }

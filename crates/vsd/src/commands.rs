@@ -8,9 +8,9 @@ use vsd_export::ExportSnapshot;
 use vsd_job::Verb;
 use vsd_trace::{ExportLabel, OpKind, QueueSnapshot};
 
-use crate::bitmaps::Change;
 use crate::daemon::{Bins, Daemon, LatencyBins};
 use crate::jobs::{BlockJobArgs, JobId};
+use crate::transaction::{Action, Transaction};
 
 type Reply = Result<Value, QmpError>;
 
@@ -35,6 +35,7 @@ const COMMANDS: &[&str] = &[
     "block-dirty-bitmap-enable",
     "block-dirty-bitmap-disable",
     "block-dirty-bitmap-merge",
+    "transaction",
     "blockdev-backup",
     "query-jobs",
     "job-pause",
@@ -55,6 +56,8 @@ const COMMANDS: &[&str] = &[
     "nbd-server-stop",
     "object-add",
     "object-del",
+    "qom-get",
+    "qom-set",
     "quit",
 ];
 
@@ -74,12 +77,13 @@ impl Dispatch for Daemon {
             "query-blockstats" => self.query_blockstats(parse(args)?),
             "block-latency-histogram-set" => self.latency_histogram_set(parse(args)?),
             "block_resize" => self.block_resize(parse(args)?),
-            "block-dirty-bitmap-add" => self.bitmap_add(parse(args)?),
-            "block-dirty-bitmap-remove" => self.bitmap_remove(parse(args)?),
-            "block-dirty-bitmap-clear" => self.bitmap_change(parse(args)?, Change::Clear),
-            "block-dirty-bitmap-enable" => self.bitmap_change(parse(args)?, Change::Enable),
-            "block-dirty-bitmap-disable" => self.bitmap_change(parse(args)?, Change::Disable),
-            "block-dirty-bitmap-merge" => self.bitmap_merge(parse(args)?),
+            "block-dirty-bitmap-add" => self.transaction(vec![Action::AddBitmap(parse(args)?)]),
+            "block-dirty-bitmap-remove" => self.transaction(vec![Action::RemoveBitmap(parse(args)?)]),
+            "block-dirty-bitmap-clear" => self.transaction(vec![Action::ClearBitmap(parse(args)?)]),
+            "block-dirty-bitmap-enable" => self.transaction(vec![Action::EnableBitmap(parse(args)?)]),
+            "block-dirty-bitmap-disable" => self.transaction(vec![Action::DisableBitmap(parse(args)?)]),
+            "block-dirty-bitmap-merge" => self.transaction(vec![Action::MergeBitmaps(parse(args)?)]),
+            "transaction" => self.transaction(parse::<Transaction>(args)?.actions()?),
             "blockdev-backup" => self.blockdev_backup(parse(args)?),
             "query-jobs" => no_arguments(&args).map(|()| self.query_jobs()),
             "query-block-jobs" => no_arguments(&args).map(|()| self.query_block_jobs()),
@@ -90,6 +94,15 @@ impl Dispatch for Daemon {
                 self.objects.add(options("object-add", &args)?).map(|()| json!({})).map_err(QmpError::generic)
             }
             "object-del" => self.objects.remove(&parse::<Id>(args)?.id).map(|()| json!({})).map_err(QmpError::generic),
+            "qom-get" => {
+                let args: QomPath = parse(args)?;
+                self.objects.get(&args.path, &args.property).map_err(|e| qom_error(&args.path, e))
+            }
+            "qom-set" => {
+                let args: QomSet = parse(args)?;
+                self.objects.set(&args.path, &args.property, &args.value).map_err(|e| qom_error(&args.path, e))?;
+                Ok(json!({}))
+            }
             "quit" => no_arguments(&args).map(|()| json!({})),
             _ => match job_verb(command) {
                 Some((false, verb)) => self.job_verb(&parse::<JobId>(args)?.id, verb),
@@ -169,6 +182,30 @@ struct Flat {
 #[serde(deny_unknown_fields)]
 struct Id {
     id: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct QomPath {
+    path: String,
+    property: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct QomSet {
+    path: String,
+    property: String,
+    value: Value,
+}
+
+/// A `qom-get`/`qom-set` refusal: no object at `path` (QEMU's class for
+/// it), or the property's own error.
+fn qom_error(path: &str, error: Option<String>) -> QmpError {
+    match error {
+        None => QmpError::new(ErrorClass::DeviceNotFound, format!("Device '{path}' not found")),
+        Some(message) => QmpError::generic(message),
+    }
 }
 
 #[derive(Deserialize)]

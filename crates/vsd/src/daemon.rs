@@ -61,7 +61,7 @@ impl Daemon {
     pub fn new() -> Self {
         let objects = Arc::new(Objects::default());
         let mut graph = BlockGraph::new();
-        graph.set_secrets(objects.clone());
+        graph.set_objects(objects.clone());
         let state = State {
             graph,
             exports: BTreeMap::new(),

@@ -12,6 +12,7 @@ mod objects;
 mod pidfile;
 mod run_as;
 mod stat;
+mod transaction;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

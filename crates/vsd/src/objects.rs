@@ -1,10 +1,12 @@
 //! User-created objects (`--object`, QMP `object-add`/`object-del`), as
 //! QEMU's QOM names them: `secret`, which holds what nodes name by id
 //! (`key-secret=ID` of an rbd node), `iothread`, a thread exports share
-//! (`iothread=ID` of a vhost-user-blk export), and `tls-creds-x509`, the
-//! NBD server's certificates (`tls-creds=ID`).
+//! (`iothread=ID` of a vhost-user-blk export), `tls-creds-x509`, the NBD
+//! server's certificates (`tls-creds=ID`), and `throttle-group`, limits
+//! that `throttle` nodes share (`throttle-group=ID`), changed live with
+//! `qom-set`.
 //!
-//! An I/O thread or credentials in use cannot be deleted (QEMU lets
+//! An I/O thread, credentials or a throttle group in use cannot be deleted (QEMU lets
 //! credentials go and keeps a reference; here the NBD server must stop
 //! first, so that what `object-del` removed is really out of use).
 
@@ -12,8 +14,9 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use base64::Engine;
-use vsd_block::Secrets;
+use vsd_block::NodeObjects;
 use vsd_block::options::OptionMap;
+use vsd_block::throttle::{Limits, ThrottleGroup};
 use vsd_export::{IoThread, PollConfig};
 use vsd_nbd::TlsCreds;
 
@@ -28,6 +31,29 @@ enum Object {
     Secret(Vec<u8>),
     IoThread(Arc<IoThread>),
     TlsCreds(Arc<TlsCreds>),
+    ThrottleGroup(Arc<ThrottleGroup>),
+}
+
+impl Object {
+    /// QOM's name of its type.
+    fn type_name(&self) -> &'static str {
+        match self {
+            Object::Secret(_) => "secret",
+            Object::IoThread(_) => "iothread",
+            Object::TlsCreds(_) => "tls-creds-x509",
+            Object::ThrottleGroup(_) => "throttle-group",
+        }
+    }
+
+    /// Whether something other than the object table holds it.
+    fn in_use(&self) -> bool {
+        match self {
+            Object::Secret(_) => false,
+            Object::IoThread(thread) => Arc::strong_count(thread) > 1,
+            Object::TlsCreds(creds) => Arc::strong_count(creds) > 1,
+            Object::ThrottleGroup(group) => Arc::strong_count(group) > 1,
+        }
+    }
 }
 
 impl Objects {
@@ -50,6 +76,7 @@ impl Objects {
             "secret" => Object::Secret(secret(&mut opts)?),
             "iothread" => Object::IoThread(iothread(&id, &mut opts)?),
             "tls-creds-x509" => Object::TlsCreds(tls_creds_x509(&mut opts)?),
+            "throttle-group" => Object::ThrottleGroup(Arc::new(ThrottleGroup::new(Limits::from_options(&mut opts)?))),
             _ => return Err(format!("invalid object type: {qom_type}")),
         };
         opts.finish().map_err(|e| e.to_string())?;
@@ -67,12 +94,7 @@ impl Objects {
         let mut objects = self.lock();
         match objects.get(id) {
             None => Err(format!("object '{id}' not found")),
-            Some(Object::IoThread(thread)) if Arc::strong_count(thread) > 1 => {
-                Err(format!("object '{id}' is in use, can not be deleted"))
-            }
-            Some(Object::TlsCreds(creds)) if Arc::strong_count(creds) > 1 => {
-                Err(format!("object '{id}' is in use, can not be deleted"))
-            }
+            Some(object) if object.in_use() => Err(format!("object '{id}' is in use, can not be deleted")),
             Some(_) => {
                 objects.remove(id);
                 Ok(())
@@ -100,12 +122,46 @@ impl Objects {
     }
 }
 
-impl Secrets for Objects {
+impl Objects {
+    /// QMP `qom-get`: a throttle group's `limits`. `path` is the object's
+    /// id, or `/objects/ID`. The error says whether the object (`None`) or
+    /// the property (`Some(message)`) is missing.
+    pub fn get(&self, path: &str, property: &str) -> Result<serde_json::Value, Option<String>> {
+        let objects = self.lock();
+        let object = objects.get(path.strip_prefix("/objects/").unwrap_or(path)).ok_or(None)?;
+        match (object, property) {
+            (Object::ThrottleGroup(group), "limits") => Ok(group.limits().to_json()),
+            _ => Err(Some(format!("Property '{}.{property}' not found", object.type_name()))),
+        }
+    }
+
+    /// QMP `qom-set`: a throttle group's `limits`, all of them at once.
+    pub fn set(&self, path: &str, property: &str, value: &serde_json::Value) -> Result<(), Option<String>> {
+        let objects = self.lock();
+        let object = objects.get(path.strip_prefix("/objects/").unwrap_or(path)).ok_or(None)?;
+        match (object, property) {
+            (Object::ThrottleGroup(group), "limits") => {
+                group.set_limits(Limits::from_json(value).map_err(Some)?);
+                Ok(())
+            }
+            _ => Err(Some(format!("Property '{}.{property}' not found", object.type_name()))),
+        }
+    }
+}
+
+impl NodeObjects for Objects {
     fn secret(&self, id: &str) -> Result<Vec<u8>, String> {
         match self.lock().get(id) {
             Some(Object::Secret(bytes)) => Ok(bytes.clone()),
             Some(_) => Err(format!("object '{id}' is not a secret")),
             None => Err(format!("No secret with id '{id}'")),
+        }
+    }
+
+    fn throttle_group(&self, id: &str) -> Result<Arc<ThrottleGroup>, String> {
+        match self.lock().get(id) {
+            Some(Object::ThrottleGroup(group)) => Ok(group.clone()),
+            _ => Err(format!("Throttle group '{id}' does not exist")),
         }
     }
 }

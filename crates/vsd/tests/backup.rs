@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Scratch, run};
+use common::{Daemon, Scratch, monitor, run};
 use serde_json::{Value, json};
 use vsd_bench::ClientOptions;
 
@@ -92,15 +92,6 @@ impl Qmp {
     fn event_log(&self) -> Vec<Value> {
         self.events.iter().map(|e| json!([e["event"], e["data"]])).collect()
     }
-}
-
-fn monitor(socket: &Path) -> Vec<String> {
-    vec![
-        "--chardev".into(),
-        format!("socket,id=m,path={},server=on,wait=off", socket.display()),
-        "--monitor".into(),
-        "chardev=m".into(),
-    ]
 }
 
 /// `--blockdev` arguments for file nodes, each over a new image.

@@ -7,22 +7,13 @@ mod common;
 
 use std::path::Path;
 
-use common::{Daemon, Scratch, pattern, run};
+use common::{Daemon, Scratch, monitor, pattern, run};
 use serde_json::{Value, json};
 use vsd_bench::ClientOptions;
 use vsd_control::client::QmpClient;
 
 const MIB: u64 = 1 << 20;
 const KIB: u64 = 1 << 10;
-
-fn monitor(socket: &Path) -> Vec<String> {
-    vec![
-        "--chardev".into(),
-        format!("socket,id=m,path={},server=on,wait=off", socket.display()),
-        "--monitor".into(),
-        "chardev=m".into(),
-    ]
-}
 
 /// A qcow2 node `q` over file node `f`, and a raw file node `r`.
 fn two_nodes(dir: &Scratch) -> Vec<String> {
@@ -38,6 +29,11 @@ fn two_nodes(dir: &Scratch) -> Vec<String> {
         "--blockdev".into(),
         format!("driver=file,node-name=r,filename={}", raw.display()),
     ]
+}
+
+/// A `transaction` action of type `block-dirty-bitmap-{kind}`.
+fn action(kind: &str, data: Value) -> Value {
+    json!({"type": format!("block-dirty-bitmap-{kind}"), "data": data})
 }
 
 /// What a command answered: its return value, or its error's class and text.
@@ -67,6 +63,7 @@ fn bitmap_commands_answer_as_qemu_storage_daemon_does() {
         ("block-dirty-bitmap-add", json!({"node": "q", "name": "c", "granularity": 1000})),
         ("block-dirty-bitmap-add", json!({"node": "q", "name": "c", "granularity": 256})),
         ("block-dirty-bitmap-add", json!({"node": "r", "name": "p", "persistent": true})),
+        ("block-dirty-bitmap-add", json!({"node": "q", "name": "p", "persistent": true, "granularity": 4096})),
         ("block-dirty-bitmap-add", json!({"node": "q", "name": "d", "disabled": true, "granularity": 512})),
         ("block-dirty-bitmap-add", json!({"node": "r", "name": "e", "granularity": 4096})),
         ("block-dirty-bitmap-add", json!({"node": "f", "name": "g"})),
@@ -81,6 +78,26 @@ fn bitmap_commands_answer_as_qemu_storage_daemon_does() {
         ("block-dirty-bitmap-enable", json!({"node": "q", "name": "d"})),
         ("block-dirty-bitmap-clear", json!({"node": "q", "name": "b"})),
         ("block-dirty-bitmap-remove", json!({"node": "f", "name": "g"})),
+        // All or nothing: the failing third action undoes the first two.
+        (
+            "transaction",
+            json!({"actions": [action("add", json!({"node": "q", "name": "new"})),
+            action("enable", json!({"node": "q", "name": "b"})), action("add", json!({"node": "q", "name": "b"}))]}),
+        ),
+        (
+            "transaction",
+            json!({"actions": [action("add", json!({"node": "q", "name": "new"})),
+            action("disable", json!({"node": "q", "name": "d"})), action("clear", json!({"node": "q", "name": "d"})),
+            action("merge", json!({"node": "q", "target": "new", "bitmaps": ["d"]})),
+            action("remove", json!({"node": "q", "name": "d"}))]}),
+        ),
+        (
+            "transaction",
+            json!({"actions": [action("remove", json!({"node": "q", "name": "new"})),
+            action("remove", json!({"node": "q", "name": "new"}))]}),
+        ),
+        ("transaction", json!({"actions": [{"type": "bogus", "data": {}}]})),
+        ("transaction", json!({"actions": []})),
     ];
     let run_script = |program: fn(&Scratch, &[String]) -> Daemon, name: &str| {
         let dir = Scratch::new(name);
@@ -98,7 +115,7 @@ fn bitmap_commands_answer_as_qemu_storage_daemon_does() {
         assert_eq!(ours, theirs, "{command} {args}");
     }
     assert_eq!(vsd.last(), qsd.last(), "query-named-block-nodes' dirty-bitmaps");
-    assert_eq!(vsd.last().unwrap()["q"].as_array().unwrap().len(), 2, "b and d, newest first");
+    assert_eq!(vsd.last().unwrap()["q"].as_array().unwrap().len(), 3, "new, p and b, newest first");
 }
 
 /// The dirty extents of `bitmap` on NBD export `name`, as nbdinfo maps them.
@@ -210,4 +227,153 @@ fn a_bitmap_follows_a_resize_and_merges_across_nodes() {
     let listed = bitmaps_by_node(&mut qmp);
     assert_eq!(listed["disk"][0]["count"], json!(8192), "a write past the old end is recorded");
     assert_eq!(listed["other"][0]["count"], json!(2 * 65536), "merged into 64 KiB granules");
+}
+
+/// `qemu-img info`'s bitmaps of `image`: (name, granularity, flags).
+fn image_bitmaps(image: &Path) -> Vec<(String, u64, Vec<String>)> {
+    let out = run("qemu-img", &["info", "--output=json", "-U", image.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let info: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let listed = info["format-specific"]["data"]["bitmaps"].as_array().cloned().unwrap_or_default();
+    let flags = |b: &Value| b["flags"].as_array().unwrap().iter().map(|f| f.as_str().unwrap().to_string()).collect();
+    listed.iter().map(|b| (b["name"].as_str().unwrap().into(), b["granularity"].as_u64().unwrap(), flags(b))).collect()
+}
+
+fn qemu_img_check_is_clean(image: &Path) {
+    let out = run("qemu-img", &["check", image.to_str().unwrap()]);
+    assert!(out.status.success(), "qemu-img check: {}", String::from_utf8_lossy(&out.stdout));
+}
+
+/// vsd serving qcow2 `image` as node `disk` over NBD (export `rw`), with QMP.
+fn serve_qcow2(dir: &Scratch, image: &Path) -> (Daemon, QmpClient) {
+    let (qmp_socket, nbd_socket) = (dir.path("qmp.sock"), dir.path("nbd.sock"));
+    let mut args = vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=f0,filename={}", image.display()),
+        "--blockdev".into(),
+        "driver=qcow2,node-name=disk,file=f0".into(),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", nbd_socket.display()),
+        "--export".into(),
+        "type=nbd,id=n0,node-name=disk,name=rw,writable=on".into(),
+    ];
+    args.extend(monitor(&qmp_socket));
+    let daemon = Daemon::vsd(dir, &args);
+    (daemon, QmpClient::connect(&qmp_socket).unwrap())
+}
+
+fn qemu_io_over_nbd(dir: &Scratch, commands: &[&str]) {
+    let uri = format!("nbd+unix:///rw?socket={}", dir.path("nbd.sock").display());
+    let mut args = vec!["-f", "raw"];
+    commands.iter().for_each(|c| args.extend(["-c", c]));
+    args.push(&uri);
+    let out = run("qemu-io", &args);
+    assert!(out.status.success(), "qemu-io: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn persistent_bitmaps_outlive_a_clean_stop_and_qemu_reads_them() {
+    let dir = Scratch::new("bitmap-persist");
+    let image = dir.path("disk.qcow2");
+    assert!(run("qemu-img", &["create", "-q", "-f", "qcow2", image.to_str().unwrap(), "64M"]).status.success());
+    let (daemon, mut qmp) = serve_qcow2(&dir, &image);
+    let add = json!({"node": "disk", "name": "ck1", "persistent": true, "granularity": 65536});
+    qmp.execute("block-dirty-bitmap-add", add).unwrap();
+    qmp.execute("block-dirty-bitmap-add", json!({"node": "disk", "name": "temp"})).unwrap();
+    qemu_io_over_nbd(&dir, &["write -P 1 1M 4k", "write -P 2 10M 128k"]);
+    assert_eq!(daemon.stop().code(), Some(0));
+
+    assert_eq!(
+        image_bitmaps(&image),
+        [("ck1".to_string(), 65536, vec!["auto".to_string()])],
+        "only the persistent one"
+    );
+    qemu_img_check_is_clean(&image);
+
+    // QEMU's own reading of the bits: a copy merged into a new bitmap by qemu-img.
+    let img = image.to_str().unwrap();
+    let out = run("qemu-img", &["bitmap", "--add", "-g", "65536", "--merge", "ck1", img, "copy"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (_daemon, mut qmp) = serve_qcow2(&dir, &image);
+    let listed = bitmaps_by_node(&mut qmp)["disk"].clone();
+    let count = |name: &str| listed.as_array().unwrap().iter().find(|b| b["name"] == name).unwrap()["count"].clone();
+    assert_eq!((count("ck1"), count("copy")), (json!(3 * 65536), json!(3 * 65536)), "{listed}");
+    qmp.execute("block-dirty-bitmap-disable", json!({"node": "disk", "name": "ck1"})).unwrap();
+    let view = json!({"type": "nbd", "id": "v", "node-name": "disk", "name": "view", "bitmaps": ["ck1"]});
+    qmp.execute("block-export-add", view).unwrap();
+    assert_eq!(dirty_map(&dir.path("nbd.sock"), "view", "ck1"), [(MIB, 65536), (10 * MIB, 2 * 65536)]);
+    assert_eq!(
+        image_bitmaps(&image)[0].2,
+        ["in-use", "auto"],
+        "flagged in use while served: {:?}",
+        image_bitmaps(&image)
+    );
+}
+
+#[test]
+fn a_killed_daemon_leaves_its_bitmaps_inconsistent_and_they_can_go() {
+    let dir = Scratch::new("bitmap-kill");
+    let image = dir.path("disk.qcow2");
+    let img = image.to_str().unwrap();
+    assert!(run("qemu-img", &["create", "-q", "-f", "qcow2", img, "16M"]).status.success());
+    assert!(run("qemu-img", &["bitmap", "--add", "-g", "4096", img, "made-by-qemu"]).status.success());
+    assert!(run("qemu-io", &["-c", "write 0 8k", img]).status.success(), "recorded by QEMU");
+    let (daemon, mut qmp) = serve_qcow2(&dir, &image);
+    let loaded = &bitmaps_by_node(&mut qmp)["disk"][0];
+    assert_eq!(
+        (&loaded["name"], &loaded["count"], &loaded["persistent"]),
+        (&json!("made-by-qemu"), &json!(8192), &json!(true))
+    );
+    qemu_io_over_nbd(&dir, &["write 1M 4k"]);
+    daemon.kill();
+    common::wait_until_unlocked(&image);
+
+    assert_eq!(image_bitmaps(&image)[0].2, ["in-use", "auto"]);
+    let (daemon, mut qmp) = serve_qcow2(&dir, &image);
+    let loaded = bitmaps_by_node(&mut qmp)["disk"][0].clone();
+    assert_eq!(loaded["inconsistent"], json!(true), "{loaded}");
+    let refused = qmp.execute("block-dirty-bitmap-clear", json!({"node": "disk", "name": "made-by-qemu"})).unwrap_err();
+    assert!(refused.to_string().contains("is inconsistent and cannot be used"), "{refused}");
+    let view = json!({"type": "nbd", "id": "v", "node-name": "disk", "name": "view", "bitmaps": ["made-by-qemu"]});
+    assert!(qmp.execute("block-export-add", view).unwrap_err().to_string().contains("inconsistent"));
+    qmp.execute("block-dirty-bitmap-remove", json!({"node": "disk", "name": "made-by-qemu"})).unwrap();
+    assert_eq!(image_bitmaps(&image), [], "removed from the image at once");
+    assert_eq!(daemon.stop().code(), Some(0));
+    qemu_img_check_is_clean(&image);
+}
+
+#[test]
+fn persistent_bitmaps_move_with_the_image_in_a_migration() {
+    let dir = Scratch::new("bitmap-handover");
+    let image = dir.path("disk.qcow2");
+    let img = image.to_str().unwrap();
+    assert!(run("qemu-img", &["create", "-q", "-f", "qcow2", img, "16M"]).status.success());
+    assert!(run("qemu-img", &["bitmap", "--add", img, "ck"]).status.success());
+    assert!(run("qemu-io", &["-c", "write 2M 64k", img]).status.success());
+    let daemon = |name: &str, inactive: &str| {
+        let socket = dir.path(&format!("{name}.sock"));
+        let mut args = vec![
+            "--blockdev".into(),
+            format!("driver=file,node-name=f0,filename={img}{inactive}"),
+            "--blockdev".into(),
+            format!("driver=qcow2,node-name=disk,file=f0{inactive}"),
+        ];
+        args.extend(monitor(&socket));
+        let daemon = Daemon::vsd(&dir, &args);
+        (daemon, QmpClient::connect(&socket).unwrap())
+    };
+    let (_a, mut a) = daemon("a", "");
+    let (_b, mut b) = daemon("b", ",active=off");
+    assert_eq!(bitmaps_by_node(&mut a)["disk"][0]["count"], json!(65536));
+    assert_eq!(bitmaps_by_node(&mut b), json!({}), "an inactive node loads nothing");
+    let set_active = |qmp: &mut QmpClient, active: bool| {
+        qmp.execute("blockdev-set-active", json!({"node-name": "disk", "active": active})).unwrap();
+    };
+    set_active(&mut a, false);
+    assert_eq!(image_bitmaps(&image)[0].2, ["auto"], "stored back, not in use");
+    assert_eq!(bitmaps_by_node(&mut a), json!({}), "the source lets them go");
+    set_active(&mut b, true);
+    let moved = &bitmaps_by_node(&mut b)["disk"][0];
+    assert_eq!((&moved["name"], &moved["count"], &moved["persistent"]), (&json!("ck"), &json!(65536), &json!(true)));
+    assert_eq!(image_bitmaps(&image)[0].2, ["in-use", "auto"]);
 }

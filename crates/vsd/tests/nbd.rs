@@ -603,12 +603,7 @@ fn block_status_answers_every_selected_context_in_one_reply() {
     let image = sparse_image(&dir, "disk.img");
     let (socket, qmp_socket) = (dir.path("nbd.sock"), dir.path("qmp.sock"));
     let mut args = unix_export(&image, &socket, ",writable=on");
-    args.extend([
-        "--chardev".into(),
-        format!("socket,id=m,path={},server=on,wait=off", qmp_socket.display()),
-        "--monitor".into(),
-        "chardev=m".into(),
-    ]);
+    args.extend(common::monitor(&qmp_socket));
     let _daemon = Daemon::vsd(&dir, &args);
     let mut qmp = QmpClient::connect(&qmp_socket).unwrap();
     qmp.execute("block-dirty-bitmap-add", json!({"node": "r0", "name": "b", "granularity": 65536})).unwrap();
@@ -636,7 +631,7 @@ fn block_status_answers_every_selected_context_in_one_reply() {
         chunks,
         [
             (0, vec![(MIB, hole), (64 << 10, 0), (3 * MIB - (64 << 10), hole), (MIB, 0), (3 * MIB, hole)]),
-            (1, vec![(MIB, 0), (64 << 10, dirty), (7 * MIB - (64 << 10), 0)]),
+            (2, vec![(MIB, 0), (64 << 10, dirty), (7 * MIB - (64 << 10), 0)]),
         ],
         "one chunk per context, in id order, the last one DONE"
     );
@@ -814,4 +809,51 @@ fn request_header(magic: u32, flags: u16, kind: u16, cookie: u64, offset: u64, l
         len,
     ]
     .concat()
+}
+
+#[test]
+fn allocation_depth_and_allocation_map_as_qemu_storage_daemon_s() {
+    let dir = Scratch::new("nbd-depth");
+    let (base, top) = (dir.path("base.qcow2"), dir.path("top.qcow2"));
+    let (base_s, top_s) = (base.to_str().unwrap(), top.to_str().unwrap());
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", base_s, "1M"]);
+    ok("qemu-io", &["-f", "qcow2", "-c", "write 0 64k", "-c", "write 512k 64k", base_s]);
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", "-b", base_s, "-F", "qcow2", top_s]);
+    ok("qemu-io", &["-f", "qcow2", "-c", "write 128k 64k", "-c", "write -z 256k 64k", "-c", "write 512k 64k", top_s]);
+    let sparse = dir.image("sparse.img", MIB);
+    ok("qemu-io", &["-f", "raw", "-c", "write 64k 64k", sparse.to_str().unwrap()]);
+    let maps = |program: fn(&Scratch, &[String]) -> Daemon, name: &str| {
+        let socket = dir.path(&format!("{name}.sock"));
+        let args: Vec<String> = [
+            "--blockdev",
+            &format!("driver=file,node-name=f,filename={top_s}"),
+            "--blockdev",
+            "driver=qcow2,node-name=q,file=f",
+            "--blockdev",
+            &format!("driver=file,node-name=s,filename={}", sparse.display()),
+            "--nbd-server",
+            &format!("addr.type=unix,addr.path={}", socket.display()),
+            "--export",
+            "type=nbd,id=e,node-name=q,name=q,allocation-depth=on",
+            "--export",
+            "type=nbd,id=e2,node-name=s,name=s,allocation-depth=on",
+        ]
+        .map(String::from)
+        .to_vec();
+        let _daemon = program(&dir, &args);
+        let mut out = Vec::new();
+        for export in ["q", "s"] {
+            for map in ["--map=qemu:allocation-depth", "--map=base:allocation"] {
+                out.push(ok("nbdinfo", &[map, "--json", &uri(&socket, export)]));
+            }
+            let listed: Value = serde_json::from_str(&ok("nbdinfo", &["--json", &uri(&socket, export)])).unwrap();
+            out.push(listed["exports"][0]["contexts"].to_string());
+        }
+        out
+    };
+    let (vsd, qsd) = (maps(Daemon::vsd, "vsd"), maps(Daemon::qsd, "qsd"));
+    assert_eq!(vsd, qsd);
+    let depths: Value = serde_json::from_str(&vsd[0]).unwrap();
+    let types: Vec<u64> = depths.as_array().unwrap().iter().map(|e| e["type"].as_u64().unwrap()).collect();
+    assert_eq!(types, [2, 0, 1, 0, 1, 0, 1, 0], "backing, absent, local...: {depths}");
 }

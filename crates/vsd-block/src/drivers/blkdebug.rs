@@ -133,10 +133,7 @@ pub(crate) struct BlkdebugNode {
 
 impl BlkdebugNode {
     pub(crate) fn open(name: String, opts: &mut OptionMap, graph: &BlockGraph) -> Result<Self, GraphError> {
-        let child_name = opts.require("image")?;
-        let child = graph
-            .get(&child_name)
-            .ok_or_else(|| GraphError::NoSuchNode { context: opts.context().into(), name: child_name })?;
+        let child = graph.child(opts, "image")?;
         let rules = parse_rules(opts)?;
         let read_only = opts.take_bool("read-only")?.unwrap_or(false) || child.read_only();
         Ok(Self { name, child, rules: Rules(rules.into()), read_only })
@@ -230,6 +227,10 @@ impl BlockNode for BlkdebugNode {
 
     fn block_status(&self, offset: u64, len: u64) -> io::Result<(crate::Allocation, u64)> {
         self.child.block_status(offset, len)
+    }
+
+    fn allocation_depth(&self, offset: u64, len: u64) -> io::Result<(u32, u64)> {
+        self.child.allocation_depth(offset, len)
     }
 
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {

@@ -7,6 +7,7 @@ mod null;
 mod qcow2;
 mod raw;
 mod rbd;
+mod throttle;
 
 use std::io;
 use std::os::fd::BorrowedFd;
@@ -14,16 +15,19 @@ use std::sync::Arc;
 
 use vsd_engine::{Completion, IoOp, IoQueue};
 
+use crate::dirty::DirtyBitmaps;
 use crate::options::OptionMap;
 use crate::{BlockGraph, BlockNode, Cache, GraphError};
 
 /// Opens a `driver` node; `active` is false for a node opened inactive
-/// (`active=off`), which must write nothing to its image.
+/// (`active=off`), which must write nothing to its image; `bitmaps` are the
+/// graph node's, which a format may keep in its image.
 pub(crate) fn open(
     driver: &str,
     name: String,
     cache: Cache,
     active: bool,
+    bitmaps: &Arc<DirtyBitmaps>,
     opts: &mut OptionMap,
     graph: &BlockGraph,
 ) -> Result<Arc<dyn BlockNode>, GraphError> {
@@ -31,10 +35,11 @@ pub(crate) fn open(
         "file" => Ok(Arc::new(file::FileNode::open(name, cache, active, false, opts)?)),
         "host_device" => Ok(Arc::new(file::FileNode::open(name, cache, active, true, opts)?)),
         "raw" => Ok(Arc::new(raw::RawNode::open(name, opts, graph)?)),
-        "qcow2" => Ok(Arc::new(qcow2::Qcow2Node::open(name, cache, active, opts, graph)?)),
+        "qcow2" => Ok(Arc::new(qcow2::Qcow2Node::open(name, cache, active, bitmaps, opts, graph)?)),
         "null-co" => Ok(Arc::new(null::NullNode::open(name, opts)?)),
         "blkdebug" => Ok(Arc::new(blkdebug::BlkdebugNode::open(name, opts, graph)?)),
         "rbd" => Ok(Arc::new(rbd::RbdNode::open(name, cache, opts, graph)?)),
+        "throttle" => Ok(Arc::new(throttle::ThrottleNode::open(name, opts, graph)?)),
         _ => Err(GraphError::UnknownDriver { context: opts.context().into(), driver: driver.into() }),
     }
 }

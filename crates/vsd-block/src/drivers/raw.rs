@@ -31,10 +31,7 @@ struct Window {
 impl RawNode {
     pub(crate) fn open(name: String, opts: &mut OptionMap, graph: &BlockGraph) -> Result<Self, GraphError> {
         let context = opts.context().to_string();
-        let child_name = opts.require("file")?;
-        let child = graph
-            .get(&child_name)
-            .ok_or_else(|| GraphError::NoSuchNode { context: context.clone(), name: child_name })?;
+        let child = graph.child(opts, "file")?;
         let offset = opts.take_size("offset")?.unwrap_or(0);
         let room = child.size().checked_sub(offset).ok_or_else(|| GraphError::Invalid {
             context: context.clone(),
@@ -101,6 +98,10 @@ impl BlockNode for RawNode {
 
     fn block_status(&self, offset: u64, len: u64) -> io::Result<(Allocation, u64)> {
         self.child.block_status(offset + self.window.offset, len)
+    }
+
+    fn allocation_depth(&self, offset: u64, len: u64) -> io::Result<(u32, u64)> {
+        self.child.allocation_depth(offset + self.window.offset, len)
     }
 
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {

@@ -231,6 +231,16 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// A QMP monitor on `socket`, as `--chardev` and `--monitor` arguments.
+pub fn monitor(socket: &Path) -> Vec<String> {
+    vec![
+        "--chardev".into(),
+        format!("socket,id=m,path={},server=on,wait=off", socket.display()),
+        "--monitor".into(),
+        "chardev=m".into(),
+    ]
+}
+
 /// Runs a command to completion, failing the test if it cannot start.
 pub fn run(program: &str, args: &[&str]) -> Output {
     Command::new(program).args(args).output().unwrap_or_else(|e| panic!("cannot run {program}: {e}"))

@@ -11,10 +11,11 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
 use vsd_qcow2::buf::AlignedBuf;
-use vsd_qcow2::{FormatError, Image, SyncIo};
+use vsd_qcow2::{FormatError, Image, MapMemo, Mapping, StoredBitmap, SyncIo};
 
 use super::child::ChildQueue;
 use super::file::FileNode;
+use crate::dirty::{DirtyBitmaps, Persisted};
 use crate::options::OptionMap;
 use crate::{BlockGraph, BlockNode, Cache, Claim, ClaimGuard, GraphError, IoQueue, LockError, Perms};
 use queue::Qcow2Queue;
@@ -38,6 +39,9 @@ pub(crate) struct Qcow2Node {
     backing: Option<Arc<dyn BlockNode>>,
     /// What the node holds of its images while active (image locks).
     claims: Mutex<Vec<ClaimGuard>>,
+    /// The graph node's dirty bitmaps, whose persistent ones live in the
+    /// image (loaded while active and writable, stored when handed over).
+    bitmaps: Arc<DirtyBitmaps>,
 }
 
 /// What a qcow2 node needs of its image file (and external data file), as
@@ -87,6 +91,7 @@ impl Qcow2Node {
         name: String,
         cache: Cache,
         active: bool,
+        bitmaps: &Arc<DirtyBitmaps>,
         opts: &mut OptionMap,
         graph: &BlockGraph,
     ) -> Result<Self, GraphError> {
@@ -112,7 +117,16 @@ impl Qcow2Node {
             cache_clean_interval: opts.take_u64("cache-clean-interval")?.unwrap_or(600),
             inactive: !active,
         };
-        Self::build(name, &context, file, backing, data_file, &settings, &mut Vec::new())
+        let mut node = Self::build(name, &context, file, backing, data_file, &settings, &mut Vec::new())?;
+        node.bitmaps = bitmaps.clone();
+        if active {
+            node.load_bitmaps().map_err(|source| GraphError::Host {
+                context,
+                what: "cannot load its dirty bitmaps".into(),
+                source,
+            })?;
+        }
+        Ok(node)
     }
 
     /// Opens the image on `file`; `chain` holds the files of the images
@@ -152,7 +166,8 @@ impl Qcow2Node {
             has_backing,
             lazy_refcounts: settings.lazy_refcounts,
             refcount_cache_bytes: settings.refcount_cache_bytes,
-            keep_bitmaps: false,
+            // A writable image keeps its persistent bitmaps up to date.
+            keep_bitmaps: !settings.read_only,
         };
         let locked = |e: LockError| invalid(e.to_string());
         // Before anything is read or written: another process may own it.
@@ -204,6 +219,7 @@ impl Qcow2Node {
             data,
             backing,
             claims: Mutex::new(file_claims),
+            bitmaps: Arc::default(),
         };
         if !settings.inactive {
             let children = node.claim_children().map_err(locked)?;
@@ -247,6 +263,53 @@ impl Qcow2Node {
         let image = read_image(&*self.file, options)?;
         *self.image.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(image);
         self.clean_caches()
+    }
+
+    /// Loads the image's persistent bitmaps and flags them in use, so that
+    /// a crash leaves them inconsistent (QEMU's protocol); none from an
+    /// image opened read-only.
+    fn load_bitmaps(&self) -> io::Result<()> {
+        if !self.options.writable {
+            return Ok(());
+        }
+        let stored = self.with_io(|image, io| {
+            let stored = image.load_bitmaps(io)?;
+            image.mark_bitmaps_in_use(io)?;
+            Ok(stored)
+        })?;
+        let persisted = stored.into_iter().map(|b| Persisted {
+            name: b.name,
+            granularity: b.granularity,
+            enabled: b.enabled,
+            inconsistent: b.in_use,
+            words: b.words,
+        });
+        self.bitmaps.load(self.image().size(), persisted.collect());
+        Ok(())
+    }
+
+    /// Writes the persistent bitmaps to the image: with their bits at a
+    /// clean stop, or (`in_use`) only flagged, after one was removed.
+    fn store_bitmaps(&self, in_use: bool) -> io::Result<()> {
+        let stored: Vec<StoredBitmap> = self
+            .bitmaps
+            .persistent(in_use)
+            .into_iter()
+            .map(|p| StoredBitmap {
+                name: p.name,
+                granularity: p.granularity,
+                in_use: p.inconsistent,
+                enabled: p.enabled,
+                words: p.words,
+            })
+            .collect();
+        self.with_io(|image, io| image.store_bitmaps(io, &stored))
+    }
+
+    /// How the image maps the bytes from `offset`, and for how many of them.
+    fn mapping(&self, offset: u64, len: u64) -> io::Result<(Mapping, u64)> {
+        let extent = self.with_io(|image, io| image.map(&mut MapMemo::default(), &mut *io.meta, offset, len))?;
+        Ok((extent.mapping, extent.len.clamp(1, len)))
     }
 
     /// Drops unused cache entries of the image now open every
@@ -412,20 +475,32 @@ impl BlockNode for Qcow2Node {
         if !self.image().writable() {
             return Ok(());
         }
+        self.store_bitmaps(false)?;
         self.with_io(|image, io| image.close(io))
     }
 
     fn inactivate(&self) -> io::Result<()> {
-        // Metadata written back and the image marked clean, as at a clean
-        // stop; then nothing cached is kept, and no lock.
+        // Metadata and bitmaps written back and the image marked clean, as
+        // at a clean stop; then nothing cached is kept, and no lock.
         self.close()?;
+        self.bitmaps.drop_persistent();
         self.claims().clear();
         self.reopen(read_only(&self.options))
     }
 
     fn activate(&self) -> io::Result<()> {
         *self.claims() = self.claim_images().map_err(io::Error::other)?;
-        self.reopen(self.options.clone())
+        self.reopen(self.options.clone())?;
+        self.load_bitmaps()
+    }
+
+    fn can_store_bitmaps(&self) -> bool {
+        let image = self.image();
+        image.writable() && image.header().version >= 3
+    }
+
+    fn persistent_bitmap_removed(&self) -> io::Result<()> {
+        self.store_bitmaps(true)
     }
 
     fn resize(&self, size: u64) -> io::Result<()> {
@@ -435,15 +510,28 @@ impl BlockNode for Qcow2Node {
     /// Clusters as the image maps them: zero clusters are holes, and
     /// unallocated ones are what the backing file says (holes without one).
     fn block_status(&self, offset: u64, len: u64) -> io::Result<(crate::Allocation, u64)> {
-        use vsd_qcow2::{MapMemo, Mapping};
-        let extent = self.with_io(|image, io| image.map(&mut MapMemo::default(), &mut *io.meta, offset, len))?;
-        let n = extent.len.clamp(1, len);
-        match (extent.mapping, &self.backing) {
+        let (mapping, n) = self.mapping(offset, len)?;
+        match (mapping, &self.backing) {
             (Mapping::Data { .. } | Mapping::Compressed { .. }, _) => Ok((crate::Allocation::Data, n)),
             (Mapping::Unallocated, Some(backing)) if offset < backing.size() => {
                 backing.block_status(offset, n.min(backing.size() - offset))
             }
             (Mapping::Zero | Mapping::Unallocated, _) => Ok((crate::Allocation::Hole, n)),
+            (Mapping::Invalid, _) => Err(io::Error::from_raw_os_error(libc::EIO)),
+        }
+    }
+
+    /// Data and zero clusters are this image's; unallocated ones one layer
+    /// deeper than the backing file has them, if it does.
+    fn allocation_depth(&self, offset: u64, len: u64) -> io::Result<(u32, u64)> {
+        let (mapping, n) = self.mapping(offset, len)?;
+        match (mapping, &self.backing) {
+            (Mapping::Data { .. } | Mapping::Compressed { .. } | Mapping::Zero, _) => Ok((1, n)),
+            (Mapping::Unallocated, Some(backing)) if offset < backing.size() => {
+                let (depth, n) = backing.allocation_depth(offset, n.min(backing.size() - offset))?;
+                Ok((if depth == 0 { 0 } else { depth + 1 }, n))
+            }
+            (Mapping::Unallocated, _) => Ok((0, n)),
             (Mapping::Invalid, _) => Err(io::Error::from_raw_os_error(libc::EIO)),
         }
     }

@@ -15,10 +15,17 @@
 //! a load more and, unless the range is already dirty, one `fetch_or` per
 //! word the write covers (one for writes within 64 granules).
 
+mod bitmap;
+mod set;
+
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use vsd_engine::IoOp;
+
+use bitmap::Words;
+pub use bitmap::{Bitmap, BitmapInfo, BusyGuard};
+pub use set::DirtySet;
 
 /// The longest name QEMU stores (`BDRV_BITMAP_MAX_NAME_SIZE`).
 pub const MAX_NAME_LEN: usize = 1023;
@@ -80,6 +87,36 @@ pub trait BeforeWrite: Send + Sync {
     fn before_write(&self, offset: u64, len: u64);
 }
 
+/// Held to read bitmaps' states for recording, or to change several at
+/// once ([`batch`]).
+static CHANGES: RwLock<()> = RwLock::new(());
+
+/// Runs `changes` to bitmaps (of any nodes) as one: a writer records each
+/// write in the bitmaps as they were before, or as they are after, or
+/// both, never in a mix (QMP's `transaction`: a write between disabling
+/// one bitmap and adding its successor is in one of them). Writers wait
+/// for it: `changes` must not write to a node itself.
+pub fn batch<T>(changes: impl FnOnce() -> T) -> T {
+    let _batch = CHANGES.write().unwrap_or_else(PoisonError::into_inner);
+    changes()
+}
+
+/// A persistent bitmap as an image format stores it: bit i covers bytes
+/// `i * granularity..`, bit `i % 64` of `words[i / 64]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Persisted {
+    /// Its name.
+    pub name: String,
+    /// Bytes per bit.
+    pub granularity: u64,
+    /// Whether it records writes.
+    pub enabled: bool,
+    /// Whether its bits mean nothing (in use when the image was left).
+    pub inconsistent: bool,
+    /// Its bits (none if inconsistent).
+    pub words: Vec<u64>,
+}
+
 /// The bitmaps of one node, and the hook its writes wait for, if any.
 #[derive(Default)]
 pub struct DirtyBitmaps {
@@ -128,17 +165,10 @@ impl DirtyBitmaps {
         self.list().clone()
     }
 
-    /// Removes bitmap `name`, unless something uses it.
-    pub fn remove(&self, name: &str) -> Result<Arc<Bitmap>, BitmapError> {
-        let mut list = self.list();
-        let at = list.iter().position(|b| b.name == name).ok_or_else(|| BitmapError::NotFound(name.into()))?;
-        if list[at].state().busy {
-            return Err(BitmapError::Busy(name.into()));
-        }
-        let bitmap = list.remove(at);
-        drop(list);
+    /// Removes the bitmap `guard` holds.
+    pub fn remove_held(&self, guard: BusyGuard) {
+        self.list().retain(|b| !Arc::ptr_eq(b, guard.bitmap()));
         self.changed();
-        Ok(bitmap)
     }
 
     /// Starts or stops `bitmap` recording writes.
@@ -169,6 +199,53 @@ impl DirtyBitmaps {
         }
     }
 
+    /// Adds the bitmaps an image holds, for a node of `size` bytes (those
+    /// of a name already taken are skipped, with a warning).
+    pub fn load(&self, size: u64, stored: Vec<Persisted>) {
+        for p in stored {
+            let options = BitmapOptions { granularity: p.granularity, persistent: true, enabled: p.enabled };
+            match self.add(&p.name, size, options) {
+                Ok(bitmap) => {
+                    let mut state = bitmap.state();
+                    state.inconsistent = p.inconsistent;
+                    for (word, bits) in state.words.words.iter().zip(p.words) {
+                        word.store(bits, Ordering::SeqCst);
+                    }
+                }
+                Err(e) => log::warn!("bitmap '{}' stored in the image is not loaded: {e}", p.name),
+            }
+        }
+    }
+
+    /// The persistent bitmaps, as an image is to store them; `in_use`
+    /// leaves their bits out (the image only flags them, while open).
+    pub fn persistent(&self, in_use: bool) -> Vec<Persisted> {
+        let list = self.list();
+        let persistent = list.iter().filter(|b| b.persistent).map(|b| {
+            let state = b.state();
+            let keep_bits = !in_use && !state.inconsistent;
+            Persisted {
+                name: b.name.clone(),
+                granularity: b.granularity,
+                enabled: state.enabled,
+                inconsistent: in_use || state.inconsistent,
+                words: if keep_bits {
+                    state.words.words.iter().map(|w| w.load(Ordering::SeqCst)).collect()
+                } else {
+                    Vec::new()
+                },
+            }
+        });
+        persistent.collect()
+    }
+
+    /// Forgets the persistent bitmaps: the image now belongs to another
+    /// process (the other end of a migration), which loads them.
+    pub fn drop_persistent(&self) {
+        self.list().retain(|b| !b.persistent);
+        self.changed();
+    }
+
     /// Makes every write wait for `hook` first (`None`: no more). Writes
     /// already past their recorder are not waited for: the caller decides
     /// whether they count.
@@ -179,10 +256,8 @@ impl DirtyBitmaps {
 
     /// A recorder for one writer of the node.
     pub fn recorder(self: &Arc<Self>) -> DirtyRecorder {
-        let mut recorder =
-            DirtyRecorder { bitmaps: self.clone(), seen: u64::MAX, targets: Vec::new(), hook: None };
-        recorder.refresh();
-        recorder
+        // No generation is u64::MAX: the first write looks the bitmaps up.
+        DirtyRecorder { bitmaps: self.clone(), seen: u64::MAX, targets: Vec::new(), hook: None }
     }
 }
 
@@ -191,353 +266,6 @@ fn check_name(name: &str) -> Result<(), BitmapError> {
         0 => Err(BitmapError::EmptyName),
         n if n > MAX_NAME_LEN => Err(BitmapError::NameTooLong(name.into())),
         _ => Ok(()),
-    }
-}
-
-/// One named bitmap.
-pub struct Bitmap {
-    name: String,
-    granularity: u64,
-    /// log2 of the granularity.
-    shift: u32,
-    persistent: bool,
-    state: Mutex<BitmapState>,
-}
-
-struct BitmapState {
-    enabled: bool,
-    /// A job or export uses it: it cannot be changed or removed.
-    busy: bool,
-    inconsistent: bool,
-    words: Arc<Words>,
-}
-
-/// What `query-named-block-nodes` shows of a bitmap.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BitmapInfo {
-    /// Its name.
-    pub name: String,
-    /// Dirty bytes (whole granules).
-    pub count: u64,
-    /// Bytes per bit.
-    pub granularity: u64,
-    /// Whether it records writes.
-    pub recording: bool,
-    /// Whether something uses it.
-    pub busy: bool,
-    /// Whether it is kept in the image.
-    pub persistent: bool,
-    /// Whether a crash left its contents unknown.
-    pub inconsistent: bool,
-}
-
-impl Bitmap {
-    fn new(name: String, size: u64, options: BitmapOptions) -> Self {
-        let shift = options.granularity.trailing_zeros();
-        let state = BitmapState {
-            enabled: options.enabled,
-            busy: false,
-            inconsistent: false,
-            words: Arc::new(Words::new(size, shift)),
-        };
-        Self { name, granularity: options.granularity, shift, persistent: options.persistent, state: Mutex::new(state) }
-    }
-
-    fn state(&self) -> MutexGuard<'_, BitmapState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn words(&self) -> Arc<Words> {
-        self.state().words.clone()
-    }
-
-    /// Its name.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// Bytes per bit.
-    pub fn granularity(&self) -> u64 {
-        self.granularity
-    }
-
-    /// What QMP shows of it.
-    pub fn info(&self) -> BitmapInfo {
-        let state = self.state();
-        BitmapInfo {
-            name: self.name.clone(),
-            count: state.words.count() << self.shift,
-            granularity: self.granularity,
-            recording: state.enabled,
-            busy: state.busy,
-            persistent: self.persistent,
-            inconsistent: state.inconsistent,
-        }
-    }
-
-    /// Refuses a bitmap that is busy or inconsistent (QEMU's default check).
-    pub fn usable(&self) -> Result<(), BitmapError> {
-        let state = self.state();
-        if state.busy {
-            Err(BitmapError::Busy(self.name.clone()))
-        } else if state.inconsistent {
-            Err(BitmapError::Inconsistent(self.name.clone()))
-        } else {
-            Ok(())
-        }
-    }
-
-    /// Marks every bit clean.
-    pub fn clear(&self) -> Result<(), BitmapError> {
-        self.usable()?;
-        self.words().clear();
-        Ok(())
-    }
-
-    /// Sets in this bitmap every byte dirty in `source` (of any granularity).
-    pub fn merge(&self, source: &Bitmap) -> Result<(), BitmapError> {
-        self.usable()?;
-        source.usable()?;
-        self.check_merge(source)?;
-        let (target, from) = (self.words(), source.words());
-        let mut at = 0;
-        while let Some((offset, len)) = from.next_dirty(at, source.shift) {
-            target.set(offset, len, self.shift);
-            at = offset + len;
-        }
-        Ok(())
-    }
-
-    /// Refuses to merge `source` into this bitmap if their sizes differ.
-    pub fn check_merge(&self, source: &Bitmap) -> Result<(), BitmapError> {
-        let (target, merged) = (self.words().size, source.words().size);
-        if target == merged { Ok(()) } else { Err(BitmapError::Sizes { target, merged }) }
-    }
-
-    /// Whether the bytes from `offset` are dirty, and for how many of them
-    /// (1 to `len`; the range lies inside the node): NBD's block status.
-    pub fn status(&self, offset: u64, len: u64) -> (bool, u64) {
-        self.words().status(offset, len, self.shift)
-    }
-
-    /// Takes the bitmap for an export or a job until the guard drops.
-    pub fn take(self: &Arc<Self>) -> Result<BusyGuard, BitmapError> {
-        self.usable()?;
-        self.state().busy = true;
-        Ok(BusyGuard(self.clone()))
-    }
-}
-
-/// A bitmap in use: it cannot be changed or removed while this lives.
-pub struct BusyGuard(Arc<Bitmap>);
-
-impl BusyGuard {
-    /// The bitmap.
-    pub fn bitmap(&self) -> &Arc<Bitmap> {
-        &self.0
-    }
-
-    /// Takes every dirty bit out of the bitmap, which goes on recording
-    /// from clean: what was dirty until now, for a backup to copy.
-    pub fn split(&self) -> DirtySet {
-        let words = self.0.words();
-        let bits = words.words.iter().map(|w| w.swap(0, Ordering::SeqCst)).collect();
-        DirtySet { bits, shift: self.0.shift, size: words.size }
-    }
-
-    /// Marks dirty again what `set` holds (of any granularity): what a
-    /// backup did not copy.
-    pub fn restore(&self, set: &DirtySet) {
-        let words = self.0.words();
-        let mut index = 0;
-        while let Some(dirty) = set.next_dirty(index) {
-            words.set(dirty << set.shift, 1 << set.shift, self.0.shift);
-            index = dirty + 1;
-        }
-    }
-}
-
-/// Dirty bits taken out of a bitmap ([`BusyGuard::split`]), or made for a
-/// whole node ([`DirtySet::all`]).
-#[derive(Clone, Debug)]
-pub struct DirtySet {
-    bits: Vec<u64>,
-    shift: u32,
-    size: u64,
-}
-
-impl DirtySet {
-    /// Every byte of a node of `size` bytes dirty, at `granularity` (a
-    /// power of two).
-    pub fn all(size: u64, granularity: u64) -> Self {
-        let mut set = Self::clean_set(size, granularity);
-        let count = size.div_ceil(granularity);
-        set.bits.fill(u64::MAX);
-        if let Some(last) = set.bits.last_mut().filter(|_| !count.is_multiple_of(64)) {
-            *last = u64::MAX >> (64 - count % 64);
-        }
-        set
-    }
-
-    /// No byte dirty.
-    pub fn clean_set(size: u64, granularity: u64) -> Self {
-        let bits = vec![0; size.div_ceil(granularity).div_ceil(64) as usize];
-        Self { bits, shift: granularity.trailing_zeros(), size }
-    }
-
-    /// The same bytes at a coarser `granularity`: a granule is dirty if any
-    /// byte of it was.
-    pub fn coarsen(&self, granularity: u64) -> Self {
-        let mut out = Self::clean_set(self.size, granularity.max(self.granularity()));
-        let mut index = 0;
-        while let Some(dirty) = self.next_dirty(index) {
-            out.mark((dirty << self.shift) >> out.shift);
-            index = dirty + 1;
-        }
-        out
-    }
-
-    fn mark(&mut self, index: u64) {
-        if let Some(word) = self.bits.get_mut((index / 64) as usize) {
-            *word |= 1 << (index % 64);
-        }
-    }
-
-    /// Bytes per bit.
-    pub fn granularity(&self) -> u64 {
-        1 << self.shift
-    }
-
-    /// Dirty bytes, in whole granules.
-    pub fn count(&self) -> u64 {
-        self.bits.iter().map(|w| u64::from(w.count_ones())).sum::<u64>() << self.shift
-    }
-
-    /// Whether granule `index` is dirty.
-    pub fn is_dirty(&self, index: u64) -> bool {
-        self.bits.get((index / 64) as usize).is_some_and(|w| w & (1 << (index % 64)) != 0)
-    }
-
-    /// Marks granule `index` clean.
-    pub fn clean(&mut self, index: u64) {
-        if let Some(word) = self.bits.get_mut((index / 64) as usize) {
-            *word &= !(1 << (index % 64));
-        }
-    }
-
-    /// The first dirty granule at or after `index`.
-    pub fn next_dirty(&self, index: u64) -> Option<u64> {
-        let mut word = (index / 64) as usize;
-        let mut bits = *self.bits.get(word)? & (u64::MAX << (index % 64));
-        loop {
-            if bits != 0 {
-                return Some(word as u64 * 64 + u64::from(bits.trailing_zeros()));
-            }
-            word += 1;
-            bits = *self.bits.get(word)?;
-        }
-    }
-
-    /// The size of the node the set covers.
-    pub fn size(&self) -> u64 {
-        self.size
-    }
-}
-
-impl Drop for BusyGuard {
-    fn drop(&mut self) {
-        self.0.state().busy = false;
-    }
-}
-
-/// The bits of a bitmap for a node of `size` bytes.
-struct Words {
-    size: u64,
-    bits: u64,
-    words: Box<[AtomicU64]>,
-}
-
-impl Words {
-    fn new(size: u64, shift: u32) -> Self {
-        let bits = size.div_ceil(1 << shift);
-        let words = (0..bits.div_ceil(64)).map(|_| AtomicU64::new(0)).collect();
-        Self { size, bits, words }
-    }
-
-    /// Marks bytes `offset..offset + len` dirty (those inside the node).
-    #[inline]
-    fn set(&self, offset: u64, len: u64, shift: u32) {
-        if len == 0 || offset >= self.size {
-            return;
-        }
-        let first = offset >> shift;
-        let last = ((offset + len - 1) >> shift).min(self.bits - 1);
-        for index in first / 64..=last / 64 {
-            let low = if index == first / 64 { first % 64 } else { 0 };
-            let high = if index == last / 64 { last % 64 } else { 63 };
-            let mask = (u64::MAX >> (63 - high)) & (u64::MAX << low);
-            let word = &self.words[index as usize];
-            // Already dirty (the common case for a busy region): no write
-            // to a line other queues may be reading.
-            if word.load(Ordering::Relaxed) & mask != mask {
-                word.fetch_or(mask, Ordering::SeqCst);
-            }
-        }
-    }
-
-    fn clear(&self) {
-        self.words.iter().for_each(|w| w.store(0, Ordering::SeqCst));
-    }
-
-    fn count(&self) -> u64 {
-        self.words.iter().map(|w| u64::from(w.load(Ordering::Relaxed).count_ones())).sum()
-    }
-
-    fn bit(&self, index: u64) -> bool {
-        self.words[(index / 64) as usize].load(Ordering::Relaxed) & (1 << (index % 64)) != 0
-    }
-
-    /// The first dirty run at or after byte `from`, in bytes, clamped to the node.
-    fn next_dirty(&self, from: u64, shift: u32) -> Option<(u64, u64)> {
-        if from >= self.size {
-            return None;
-        }
-        let mut bit = from >> shift;
-        while bit < self.bits && !self.bit(bit) {
-            bit += 1;
-        }
-        if bit >= self.bits {
-            return None;
-        }
-        let start = bit;
-        while bit < self.bits && self.bit(bit) {
-            bit += 1;
-        }
-        let offset = (start << shift).max(from);
-        Some((offset, (bit << shift).min(self.size) - offset))
-    }
-
-    fn status(&self, offset: u64, len: u64, shift: u32) -> (bool, u64) {
-        if offset >= self.size {
-            return (false, len); // the node grew and the bitmap not yet
-        }
-        let end = offset + len;
-        let dirty = self.bit(offset >> shift);
-        let mut bit = (offset >> shift) + 1;
-        while bit << shift < end && self.bit(bit) == dirty {
-            bit += 1;
-        }
-        (dirty, (bit << shift).min(end) - offset)
-    }
-
-    fn or_from(&self, other: &Words) {
-        for (to, from) in self.words.iter().zip(other.words.iter()) {
-            to.fetch_or(from.load(Ordering::SeqCst), Ordering::SeqCst);
-        }
-        // Bits past this size came from a larger node.
-        if let Some(last) = self.words.last().filter(|_| !self.bits.is_multiple_of(64)) {
-            last.fetch_and(u64::MAX >> (64 - self.bits % 64), Ordering::SeqCst);
-        }
     }
 }
 
@@ -589,6 +317,8 @@ impl DirtyRecorder {
     }
 
     fn refresh(&mut self) {
+        // Never in the middle of a batch of changes: all or none of them.
+        let _batch = CHANGES.read().unwrap_or_else(PoisonError::into_inner);
         self.seen = self.bitmaps.generation.load(Ordering::SeqCst);
         self.hook = self.bitmaps.hook.lock().unwrap_or_else(PoisonError::into_inner).clone();
         self.targets.clear();
@@ -697,9 +427,9 @@ mod tests {
         assert_eq!(b.take().err(), Some(busy()));
         assert_eq!(b.clear(), Err(busy()));
         assert_eq!(set.set_enabled(&b, false), Err(busy()));
-        assert_eq!(set.remove("b").err(), Some(busy()));
+        assert_eq!(b.hold().err(), Some(busy()));
         drop(guard);
-        assert_eq!(set.remove("b").unwrap().name(), "b");
+        set.remove_held(b.hold().unwrap());
         assert_eq!(set.get("b").err(), Some(BitmapError::NotFound("b".into())));
     }
 
@@ -716,7 +446,10 @@ mod tests {
         recorder.record(&write(2 * MIB, 4096)); // recorded after the split: stays in the bitmap
         let clusters = taken.coarsen(65536);
         assert_eq!((clusters.granularity(), clusters.count()), (65536, 2 * 65536));
-        assert_eq!((clusters.next_dirty(0), clusters.next_dirty(1), clusters.next_dirty(17)), (Some(0), Some(16), None));
+        assert_eq!(
+            (clusters.next_dirty(0), clusters.next_dirty(1), clusters.next_dirty(17)),
+            (Some(0), Some(16), None)
+        );
         let mut uncopied = clusters.clone();
         uncopied.clean(0);
         guard.restore(&uncopied);
@@ -743,6 +476,33 @@ mod tests {
         set.set_hook(None);
         recorder.record(&write(0, 512));
         assert_eq!(*log.0.lock().unwrap(), [(4096, 512), (0, 8192)]);
+    }
+
+    #[test]
+    fn a_batch_of_changes_loses_no_write_between_its_bitmaps() {
+        const SIZE: u64 = 8 * MIB;
+        let set = Arc::new(DirtyBitmaps::default());
+        let mut previous = set.add("c0", SIZE, options(512)).unwrap();
+        let mut recorder = set.recorder();
+        let writer = std::thread::spawn(move || {
+            for i in 0..SIZE / 512 {
+                recorder.record(&write(i * 512, 512));
+            }
+        });
+        let mut checkpoints = vec![previous.clone()];
+        while !writer.is_finished() && checkpoints.len() < 500 {
+            // A checkpoint: the next bitmap starts as the previous stops.
+            let next = batch(|| {
+                set.set_enabled(&previous, false).unwrap();
+                set.add(&format!("c{}", checkpoints.len()), SIZE, options(512)).unwrap()
+            });
+            checkpoints.push(next.clone());
+            previous = next;
+        }
+        writer.join().unwrap();
+        let all = set.add("all", SIZE, BitmapOptions { enabled: false, ..options(512) }).unwrap();
+        checkpoints.iter().for_each(|c| all.merge(c).unwrap());
+        assert_eq!(all.info().count, SIZE, "every write is in one checkpoint or another ({})", checkpoints.len());
     }
 
     #[test]
