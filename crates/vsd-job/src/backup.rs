@@ -33,6 +33,9 @@ use crate::{ErrorPolicy, Job, JobBody, strerror};
 pub const CLUSTER: u64 = 65536;
 /// Clusters copied at once in the background.
 const RUN: u64 = 16;
+/// How long a run that failed under the `ignore` policy waits before it is
+/// tried again.
+const RETRY_DELAY: Duration = Duration::from_millis(100);
 
 /// What the backup copies (QAPI's `MirrorSyncMode`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -406,6 +409,9 @@ impl Run<'_> {
             };
             if self.background(first, count)? {
                 cursor = first + count;
+            } else {
+                // Tried again after a while: a lasting error does not spin.
+                self.job.wait(Some(Instant::now() + RETRY_DELAY));
             }
         }
     }

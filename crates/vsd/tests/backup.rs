@@ -561,3 +561,33 @@ fn what_vsd_refuses_beyond_qemu() {
     qmp.await_event("JOB_STATUS_CHANGE", json!({"status": "null", "id": "a"}));
     qmp.ok("block_resize", json!({"node-name": "tgt", "size": 32 * MIB}));
 }
+
+#[test]
+fn a_source_read_error_is_retried_under_ignore() {
+    let dir = Scratch::new("backup-source-error");
+    let size = 16 * MIB;
+    let image = dir.image("src.img", size);
+    std::fs::write(&image, common::pattern(7, size as usize)).unwrap();
+    let mut args = vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=sf,filename={}", image.display()),
+        "--blockdev".into(),
+        "driver=blkdebug,node-name=src,image=sf,inject-error.0.iotype=read,inject-error.0.sector=8192,inject-error.0.once=on".into(),
+    ];
+    args.extend(file_nodes(&dir, &[("tgt", size)]));
+    let socket = dir.path("qmp.sock");
+    args.extend(monitor(&socket));
+    let _daemon = Daemon::vsd(&dir, &args);
+    let mut qmp = Qmp::connect(&socket);
+    let backup = json!({"job-id": "r", "device": "src", "target": "tgt", "sync": "full", "on-source-error": "ignore"});
+    qmp.ok("blockdev-backup", backup);
+    let error = qmp.await_event("BLOCK_JOB_ERROR", json!({"device": "r"}));
+    assert_eq!(error, json!({"device": "r", "operation": "read", "action": "ignore"}));
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "r"}));
+    assert!(done.get("error").is_none(), "{done}");
+    let out = run(
+        "qemu-img",
+        &["compare", "-f", "raw", "-F", "raw", image.to_str().unwrap(), dir.path("tgt.img").to_str().unwrap()],
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+}
