@@ -324,6 +324,11 @@ fn a_full_backup_holds_the_disk_as_it_was_when_the_job_started() {
     nbd_write(&nbd, "rw", 30 * MIB - 32 * KIB, CLUSTER, 0x22);
     nbd_write(&nbd, "rw", 50 * MIB, 3 * MIB, 0);
     nbd_write(&nbd, "rw", 0, 4096, 0x22);
+    // A paused job still copies what writes wait for.
+    qmp.ok("job-pause", json!({"id": "b"}));
+    qmp.await_event("JOB_STATUS_CHANGE", json!({"status": "paused", "id": "b"}));
+    nbd_write(&nbd, "rw", 20 * MIB, 4096, 0x22);
+    qmp.ok("job-resume", json!({"id": "b"}));
     // A vhost-user client writes on while the job runs at full speed.
     let mut client = daemon.connect(ClientOptions::default());
     let mut queue = client.take_queue(0).unwrap();
@@ -351,6 +356,7 @@ fn a_full_backup_holds_the_disk_as_it_was_when_the_job_started() {
     let source = |at: u64| match at {
         0..4096 => 0x22,
         _ if (10 * MIB + 4096..10 * MIB + 8192).contains(&at) => 0x22,
+        _ if (20 * MIB..20 * MIB + 4096).contains(&at) => 0x22,
         _ if (30 * MIB - 32 * KIB..30 * MIB + 32 * KIB).contains(&at) => 0x22,
         _ if (50 * MIB..53 * MIB).contains(&at) => 0,
         _ => 0x11,
