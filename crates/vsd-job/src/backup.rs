@@ -422,8 +422,8 @@ impl JobBody for Backup {
         let (source, target) = (self.spec.source.clone(), self.spec.target.clone());
         let bitmaps = source.dirty_bitmaps().cloned().ok_or("the source keeps no dirty bitmaps")?;
         let copier = Copier::open(&source, &target)?;
-        // Taken at the same moment as the hook is installed: writes from
-        // now on are in the bitmap again, and their old data in the copy.
+        // Split just before the hook goes in: a write in between is in the
+        // bitmap again (the next backup copies it) and maybe in this copy.
         let taken = self.spec.bitmap.as_ref().map(|(guard, _)| guard.split());
         let belongs: Box<dyn Fn(u64) -> bool> = match (&taken, self.spec.sync) {
             (Some(set), Sync::Bitmap) => {
@@ -463,15 +463,16 @@ impl JobBody for Backup {
 
     fn abort(&mut self) {
         let (Some((guard, mode)), Some(taken)) = (&self.spec.bitmap, &self.taken) else { return };
-        let mut back = taken.coarsen(CLUSTER);
-        if let (BitmapMode::Always, Some(clusters)) = (mode, &self.clusters) {
-            // Only what was not copied stays dirty.
-            for index in (0..clusters.count()).filter(|&i| clusters.is_done(i)) {
-                back.clean(index);
+        match (mode, &self.clusters) {
+            (BitmapMode::Always, Some(clusters)) => {
+                // Only what was not copied stays dirty.
+                let mut back = taken.coarsen(CLUSTER);
+                for index in (0..clusters.count()).filter(|&i| clusters.is_done(i)) {
+                    back.clean(index);
+                }
+                guard.restore(&back);
             }
-            guard.restore(&back);
-        } else {
-            guard.restore(taken);
+            _ => guard.restore(taken),
         }
     }
 
