@@ -86,12 +86,14 @@ pub struct Backup {
     /// The bitmap's dirty bits, taken out of it when the job started.
     taken: Option<DirtySet>,
     clusters: Option<Arc<Clusters>>,
+    /// The hook, from the job's start until its copying ends.
+    installed: Option<Installed>,
 }
 
 impl Backup {
     /// A backup as `spec` says.
     pub fn new(spec: BackupSpec) -> Self {
-        Self { spec, taken: None, clusters: None }
+        Self { spec, taken: None, clusters: None, installed: None }
     }
 }
 
@@ -418,12 +420,13 @@ impl Run<'_> {
 }
 
 impl JobBody for Backup {
-    fn run(&mut self, job: &Arc<Job>) -> Result<(), String> {
-        let (source, target) = (self.spec.source.clone(), self.spec.target.clone());
+    /// The point in time: the bitmap split and the hook installed, on the
+    /// command's thread (with a transaction's other actions).
+    fn prepare(&mut self, job: &Arc<Job>) -> Result<(), String> {
+        let source = &self.spec.source;
         let bitmaps = source.dirty_bitmaps().cloned().ok_or("the source keeps no dirty bitmaps")?;
-        let copier = Copier::open(&source, &target)?;
-        // Split just before the hook goes in: a write in between is in the
-        // bitmap again (the next backup copies it) and maybe in this copy.
+        // Taken at the same moment as the hook is installed: writes from
+        // now on are in the bitmap again, and their old data in the copy.
         let taken = self.spec.bitmap.as_ref().map(|(guard, _)| guard.split());
         let belongs: Box<dyn Fn(u64) -> bool> = match (&taken, self.spec.sync) {
             (Some(set), Sync::Bitmap) => {
@@ -443,7 +446,15 @@ impl JobBody for Backup {
         self.taken = taken;
         self.clusters = Some(clusters.clone());
         bitmaps.set_hook(Some(Arc::new(Hook(clusters.clone()))));
-        let _installed = Installed { bitmaps, clusters: clusters.clone() };
+        self.installed = Some(Installed { bitmaps, clusters });
+        Ok(())
+    }
+
+    fn run(&mut self, job: &Arc<Job>) -> Result<(), String> {
+        // Removed however the copying ends.
+        let _installed = self.installed.take();
+        let clusters = self.clusters.clone().ok_or("the backup was not prepared")?;
+        let copier = Copier::open(&self.spec.source, &self.spec.target)?;
         let mut run = Run {
             job,
             copier,
@@ -477,7 +488,9 @@ impl JobBody for Backup {
     }
 
     fn clean(&mut self) {
-        // The bitmap is free again, and the clusters' hold on the job goes.
+        // The hook goes (if the job never ran), the bitmap is free again,
+        // and the clusters' hold on the job goes.
+        self.installed = None;
         self.spec.bitmap = None;
         self.clusters = None;
     }

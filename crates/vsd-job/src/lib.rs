@@ -137,6 +137,12 @@ pub enum ErrorPolicy {
 
 /// The job's side of a [`JobBody`]: what the body does.
 pub trait JobBody: Send + 'static {
+    /// What must happen at the moment the job is made, on the caller's
+    /// thread (a backup's point in time: with the other actions of a
+    /// transaction); an error and the job is not made.
+    fn prepare(&mut self, _job: &Arc<Job>) -> Result<(), String> {
+        Ok(())
+    }
     /// The work, on the job's thread; returns once done, on an error, or
     /// once [`Job::cancelled`] says so.
     fn run(&mut self, job: &Arc<Job>) -> Result<(), String>;

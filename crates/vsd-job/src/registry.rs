@@ -43,7 +43,7 @@ impl Jobs {
     }
 
     /// Starts `body` as a job, unless its id is taken (QEMU's words).
-    pub fn start(&self, spec: JobSpec, body: Box<dyn JobBody>) -> Result<Arc<Job>, String> {
+    pub fn start(&self, spec: JobSpec, mut body: Box<dyn JobBody>) -> Result<Arc<Job>, String> {
         let mut list = self.list();
         if self.closed.load(Ordering::SeqCst) {
             return Err("The daemon is shutting down".into());
@@ -52,6 +52,10 @@ impl Jobs {
             return Err(format!("Job ID '{}' already in use", spec.id));
         }
         let job = Job::new(spec, self.emit.clone());
+        if let Err(e) = body.prepare(&job) {
+            job.announce(Status::Null);
+            return Err(e);
+        }
         job.start();
         let runner = job.clone();
         let thread = std::thread::Builder::new()

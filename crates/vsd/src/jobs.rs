@@ -120,7 +120,8 @@ pub(crate) fn busy(node: &str, job: &Job) -> String {
 }
 
 impl Daemon {
-    pub(crate) fn blockdev_backup(&self, args: BackupArgs) -> Reply {
+    /// Starts a backup job (an action of [`Daemon::transaction`]).
+    pub(crate) fn blockdev_backup(&self, args: BackupArgs) -> Result<Arc<Job>, QmpError> {
         let state = self.state();
         let (source, target) = (node(&state, &args.device)?, node(&state, &args.target)?);
         if source.name() == target.name() {
@@ -179,8 +180,7 @@ impl Daemon {
             on_source_error: args.on_source_error.into(),
             on_target_error: args.on_target_error.into(),
         });
-        self.jobs.start(spec, Box::new(backup)).map_err(generic)?;
-        Ok(json!({}))
+        self.jobs.start(spec, Box::new(backup)).map_err(generic)
     }
 
     /// The job for `job-*` commands.

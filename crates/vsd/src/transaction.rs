@@ -1,14 +1,19 @@
 //! QMP's `transaction`: several actions done all or none, as one change
-//! for the writers of the bitmaps they touch (libvirt makes a checkpoint
-//! by adding a bitmap and disabling the previous one in one transaction).
-//! The bitmap commands are transactions of one action.
+//! for the writers of the nodes they touch (libvirt makes a checkpoint by
+//! adding a bitmap and disabling the previous one, and starts a backup
+//! with the bitmap of its next checkpoint, in one transaction). The bitmap
+//! commands and `blockdev-backup` are transactions of one action.
+
+use std::sync::Arc;
 
 use serde::Deserialize;
 use serde_json::{Value, json};
 use vsd_control::qmp::QmpError;
+use vsd_job::Job;
 
-use crate::bitmaps::{BitmapAdd, BitmapMerge, BitmapName, Change, Done, remove_from_image};
+use crate::bitmaps::{self, BitmapAdd, BitmapMerge, BitmapName, Change, remove_from_image};
 use crate::daemon::Daemon;
+use crate::jobs::BackupArgs;
 
 /// One action, as QMP names it (`type`) with its arguments (`data`).
 #[derive(Deserialize)]
@@ -26,20 +31,65 @@ pub(crate) enum Action {
     DisableBitmap(BitmapName),
     #[serde(rename = "block-dirty-bitmap-merge")]
     MergeBitmaps(BitmapMerge),
+    #[serde(rename = "blockdev-backup")]
+    Backup(BackupArgs),
+}
+
+/// An action done, as the transaction finishes or undoes it.
+enum Done {
+    Bitmap(bitmaps::Done),
+    /// A job started: cancelled if the transaction fails.
+    Job(Arc<Job>),
+}
+
+impl Done {
+    fn commit(self) -> Option<Arc<dyn vsd_block::BlockNode>> {
+        match self {
+            Done::Bitmap(done) => done.commit(),
+            Done::Job(_) => None,
+        }
+    }
+
+    fn abort(self) {
+        match self {
+            Done::Bitmap(done) => done.abort(),
+            Done::Job(job) => {
+                if let Err(e) = job.cancel() {
+                    log::warn!("job '{}' of a failed transaction: {e}", job.id());
+                }
+            }
+        }
+    }
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct Transaction {
     actions: Vec<Value>,
-    /// `completion-mode` only matters to jobs, which no action starts.
-    #[serde(default, rename = "properties")]
-    _properties: Option<Value>,
+    #[serde(default)]
+    properties: Properties,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct Properties {
+    /// `individual` (QEMU's default): each job completes on its own.
+    #[serde(default)]
+    completion_mode: Option<String>,
 }
 
 impl Transaction {
     /// The actions, each checked as QEMU's QAPI visitor would.
     pub(crate) fn actions(self) -> Result<Vec<Action>, QmpError> {
+        match self.properties.completion_mode.as_deref() {
+            None | Some("individual") => {}
+            Some("grouped") => {
+                return Err(QmpError::generic("completion-mode 'grouped' is not supported by vsd (use 'individual')"));
+            }
+            Some(other) => {
+                return Err(QmpError::generic(format!("Parameter 'completion-mode' does not accept value '{other}'")));
+            }
+        }
         self.actions
             .into_iter()
             .map(|action| {
@@ -76,12 +126,13 @@ impl Daemon {
 
     fn act(&self, action: Action) -> Result<Done, QmpError> {
         match action {
-            Action::AddBitmap(args) => self.bitmap_add(args),
-            Action::RemoveBitmap(args) => self.bitmap_remove(args),
-            Action::ClearBitmap(args) => self.bitmap_change(args, Change::Clear),
-            Action::EnableBitmap(args) => self.bitmap_change(args, Change::Enable),
-            Action::DisableBitmap(args) => self.bitmap_change(args, Change::Disable),
-            Action::MergeBitmaps(args) => self.bitmap_merge(args),
+            Action::AddBitmap(args) => self.bitmap_add(args).map(Done::Bitmap),
+            Action::RemoveBitmap(args) => self.bitmap_remove(args).map(Done::Bitmap),
+            Action::ClearBitmap(args) => self.bitmap_change(args, Change::Clear).map(Done::Bitmap),
+            Action::EnableBitmap(args) => self.bitmap_change(args, Change::Enable).map(Done::Bitmap),
+            Action::DisableBitmap(args) => self.bitmap_change(args, Change::Disable).map(Done::Bitmap),
+            Action::MergeBitmaps(args) => self.bitmap_merge(args).map(Done::Bitmap),
+            Action::Backup(args) => self.blockdev_backup(args).map(Done::Job),
         }
     }
 }

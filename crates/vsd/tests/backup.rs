@@ -597,3 +597,60 @@ fn a_source_read_error_is_retried_under_ignore() {
     );
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
 }
+
+#[test]
+fn a_transaction_starts_a_backup_and_a_checkpoint_at_one_point_in_time() {
+    let dir = Scratch::new("backup-transaction");
+    let size = 16 * MIB;
+    let (_daemon, mut qmp) = served_disk(&dir, size, &["full", "inc"], &[]);
+    let nbd = dir.path("nbd.sock");
+    nbd_write(&nbd, "rw", 0, size, 0x11);
+    let action = |kind: &str, data: Value| json!({"type": kind, "data": data});
+    // libvirt's first checkpoint: a bitmap and a full backup, together.
+    let full = json!({"job-id": "full", "device": "disk", "target": "full", "sync": "full", "speed": 1});
+    let ck1 = json!({"node": "disk", "name": "ck1", "granularity": 65536});
+    qmp.ok("transaction", json!({"actions": [action("block-dirty-bitmap-add", ck1), action("blockdev-backup", full)]}));
+    nbd_write(&nbd, "rw", 3 * MIB, 4 * KIB, 0x22);
+    nbd_write(&nbd, "rw", 7 * MIB, 2 * CLUSTER, 0x22);
+    qmp.ok("block-job-set-speed", json!({"device": "full", "speed": 0}));
+    qmp.await_event("JOB_STATUS_CHANGE", json!({"status": "null", "id": "full"}));
+    assert_eq!(mismatches(&dir.path("full.img"), |_| 0x11), None, "the disk at the transaction");
+    assert_eq!(bitmap(&mut qmp, "disk", "ck1")["count"], json!(3 * CLUSTER), "every write after it, nothing before");
+
+    // The next checkpoint and the incremental backup of the first, together.
+    let ck2 = json!({"node": "disk", "name": "ck2", "granularity": 65536});
+    let inc = json!({"job-id": "inc", "device": "disk", "target": "inc", "sync": "incremental", "bitmap": "ck1"});
+    let actions = [
+        action("block-dirty-bitmap-add", ck2),
+        action("block-dirty-bitmap-disable", json!({"node": "disk", "name": "ck1"})),
+        action("blockdev-backup", inc),
+    ];
+    qmp.ok("transaction", json!({"actions": actions}));
+    qmp.await_event("JOB_STATUS_CHANGE", json!({"status": "null", "id": "inc"}));
+    let changed =
+        |at: u64| (3 * MIB..3 * MIB + CLUSTER).contains(&at) || (7 * MIB..7 * MIB + 2 * CLUSTER).contains(&at);
+    let written =
+        |at: u64| (3 * MIB..3 * MIB + 4 * KIB).contains(&at) || (7 * MIB..7 * MIB + 2 * CLUSTER).contains(&at);
+    let expect = |at: u64| {
+        if written(at) {
+            0x22
+        } else if changed(at) {
+            0x11
+        } else {
+            0
+        }
+    };
+    assert_eq!(mismatches(&dir.path("inc.img"), expect), None, "the clusters written since the first checkpoint");
+
+    // All or nothing: a backup started by a failing transaction is cancelled.
+    let again = json!({"job-id": "again", "device": "disk", "target": "full", "sync": "full", "speed": 1});
+    let clash = json!({"node": "disk", "name": "ck2"});
+    let actions = [action("blockdev-backup", again), action("block-dirty-bitmap-add", clash)];
+    let refused = qmp.answer("transaction", json!({ "actions": actions }));
+    assert_eq!(refused["error"]["desc"], json!("Bitmap already exists: ck2"), "{refused}");
+    qmp.await_event("BLOCK_JOB_CANCELLED", json!({"device": "again"}));
+    qmp.await_event("JOB_STATUS_CHANGE", json!({"status": "null", "id": "again"}));
+    assert_eq!(qmp.ok("query-jobs", json!({})), json!([]));
+    let grouped = json!({"actions": [], "properties": {"completion-mode": "grouped"}});
+    assert!(qmp.answer("transaction", grouped)["error"]["desc"].as_str().unwrap().contains("grouped"));
+}
