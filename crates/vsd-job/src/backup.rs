@@ -234,6 +234,12 @@ struct Copier {
     target_queue: Box<dyn IoQueue>,
     source: Arc<dyn BlockNode>,
     buf: AlignedBuf,
+    /// The last extent block status gave, as far as it reaches: asked once
+    /// for the rest of the node, not once per run (a file's SEEK_HOLE
+    /// scans to the next hole: on tmpfs, 0.6 ms per call on 256 MiB).
+    /// It stays true for clusters not yet copied: a write to one waits for
+    /// its copy, and holes are only ever read from those.
+    extent: Option<(Allocation, u64, u64)>,
 }
 
 /// Runs one request to its end on `queue`.
@@ -267,6 +273,7 @@ impl Copier {
             target_queue: open(target)?,
             source: source.clone(),
             buf: AlignedBuf::zeroed((RUN * CLUSTER) as usize),
+            extent: None,
         })
     }
 
@@ -276,8 +283,7 @@ impl Copier {
         let end = offset + len;
         let mut at = offset;
         while at < end {
-            let (allocation, n) =
-                self.source.block_status(at, end - at).map_err(|e| Failure::Io { write: false, errno: errno(&e) })?;
+            let (allocation, n) = self.status(at)?;
             // Pieces that end off a page boundary are copied as data: the
             // requests stay aligned for O_DIRECT.
             let mut n = n.clamp(1, end - at);
@@ -297,6 +303,20 @@ impl Copier {
             at += n;
         }
         Ok(())
+    }
+
+    /// How the source reads from `at`, and for how many bytes.
+    fn status(&mut self, at: u64) -> Result<(Allocation, u64), Failure> {
+        match self.extent {
+            Some((allocation, start, end)) if (start..end).contains(&at) => Ok((allocation, end - at)),
+            _ => {
+                let rest = self.source.size().saturating_sub(at).max(1);
+                let (allocation, n) =
+                    self.source.block_status(at, rest).map_err(|e| Failure::Io { write: false, errno: errno(&e) })?;
+                self.extent = Some((allocation, at, at + n.max(1)));
+                Ok((allocation, n.max(1)))
+            }
+        }
     }
 
     fn copy_data(&mut self, offset: u64, len: u64) -> Result<(), Failure> {

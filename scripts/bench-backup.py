@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""What a running backup costs the guest, and how fast a backup copies:
+vsd and qemu-storage-daemon in the same run, interleaved.
+
+1. Guest-visible writes: 4k random writes at iodepth 16 through a
+   vhost-user-blk export of a raw image on /dev/shm, without a backup
+   ("off") and while a full `blockdev-backup` to another /dev/shm image
+   runs, slowed (`speed`) so that it lasts the whole run ("on"): every
+   first write to a 64 KiB cluster waits for its old data to be copied
+   (copy-before-write). Daemon pinned to CPU 0, vsd-bench to CPU 1.
+2. Throughput: a full backup of the image at full speed with no guest
+   I/O, from `blockdev-backup` to BLOCK_JOB_COMPLETED.
+
+usage: scripts/bench-backup.py [--seconds 5] [--reps 3] [--size-mib 1024]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+
+from benchlib import QSD, VSD, serve_and_bench
+from qemu.qmp.legacy import QEMUMonitorProtocol
+
+
+def nodes(source, target):
+    return [f"driver=file,node-name=f0,filename={source}", "driver=raw,node-name=disk0,file=f0",
+            f"driver=file,node-name=tgt,filename={target}"]
+
+
+def throughput(program, blockdevs, work):
+    """Seconds a full backup takes, guest idle."""
+    qmp_sock, pidfile = os.path.join(work, "tp-qmp.sock"), os.path.join(work, "tp.pid")
+    for path in (qmp_sock, pidfile):
+        if os.path.exists(path):
+            os.unlink(path)
+    args = ["taskset", "-c", "0", program]
+    for blockdev in blockdevs:
+        args += ["--blockdev", blockdev]
+    args += ["--chardev", f"socket,id=m,path={qmp_sock},server=on,wait=off", "--monitor", "chardev=m",
+             "--pidfile", pidfile]
+    daemon = subprocess.Popen(args)
+    try:
+        while not os.path.exists(pidfile):
+            time.sleep(0.01)
+        qmp = QEMUMonitorProtocol(qmp_sock)
+        qmp.connect()
+        start = time.monotonic()
+        reply = qmp.cmd_raw("blockdev-backup", {"job-id": "tp", "device": "disk0", "target": "tgt", "sync": "full"})
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        while True:
+            event = qmp.pull_event(wait=60.0)
+            if event and event["event"] == "BLOCK_JOB_COMPLETED":
+                if "error" in event["data"]:
+                    raise RuntimeError(event["data"]["error"])
+                return time.monotonic() - start
+    finally:
+        daemon.terminate()
+        daemon.wait()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=5)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--size-mib", type=int, default=1024)
+    args = parser.parse_args()
+    size = args.size_mib << 20
+    source, target = (f"/dev/shm/vsd-bench-backup-{name}-{os.getpid()}.img" for name in ("src", "tgt"))
+    subprocess.run(["dd", "if=/dev/urandom", f"of={source}", "bs=1M", f"count={args.size_mib}", "status=none"],
+                   check=True)
+    subprocess.run(["truncate", "-s", str(size), target], check=True)
+    # Slow enough to last the run and its ramp second.
+    backup = {"job-id": "b", "device": "disk0", "target": "tgt", "sync": "full",
+              "speed": int(size / (args.seconds + 3))}
+    daemons = [("vsd", VSD), ("qsd", QSD)]
+    rows, times = [], {name: [] for name, _ in daemons}
+    try:
+        with tempfile.TemporaryDirectory() as work:
+            for rep in range(args.reps):
+                order = [(d, s) for d in daemons for s in ("off", "on")]
+                for (name, program), side in order if rep % 2 == 0 else reversed(order):
+                    qmp = [("blockdev-backup", backup)] if side == "on" else ()
+                    res = serve_and_bench(program, nodes(source, target), ["--rw", "randwrite", "--iodepth", "16"],
+                                          args.seconds, work, qmp=qmp)
+                    row = {"daemon": name, "side": side, "rep": rep, **res}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                for name, program in daemons if rep % 2 == 0 else reversed(daemons):
+                    times[name].append(throughput(program, nodes(source, target), work))
+                    print(json.dumps({"daemon": name, "rep": rep, "backup_seconds": times[name][-1]}), flush=True)
+    finally:
+        os.unlink(source)
+        os.unlink(target)
+    med = lambda rs, k: statistics.median(r[k] for r in rs)
+    print()
+    print(f"4k randwrite iodepth 16 on a {args.size_mib} MiB raw image in /dev/shm, medians of {args.reps}; "
+          "on = a full backup running (copy-before-write)")
+    print("| daemon | off IOPS | on IOPS | on/off (median of pairs) | off p99 µs | on p99 µs |")
+    print("|---|---|---|---|---|---|")
+    for name, _ in daemons:
+        off = sorted((r for r in rows if (r["daemon"], r["side"]) == (name, "off")), key=lambda r: r["rep"])
+        on = sorted((r for r in rows if (r["daemon"], r["side"]) == (name, "on")), key=lambda r: r["rep"])
+        ratio = statistics.median(x["iops"] / y["iops"] for x, y in zip(on, off))
+        print(f"| {name} | {med(off, 'iops'):.0f} | {med(on, 'iops'):.0f} | {ratio:.3f} "
+              f"| {med(off, 'p99_us'):.0f} | {med(on, 'p99_us'):.0f} |")
+    print()
+    print("| daemon | full backup, guest idle: seconds | MiB/s |")
+    print("|---|---|---|")
+    for name, _ in daemons:
+        seconds = statistics.median(times[name])
+        print(f"| {name} | {seconds:.2f} | {args.size_mib / seconds:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
