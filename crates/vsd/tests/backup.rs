@@ -288,19 +288,8 @@ fn unexpected(image: &Path, fits: impl Fn(u64, u8) -> bool) -> Option<(u64, usiz
 /// `rw` and over vhost-user, and file nodes for targets.
 fn served_disk(dir: &Scratch, size: u64, targets: &[&str], extra: &[String]) -> (Daemon, Qmp) {
     let image = dir.image("disk.img", size);
-    let (qmp_socket, nbd_socket, vhost) = (dir.path("qmp.sock"), dir.path("nbd.sock"), dir.path("vhost.sock"));
-    let mut args = vec![
-        "--blockdev".into(),
-        format!("driver=file,node-name=f0,filename={}", image.display()),
-        "--blockdev".into(),
-        "driver=raw,node-name=disk,file=f0".into(),
-        "--export".into(),
-        format!("type=vhost-user-blk,id=v0,node-name=disk,addr.type=unix,addr.path={},writable=on", vhost.display()),
-        "--nbd-server".into(),
-        format!("addr.type=unix,addr.path={}", nbd_socket.display()),
-        "--export".into(),
-        "type=nbd,id=n0,node-name=disk,name=rw,writable=on".into(),
-    ];
+    let qmp_socket = dir.path("qmp.sock");
+    let mut args = common::disk_over_vhost_and_nbd(dir, &image);
     let nodes: Vec<(&str, u64)> = targets.iter().map(|t| (*t, size)).collect();
     args.extend(file_nodes(dir, &nodes));
     args.extend(extra.iter().cloned());

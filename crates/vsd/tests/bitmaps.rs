@@ -133,19 +133,8 @@ fn dirty_map(socket: &Path, name: &str, bitmap: &str) -> Vec<(u64, u64)> {
 fn writes_from_every_client_are_recorded_and_nbd_shows_exactly_them() {
     let dir = Scratch::new("bitmap-record");
     let image = dir.image("disk.img", 64 * MIB);
-    let (qmp_socket, nbd_socket, vhost) = (dir.path("qmp.sock"), dir.path("nbd.sock"), dir.path("vhost.sock"));
-    let mut args = vec![
-        "--blockdev".into(),
-        format!("driver=file,node-name=f0,filename={}", image.display()),
-        "--blockdev".into(),
-        "driver=raw,node-name=disk,file=f0".into(),
-        "--export".into(),
-        format!("type=vhost-user-blk,id=v0,node-name=disk,addr.type=unix,addr.path={},writable=on", vhost.display()),
-        "--nbd-server".into(),
-        format!("addr.type=unix,addr.path={}", nbd_socket.display()),
-        "--export".into(),
-        "type=nbd,id=n0,node-name=disk,name=rw,writable=on".into(),
-    ];
+    let (qmp_socket, nbd_socket) = (dir.path("qmp.sock"), dir.path("nbd.sock"));
+    let mut args = common::disk_over_vhost_and_nbd(&dir, &image);
     args.extend(monitor(&qmp_socket));
     let daemon = Daemon::vsd(&dir, &args);
     let mut qmp = QmpClient::connect(&qmp_socket).unwrap();

@@ -231,6 +231,26 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// A raw node `disk` over file node `f0` on `image`, served writable over
+/// vhost-user (`vhost.sock` in `dir`) and NBD (export `rw` on `nbd.sock`).
+pub fn disk_over_vhost_and_nbd(dir: &Scratch, image: &Path) -> Vec<String> {
+    vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=f0,filename={}", image.display()),
+        "--blockdev".into(),
+        "driver=raw,node-name=disk,file=f0".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=v0,node-name=disk,addr.type=unix,addr.path={},writable=on",
+            dir.path("vhost.sock").display()
+        ),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", dir.path("nbd.sock").display()),
+        "--export".into(),
+        "type=nbd,id=n0,node-name=disk,name=rw,writable=on".into(),
+    ]
+}
+
 /// A QMP monitor on `socket`, as `--chardev` and `--monitor` arguments.
 pub fn monitor(socket: &Path) -> Vec<String> {
     vec![
