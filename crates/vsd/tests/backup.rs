@@ -643,3 +643,68 @@ fn a_transaction_starts_a_backup_and_a_checkpoint_at_one_point_in_time() {
     let grouped = json!({"actions": [], "properties": {"completion-mode": "grouped"}});
     assert!(qmp.answer("transaction", grouped)["error"]["desc"].as_str().unwrap().contains("grouped"));
 }
+
+/// vsd serving qcow2 `image` as node `disk` (writable over NBD as `rw`)
+/// with a file node `tgt` of `size` bytes for a backup, and QMP.
+fn served_qcow2(dir: &Scratch, image: &Path, size: u64) -> (Daemon, Qmp) {
+    let (qmp_socket, nbd_socket) = (dir.path("qmp.sock"), dir.path("nbd.sock"));
+    let mut args = vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=f0,filename={}", image.display()),
+        "--blockdev".into(),
+        "driver=qcow2,node-name=disk,file=f0".into(),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", nbd_socket.display()),
+        "--export".into(),
+        "type=nbd,id=n0,node-name=disk,name=rw,writable=on".into(),
+    ];
+    let _ = std::fs::remove_file(dir.path("tgt.img"));
+    args.extend(file_nodes(dir, &[("tgt", size)]));
+    args.extend(monitor(&qmp_socket));
+    let daemon = Daemon::vsd(dir, &args);
+    let qmp = Qmp::connect(&qmp_socket);
+    (daemon, qmp)
+}
+
+#[test]
+fn a_kill_during_a_backup_leaves_the_source_clean_and_its_checkpoint_inconsistent() {
+    let dir = Scratch::new("backup-kill");
+    let size = 16 * MIB;
+    let image = dir.path("disk.qcow2");
+    let img = image.to_str().unwrap();
+    assert!(run("qemu-img", &["create", "-q", "-f", "qcow2", img, "16M"]).status.success());
+    // A checkpoint the image holds (one added over QMP is stored at a clean stop).
+    assert!(run("qemu-img", &["bitmap", "--add", img, "ck"]).status.success());
+    let (daemon, mut qmp) = served_qcow2(&dir, &image, size);
+    nbd_write(&dir.path("nbd.sock"), "rw", 0, 4 * MIB, 0x11);
+    let backup =
+        json!({"job-id": "b", "device": "disk", "target": "tgt", "sync": "incremental", "bitmap": "ck", "speed": 1});
+    qmp.ok("blockdev-backup", backup);
+    nbd_write(&dir.path("nbd.sock"), "rw", MIB, 64 * KIB, 0x22); // waits for its copy-before-write
+    daemon.kill();
+    common::wait_until_unlocked(&image);
+
+    let check = run("qemu-img", &["check", img]);
+    assert!(check.status.success(), "the source is clean: {}", String::from_utf8_lossy(&check.stdout));
+    let info = run("qemu-img", &["info", "--output=json", img]);
+    let info: Value = serde_json::from_slice(&info.stdout).unwrap();
+    assert_eq!(info["format-specific"]["data"]["bitmaps"][0]["flags"], json!(["in-use", "auto"]));
+
+    let (_daemon, mut qmp) = served_qcow2(&dir, &image, size);
+    let listed = bitmap(&mut qmp, "disk", "ck");
+    assert_eq!(listed["inconsistent"], json!(true), "{listed}");
+    let refused = qmp.answer(
+        "blockdev-backup",
+        json!({"job-id": "i", "device": "disk", "target": "tgt", "sync": "incremental", "bitmap": "ck"}),
+    );
+    assert!(refused["error"]["desc"].as_str().unwrap().contains("inconsistent"), "{refused}");
+    qmp.ok("blockdev-backup", json!({"job-id": "f", "device": "disk", "target": "tgt", "sync": "full"}));
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "f"}));
+    assert!(done.get("error").is_none(), "a new full backup works: {done}");
+    let expect = |at: u64| match at {
+        _ if (MIB..MIB + 64 * KIB).contains(&at) => 0x22,
+        _ if at < 4 * MIB => 0x11,
+        _ => 0,
+    };
+    assert_eq!(mismatches(&dir.path("tgt.img"), expect), None);
+}
