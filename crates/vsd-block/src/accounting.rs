@@ -155,6 +155,9 @@ impl BlockNode for AccountedNode {
     fn allocation_depth(&self, offset: u64, len: u64) -> io::Result<(u32, u64)> {
         self.inner.allocation_depth(offset, len)
     }
+    fn throttle_group(&self) -> Option<Arc<crate::throttle::ThrottleGroup>> {
+        self.inner.throttle_group()
+    }
     fn dirty_bitmaps(&self) -> Option<&Arc<DirtyBitmaps>> {
         Some(&self.bitmaps)
     }

@@ -141,6 +141,11 @@ pub trait BlockNode: Send + Sync {
     fn allocation_depth(&self, _offset: u64, len: u64) -> io::Result<(u32, u64)> {
         Ok((1, len))
     }
+    /// The throttle group whose limits the node applies, if it is a
+    /// throttle filter.
+    fn throttle_group(&self) -> Option<Arc<throttle::ThrottleGroup>> {
+        None
+    }
     /// The requests the node was sent through counted queues (by the nodes
     /// above it), if it counts them: the nodes of a [`BlockGraph`] do.
     fn stats(&self) -> Option<QueueSnapshot> {

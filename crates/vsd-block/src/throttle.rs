@@ -19,7 +19,7 @@
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -251,9 +251,34 @@ pub enum Refusal {
 
 /// A `throttle-group` object: limits and the buckets its members share.
 pub struct ThrottleGroup {
+    /// Its id.
+    name: String,
     /// Whether any limit is set: members of a group without one skip it.
     limited: AtomicBool,
     state: Mutex<State>,
+    /// Per direction (read, write): what it admitted and what waited.
+    counters: [Counters; 2],
+}
+
+#[derive(Default)]
+struct Counters {
+    requests: AtomicU64,
+    bytes: AtomicU64,
+    delayed: AtomicU64,
+    wait_ns: AtomicU64,
+}
+
+/// What a group admitted in one direction since it was made.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GroupStats {
+    /// Requests admitted.
+    pub requests: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Of those, requests that waited for the group.
+    pub delayed: u64,
+    /// How long they waited in all, in nanoseconds.
+    pub wait_ns: u64,
 }
 
 impl State {
@@ -282,10 +307,42 @@ impl State {
 }
 
 impl ThrottleGroup {
-    /// A group with `limits`.
-    pub fn new(limits: Limits) -> Self {
+    /// Group `name` with `limits`.
+    pub fn new(name: &str, limits: Limits) -> Self {
         let state = State { limits, buckets: Default::default(), leaked_at: Instant::now(), turns: Default::default() };
-        Self { limited: AtomicBool::new(limits.any()), state: Mutex::new(state) }
+        Self {
+            name: name.into(),
+            limited: AtomicBool::new(limits.any()),
+            state: Mutex::new(state),
+            counters: Default::default(),
+        }
+    }
+
+    /// Its id.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Counts a request of `bytes` in `direction` that went through, after
+    /// waiting `waited` for the group (zero: it did not wait).
+    pub fn count(&self, direction: Direction, bytes: u64, waited: Duration) {
+        let counters = &self.counters[direction as usize];
+        counters.requests.fetch_add(1, Ordering::Relaxed);
+        counters.bytes.fetch_add(bytes, Ordering::Relaxed);
+        if !waited.is_zero() {
+            counters.delayed.fetch_add(1, Ordering::Relaxed);
+            counters.wait_ns.fetch_add(waited.as_nanos() as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// What it admitted, reads then writes.
+    pub fn stats(&self) -> [GroupStats; 2] {
+        self.counters.each_ref().map(|c| GroupStats {
+            requests: c.requests.load(Ordering::Relaxed),
+            bytes: c.bytes.load(Ordering::Relaxed),
+            delayed: c.delayed.load(Ordering::Relaxed),
+            wait_ns: c.wait_ns.load(Ordering::Relaxed),
+        })
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -388,10 +445,10 @@ mod tests {
 
     #[test]
     fn rates_hold_over_time_and_total_counts_both_ways() {
-        let group = ThrottleGroup::new(limits("limits.iops-total=100").unwrap());
+        let group = ThrottleGroup::new("tg", limits("limits.iops-total=100").unwrap());
         let n = admitted(&group, Direction::Read, 4096, 10.0);
         assert!((1000..=1012).contains(&n), "100 iops for 10 s, plus a tenth of a second: {n}");
-        let bytes = ThrottleGroup::new(limits("limits.bps-write=1048576").unwrap());
+        let bytes = ThrottleGroup::new("tg", limits("limits.bps-write=1048576").unwrap());
         let n = admitted(&bytes, Direction::Write, 65536, 10.0);
         assert!((160..=163).contains(&n), "1 MiB/s of 64 KiB writes: {n}");
         let member = Member::new().unwrap();
@@ -401,24 +458,24 @@ mod tests {
     #[test]
     fn bursts_run_at_the_burst_rate_until_the_bucket_is_full() {
         let burst = "limits.iops-total=100,limits.iops-total-max=1000,limits.iops-total-max-length=2";
-        let group = ThrottleGroup::new(limits(burst).unwrap());
+        let group = ThrottleGroup::new("tg", limits(burst).unwrap());
         let first = admitted(&group, Direction::Write, 512, 1.0);
         assert!((1000..=1101).contains(&first), "1000 iops, plus a tenth of a second of them: {first}");
-        let group = ThrottleGroup::new(limits(burst).unwrap());
+        let group = ThrottleGroup::new("tg", limits(burst).unwrap());
         let total = admitted(&group, Direction::Write, 512, 7.0);
         assert!((2650..=2760).contains(&total), "a bucket of 2 s at 1000 iops, then 100 iops: {total}");
     }
 
     #[test]
     fn iops_size_counts_large_requests_as_several() {
-        let group = ThrottleGroup::new(limits("limits.iops-total=100,limits.iops-size=4096").unwrap());
+        let group = ThrottleGroup::new("tg", limits("limits.iops-total=100,limits.iops-size=4096").unwrap());
         let n = admitted(&group, Direction::Read, 16384, 10.0);
         assert!((250..=253).contains(&n), "each 16 KiB read is 4 operations: {n}");
     }
 
     #[test]
     fn members_take_turns_and_a_leaving_member_passes_its_turn() {
-        let group = ThrottleGroup::new(limits("limits.iops-total=100").unwrap());
+        let group = ThrottleGroup::new("tg", limits("limits.iops-total=100").unwrap());
         let [a, b, c] = [0, 1, 2].map(|_| Member::new().unwrap());
         let now = Instant::now();
         assert_eq!(group.admit(&a, Direction::Read, 512, now), Ok(()), "a first request goes");

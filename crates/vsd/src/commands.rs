@@ -1,8 +1,11 @@
 //! QMP commands, with QEMU's names, argument shapes and error wording.
 
+use std::sync::Arc;
+
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use vsd_block::options::OptionMap;
+use vsd_block::throttle::{GroupStats, ThrottleGroup};
 use vsd_control::qmp::{Dispatch, ErrorClass, QmpError};
 use vsd_export::ExportSnapshot;
 use vsd_job::Verb;
@@ -407,7 +410,11 @@ impl Daemon {
                 for (_, _, snapshot) in snapshots.iter().filter(|(_, n, _)| *n == node.name()) {
                     stats.merge(&snapshot.merged());
                 }
-                entries.push(json!({ "device": "", "node-name": node.name(), "stats": device_stats(&stats, None) }));
+                let mut entry = json!({ "device": "", "node-name": node.name(), "stats": device_stats(&stats, None) });
+                if let Some(group) = node.throttle_group() {
+                    entry["x-vsd-throttle"] = group_stats(&group);
+                }
+                entries.push(entry);
             }
         }
         Ok(Value::Array(entries))
@@ -509,5 +516,40 @@ pub(crate) fn metrics(daemon: &Daemon) -> String {
     let snapshots: Vec<_> =
         state.exports.values().map(|e| (e.id().to_string(), e.node().name().to_string(), e.stats())).collect();
     let labelled: Vec<_> = snapshots.iter().map(|(export, node, s)| (ExportLabel { export, node }, s)).collect();
-    vsd_trace::prometheus(&labelled)
+    let mut text = vsd_trace::prometheus(&labelled);
+    text.push_str(&throttle_metrics(&daemon.objects.throttle_groups()));
+    text
+}
+
+/// A throttle group's statistics, per direction, for `query-blockstats`.
+fn group_stats(group: &ThrottleGroup) -> Value {
+    let [read, write] = group
+        .stats()
+        .map(|s| json!({ "requests": s.requests, "bytes": s.bytes, "delayed": s.delayed, "wait_ns": s.wait_ns }));
+    json!({ "group": group.name(), "read": read, "write": write })
+}
+
+/// A group metric: its name's end, its help text, and its value.
+type GroupMetric = (&'static str, &'static str, fn(&GroupStats) -> f64);
+
+/// Prometheus' metrics of every throttle group.
+fn throttle_metrics(groups: &[Arc<ThrottleGroup>]) -> String {
+    use std::fmt::Write;
+    let metrics: [GroupMetric; 4] = [
+        ("requests_total", "Requests a throttle group let through.", |s| s.requests as f64),
+        ("bytes_total", "Bytes of those requests.", |s| s.bytes as f64),
+        ("delayed_total", "Requests that waited for the group's limits.", |s| s.delayed as f64),
+        ("wait_seconds_total", "Time requests waited for the group's limits.", |s| s.wait_ns as f64 / 1e9),
+    ];
+    let mut text = String::new();
+    for (name, help, value) in metrics {
+        let _ = writeln!(text, "# HELP vsd_throttle_{name} {help}\n# TYPE vsd_throttle_{name} counter");
+        for group in groups {
+            for (direction, stats) in ["read", "write"].iter().zip(group.stats()) {
+                let labels = format!("group=\"{}\",direction=\"{direction}\"", group.name());
+                let _ = writeln!(text, "vsd_throttle_{name}{{{labels}}} {}", value(&stats));
+            }
+        }
+    }
+    text
 }

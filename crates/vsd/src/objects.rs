@@ -76,7 +76,9 @@ impl Objects {
             "secret" => Object::Secret(secret(&mut opts)?),
             "iothread" => Object::IoThread(iothread(&id, &mut opts)?),
             "tls-creds-x509" => Object::TlsCreds(tls_creds_x509(&mut opts)?),
-            "throttle-group" => Object::ThrottleGroup(Arc::new(ThrottleGroup::new(Limits::from_options(&mut opts)?))),
+            "throttle-group" => {
+                Object::ThrottleGroup(Arc::new(ThrottleGroup::new(&id, Limits::from_options(&mut opts)?)))
+            }
             _ => return Err(format!("invalid object type: {qom_type}")),
         };
         opts.finish().map_err(|e| e.to_string())?;
@@ -123,6 +125,16 @@ impl Objects {
 }
 
 impl Objects {
+    /// Every throttle group, in id order (Prometheus' metrics).
+    pub fn throttle_groups(&self) -> Vec<Arc<ThrottleGroup>> {
+        let objects = self.lock();
+        let groups = objects.values().filter_map(|o| match o {
+            Object::ThrottleGroup(group) => Some(group.clone()),
+            _ => None,
+        });
+        groups.collect()
+    }
+
     /// QMP `qom-get`: a throttle group's `limits`. `path` is the object's
     /// id, or `/objects/ID`. The error says whether the object (`None`) or
     /// the property (`Some(message)`) is missing.

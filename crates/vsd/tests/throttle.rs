@@ -73,9 +73,10 @@ fn throttle_groups_answer_as_qemu_storage_daemon_does() {
 /// vsd serving null-co through a throttle node of group `tg0` (`limits`,
 /// as `--object` options), exported as `e0` (and, with `second`, a second
 /// throttled export `e1` in the same group), with QMP.
-fn throttled(dir: &Scratch, limits: &str, second: bool) -> (Daemon, QmpClient) {
+fn throttled(dir: &Scratch, limits: &str, second: bool, extra: &[String]) -> (Daemon, QmpClient) {
     let qmp_socket = dir.path("qmp.sock");
     let mut args = vec!["--object".into(), format!("throttle-group,id=tg0,{limits}")];
+    args.extend_from_slice(extra);
     for (i, on) in [(0, true), (1, second)] {
         if !on {
             continue;
@@ -131,14 +132,14 @@ fn holds(measured: f64, limit: f64, seconds: f64) -> bool {
 #[test]
 fn iops_and_bps_limits_hold_at_any_queue_depth() {
     let dir = Scratch::new("throttle-rates");
-    let (_daemon, _qmp) = throttled(&dir, "limits.iops-total=400", false);
+    let (_daemon, _qmp) = throttled(&dir, "limits.iops-total=400", false, &[]);
     for iodepth in [1, 16, 64] {
         let (iops, _) = bench(&dir.path("e0.sock"), "randread", "4k", iodepth, 3.0);
         assert!(holds(iops, 400.0, 3.0), "iodepth {iodepth}: {iops} IOPS for a limit of 400");
     }
     drop(_daemon);
     let dir = Scratch::new("throttle-bps");
-    let (_daemon, _qmp) = throttled(&dir, "limits.bps-write=4194304", false);
+    let (_daemon, _qmp) = throttled(&dir, "limits.bps-write=4194304", false, &[]);
     for iodepth in [1, 16] {
         let (_, mib_s) = bench(&dir.path("e0.sock"), "randwrite", "64k", iodepth, 3.0);
         assert!(holds(mib_s, 4.0, 3.0), "iodepth {iodepth}: {mib_s} MiB/s for a limit of 4");
@@ -151,7 +152,7 @@ fn iops_and_bps_limits_hold_at_any_queue_depth() {
 fn a_burst_runs_at_its_rate_then_the_limit_holds() {
     let dir = Scratch::new("throttle-burst");
     let limits = "limits.iops-total=200,limits.iops-total-max=1000,limits.iops-total-max-length=2";
-    let (_daemon, _qmp) = throttled(&dir, limits, false);
+    let (_daemon, _qmp) = throttled(&dir, limits, false, &[]);
     let (burst, _) = bench(&dir.path("e0.sock"), "randread", "4k", 16, 1.0);
     assert!(holds(burst, 1000.0, 1.0), "the first second at the burst rate: {burst}");
     // A bucket of 2000 operations: drained after about two seconds of it.
@@ -164,7 +165,7 @@ fn a_burst_runs_at_its_rate_then_the_limit_holds() {
 #[test]
 fn qom_set_changes_the_limit_of_running_exports_and_members_share_it() {
     let dir = Scratch::new("throttle-share");
-    let (_daemon, mut qmp) = throttled(&dir, "limits.iops-total=1000", true);
+    let (_daemon, mut qmp) = throttled(&dir, "limits.iops-total=1000", true, &[]);
     let both = |seconds: f64| {
         let sockets = [dir.path("e0.sock"), dir.path("e1.sock")];
         let runs: Vec<_> = sockets
@@ -184,4 +185,51 @@ fn qom_set_changes_the_limit_of_running_exports_and_members_share_it() {
     qmp.execute("qom-set", json!({"path": "tg0", "property": "limits", "value": {}})).unwrap();
     let (iops, _) = bench(&dir.path("e0.sock"), "randread", "4k", 16, 1.0);
     assert!(iops > 3000.0, "no limit: {iops}");
+}
+
+#[test]
+fn each_group_counts_what_it_let_through_and_what_waited() {
+    let dir = Scratch::new("throttle-stats");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let metrics = ["--metrics".to_string(), format!("127.0.0.1:{port}")];
+    let (_daemon, mut qmp) = throttled(&dir, "limits.iops-read=200", false, &metrics);
+    let socket = dir.path("e0.sock");
+    let config = ["vsd-bench", "--socket", socket.to_str().unwrap(), "--rw", "randread", "--iodepth", "8"];
+    let config = [&config[..], &["--seconds", "1", "--ramp-seconds", "0"]].concat();
+    let config = <vsd_bench::bench::Args as clap::Parser>::parse_from(config).into_config().unwrap();
+    let ios = vsd_bench::bench::run(&config).unwrap().results.ios;
+
+    let stats = qmp.execute("query-blockstats", json!({"query-nodes": true})).unwrap();
+    let node = stats.as_array().unwrap().iter().find(|e| e["node-name"] == "t0" && e.get("qdev").is_none());
+    let node = node.unwrap().clone();
+    let group = &node["x-vsd-throttle"];
+    assert_eq!(group["group"], json!("tg0"), "{node}");
+    let read = &group["read"];
+    let requests = read["requests"].as_u64().unwrap();
+    assert!((ios..=ios + 8).contains(&requests), "{requests} let through, the client had {ios} done: {group}");
+    assert_eq!(read["bytes"].as_u64(), Some(requests * 4096));
+    assert!(read["delayed"].as_u64().unwrap() > requests / 2, "most waited at 200 IOPS: {group}");
+    assert!(read["wait_ns"].as_u64().unwrap() > 100_000_000, "{group}");
+    assert_eq!(group["write"]["requests"], json!(0));
+
+    // Prometheus' own parser reads the same.
+    let script = format!(
+        "import urllib.request, json\n\
+         from prometheus_client.parser import text_string_to_metric_families as parse\n\
+         text = urllib.request.urlopen('http://127.0.0.1:{port}/metrics').read().decode()\n\
+         out = {{}}\n\
+         for family in parse(text):\n\
+         \x20   for s in family.samples:\n\
+         \x20       if s.labels.get('group') == 'tg0':\n\
+         \x20           out[s.name + '/' + s.labels['direction']] = s.value\n\
+         print(json.dumps(out))\n"
+    );
+    let out = std::process::Command::new("python3").arg("-c").arg(script).output().unwrap();
+    assert!(out.status.success(), "prometheus parse failed: {}", String::from_utf8_lossy(&out.stderr));
+    let samples: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let sample = |name: &str| samples[name].as_f64().unwrap_or_else(|| panic!("{name} in {samples}"));
+    assert_eq!(sample("vsd_throttle_requests_total/read"), requests as f64);
+    assert_eq!(sample("vsd_throttle_delayed_total/read"), read["delayed"].as_u64().unwrap() as f64);
+    assert_eq!(sample("vsd_throttle_wait_seconds_total/read"), read["wait_ns"].as_u64().unwrap() as f64 / 1e9);
+    assert_eq!(sample("vsd_throttle_bytes_total/write"), 0.0);
 }

@@ -80,6 +80,10 @@ impl BlockNode for ThrottleNode {
         self.child.allocation_depth(offset, len)
     }
 
+    fn throttle_group(&self) -> Option<Arc<ThrottleGroup>> {
+        Some(self.group.clone())
+    }
+
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
         Ok(Box::new(ThrottleQueue::new(self.child.open_queue(depth)?, self.group.clone(), depth)?))
     }
@@ -105,8 +109,9 @@ struct ThrottleQueue {
     group: Arc<ThrottleGroup>,
     /// The queue among the group's members.
     member: Arc<Member>,
-    /// Requests not admitted yet: reads, then writes, each in order.
-    waiting: [VecDeque<(u32, IoOp)>; 2],
+    /// Requests not admitted yet, with when they came: reads, then
+    /// writes, each in order.
+    waiting: [VecDeque<(u32, IoOp, Instant)>; 2],
     /// Requests handed to the child and not reaped yet.
     forwarded: usize,
     timer: TimerFd,
@@ -143,11 +148,16 @@ impl ThrottleQueue {
         let mut released = false;
         let mut next: Option<Duration> = None;
         for lane in 0..2 {
-            while let Some(&(tag, op)) = self.waiting[lane].front() {
+            while let Some(&(tag, op, came)) = self.waiting[lane].front() {
                 let Some((direction, bytes)) = direction(&op) else { break };
                 match self.group.admit(&self.member, direction, bytes, now) {
                     Ok(()) => {
                         self.waiting[lane].pop_front();
+                        self.group.count(
+                            direction,
+                            bytes,
+                            now.saturating_duration_since(came).max(Duration::from_nanos(1)),
+                        );
                         self.forward(tag, op);
                         released = true;
                     }
@@ -195,10 +205,12 @@ impl IoQueue for ThrottleQueue {
             return self.forward(tag, op);
         };
         let lane = direction as usize;
-        if self.waiting[lane].is_empty() && self.group.admit(&self.member, direction, bytes, Instant::now()).is_ok() {
+        let now = Instant::now();
+        if self.waiting[lane].is_empty() && self.group.admit(&self.member, direction, bytes, now).is_ok() {
+            self.group.count(direction, bytes, Duration::ZERO);
             return self.forward(tag, op);
         }
-        self.waiting[lane].push_back((tag, op));
+        self.waiting[lane].push_back((tag, op, now));
         if self.waiting[lane].len() == 1 {
             self.release();
         }
@@ -256,9 +268,9 @@ impl Drop for ThrottleQueue {
         // The owner waited for what it knows to be in flight; anything
         // still held here goes without limits, and the child's own drop
         // waits for it, so that no buffer is used after the owner frees it.
-        let held: Vec<(u32, IoOp)> = self.waiting.iter_mut().flat_map(|lane| lane.drain(..)).collect();
+        let held: Vec<(u32, IoOp, Instant)> = self.waiting.iter_mut().flat_map(|lane| lane.drain(..)).collect();
         if !held.is_empty() {
-            held.into_iter().for_each(|(tag, op)| self.forward(tag, op));
+            held.into_iter().for_each(|(tag, op, _)| self.forward(tag, op));
             if let Err(e) = self.inner.submit() {
                 log::error!("throttle: cannot submit held requests at close: {e}");
             }
