@@ -115,6 +115,8 @@ struct ThrottleQueue {
     /// Requests handed to the child and not reaped yet.
     forwarded: usize,
     timer: TimerFd,
+    /// When the timer is armed to expire, if it is.
+    armed: Option<Instant>,
     /// The timer and the child's descriptor: what the owner waits on.
     epoll: Epoll,
 }
@@ -130,7 +132,7 @@ impl ThrottleQueue {
             epoll.ctl(ControlOperation::Add, fd.as_raw_fd(), EpollEvent::new(EventSet::IN, TOKEN_CHILD))?;
         }
         let waiting = [0, 1].map(|_| VecDeque::with_capacity(usize::from(depth)));
-        Ok(Self { inner, group, member, waiting, forwarded: 0, timer, epoll })
+        Ok(Self { inner, group, member, waiting, forwarded: 0, timer, armed: None, epoll })
     }
 
     fn forward(&mut self, tag: u32, op: IoOp) {
@@ -170,12 +172,23 @@ impl ThrottleQueue {
             }
         }
         if let Some(wait) = next {
-            // At least a microsecond: a zero duration would disarm it.
-            if let Err(e) = self.timer.reset(wait.max(Duration::from_micros(1)), None) {
-                log::error!("throttle: cannot arm the timer, requests wait for the next completion: {e}");
-            }
+            self.arm(now, wait);
         }
         released
+    }
+
+    /// Arms the timer to expire `wait` after `now`, unless it already
+    /// expires sooner (it wakes the owner, which asks the group again).
+    fn arm(&mut self, now: Instant, wait: Duration) {
+        // At least a microsecond: a zero duration would disarm it.
+        let wait = wait.max(Duration::from_micros(1));
+        if self.armed.is_some_and(|at| at <= now + wait) {
+            return;
+        }
+        match self.timer.reset(wait, None) {
+            Ok(()) => self.armed = Some(now + wait),
+            Err(e) => log::error!("throttle: cannot arm the timer, requests wait for the next completion: {e}"),
+        }
     }
 
     /// Reads what woke the owner: the timer's expiry count and the child's
@@ -187,6 +200,7 @@ impl ThrottleQueue {
             match event.data() {
                 TOKEN_TIMER => {
                     let _ = self.timer.wait();
+                    self.armed = None;
                 }
                 TOKEN_TURN => self.member.consume(),
                 _ => self.inner.rearm(),
@@ -206,13 +220,20 @@ impl IoQueue for ThrottleQueue {
         };
         let lane = direction as usize;
         let now = Instant::now();
-        if self.waiting[lane].is_empty() && self.group.admit(&self.member, direction, bytes, now).is_ok() {
-            self.group.count(direction, bytes, Duration::ZERO);
-            return self.forward(tag, op);
+        if !self.waiting[lane].is_empty() {
+            return self.waiting[lane].push_back((tag, op, now));
         }
-        self.waiting[lane].push_back((tag, op, now));
-        if self.waiting[lane].len() == 1 {
-            self.release();
+        match self.group.admit(&self.member, direction, bytes, now) {
+            Ok(()) => {
+                self.group.count(direction, bytes, Duration::ZERO);
+                self.forward(tag, op);
+            }
+            Err(refusal) => {
+                self.waiting[lane].push_back((tag, op, now));
+                if let Refusal::Wait(wait) = refusal {
+                    self.arm(now, wait);
+                }
+            }
         }
     }
 
