@@ -70,17 +70,14 @@ fn throttle_groups_answer_as_qemu_storage_daemon_does() {
     }
 }
 
-/// vsd serving null-co through a throttle node of group `tg0` (`limits`,
-/// as `--object` options), exported as `e0` (and, with `second`, a second
-/// throttled export `e1` in the same group), with QMP.
-fn throttled(dir: &Scratch, limits: &str, second: bool, extra: &[String]) -> (Daemon, QmpClient) {
+/// vsd serving null-co through throttle nodes of group `tg0` (`limits`,
+/// as `--object` options), exported as `e0`, `e1`... (`members` of them),
+/// with `extra` arguments and QMP.
+fn throttled(dir: &Scratch, limits: &str, members: usize, extra: &[String]) -> (Daemon, QmpClient) {
     let qmp_socket = dir.path("qmp.sock");
     let mut args = vec!["--object".into(), format!("throttle-group,id=tg0,{limits}")];
     args.extend_from_slice(extra);
-    for (i, on) in [(0, true), (1, second)] {
-        if !on {
-            continue;
-        }
+    for i in 0..members {
         args.extend([
             "--blockdev".into(),
             format!("driver=null-co,node-name=n{i},size=1073741824"),
@@ -132,14 +129,14 @@ fn holds(measured: f64, limit: f64, seconds: f64) -> bool {
 #[test]
 fn iops_and_bps_limits_hold_at_any_queue_depth() {
     let dir = Scratch::new("throttle-rates");
-    let (_daemon, _qmp) = throttled(&dir, "limits.iops-total=400", false, &[]);
+    let (_daemon, _qmp) = throttled(&dir, "limits.iops-total=400", 1, &[]);
     for iodepth in [1, 16, 64] {
         let (iops, _) = bench(&dir.path("e0.sock"), "randread", "4k", iodepth, 3.0);
         assert!(holds(iops, 400.0, 3.0), "iodepth {iodepth}: {iops} IOPS for a limit of 400");
     }
     drop(_daemon);
     let dir = Scratch::new("throttle-bps");
-    let (_daemon, _qmp) = throttled(&dir, "limits.bps-write=4194304", false, &[]);
+    let (_daemon, _qmp) = throttled(&dir, "limits.bps-write=4194304", 1, &[]);
     for iodepth in [1, 16] {
         let (_, mib_s) = bench(&dir.path("e0.sock"), "randwrite", "64k", iodepth, 3.0);
         assert!(holds(mib_s, 4.0, 3.0), "iodepth {iodepth}: {mib_s} MiB/s for a limit of 4");
@@ -152,7 +149,7 @@ fn iops_and_bps_limits_hold_at_any_queue_depth() {
 fn a_burst_runs_at_its_rate_then_the_limit_holds() {
     let dir = Scratch::new("throttle-burst");
     let limits = "limits.iops-total=200,limits.iops-total-max=1000,limits.iops-total-max-length=2";
-    let (_daemon, _qmp) = throttled(&dir, limits, false, &[]);
+    let (_daemon, _qmp) = throttled(&dir, limits, 1, &[]);
     let (burst, _) = bench(&dir.path("e0.sock"), "randread", "4k", 16, 1.0);
     assert!(holds(burst, 1000.0, 1.0), "the first second at the burst rate: {burst}");
     // A bucket of 2000 operations: drained after about two seconds of it.
@@ -164,21 +161,22 @@ fn a_burst_runs_at_its_rate_then_the_limit_holds() {
 
 #[test]
 fn qom_set_changes_the_limit_of_running_exports_and_members_share_it() {
-    let dir = Scratch::new("throttle-share");
-    let (_daemon, mut qmp) = throttled(&dir, "limits.iops-total=1000", true, &[]);
-    let both = |seconds: f64| {
-        let sockets = [dir.path("e0.sock"), dir.path("e1.sock")];
-        let runs: Vec<_> = sockets
-            .into_iter()
-            .map(|socket| std::thread::spawn(move || bench(&socket, "randread", "4k", 16, seconds).0))
+    for members in [2, 4] {
+        let dir = Scratch::new(&format!("throttle-share-{members}"));
+        let (_daemon, _qmp) = throttled(&dir, "limits.iops-total=1000", members, &[]);
+        let runs: Vec<_> = (0..members)
+            .map(|i| dir.path(&format!("e{i}.sock")))
+            .map(|socket| std::thread::spawn(move || bench(&socket, "randread", "4k", 16, 3.0).0))
             .collect();
-        runs.into_iter().map(|r| r.join().unwrap()).collect::<Vec<f64>>()
-    };
-    let shares = both(3.0);
-    let sum: f64 = shares.iter().sum();
-    assert!(holds(sum, 1000.0, 3.0), "the group's limit, shared: {shares:?}");
-    assert!(shares.iter().all(|s| (s - sum / 2.0).abs() <= 0.15 * sum / 2.0), "each within 15 % of half: {shares:?}");
+        let shares: Vec<f64> = runs.into_iter().map(|r| r.join().unwrap()).collect();
+        let (sum, fair) = (shares.iter().sum::<f64>(), 1.0 / members as f64);
+        assert!(holds(sum, 1000.0, 3.0), "the group's limit, shared: {shares:?}");
+        let even = shares.iter().all(|s| (s / sum - fair).abs() <= 0.15 * fair);
+        assert!(even, "each within 15 % of its share: {shares:?}");
+    }
 
+    let dir = Scratch::new("throttle-qom-set");
+    let (_daemon, mut qmp) = throttled(&dir, "limits.iops-total=1000", 1, &[]);
     qmp.execute("qom-set", json!({"path": "tg0", "property": "limits", "value": {"iops-total": 300}})).unwrap();
     let (iops, _) = bench(&dir.path("e0.sock"), "randread", "4k", 16, 3.0);
     assert!(holds(iops, 300.0, 3.0), "the new limit at once: {iops}");
@@ -192,7 +190,7 @@ fn each_group_counts_what_it_let_through_and_what_waited() {
     let dir = Scratch::new("throttle-stats");
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let metrics = ["--metrics".to_string(), format!("127.0.0.1:{port}")];
-    let (_daemon, mut qmp) = throttled(&dir, "limits.iops-read=200", false, &metrics);
+    let (_daemon, mut qmp) = throttled(&dir, "limits.iops-read=200", 1, &metrics);
     let socket = dir.path("e0.sock");
     let config = ["vsd-bench", "--socket", socket.to_str().unwrap(), "--rw", "randread", "--iodepth", "8"];
     let config = [&config[..], &["--seconds", "1", "--ramp-seconds", "0"]].concat();
