@@ -647,17 +647,8 @@ fn a_transaction_starts_a_backup_and_a_checkpoint_at_one_point_in_time() {
 /// vsd serving qcow2 `image` as node `disk` (writable over NBD as `rw`)
 /// with a file node `tgt` of `size` bytes for a backup, and QMP.
 fn served_qcow2(dir: &Scratch, image: &Path, size: u64) -> (Daemon, Qmp) {
-    let (qmp_socket, nbd_socket) = (dir.path("qmp.sock"), dir.path("nbd.sock"));
-    let mut args = vec![
-        "--blockdev".into(),
-        format!("driver=file,node-name=f0,filename={}", image.display()),
-        "--blockdev".into(),
-        "driver=qcow2,node-name=disk,file=f0".into(),
-        "--nbd-server".into(),
-        format!("addr.type=unix,addr.path={}", nbd_socket.display()),
-        "--export".into(),
-        "type=nbd,id=n0,node-name=disk,name=rw,writable=on".into(),
-    ];
+    let qmp_socket = dir.path("qmp.sock");
+    let mut args = common::qcow2_over_nbd(dir, image);
     let _ = std::fs::remove_file(dir.path("tgt.img"));
     args.extend(file_nodes(dir, &[("tgt", size)]));
     args.extend(monitor(&qmp_socket));

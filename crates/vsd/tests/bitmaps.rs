@@ -235,17 +235,8 @@ fn qemu_img_check_is_clean(image: &Path) {
 
 /// vsd serving qcow2 `image` as node `disk` over NBD (export `rw`), with QMP.
 fn serve_qcow2(dir: &Scratch, image: &Path) -> (Daemon, QmpClient) {
-    let (qmp_socket, nbd_socket) = (dir.path("qmp.sock"), dir.path("nbd.sock"));
-    let mut args = vec![
-        "--blockdev".into(),
-        format!("driver=file,node-name=f0,filename={}", image.display()),
-        "--blockdev".into(),
-        "driver=qcow2,node-name=disk,file=f0".into(),
-        "--nbd-server".into(),
-        format!("addr.type=unix,addr.path={}", nbd_socket.display()),
-        "--export".into(),
-        "type=nbd,id=n0,node-name=disk,name=rw,writable=on".into(),
-    ];
+    let qmp_socket = dir.path("qmp.sock");
+    let mut args = common::qcow2_over_nbd(dir, image);
     args.extend(monitor(&qmp_socket));
     let daemon = Daemon::vsd(dir, &args);
     (daemon, QmpClient::connect(&qmp_socket).unwrap())

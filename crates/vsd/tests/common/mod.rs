@@ -251,6 +251,21 @@ pub fn disk_over_vhost_and_nbd(dir: &Scratch, image: &Path) -> Vec<String> {
     ]
 }
 
+/// A qcow2 node `disk` over file node `f0` on `image`, served writable
+/// over NBD (export `rw` on `nbd.sock` in `dir`).
+pub fn qcow2_over_nbd(dir: &Scratch, image: &Path) -> Vec<String> {
+    vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=f0,filename={}", image.display()),
+        "--blockdev".into(),
+        "driver=qcow2,node-name=disk,file=f0".into(),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", dir.path("nbd.sock").display()),
+        "--export".into(),
+        "type=nbd,id=n0,node-name=disk,name=rw,writable=on".into(),
+    ]
+}
+
 /// A QMP monitor on `socket`, as `--chardev` and `--monitor` arguments.
 pub fn monitor(socket: &Path) -> Vec<String> {
     vec![
