@@ -2,7 +2,8 @@
 # Installs what vsd's demo, tests and benchmarks need on a fresh Debian bookworm
 # machine: QEMU 10 and qemu-storage-daemon from bookworm-backports, fio,
 # busybox-static and a Debian kernel for the test guest; chromium, which
-# renders the lab report headless in its test; libnbd's tools; openssl, which
+# renders the lab report headless in its test; libnbd's tools and nbdkit (a
+# peer server for the NBD client driver); openssl, which
 # makes the NBD TLS tests' certificates; Ceph's
 # monitor, OSD and client tools with librbd, for the RBD driver and its test
 # cluster (scripts/ceph.sh), and QEMU's rbd module, the peer measured on it;
@@ -18,7 +19,8 @@ need_root "$@"
 have_all() {
     command -v qemu-system-x86_64 >/dev/null && command -v qemu-storage-daemon >/dev/null &&
         command -v fio >/dev/null && [ -x /bin/busybox ] && command -v chromium >/dev/null &&
-        command -v nbdinfo >/dev/null && command -v nbdcopy >/dev/null && command -v openssl >/dev/null &&
+        command -v nbdinfo >/dev/null && command -v nbdcopy >/dev/null && command -v nbdkit >/dev/null &&
+        command -v openssl >/dev/null &&
         command -v ceph-mon >/dev/null && command -v ceph-osd >/dev/null && command -v rbd >/dev/null &&
         ls /usr/lib/x86_64-linux-gnu/qemu/block-rbd.so >/dev/null 2>&1 &&
         ls /boot/vmlinuz-* >/dev/null 2>&1 &&
@@ -55,7 +57,7 @@ fi
 
 apt-get update -qq
 apt-get install -y -qq -t bookworm-backports qemu-system-x86 qemu-utils qemu-block-extra >/dev/null
-apt-get install -y -qq fio busybox-static linux-image-amd64 xz-utils cpio socat chromium libnbd-bin openssl \
+apt-get install -y -qq fio busybox-static linux-image-amd64 xz-utils cpio socat chromium libnbd-bin nbdkit openssl \
     ceph-mon ceph-osd ceph-common >/dev/null
 have_all || { echo "setup: packages installed but a tool is still missing" >&2; exit 1; }
 install_python_modules

@@ -127,6 +127,23 @@ impl OptionMap {
         self.take_parsed(key, "an unsigned integer", |v| v.parse().ok())
     }
 
+    /// A socket as QEMU's `SocketAddress` spells it: `PREFIX.type=unix` and
+    /// `PREFIX.path`, or `PREFIX.type=inet`, `PREFIX.host` and `PREFIX.port`.
+    pub fn take_address(&mut self, prefix: &str) -> Result<vsd_nbd_client::Address, OptionError> {
+        use vsd_nbd_client::Address;
+        let key = |name: &str| format!("{prefix}.{name}");
+        Ok(match self.require(&key("type"))?.as_str() {
+            "unix" => Address::Unix(self.require(&key("path"))?.into()),
+            "inet" => {
+                let host = self.require(&key("host"))?;
+                let text = self.require(&key("port"))?;
+                let port = text.parse().map_err(|_| self.invalid(&key("port"), &text, "a port number"))?;
+                Address::Inet { host, port }
+            }
+            other => return Err(self.invalid(&key("type"), other, "unix or inet")),
+        })
+    }
+
     /// One of `choices`.
     pub fn take_choice(&mut self, key: &str, choices: &[&'static str]) -> Result<Option<&'static str>, OptionError> {
         let expected = format!("one of {}", choices.join(", "));

@@ -1,8 +1,20 @@
-//! The transmission phase as bytes: request headers in, reply headers out,
-//! and the rules that decide whether a request may run. No I/O here.
+//! The NBD protocol's numbers and layouts, shared by vsd's server
+//! (`vsd-nbd`) and client (`vsd-nbd-client`). No I/O here.
+//!
+//! The transmission phase as bytes: request headers and replies, and the
+//! rules that decide whether a request may run; [`handshake`] holds the
+//! negotiation's numbers.
 //!
 //! Numbers and layouts are the NBD specification's (`doc/proto.md`), with
 //! its extended headers (64-bit lengths).
+
+#![deny(missing_docs)]
+
+pub mod handshake;
+
+mod address;
+
+pub use address::Address;
 
 /// Request magic, compact header (28 bytes).
 const REQUEST_MAGIC: u32 = 0x2560_9513;
@@ -85,6 +97,21 @@ pub mod errno {
             _ => EIO,
         }
     }
+
+    /// The host errno for a wire value (a client's view): an unknown value
+    /// is an invalid request, as QEMU's client reads it.
+    pub fn to_host(wire: u32) -> i32 {
+        match wire {
+            EPERM => libc::EPERM,
+            EIO => libc::EIO,
+            ENOMEM => libc::ENOMEM,
+            ENOSPC => libc::ENOSPC,
+            EOVERFLOW => libc::EOVERFLOW,
+            ENOTSUP => libc::ENOTSUP,
+            ESHUTDOWN => libc::ESHUTDOWN,
+            _ => libc::EINVAL,
+        }
+    }
 }
 
 /// Command types.
@@ -164,7 +191,7 @@ pub struct Request {
 
 /// A header whose magic is wrong: the stream cannot be trusted any more.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
-#[error("bad request magic {0:#010x}")]
+#[error("bad magic {0:#010x}")]
 pub struct BadMagic(pub u32);
 
 fn be16(b: &[u8]) -> u16 {
@@ -193,12 +220,47 @@ impl Request {
         Ok(Some(Request { flags, kind, cookie, offset, len }))
     }
 
+    /// Writes the compact header (what a client sends without extended
+    /// headers) to `out`; a length over 32 bits is cut, so clients split
+    /// longer requests.
+    pub fn encode(&self, out: &mut [u8; 28]) {
+        out[..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
+        out[4..6].copy_from_slice(&self.flags.to_be_bytes());
+        out[6..8].copy_from_slice(&self.kind.to_be_bytes());
+        out[8..16].copy_from_slice(&self.cookie.to_be_bytes());
+        out[16..24].copy_from_slice(&self.offset.to_be_bytes());
+        out[24..28].copy_from_slice(&(self.len as u32).to_be_bytes());
+    }
+
     /// How many payload bytes follow the header: a write's data, or what
     /// an extended header announces with `PAYLOAD_LEN`. They must be read
     /// (or the connection closed) whatever is decided about the request.
     pub fn payload_len(&self, mode: Mode) -> u64 {
         let announced = mode == Mode::Extended && self.flags & cmd_flag::PAYLOAD_LEN != 0;
         if self.kind == cmd::WRITE || announced { self.len } else { 0 }
+    }
+}
+
+/// A simple reply's header, as a client reads it: 16 bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimpleReply {
+    /// 0, or the wire errno the request failed with.
+    pub error: u32,
+    /// The request's cookie.
+    pub cookie: u64,
+}
+
+impl SimpleReply {
+    /// The size of the header.
+    pub const SIZE: usize = 16;
+
+    /// Parses the header at the start of `buf` (at least [`Self::SIZE`]
+    /// bytes); any other magic is a stream the client cannot follow.
+    pub fn parse(buf: &[u8]) -> Result<Self, BadMagic> {
+        match be32(buf) {
+            SIMPLE_REPLY_MAGIC => Ok(Self { error: be32(&buf[4..]), cookie: be64(&buf[8..]) }),
+            magic => Err(BadMagic(magic)),
+        }
     }
 }
 
@@ -488,6 +550,19 @@ pub fn max_extent(mode: Mode) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_client_header_parses_back_and_a_simple_reply_reads_as_sent() {
+        let request = Request { flags: cmd_flag::FUA, kind: cmd::WRITE, cookie: 7 << 40, offset: 1 << 33, len: 65536 };
+        let mut out = [0; 28];
+        request.encode(&mut out);
+        assert_eq!(Request::parse(&out, Mode::Simple), Ok(Some(request)));
+        let reply = ReplyHeader::error(Mode::Simple, &request, errno::ENOSPC);
+        assert_eq!(SimpleReply::parse(reply.as_bytes()), Ok(SimpleReply { error: errno::ENOSPC, cookie: 7 << 40 }));
+        let chunk = ReplyHeader::done(Mode::Structured, &request);
+        assert_eq!(SimpleReply::parse(chunk.as_bytes()), Err(BadMagic(STRUCTURED_REPLY_MAGIC)));
+        assert_eq!((errno::to_host(errno::ENOSPC), errno::to_host(12345)), (libc::ENOSPC, libc::EINVAL));
+    }
 
     fn header(mode: Mode, flags: u16, kind: u16, offset: u64, len: u64) -> Vec<u8> {
         let mut b = Vec::new();

@@ -1,23 +1,9 @@
 //! `--nbd-server` and `--export type=nbd` options, with QEMU's names.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use vsd_block::options::{OptionError, OptionMap};
-
-/// Where the server listens.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Address {
-    /// `addr.type=unix,addr.path=PATH`.
-    Unix(PathBuf),
-    /// `addr.type=inet,addr.host=HOST,addr.port=PORT`.
-    Inet {
-        /// Host name or address.
-        host: String,
-        /// Port (a number; QAPI passes it as a string).
-        port: u16,
-    },
-}
+pub use vsd_nbd_proto::Address;
 
 /// The NBD server, as configured.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -44,16 +30,7 @@ const DEFAULT_HANDSHAKE_SECONDS: u64 = 10;
 impl ServerConfig {
     /// Reads `--nbd-server` (or `nbd-server-start`, flattened) options.
     pub fn from_options(opts: &mut OptionMap) -> Result<Self, OptionError> {
-        let addr = match opts.require("addr.type")?.as_str() {
-            "unix" => Address::Unix(PathBuf::from(opts.require("addr.path")?)),
-            "inet" => {
-                let host = opts.require("addr.host")?;
-                let text = opts.require("addr.port")?;
-                let port = text.parse().map_err(|_| opts.invalid("addr.port", &text, "a port number"))?;
-                Address::Inet { host, port }
-            }
-            other => return Err(opts.invalid("addr.type", other, "unix or inet")),
-        };
+        let addr = opts.take_address("addr")?;
         let max = opts.take_u64("max-connections")?.unwrap_or(DEFAULT_MAX_CONNECTIONS);
         let max_connections =
             u32::try_from(max).map_err(|_| opts.invalid("max-connections", max, "a 32-bit number"))?;

@@ -20,7 +20,8 @@
 #![deny(missing_docs)]
 
 pub mod negotiate;
-pub mod proto;
+/// The protocol's numbers and layouts, shared with vsd's NBD client.
+pub use vsd_nbd_proto as proto;
 
 mod config;
 mod conn;

@@ -16,50 +16,8 @@
 //! what was agreed before it is forgotten (CVE-2021-3716 was structured
 //! replies negotiated in the clear surviving STARTTLS in nbdkit).
 
+use crate::proto::handshake::{FLAG_FIXED_NEWSTYLE, FLAG_NO_ZEROES, IHAVEOPT, NBDMAGIC, REPLY_MAGIC, info, opt, rep};
 use crate::proto::{Mode, tx_flag};
-
-const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
-const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
-const REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
-
-/// Handshake flags: fixed newstyle, and no 124 zero bytes after EXPORT_NAME.
-const FLAG_FIXED_NEWSTYLE: u16 = 1 << 0;
-const FLAG_NO_ZEROES: u16 = 1 << 1;
-
-mod opt {
-    pub const EXPORT_NAME: u32 = 1;
-    pub const ABORT: u32 = 2;
-    pub const LIST: u32 = 3;
-    pub const STARTTLS: u32 = 5;
-    pub const INFO: u32 = 6;
-    pub const GO: u32 = 7;
-    pub const STRUCTURED_REPLY: u32 = 8;
-    pub const LIST_META_CONTEXT: u32 = 9;
-    pub const SET_META_CONTEXT: u32 = 10;
-    pub const EXTENDED_HEADERS: u32 = 11;
-}
-
-mod rep {
-    pub const ACK: u32 = 1;
-    pub const SERVER: u32 = 2;
-    pub const INFO: u32 = 3;
-    pub const META_CONTEXT: u32 = 4;
-    const ERR: u32 = 1 << 31;
-    pub const ERR_UNSUP: u32 = ERR + 1;
-    pub const ERR_POLICY: u32 = ERR + 2;
-    pub const ERR_INVALID: u32 = ERR + 3;
-    pub const ERR_TLS_REQD: u32 = ERR + 5;
-    pub const ERR_UNKNOWN: u32 = ERR + 6;
-    pub const ERR_TOO_BIG: u32 = ERR + 9;
-    pub const ERR_EXT_HEADER_REQD: u32 = ERR + 11;
-}
-
-mod info {
-    pub const EXPORT: u16 = 0;
-    pub const NAME: u16 = 1;
-    pub const DESCRIPTION: u16 = 2;
-    pub const BLOCK_SIZE: u16 = 3;
-}
 
 /// The most option data kept: more than any option vsd knows needs.
 pub const MAX_OPTION_DATA: u32 = 64 << 10;

@@ -148,7 +148,7 @@ pub struct NbdExport {
 impl NbdServer {
     /// Listens and starts accepting clients; with `tls`, only over TLS.
     pub fn start(config: ServerConfig, tls: Option<Arc<TlsCreds>>) -> Result<Self, NbdError> {
-        let addr = describe(&config.addr);
+        let addr = config.addr.to_string();
         let error = |source| NbdError::Listen { addr: addr.clone(), source };
         let listener = Listener::bind(&config.addr).map_err(error)?;
         let shared = Arc::new(Shared {
@@ -329,13 +329,6 @@ fn find_bitmap(node: &Arc<dyn BlockNode>, name: &str) -> Option<Arc<Bitmap>> {
         let (_, backing) = node.children().into_iter().find(|(role, _)| *role == "backing")?;
         find_bitmap(&backing, name)
     })
-}
-
-fn describe(addr: &Address) -> String {
-    match addr {
-        Address::Unix(path) => format!("'{}'", path.display()),
-        Address::Inet { host, port } => format!("{host}:{port}"),
-    }
 }
 
 enum Listener {

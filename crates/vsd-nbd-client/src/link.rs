@@ -1,0 +1,424 @@
+//! The thread that owns a node's connection: it sends the commands the
+//! node's queues hand it, reads the replies, and posts each completion to
+//! the mailbox of the queue that sent it.
+//!
+//! One connection per node, as QEMU's client keeps: a flush then covers
+//! every write of the node whatever the server says about multi-conn. The
+//! socket is non-blocking and the thread waits on it and on the queues'
+//! wake-up descriptor together, so a server that stops reading can never
+//! stop replies from being read (the classic NBD deadlock of a client
+//! blocked writing while the server is blocked writing to it).
+//!
+//! When the connection breaks, the commands on the wire go back to the
+//! front of the line and the thread dials again; commands wait up to
+//! `reconnect-delay` for a new connection, then fail with EIO, as do the
+//! commands sent while no connection has come back after the delay.
+
+use std::collections::VecDeque;
+use std::io::{self, Read, Write};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+use vsd_engine::{Completion, IoVecs, Mailbox};
+use vsd_nbd_proto::{BadMagic, Request, SimpleReply, cmd, errno};
+
+use crate::handshake::Export;
+use crate::socket::Socket;
+use crate::{Config, ConnectError};
+
+/// Bytes of encoded commands kept unsent before the thread stops taking
+/// more from the queues' line (one command may exceed it).
+const OUT_HIGH: usize = 256 << 10;
+/// Where replies are read to before their data is copied out.
+const IN_BUFFER: usize = 256 << 10;
+/// The first and the longest pause between two attempts to dial again.
+const FIRST_RETRY: Duration = Duration::from_millis(50);
+const LONGEST_RETRY: Duration = Duration::from_secs(1);
+
+/// One NBD command, as a queue hands it to the thread.
+pub(crate) struct Command {
+    /// Where its completion goes.
+    pub mailbox: Arc<Mailbox>,
+    /// The queue's tag for the request this command is (part of).
+    pub tag: u32,
+    /// The header, but for the cookie, which the thread chooses.
+    pub kind: u16,
+    pub flags: u16,
+    pub offset: u64,
+    pub len: u32,
+    /// A read's destination or a write's source.
+    pub data: Data,
+    /// A durable write to a server without FUA: a flush follows it.
+    pub then_flush: bool,
+}
+
+/// Where a command's payload is.
+pub(crate) enum Data {
+    None,
+    /// Bytes `pos..pos + len` of a request's buffers.
+    Buffers {
+        iov: IoVecs,
+        pos: u64,
+    },
+    /// Zeroes (WRITE_ZEROES for a server without it).
+    Zeroes,
+}
+
+/// What the node, its queues and the thread share.
+pub(crate) struct Shared {
+    pub export: Export,
+    line: Mutex<Vec<Command>>,
+    wake: EventFd,
+    /// The node and its queues: the thread ends when none is left.
+    users: AtomicUsize,
+}
+
+impl Shared {
+    pub(crate) fn new(export: Export) -> io::Result<Self> {
+        Ok(Self { export, line: Mutex::new(Vec::new()), wake: EventFd::new(EFD_NONBLOCK)?, users: AtomicUsize::new(1) })
+    }
+
+    /// Hands `commands` to the thread.
+    pub(crate) fn send(&self, commands: &mut Vec<Command>) {
+        self.line.lock().unwrap_or_else(PoisonError::into_inner).append(commands);
+        self.signal();
+    }
+
+    pub(crate) fn join(&self) {
+        self.users.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A user goes away; the last one ends the thread.
+    pub(crate) fn leave(&self) {
+        self.users.fetch_sub(1, Ordering::Release);
+        self.signal();
+    }
+
+    fn signal(&self) {
+        if let Err(e) = self.wake.write(1) {
+            log::warn!("cannot wake an NBD connection's thread: {e}");
+        }
+    }
+}
+
+/// The thread's state.
+pub(crate) struct Link {
+    shared: Arc<Shared>,
+    config: Config,
+    socket: Option<Socket>,
+    /// Taken from the line, not on the wire yet.
+    waiting: VecDeque<Command>,
+    /// On the wire, by cookie; `free` lists the unused cookies.
+    sent: Vec<Option<Command>>,
+    free: Vec<usize>,
+    out: Vec<u8>,
+    out_pos: usize,
+    input: Box<[u8]>,
+    in_start: usize,
+    in_end: usize,
+    /// A read reply whose data is being copied: its cookie and the bytes done.
+    reading: Option<(usize, u32)>,
+    /// When the connection broke, while it is broken.
+    lost: Option<Instant>,
+    next_dial: Instant,
+    retry: Duration,
+}
+
+impl Link {
+    pub(crate) fn new(shared: Arc<Shared>, config: Config, socket: Socket) -> Self {
+        Self {
+            shared,
+            config,
+            socket: Some(socket),
+            waiting: VecDeque::new(),
+            sent: Vec::new(),
+            free: Vec::new(),
+            out: Vec::new(),
+            out_pos: 0,
+            input: vec![0; IN_BUFFER].into_boxed_slice(),
+            in_start: 0,
+            in_end: 0,
+            reading: None,
+            lost: None,
+            next_dial: Instant::now(),
+            retry: FIRST_RETRY,
+        }
+    }
+
+    pub(crate) fn run(mut self) {
+        while self.shared.users.load(Ordering::Acquire) > 0 {
+            self.wait();
+            // Non-blocking: the wake-up may have been for the socket.
+            let _ = self.shared.wake.read();
+            let mut line = std::mem::take(&mut *self.shared.line.lock().unwrap_or_else(PoisonError::into_inner));
+            self.waiting.extend(line.drain(..));
+            if self.socket.is_none() {
+                self.dial_again();
+            }
+            if self.socket.is_some()
+                && let Err(e) = self.exchange()
+            {
+                self.lose(e);
+            }
+        }
+        self.disconnect();
+    }
+
+    /// Sleeps until the queues or the socket have something, or until it
+    /// is time to dial again or to give up waiting for a connection.
+    fn wait(&self) {
+        let mut fds = [libc::pollfd { fd: self.shared.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 }; 2];
+        let mut count = 1;
+        let mut timeout = -1;
+        match &self.socket {
+            Some(socket) => {
+                let pending = self.out_pos < self.out.len();
+                let events = if pending { libc::POLLIN | libc::POLLOUT } else { libc::POLLIN };
+                fds[1] = libc::pollfd { fd: socket.as_raw_fd(), events, revents: 0 };
+                count = 2;
+            }
+            None => {
+                let now = Instant::now();
+                let mut until = self.next_dial;
+                if let Some(deadline) = self.give_up_at().filter(|_| !self.waiting.is_empty()) {
+                    until = until.min(deadline);
+                }
+                timeout = until.saturating_duration_since(now).as_millis().min(i32::MAX as u128) as i32;
+            }
+        }
+        // SAFETY: `fds` holds `count` initialised entries naming open
+        // descriptors (the wake-up eventfd and our socket).
+        let ret = unsafe { libc::poll(fds.as_mut_ptr(), count, timeout) };
+        if ret < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            log::warn!("waiting on an NBD connection: {}", io::Error::last_os_error());
+            std::thread::sleep(FIRST_RETRY);
+        }
+    }
+
+    fn give_up_at(&self) -> Option<Instant> {
+        self.lost.map(|lost| lost + self.config.reconnect_delay)
+    }
+
+    /// Sends what it can, reads what has come.
+    fn exchange(&mut self) -> Result<(), LinkError> {
+        self.read_replies()?;
+        self.encode();
+        self.write_out()
+    }
+
+    /// Moves commands from `waiting` to the output buffer, each with a cookie.
+    fn encode(&mut self) {
+        while self.out.len() - self.out_pos < OUT_HIGH
+            && let Some(command) = self.waiting.pop_front()
+        {
+            let cookie = self.free.pop().unwrap_or_else(|| {
+                self.sent.push(None);
+                self.sent.len() - 1
+            });
+            let header = Request {
+                flags: command.flags,
+                kind: command.kind,
+                cookie: cookie as u64,
+                offset: command.offset,
+                len: u64::from(command.len),
+            };
+            let mut bytes = [0; 28];
+            header.encode(&mut bytes);
+            self.out.extend_from_slice(&bytes);
+            if command.kind == cmd::WRITE {
+                let at = self.out.len();
+                self.out.resize(at + command.len as usize, 0);
+                if let Data::Buffers { iov, pos } = command.data {
+                    // SAFETY: the queue's caller keeps the buffers valid
+                    // until the request completes, which is after this.
+                    unsafe { iov.copy_out(pos, &mut self.out[at..]) };
+                }
+            }
+            self.sent[cookie] = Some(command);
+        }
+    }
+
+    fn write_out(&mut self) -> Result<(), LinkError> {
+        let Some(socket) = self.socket.as_mut() else { return Ok(()) };
+        while self.out_pos < self.out.len() {
+            match socket.write(&self.out[self.out_pos..]) {
+                Ok(0) => return Err(LinkError::Closed),
+                Ok(n) => self.out_pos += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(LinkError::Io(e)),
+            }
+        }
+        self.out.clear();
+        self.out_pos = 0;
+        if self.out.capacity() > 4 * OUT_HIGH {
+            self.out.shrink_to(OUT_HIGH);
+        }
+        Ok(())
+    }
+
+    fn read_replies(&mut self) -> Result<(), LinkError> {
+        loop {
+            if self.in_start == self.in_end {
+                (self.in_start, self.in_end) = (0, 0);
+            } else if self.in_end == self.input.len() {
+                self.input.copy_within(self.in_start..self.in_end, 0);
+                (self.in_start, self.in_end) = (0, self.in_end - self.in_start);
+            }
+            let Some(socket) = self.socket.as_mut() else { return Ok(()) };
+            match socket.read(&mut self.input[self.in_end..]) {
+                Ok(0) => return Err(LinkError::Closed),
+                Ok(n) => {
+                    self.in_end += n;
+                    self.parse()?;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(LinkError::Io(e)),
+            }
+        }
+    }
+
+    /// Consumes whole replies and read data from the input buffer.
+    fn parse(&mut self) -> Result<(), LinkError> {
+        loop {
+            let available = &self.input[self.in_start..self.in_end];
+            if let Some((cookie, done)) = self.reading {
+                let Some(command) = self.sent[cookie].as_ref() else {
+                    unreachable!("a read being copied is on the wire")
+                };
+                let n = (command.len - done).min(available.len() as u32);
+                if let Data::Buffers { iov, pos } = command.data {
+                    // SAFETY: the buffers are the request's, valid and
+                    // untouched by anyone else until it completes.
+                    unsafe { iov.fill(pos + u64::from(done), u64::from(n), Some(&available[..n as usize])) };
+                }
+                self.in_start += n as usize;
+                if done + n < command.len {
+                    self.reading = Some((cookie, done + n));
+                    return Ok(());
+                }
+                self.reading = None;
+                self.complete(cookie, 0);
+                continue;
+            }
+            if available.len() < SimpleReply::SIZE {
+                return Ok(());
+            }
+            let reply = SimpleReply::parse(available).map_err(LinkError::Magic)?;
+            self.in_start += SimpleReply::SIZE;
+            let cookie = usize::try_from(reply.cookie).unwrap_or(usize::MAX);
+            let Some(command) = self.sent.get(cookie).and_then(Option::as_ref) else {
+                return Err(LinkError::Cookie(reply.cookie));
+            };
+            if command.kind == cmd::READ && reply.error == 0 && command.len > 0 {
+                self.reading = Some((cookie, 0));
+            } else {
+                self.complete(cookie, if reply.error == 0 { 0 } else { errno::to_host(reply.error) });
+            }
+        }
+    }
+
+    /// Finishes the command on the wire under `cookie`.
+    fn complete(&mut self, cookie: usize, errno: i32) {
+        let Some(command) = self.sent[cookie].take() else { return };
+        self.free.push(cookie);
+        if errno == 0 && command.then_flush {
+            let flush = Command {
+                kind: cmd::FLUSH,
+                flags: 0,
+                offset: 0,
+                len: 0,
+                data: Data::None,
+                then_flush: false,
+                ..command
+            };
+            self.waiting.push_front(flush);
+            return;
+        }
+        command.mailbox.post(Completion { tag: command.tag, errno });
+    }
+
+    /// The connection broke: what was on the wire waits to be sent again.
+    fn lose(&mut self, why: LinkError) {
+        log::warn!("NBD connection to {} (export '{}') lost: {why}", self.config.server, self.config.export);
+        self.socket = None;
+        self.reading = None;
+        (self.in_start, self.in_end) = (0, 0);
+        self.out.clear();
+        self.out_pos = 0;
+        let on_wire: Vec<Command> = self.sent.drain(..).flatten().collect();
+        for command in on_wire.into_iter().rev() {
+            self.waiting.push_front(command);
+        }
+        self.free.clear();
+        self.lost = Some(Instant::now());
+        (self.next_dial, self.retry) = (Instant::now(), FIRST_RETRY);
+        self.dial_again();
+    }
+
+    /// Dials if it is time to; fails the waiting commands once the delay
+    /// for a new connection has passed.
+    fn dial_again(&mut self) {
+        let now = Instant::now();
+        if now >= self.next_dial {
+            match crate::dial(&self.config) {
+                Ok((socket, export)) if export.size == self.shared.export.size => {
+                    log::info!("NBD connection to {} (export '{}') is back", self.config.server, self.config.export);
+                    self.socket = Some(socket);
+                    self.lost = None;
+                    return;
+                }
+                Ok((_, export)) => log::warn!(
+                    "NBD export '{}' on {} came back with {} bytes instead of {}: not used",
+                    self.config.export,
+                    self.config.server,
+                    export.size,
+                    self.shared.export.size
+                ),
+                Err(e) => log::debug!("NBD connection to {}: {e}", self.config.server),
+            }
+            self.next_dial = now + self.retry;
+            self.retry = (self.retry * 2).min(LONGEST_RETRY);
+        }
+        if self.give_up_at().is_some_and(|deadline| now >= deadline) {
+            for command in self.waiting.drain(..) {
+                command.mailbox.post(Completion { tag: command.tag, errno: libc::EIO });
+            }
+        }
+    }
+
+    /// Says goodbye to the server (NBD_CMD_DISC), best effort.
+    fn disconnect(&mut self) {
+        let Some(socket) = self.socket.as_mut() else { return };
+        let mut bytes = [0; 28];
+        Request { kind: cmd::DISC, ..Default::default() }.encode(&mut bytes);
+        let _ = socket.set_nonblocking(false).and_then(|()| socket.write_all(&bytes));
+    }
+}
+
+/// Why a connection broke.
+#[derive(Debug, thiserror::Error)]
+enum LinkError {
+    #[error("{0}")]
+    Io(io::Error),
+    #[error("the server closed the connection")]
+    Closed,
+    #[error("the server sent a reply it was not asked for (cookie {0})")]
+    Cookie(u64),
+    #[error("the server sent a reply vsd cannot read ({0})")]
+    Magic(BadMagic),
+}
+
+/// Opens the first connection (the node's open fails if it fails) and
+/// starts the thread.
+pub(crate) fn start(config: Config) -> Result<Arc<Shared>, ConnectError> {
+    let (socket, export) = crate::dial(&config)?;
+    let shared = Arc::new(Shared::new(export).map_err(ConnectError::Io)?);
+    let link = Link::new(shared.clone(), config, socket);
+    std::thread::Builder::new().name("nbd-client".into()).spawn(move || link.run()).map_err(ConnectError::Io)?;
+    Ok(shared)
+}

@@ -1,0 +1,327 @@
+//! `driver=nbd`: vsd reading and writing exports of real NBD servers
+//! (qemu-storage-daemon, nbdkit, vsd itself), served on over vhost-user-blk
+//! to libblkio's client and over NBD to libnbd's and QEMU's tools.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Daemon, Scratch, pattern, run, vsd_fails};
+use vsd_bench::ClientOptions;
+
+const MIB: u64 = 1 << 20;
+
+/// qemu-storage-daemon exporting `image` (raw) as `disk` on `socket`.
+fn qsd_serving(dir: &Scratch, image: &Path, socket: &Path) -> Daemon {
+    Daemon::qsd(
+        dir,
+        &[
+            "--blockdev".into(),
+            format!("driver=file,node-name=f0,filename={}", image.display()),
+            "--nbd-server".into(),
+            format!("addr.type=unix,addr.path={}", socket.display()),
+            "--export".into(),
+            "type=nbd,id=e0,node-name=f0,name=disk,writable=on".into(),
+        ],
+    )
+}
+
+/// nbdkit's memory plugin (`size` bytes) behind `filters` ("NAME PARAMS",
+/// or a flag such as `-r`), on `socket`.
+struct Nbdkit(Child);
+
+impl Nbdkit {
+    fn start(socket: &Path, filters: &[&str], size: u64) -> Self {
+        let _ = std::fs::remove_file(socket);
+        let mut command = Command::new("nbdkit");
+        command.args(["-f", "-U"]).arg(socket);
+        let mut params = Vec::new();
+        for filter in filters {
+            if filter.starts_with('-') {
+                command.arg(filter);
+                continue;
+            }
+            let (name, rest) = filter.split_once(' ').unwrap_or((filter, ""));
+            command.arg(format!("--filter={name}"));
+            params.extend(rest.split_whitespace());
+        }
+        // Filters' parameters follow the plugin's.
+        let child =
+            command.args(["memory", &size.to_string()]).args(params).stdin(Stdio::null()).spawn().expect("nbdkit");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !socket.exists() {
+            assert!(Instant::now() < deadline, "nbdkit did not start");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Self(child)
+    }
+}
+
+impl Drop for Nbdkit {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A `driver=nbd` node `n0` on export `export` of `socket`, with `extra` options.
+fn nbd_node(socket: &Path, export: &str, extra: &str) -> String {
+    format!("driver=nbd,node-name=n0,server.type=unix,server.path={},export={export}{extra}", socket.display())
+}
+
+/// vsd serving `node` (named `n0`) as raw over vhost-user-blk (`vhost.sock`,
+/// `export_opts`) and NBD (`vsd-nbd.sock`, export `x`).
+fn vsd_over(dir: &Scratch, node: String, export_opts: &str) -> Daemon {
+    let args = vec![
+        "--blockdev".into(),
+        node,
+        "--blockdev".into(),
+        "driver=raw,node-name=d0,file=n0".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=v0,node-name=d0,addr.type=unix,addr.path={},writable=on{export_opts}",
+            dir.path("vhost.sock").display()
+        ),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", dir.path("vsd-nbd.sock").display()),
+        "--export".into(),
+        "type=nbd,id=x0,node-name=d0,name=x,writable=on".into(),
+    ];
+    Daemon::vsd(dir, &args)
+}
+
+fn uri(socket: &Path, name: &str) -> String {
+    format!("nbd+unix:///{name}?socket={}", socket.display())
+}
+
+fn ok(program: &str, args: &[&str]) -> String {
+    let out = run(program, args);
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{program} {args:?}: {text}");
+    text
+}
+
+/// Two queues of a guest-like client write their patterns concurrently
+/// through vsd into qemu-storage-daemon's export, read them back, and
+/// flush, discard and zero; the image behind qemu-storage-daemon then
+/// holds exactly that, and what was there before reads back unchanged.
+#[test]
+fn qemu_storage_daemon_s_export_serves_a_vhost_user_disk() {
+    let dir = Scratch::new("nbdc-qsd");
+    let image = dir.path("remote.img");
+    let before = pattern(1, 32 * MIB as usize);
+    std::fs::write(&image, &before).unwrap();
+    let _qsd = qsd_serving(&dir, &image, &dir.path("qsd.sock"));
+    let vsd = vsd_over(&dir, nbd_node(&dir.path("qsd.sock"), "disk", ""), ",num-queues=2");
+    let mut client = vsd.connect(ClientOptions { num_queues: 2, ..Default::default() });
+    assert_eq!(client.capacity().unwrap(), 32 * MIB);
+    let writes =
+        |q: u64| (0..24u64).map(move |i| (q * 16 * MIB + i * 320 * 1024, pattern(q * 100 + i, 4096 << (i % 6))));
+    let threads: Vec<_> = client
+        .take_queues()
+        .into_iter()
+        .enumerate()
+        .map(|(q, mut queue)| {
+            std::thread::spawn(move || {
+                let mut old = vec![0; 4096];
+                queue.read_at(q as u64 * 16 * MIB + 300 * 1024, &mut old).unwrap();
+                for (offset, data) in writes(q as u64) {
+                    queue.write_at(offset, &data).unwrap();
+                    let mut back = vec![0; data.len()];
+                    queue.read_at(offset, &mut back).unwrap();
+                    assert_eq!(back, data, "queue {q} at {offset}");
+                }
+                queue.flush().unwrap();
+                old
+            })
+        })
+        .collect();
+    let olds: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let mut expected = before.clone();
+    for (offset, data) in (0..2).flat_map(writes) {
+        expected[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
+    }
+    for (q, old) in olds.iter().enumerate() {
+        let at = q * 16 * MIB as usize + 300 * 1024;
+        assert_eq!(old[..], before[at..at + 4096], "queue {q} read what qemu-storage-daemon serves");
+    }
+    drop(client);
+    let mut client = vsd.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    queue.write_zeroes(8 * MIB, 2 * MIB, true).unwrap();
+    expected[8 * MIB as usize..10 * MIB as usize].fill(0);
+    queue.flush().unwrap();
+    drop((queue, client));
+    assert!(std::fs::read(&image).unwrap() == expected, "the remote image holds what vsd acknowledged");
+}
+
+/// nbdkit's memory plugin without WRITE_ZEROES and with 64 KiB blocks at
+/// most: vsd writes zeroes as data and splits 1 MiB requests; nbdcopy and
+/// qemu-img see through vsd's own NBD export what went in.
+#[test]
+fn nbdkit_without_zeroes_and_with_small_blocks() {
+    let dir = Scratch::new("nbdc-kit");
+    let filters = ["nozero zeromode=none", "blocksize-policy blocksize-maximum=65536"];
+    let _kit = Nbdkit::start(&dir.path("kit.sock"), &filters, 16 * MIB);
+    let vsd = vsd_over(&dir, nbd_node(&dir.path("kit.sock"), "", ""), "");
+    let source = dir.path("source.img");
+    let content = pattern(5, 16 * MIB as usize);
+    std::fs::write(&source, &content).unwrap();
+    let x = uri(&dir.path("vsd-nbd.sock"), "x");
+    ok("nbdcopy", &[source.to_str().unwrap(), &x]);
+    ok("qemu-img", &["compare", "-f", "raw", "-F", "raw", source.to_str().unwrap(), &x]);
+
+    let mut client = vsd.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    let big = pattern(6, MIB as usize);
+    queue.write_at_fua(3 * MIB, &big).unwrap();
+    queue.write_zeroes(5 * MIB, 3 * MIB, true).unwrap();
+    let mut back = vec![0; MIB as usize];
+    queue.read_at(3 * MIB, &mut back).unwrap();
+    assert!(back == big, "a 1 MiB write split in 64 KiB commands reads back");
+    drop((queue, client));
+    let copy = dir.path("copy.img");
+    ok("nbdcopy", &[&x, copy.to_str().unwrap()]);
+    let mut expected = content;
+    expected[3 * MIB as usize..4 * MIB as usize].copy_from_slice(&big);
+    expected[5 * MIB as usize..8 * MIB as usize].fill(0);
+    assert!(std::fs::read(&copy).unwrap() == expected, "nbdkit holds what vsd acknowledged");
+}
+
+/// A qcow2 image whose bytes live on another vsd's NBD export: vsd opens
+/// it with `file.driver=nbd`, a guest-like client writes through it, and
+/// qemu-img finds the image consistent and holding those writes.
+#[test]
+fn a_qcow2_image_on_another_vsd_s_nbd_export() {
+    let dir = Scratch::new("nbdc-qcow2");
+    let image = dir.path("disk.qcow2");
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", "-o", "preallocation=metadata", image.to_str().unwrap(), "16M"]);
+    let far = Scratch::new("nbdc-qcow2-far");
+    let remote = Daemon::vsd(
+        &far,
+        &[
+            "--blockdev".into(),
+            format!("driver=file,node-name=f0,filename={}", image.display()),
+            "--nbd-server".into(),
+            format!("addr.type=unix,addr.path={}", far.path("nbd.sock").display()),
+            "--export".into(),
+            "type=nbd,id=e0,node-name=f0,name=bytes,writable=on".into(),
+        ],
+    );
+    let node = format!(
+        "driver=qcow2,node-name=d0,file.driver=nbd,file.server.type=unix,file.server.path={},file.export=bytes",
+        far.path("nbd.sock").display()
+    );
+    let vhost = dir.path("vhost.sock");
+    let export =
+        format!("type=vhost-user-blk,id=v0,node-name=d0,addr.type=unix,addr.path={},writable=on", vhost.display());
+    let vsd = Daemon::vsd(&dir, &["--blockdev".into(), node, "--export".into(), export]);
+    let mut client = vsd.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    let data = pattern(9, 256 << 10);
+    queue.write_at(5 * MIB, &data).unwrap();
+    queue.flush().unwrap();
+    drop((queue, client));
+    assert!(vsd.stop().success());
+    assert!(remote.stop().success());
+    ok("qemu-img", &["check", "-q", image.to_str().unwrap()]);
+    let raw = dir.path("disk.raw");
+    ok("qemu-img", &["convert", "-O", "raw", image.to_str().unwrap(), raw.to_str().unwrap()]);
+    let bytes = std::fs::read(&raw).unwrap();
+    assert!(bytes[5 * MIB as usize..][..data.len()] == data[..], "the write is in the qcow2 image");
+    assert!(bytes[..5 * MIB as usize].iter().all(|&b| b == 0));
+}
+
+/// With `reconnect-delay`, a request sent while the server is down waits
+/// and completes once a server is back on the socket; without it, requests
+/// fail at once with an I/O error, vsd keeps running, and once the server
+/// is back requests succeed again.
+#[test]
+fn requests_wait_for_a_server_that_comes_back_within_reconnect_delay() {
+    let dir = Scratch::new("nbdc-reconnect");
+    let image = dir.path("remote.img");
+    std::fs::write(&image, vec![0; 8 * MIB as usize]).unwrap();
+    let socket = dir.path("qsd.sock");
+    let qsd = qsd_serving(&dir, &image, &socket);
+    let mut vsd = vsd_over(&dir, nbd_node(&socket, "disk", ",reconnect-delay=10"), "");
+    let mut client = vsd.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    queue.write_at(0, &pattern(1, 4096)).unwrap();
+    qsd.kill();
+    let writer = std::thread::spawn(move || {
+        let result = queue.write_at(MIB, &pattern(2, 65536)).and_then(|()| queue.flush());
+        (result, queue)
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!writer.is_finished(), "the write waits for the server");
+    let qsd = qsd_serving(&dir, &image, &socket);
+    let (result, queue) = writer.join().unwrap();
+    result.expect("the write completes once the server is back");
+    let bytes = std::fs::read(&image).unwrap();
+    assert_eq!(bytes[MIB as usize..][..65536], pattern(2, 65536)[..]);
+    assert_eq!(bytes[..4096], pattern(1, 4096)[..]);
+    drop((queue, client, qsd));
+    assert!(vsd.is_running());
+    drop(vsd);
+
+    let qsd = qsd_serving(&dir, &image, &socket);
+    let vsd = vsd_over(&dir, nbd_node(&socket, "disk", ""), "");
+    let mut client = vsd.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    qsd.kill();
+    let started = Instant::now();
+    assert!(queue.write_at(0, &pattern(3, 4096)).is_err(), "without reconnect-delay the write fails");
+    assert!(started.elapsed() < Duration::from_secs(5), "and fails at once");
+    let _qsd = qsd_serving(&dir, &image, &socket);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while queue.write_at(0, &pattern(4, 4096)).is_err() {
+        assert!(Instant::now() < deadline, "vsd dials the server again");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    queue.flush().unwrap();
+    assert_eq!(std::fs::read(&image).unwrap()[..4096], pattern(4, 4096)[..]);
+}
+
+/// A server that is not there, an export it does not have, a read-only
+/// export opened writable, options vsd's client does not take: one line,
+/// in QEMU's words where QEMU has them.
+#[test]
+fn mistakes_are_one_line_errors() {
+    let dir = Scratch::new("nbdc-mistakes");
+    let missing = dir.path("missing.sock");
+    let refused = vsd_fails(&["--blockdev", &nbd_node(&missing, "disk", "")]);
+    assert!(refused.contains(&format!("Failed to connect to '{}'", missing.display())), "{refused}");
+    let image = dir.image("remote.img", MIB);
+    let socket = dir.path("qsd.sock");
+    let _qsd = qsd_serving(&dir, &image, &socket);
+    let refused = vsd_fails(&["--blockdev", &nbd_node(&socket, "nothing", "")]);
+    assert!(refused.contains("Requested export not available"), "{refused}");
+    let refused = vsd_fails(&["--blockdev", &nbd_node(&socket, "disk", ",tls-creds=t0")]);
+    assert!(refused.contains("does not speak TLS"), "{refused}");
+    let refused = vsd_fails(&["--blockdev", "driver=nbd,node-name=n0,server.type=vsock,server.cid=3"]);
+    assert!(refused.contains("server.type"), "{refused}");
+
+    let _read_only = Nbdkit::start(&dir.path("ro.sock"), &["-r"], MIB);
+    let refused = vsd_fails(&["--blockdev", &nbd_node(&dir.path("ro.sock"), "", "")]);
+    assert!(refused.contains("NBD export is read-only"), "{refused}");
+}
+
+/// A request the server fails (nbdkit's protect filter refuses writes to
+/// the first 64 KiB with EPERM) fails for the client; the others succeed.
+#[test]
+fn the_server_s_errors_are_the_request_s() {
+    let dir = Scratch::new("nbdc-errors");
+    let _kit = Nbdkit::start(&dir.path("kit.sock"), &["protect protect=0-65535"], 4 * MIB);
+    let vsd = vsd_over(&dir, nbd_node(&dir.path("kit.sock"), "", ""), "");
+    let mut client = vsd.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    assert!(queue.write_at(4096, &pattern(1, 4096)).is_err(), "a write the server refuses fails");
+    queue.write_at(MIB, &pattern(2, 4096)).unwrap();
+    let mut back = vec![0; 4096];
+    queue.read_at(MIB, &mut back).unwrap();
+    assert_eq!(back, pattern(2, 4096));
+    queue.read_at(4096, &mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 0), "the refused write left nothing");
+}
