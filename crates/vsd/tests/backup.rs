@@ -699,3 +699,39 @@ fn a_kill_during_a_backup_leaves_the_source_clean_and_its_checkpoint_inconsisten
     };
     assert_eq!(mismatches(&dir.path("tgt.img"), expect), None);
 }
+
+/// A push backup onto another host's disk: the target is a `driver=nbd`
+/// node on qemu-storage-daemon's export, added over QMP; a write during
+/// the job waits for its old data to reach it, and the copy is the disk
+/// as it was when the job started.
+#[test]
+fn a_backup_onto_an_nbd_export_of_qemu_storage_daemon() {
+    let dir = Scratch::new("backup-to-nbd");
+    let size = 16 * MIB;
+    let (_daemon, mut qmp) = served_disk(&dir, size, &[], &[]);
+    let nbd = dir.path("nbd.sock");
+    nbd_write(&nbd, "rw", 0, size, 0x11);
+    let far = Scratch::new("backup-to-nbd-far");
+    let target = far.image("target.img", size);
+    let qsd = Daemon::qsd(
+        &far,
+        &[
+            "--blockdev".into(),
+            format!("driver=file,node-name=t0,filename={}", target.display()),
+            "--nbd-server".into(),
+            format!("addr.type=unix,addr.path={}", far.path("nbd.sock").display()),
+            "--export".into(),
+            "type=nbd,id=e0,node-name=t0,name=backup,writable=on".into(),
+        ],
+    );
+    let server = json!({"type": "unix", "path": far.path("nbd.sock")});
+    qmp.ok("blockdev-add", json!({"driver": "nbd", "node-name": "tgt", "server": server, "export": "backup"}));
+    qmp.ok("blockdev-backup", json!({"job-id": "b", "device": "disk", "target": "tgt", "sync": "full", "speed": 1}));
+    nbd_write(&nbd, "rw", 8 * MIB, 64 * KIB, 0x22);
+    qmp.ok("block-job-set-speed", json!({"device": "b", "speed": 0}));
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "b"}));
+    assert!(done.get("error").is_none(), "{done}");
+    qmp.ok("blockdev-del", json!({"node-name": "tgt"}));
+    drop(qsd);
+    assert_eq!(mismatches(&target, |_| 0x11), None, "the remote copy is the disk before the job");
+}
