@@ -305,6 +305,9 @@ pub trait NodeObjects: Send + Sync {
     /// The bytes of secret `id` (`key-secret=ID`), or why there are none,
     /// in QEMU's words.
     fn secret(&self, id: &str) -> Result<Vec<u8>, String>;
+    /// The client credentials `id` (`tls-creds=ID` of an NBD node), or why
+    /// there are none.
+    fn tls_client_creds(&self, id: &str) -> Result<Arc<vsd_net::ClientCreds>, String>;
     /// Throttle group `id` (`throttle-group=ID`), or why there is none.
     fn throttle_group(&self, id: &str) -> Result<Arc<throttle::ThrottleGroup>, String>;
 }
@@ -340,6 +343,14 @@ impl BlockGraph {
         match &self.objects {
             Some(objects) => objects.secret(id),
             None => Err(format!("No secret with id '{id}'")),
+        }
+    }
+
+    /// The client credentials `id`.
+    fn tls_client_creds(&self, id: &str) -> Result<Arc<vsd_net::ClientCreds>, String> {
+        match &self.objects {
+            Some(objects) => objects.tls_client_creds(id),
+            None => Err(format!("No TLS credentials with id '{id}'")),
         }
     }
 

@@ -1,13 +1,18 @@
 //! The client's side of the handshake, blocking: fixed newstyle, then
-//! NBD_OPT_GO, or NBD_OPT_EXPORT_NAME with a server that predates GO.
+//! NBD_OPT_STARTTLS and the TLS handshake if the node has credentials,
+//! then NBD_OPT_GO, or NBD_OPT_EXPORT_NAME with a server that predates GO.
 //!
 //! Only simple replies are asked for: the client reads and writes data,
 //! and simple replies carry that with the least framing.
 
 use std::io::{self, Read, Write};
 
+use vsd_net::{Stream, TlsStream, Wire};
+
 use vsd_nbd_proto::handshake::{FLAG_FIXED_NEWSTYLE, FLAG_NO_ZEROES, IHAVEOPT, NBDMAGIC, REPLY_MAGIC, info, opt, rep};
 use vsd_nbd_proto::tx_flag;
+
+use crate::Tls;
 
 /// The most option reply data read: more than any reply the client asks for.
 const MAX_REPLY_DATA: u32 = 64 << 10;
@@ -51,6 +56,9 @@ pub enum HandshakeError {
     /// The server requires TLS (NBD_REP_ERR_TLS_REQD).
     #[error("Server requires TLS: give tls-creds{}", detail(.0))]
     TlsRequired(String),
+    /// The server does not do TLS, or the TLS handshake failed.
+    #[error("TLS with the server failed: {0}")]
+    Tls(String),
     /// Another refusal.
     #[error("Server refused the export (error {code:#x}){}", detail(.message))]
     Refused {
@@ -69,14 +77,15 @@ fn protocol(what: impl Into<String>) -> HandshakeError {
     HandshakeError::Protocol(what.into())
 }
 
-/// Negotiates `export` on a connected stream; returns what the server
-/// said about it. The stream is then in the transmission phase.
-pub fn negotiate<S: Read + Write>(stream: &mut S, export: &str) -> Result<Export, HandshakeError> {
+/// Negotiates `export` on a connected, blocking `stream`, over TLS with
+/// `tls`; returns the connection's wire (the socket, or TLS over it) and
+/// what the server said about the export.
+pub fn negotiate(stream: Stream, export: &str, tls: Option<&Tls>) -> Result<(Box<dyn Wire>, Export), HandshakeError> {
     if export.len() > MAX_NAME {
         return Err(protocol(format!("an export name of {} bytes is longer than NBD allows", export.len())));
     }
     let mut greeting = [0u8; 18];
-    stream.read_exact(&mut greeting)?;
+    (&stream).read_exact(&mut greeting)?;
     if be64(&greeting[..8]) != NBDMAGIC {
         return Err(protocol("not an NBD server (bad greeting)"));
     }
@@ -87,12 +96,45 @@ pub fn negotiate<S: Read + Write>(stream: &mut S, export: &str) -> Result<Export
     if be64(&greeting[8..16]) != IHAVEOPT || flags & FLAG_FIXED_NEWSTYLE == 0 {
         return Err(protocol("the server does not speak fixed newstyle negotiation"));
     }
-    let no_zeroes = flags & FLAG_NO_ZEROES;
-    stream.write_all(&u32::from(FLAG_FIXED_NEWSTYLE | no_zeroes).to_be_bytes())?;
-    match go(stream, export)? {
-        Some(found) => Ok(found),
-        None => export_name(stream, export, no_zeroes != 0),
+    let no_zeroes = flags & FLAG_NO_ZEROES != 0;
+    let client_flags = FLAG_FIXED_NEWSTYLE | if no_zeroes { FLAG_NO_ZEROES } else { 0 };
+    (&stream).write_all(&u32::from(client_flags).to_be_bytes())?;
+    // O_NONBLOCK belongs to the socket, which this handle shares: the
+    // transmission phase is non-blocking.
+    let handle = stream.try_clone()?;
+    let Some(tls) = tls else {
+        let found = select(&mut &stream, export, no_zeroes)?;
+        handle.set_nonblocking()?;
+        return Ok((Box::new(stream), found));
+    };
+    send_option(&mut &stream, opt::STARTTLS, &[])?;
+    match read_reply(&mut &stream, opt::STARTTLS)? {
+        (rep::ACK, _) => {}
+        (_, data) => {
+            return Err(HandshakeError::Tls(format!("the server refused STARTTLS{}", detail(&message(&data)))));
+        }
     }
+    let session = tls.creds.connect(tls.hostname.as_deref()).map_err(|e| HandshakeError::Tls(e.to_string()))?;
+    let mut wire = TlsStream::new(session, stream);
+    wire.handshake().map_err(|e| HandshakeError::Tls(e.to_string()))?;
+    // TLS 1.3 servers refuse a client's certificate (or its absence) after
+    // the client thinks the handshake done: the alert comes with the reply.
+    let found = select(&mut wire, export, no_zeroes).map_err(|e| match e {
+        HandshakeError::Io(e) if e.kind() == io::ErrorKind::InvalidData => HandshakeError::Tls(e.to_string()),
+        e => e,
+    })?;
+    handle.set_nonblocking()?;
+    Ok((Box::new(wire), found))
+}
+
+/// Selects the export: GO, or EXPORT_NAME with a server without GO.
+fn select<S: Read + Write>(stream: &mut S, export: &str, no_zeroes: bool) -> Result<Export, HandshakeError> {
+    let found = match go(stream, export)? {
+        Some(found) => found,
+        None => export_name(stream, export, no_zeroes)?,
+    };
+    stream.flush()?;
+    Ok(found)
 }
 
 /// NBD_OPT_GO asking for block sizes; `None` if the server does not know GO.

@@ -18,18 +18,19 @@
 mod handshake;
 mod link;
 mod queue;
-mod socket;
 
 use std::io;
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::Duration;
 
 pub use handshake::{Export, HandshakeError};
 pub use queue::NbdQueue;
 pub use vsd_nbd_proto::Address;
+use vsd_net::{ClientCreds, Stream, Wire};
 
 use link::Shared;
-use socket::Socket;
 
 /// How long a connection's handshake may take.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -44,6 +45,19 @@ pub struct Config {
     /// `reconnect-delay`: how long requests wait for a broken connection to
     /// come back before they fail (0: they fail at once).
     pub reconnect_delay: Duration,
+    /// `tls-creds`: TLS with these credentials, else none.
+    pub tls: Option<Tls>,
+}
+
+/// A node's TLS: its credentials and the name the server's certificate
+/// must hold.
+#[derive(Clone, Debug)]
+pub struct Tls {
+    /// A `tls-creds-x509` object with `endpoint=client`.
+    pub creds: Arc<ClientCreds>,
+    /// `tls-hostname`, else the host of an inet address; `None` (a unix
+    /// socket) checks the certificate's chain but no name, as QEMU does.
+    pub hostname: Option<String>,
 }
 
 /// Why a node could not reach its export.
@@ -95,10 +109,21 @@ impl Drop for NbdClient {
 }
 
 /// Connects to the server and negotiates the export.
-fn dial(config: &Config) -> Result<(Socket, Export), ConnectError> {
+fn dial(config: &Config) -> Result<(Box<dyn Wire>, Export), ConnectError> {
     let dial_error = |source| ConnectError::Dial { server: config.server.clone(), source };
-    let mut socket = Socket::connect(&config.server, HANDSHAKE_TIMEOUT).map_err(dial_error)?;
-    let export = handshake::negotiate(&mut socket, &config.export)?;
-    socket.set_nonblocking(true).map_err(ConnectError::Io)?;
-    Ok((socket, export))
+    let stream = connect(&config.server).map_err(dial_error)?;
+    stream.set_timeouts(Some(HANDSHAKE_TIMEOUT)).map_err(ConnectError::Io)?;
+    Ok(handshake::negotiate(stream, &config.export, config.tls.as_ref())?)
+}
+
+fn connect(server: &Address) -> io::Result<Stream> {
+    Ok(match server {
+        Address::Unix(path) => Stream::Unix(UnixStream::connect(path)?),
+        Address::Inet { host, port } => {
+            let stream = TcpStream::connect((host.as_str(), *port))?;
+            // Requests are small and latency-bound: no Nagle delay.
+            stream.set_nodelay(true)?;
+            Stream::Tcp(stream)
+        }
+    })
 }

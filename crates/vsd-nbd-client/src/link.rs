@@ -15,7 +15,7 @@
 //! commands sent while no connection has come back after the delay.
 
 use std::collections::VecDeque;
-use std::io::{self, Read, Write};
+use std::io::{self, IoSlice};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -25,8 +25,9 @@ use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_engine::{Completion, IoVecs, Mailbox};
 use vsd_nbd_proto::{BadMagic, Request, SimpleReply, cmd, errno};
 
+use vsd_net::Wire;
+
 use crate::handshake::Export;
-use crate::socket::Socket;
 use crate::{Config, ConnectError};
 
 /// Bytes of encoded commands kept unsent before the thread stops taking
@@ -108,7 +109,7 @@ impl Shared {
 pub(crate) struct Link {
     shared: Arc<Shared>,
     config: Config,
-    socket: Option<Socket>,
+    socket: Option<Box<dyn Wire>>,
     /// Taken from the line, not on the wire yet.
     waiting: VecDeque<Command>,
     /// On the wire, by cookie; `free` lists the unused cookies.
@@ -128,7 +129,7 @@ pub(crate) struct Link {
 }
 
 impl Link {
-    pub(crate) fn new(shared: Arc<Shared>, config: Config, socket: Socket) -> Self {
+    pub(crate) fn new(shared: Arc<Shared>, config: Config, socket: Box<dyn Wire>) -> Self {
         Self {
             shared,
             config,
@@ -175,7 +176,7 @@ impl Link {
         let mut timeout = -1;
         match &self.socket {
             Some(socket) => {
-                let pending = self.out_pos < self.out.len();
+                let pending = self.out_pos < self.out.len() || socket.holds_back();
                 let events = if pending { libc::POLLIN | libc::POLLOUT } else { libc::POLLIN };
                 fds[1] = libc::pollfd { fd: socket.as_raw_fd(), events, revents: 0 };
                 count = 2;
@@ -243,8 +244,11 @@ impl Link {
 
     fn write_out(&mut self) -> Result<(), LinkError> {
         let Some(socket) = self.socket.as_mut() else { return Ok(()) };
+        if socket.holds_back() {
+            socket.flush_held().map_err(LinkError::Io)?;
+        }
         while self.out_pos < self.out.len() {
-            match socket.write(&self.out[self.out_pos..]) {
+            match socket.write_vectored(&[IoSlice::new(&self.out[self.out_pos..])]) {
                 Ok(0) => return Err(LinkError::Closed),
                 Ok(n) => self.out_pos += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
@@ -396,7 +400,8 @@ impl Link {
         let Some(socket) = self.socket.as_mut() else { return };
         let mut bytes = [0; 28];
         Request { kind: cmd::DISC, ..Default::default() }.encode(&mut bytes);
-        let _ = socket.set_nonblocking(false).and_then(|()| socket.write_all(&bytes));
+        let _ = socket.write_vectored(&[IoSlice::new(&bytes)]);
+        socket.close();
     }
 }
 

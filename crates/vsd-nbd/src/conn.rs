@@ -16,7 +16,7 @@
 //! than the maximum gets an error and the connection is closed.
 //!
 //! The socket is a [`Wire`] type parameter: a TLS connection reads and
-//! writes through rustls' bounded buffers ([`crate::tls`]), a plain one
+//! writes through rustls' bounded buffers (`vsd_net::TlsStream`), a plain one
 //! straight through the socket, with no TLS branch compiled in.
 
 use std::collections::VecDeque;
@@ -31,10 +31,10 @@ use vsd_qcow2::buf::AlignedBuf;
 use vsd_trace::{Clock, OpKind, QueueStats};
 
 use crate::negotiate::{Agreement, Context};
+use vsd_net::{Stream, TlsStream, Wire};
+
 use crate::proto::{self, Command, Limits, Mode, Refusal, ReplyHeader, Request, errno, state};
 use crate::server::Export;
-use crate::stream::{Stream, Wire};
-use crate::tls::TlsStream;
 
 /// Requests in flight per connection, as QEMU's server allows.
 const SLOTS: usize = 16;

@@ -9,7 +9,7 @@
 //!              request slots, IoQueue of its own, batched submits, writev replies)
 //!                 │ after NBD_OPT_STARTTLS, both over
 //!                 ▼
-//!              tls.rs (rustls: X.509 credentials, a session per connection)
+//!              vsd-net (rustls: X.509 credentials, a session per connection)
 //! ```
 //!
 //! The protocol is written here, not taken from a crate: none implements a
@@ -26,9 +26,7 @@ pub use vsd_nbd_proto as proto;
 mod config;
 mod conn;
 mod server;
-mod stream;
-mod tls;
 
 pub use config::{Address, ExportConfig, ServerConfig};
 pub use server::{NbdError, NbdExport, NbdServer};
-pub use tls::{TlsCreds, TlsError};
+pub use vsd_net::{ServerCreds, TlsError};

@@ -22,6 +22,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use rustls::ServerConnection;
+use vsd_net::{ServerCreds, Stream};
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
@@ -34,8 +35,6 @@ use crate::config::{Address, ExportConfig, ServerConfig};
 use crate::conn::{self, MAX_PAYLOAD};
 use crate::negotiate::{Agreement, Catalog, ExportInfo, Negotiation};
 use crate::proto::tx_flag;
-use crate::stream::Stream;
-use crate::tls::TlsCreds;
 
 /// Why the server or an export could not start.
 #[derive(Debug, thiserror::Error)]
@@ -75,7 +74,7 @@ pub struct NbdServer {
 struct Shared {
     config: ServerConfig,
     /// Clients must start TLS with these before anything else.
-    tls: Option<Arc<TlsCreds>>,
+    tls: Option<Arc<ServerCreds>>,
     exports: RwLock<BTreeMap<String, Arc<Export>>>,
     conns: Mutex<Conns>,
     /// Written to stop the accepting thread.
@@ -147,7 +146,7 @@ pub struct NbdExport {
 
 impl NbdServer {
     /// Listens and starts accepting clients; with `tls`, only over TLS.
-    pub fn start(config: ServerConfig, tls: Option<Arc<TlsCreds>>) -> Result<Self, NbdError> {
+    pub fn start(config: ServerConfig, tls: Option<Arc<ServerCreds>>) -> Result<Self, NbdError> {
         let addr = config.addr.to_string();
         let error = |source| NbdError::Listen { addr: addr.clone(), source };
         let listener = Listener::bind(&config.addr).map_err(error)?;
@@ -567,7 +566,7 @@ impl HandshakeWire<'_> {
     }
 
     /// Starts TLS; `early` is what the client sent after STARTTLS.
-    fn start_tls(&mut self, creds: &TlsCreds, mut early: &[u8]) -> io::Result<()> {
+    fn start_tls(&mut self, creds: &ServerCreds, mut early: &[u8]) -> io::Result<()> {
         let tls = self.tls.insert(creds.accept()?);
         while !early.is_empty() {
             tls.read_tls(&mut early)?;

@@ -18,7 +18,8 @@ use vsd_block::NodeObjects;
 use vsd_block::options::OptionMap;
 use vsd_block::throttle::{Limits, ThrottleGroup};
 use vsd_export::{IoThread, PollConfig};
-use vsd_nbd::TlsCreds;
+use vsd_nbd::ServerCreds;
+use vsd_net::ClientCreds;
 
 /// The objects by id.
 #[derive(Default)]
@@ -30,7 +31,8 @@ enum Object {
     /// A `secret`'s bytes (decoded, if given as base64).
     Secret(Vec<u8>),
     IoThread(Arc<IoThread>),
-    TlsCreds(Arc<TlsCreds>),
+    TlsServer(Arc<ServerCreds>),
+    TlsClient(Arc<ClientCreds>),
     ThrottleGroup(Arc<ThrottleGroup>),
 }
 
@@ -40,7 +42,7 @@ impl Object {
         match self {
             Object::Secret(_) => "secret",
             Object::IoThread(_) => "iothread",
-            Object::TlsCreds(_) => "tls-creds-x509",
+            Object::TlsServer(_) | Object::TlsClient(_) => "tls-creds-x509",
             Object::ThrottleGroup(_) => "throttle-group",
         }
     }
@@ -50,7 +52,8 @@ impl Object {
         match self {
             Object::Secret(_) => false,
             Object::IoThread(thread) => Arc::strong_count(thread) > 1,
-            Object::TlsCreds(creds) => Arc::strong_count(creds) > 1,
+            Object::TlsServer(creds) => Arc::strong_count(creds) > 1,
+            Object::TlsClient(creds) => Arc::strong_count(creds) > 1,
             Object::ThrottleGroup(group) => Arc::strong_count(group) > 1,
         }
     }
@@ -75,7 +78,7 @@ impl Objects {
         let object = match qom_type.as_str() {
             "secret" => Object::Secret(secret(&mut opts)?),
             "iothread" => Object::IoThread(iothread(&id, &mut opts)?),
-            "tls-creds-x509" => Object::TlsCreds(tls_creds_x509(&mut opts)?),
+            "tls-creds-x509" => tls_creds_x509(&mut opts)?,
             "throttle-group" => {
                 Object::ThrottleGroup(Arc::new(ThrottleGroup::new(&id, Limits::from_options(&mut opts)?)))
             }
@@ -115,9 +118,10 @@ impl Objects {
 
 impl Objects {
     /// Credentials `id`, for the NBD server; errors are QEMU's.
-    pub fn tls_creds(&self, id: &str) -> Result<Arc<TlsCreds>, String> {
+    pub fn tls_creds(&self, id: &str) -> Result<Arc<ServerCreds>, String> {
         match self.lock().get(id) {
-            Some(Object::TlsCreds(creds)) => Ok(creds.clone()),
+            Some(Object::TlsServer(creds)) => Ok(creds.clone()),
+            Some(Object::TlsClient(_)) => Err("Expecting TLS credentials with a server endpoint".into()),
             Some(_) => Err(format!("Object with id '{id}' is not TLS credentials")),
             None => Err(format!("No TLS credentials with id '{id}'")),
         }
@@ -170,6 +174,15 @@ impl NodeObjects for Objects {
         }
     }
 
+    fn tls_client_creds(&self, id: &str) -> Result<Arc<ClientCreds>, String> {
+        match self.lock().get(id) {
+            Some(Object::TlsClient(creds)) => Ok(creds.clone()),
+            Some(Object::TlsServer(_)) => Err("Expecting TLS credentials with a client endpoint".into()),
+            Some(_) => Err(format!("Object with id '{id}' is not TLS credentials")),
+            None => Err(format!("No TLS credentials with id '{id}'")),
+        }
+    }
+
     fn throttle_group(&self, id: &str) -> Result<Arc<ThrottleGroup>, String> {
         match self.lock().get(id) {
             Some(Object::ThrottleGroup(group)) => Ok(group.clone()),
@@ -196,16 +209,13 @@ fn iothread(id: &str, opts: &mut OptionMap) -> Result<Arc<IoThread>, String> {
     IoThread::start(id, poll, cpus).map(Arc::new).map_err(|e| format!("cannot start iothread '{id}': {e}"))
 }
 
-/// X.509 credentials read now from `dir` with QEMU's file names; only a
-/// server's (`endpoint=server`), since vsd is no TLS client. `verify-peer`
-/// defaults to on, as in QEMU: clients need a certificate the CA signed.
-fn tls_creds_x509(opts: &mut OptionMap) -> Result<Arc<TlsCreds>, String> {
+/// X.509 credentials read now from `dir` with QEMU's file names: a
+/// server's (`endpoint=server`) or a client's (`endpoint=client`, QEMU's
+/// default), for `driver=nbd`. `verify-peer` defaults to on, as in QEMU: a
+/// server's clients need a certificate the CA signed (a client always
+/// checks the server's).
+fn tls_creds_x509(opts: &mut OptionMap) -> Result<Object, String> {
     let endpoint = opts.take_choice("endpoint", &["server", "client"]).map_err(|e| e.to_string())?;
-    if endpoint != Some("server") {
-        return Err(
-            "endpoint=client (QEMU's default) is not supported: vsd serves TLS only, give endpoint=server".into()
-        );
-    }
     let verify_peer = opts.take_bool("verify-peer").map_err(|e| e.to_string())?.unwrap_or(true);
     if opts.take_bool("sanity-check").map_err(|e| e.to_string())? == Some(true) {
         return Err("sanity-check=on is not supported: vsd does not check certificates' usage and dates when it \
@@ -219,8 +229,11 @@ fn tls_creds_x509(opts: &mut OptionMap) -> Result<Arc<TlsCreds>, String> {
         return Err("'passwordid' is not supported: give server-key.pem unencrypted".into());
     }
     let dir = opts.take("dir").ok_or("Missing 'dir' property value")?;
-    let creds = TlsCreds::load(dir.as_ref(), verify_peer).map_err(|e| error_chain(&e))?;
-    Ok(Arc::new(creds))
+    match endpoint {
+        Some("server") => ServerCreds::load(dir.as_ref(), verify_peer).map(|c| Object::TlsServer(Arc::new(c))),
+        _ => ClientCreds::load(dir.as_ref()).map(|c| Object::TlsClient(Arc::new(c))),
+    }
+    .map_err(|e| error_chain(&e))
 }
 
 /// An error and its causes on one line, as anyhow's `{:#}` prints them.
@@ -306,8 +319,10 @@ mod tests {
     fn tls_credentials_refuse_what_vsd_does_not_do() {
         let objects = Objects::default();
         let refused = |text: &str| add(&objects, text).unwrap_err();
-        assert!(refused("tls-creds-x509,id=t,dir=/d").starts_with("endpoint=client (QEMU's default) is not supported"));
-        assert!(refused("tls-creds-x509,id=t,dir=/d,endpoint=client").contains("give endpoint=server"));
+        let missing = "Unable to access credentials /d/ca-cert.pem: No such file or directory (os error 2)";
+        assert_eq!(refused("tls-creds-x509,id=t,dir=/d"), missing, "endpoint=client is QEMU's default");
+        assert_eq!(refused("tls-creds-x509,id=t,dir=/d,endpoint=client"), missing);
+        assert!(refused("tls-creds-x509,id=t,dir=/d,endpoint=peer").contains("endpoint"));
         assert_eq!(refused("tls-creds-x509,id=t,endpoint=server"), "Missing 'dir' property value");
         assert!(refused("tls-creds-x509,id=t,dir=/d,endpoint=server,priority=NORMAL").starts_with("'priority'"));
         assert!(refused("tls-creds-x509,id=t,dir=/d,endpoint=server,passwordid=s").starts_with("'passwordid'"));

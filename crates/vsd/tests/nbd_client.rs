@@ -299,7 +299,7 @@ fn mistakes_are_one_line_errors() {
     let refused = vsd_fails(&["--blockdev", &nbd_node(&socket, "nothing", "")]);
     assert!(refused.contains("Requested export not available"), "{refused}");
     let refused = vsd_fails(&["--blockdev", &nbd_node(&socket, "disk", ",tls-creds=t0")]);
-    assert!(refused.contains("does not speak TLS"), "{refused}");
+    assert!(refused.contains("No TLS credentials with id 't0'"), "{refused}");
     let refused = vsd_fails(&["--blockdev", "driver=nbd,node-name=n0,server.type=vsock,server.cid=3"]);
     assert!(refused.contains("server.type"), "{refused}");
 

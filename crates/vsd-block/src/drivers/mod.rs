@@ -37,7 +37,7 @@ pub(crate) fn open(
         "host_device" => Ok(Arc::new(file::FileNode::open(name, cache, active, true, opts)?)),
         "raw" => Ok(Arc::new(raw::RawNode::open(name, opts, graph)?)),
         "qcow2" => Ok(Arc::new(qcow2::Qcow2Node::open(name, cache, active, bitmaps, opts, graph)?)),
-        "nbd" => Ok(Arc::new(nbd::NbdNode::open(name, opts)?)),
+        "nbd" => Ok(Arc::new(nbd::NbdNode::open(name, opts, graph)?)),
         "null-co" => Ok(Arc::new(null::NullNode::open(name, opts)?)),
         "blkdebug" => Ok(Arc::new(blkdebug::BlkdebugNode::open(name, opts, graph)?)),
         "rbd" => Ok(Arc::new(rbd::RbdNode::open(name, cache, opts, graph)?)),

@@ -4,11 +4,11 @@ use std::io;
 use std::time::Duration;
 
 use vsd_engine::IoQueue;
-use vsd_nbd_client::{Config, NbdClient};
+use vsd_nbd_client::{Address, Config, NbdClient, Tls};
 use vsd_nbd_proto::tx_flag;
 
 use crate::options::OptionMap;
-use crate::{BlockNode, GraphError};
+use crate::{BlockGraph, BlockNode, GraphError};
 
 pub(crate) struct NbdNode {
     name: String,
@@ -17,18 +17,27 @@ pub(crate) struct NbdNode {
 }
 
 impl NbdNode {
-    pub(crate) fn open(name: String, opts: &mut OptionMap) -> Result<Self, GraphError> {
+    pub(crate) fn open(name: String, opts: &mut OptionMap, graph: &BlockGraph) -> Result<Self, GraphError> {
         let context = opts.context().to_string();
         let invalid = |reason: String| GraphError::Invalid { context: context.clone(), reason };
         let server = opts.take_address("server")?;
         let export = opts.take("export").unwrap_or_default();
         let reconnect_delay = Duration::from_secs(opts.take_u64("reconnect-delay")?.unwrap_or(0));
-        if let Some(id) = opts.take("tls-creds") {
-            return Err(invalid(format!("tls-creds={id}: vsd's NBD client does not speak TLS")));
-        }
+        let hostname = opts.take("tls-hostname");
+        let tls = match opts.take("tls-creds") {
+            Some(id) => {
+                let creds = graph.tls_client_creds(&id).map_err(&invalid)?;
+                let hostname = hostname.or_else(|| match &server {
+                    Address::Inet { host, .. } => Some(host.clone()),
+                    Address::Unix(_) => None,
+                });
+                Some(Tls { creds, hostname })
+            }
+            None => None,
+        };
         let read_only = opts.take_bool("read-only")?.unwrap_or(false);
-        let client =
-            NbdClient::connect(Config { server, export, reconnect_delay }).map_err(|e| invalid(e.to_string()))?;
+        let config = Config { server, export, reconnect_delay, tls };
+        let client = NbdClient::connect(config).map_err(|e| invalid(e.to_string()))?;
         if !read_only && client.export().has(tx_flag::READ_ONLY) {
             // QEMU's words, when auto-read-only is off.
             return Err(invalid("NBD export is read-only".into()));

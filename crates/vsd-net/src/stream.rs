@@ -1,4 +1,4 @@
-//! A connected client, over a unix or a TCP socket, and the [`Wire`] the
+//! A connection over a unix or a TCP socket, and the [`Wire`] the
 //! transmission phase speaks on: the socket itself, or TLS over it.
 
 use std::io::{self, IoSlice, Read, Write};
@@ -7,9 +7,11 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-/// One client's socket.
-pub(crate) enum Stream {
+/// One connection's socket.
+pub enum Stream {
+    /// A unix socket.
     Unix(UnixStream),
+    /// A TCP socket.
     Tcp(TcpStream),
 }
 
@@ -23,7 +25,8 @@ macro_rules! both {
 }
 
 impl Stream {
-    pub(crate) fn try_clone(&self) -> io::Result<Stream> {
+    /// Another handle on the same socket.
+    pub fn try_clone(&self) -> io::Result<Stream> {
         Ok(match self {
             Stream::Unix(s) => Stream::Unix(s.try_clone()?),
             Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
@@ -31,16 +34,18 @@ impl Stream {
     }
 
     /// Cuts the connection: the serving thread's reads and writes fail.
-    pub(crate) fn shutdown(&self) {
+    pub fn shutdown(&self) {
         let _ = both!(self, s => s.shutdown(Shutdown::Both));
     }
 
-    pub(crate) fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()> {
+    /// Read and write timeouts (`None`: wait for ever).
+    pub fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()> {
         both!(self, s => s.set_read_timeout(timeout))?;
         both!(self, s => s.set_write_timeout(timeout))
     }
 
-    pub(crate) fn set_nonblocking(&self) -> io::Result<()> {
+    /// Makes reads and writes return `WouldBlock` instead of waiting.
+    pub fn set_nonblocking(&self) -> io::Result<()> {
         both!(self, s => s.set_nonblocking(true))
     }
 }
@@ -70,9 +75,9 @@ impl AsRawFd for Stream {
 }
 
 /// What the transmission phase reads requests from and writes replies to,
-/// non-blocking. The plain socket is one; [`crate::tls::TlsStream`] the
+/// non-blocking. The plain socket is one; [`crate::TlsStream`] the
 /// other. Generic, so that plain connections pay for no TLS branch.
-pub(crate) trait Wire: AsRawFd {
+pub trait Wire: AsRawFd + Send {
     /// As [`Read::read`]: `WouldBlock` when nothing is there.
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize>;
     /// As [`Write::write_vectored`]: the bytes taken are the wire's to send.
