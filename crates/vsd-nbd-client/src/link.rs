@@ -122,7 +122,7 @@ pub(crate) struct Link {
     in_end: usize,
     /// A read reply whose data is being copied: its cookie and the bytes done.
     reading: Option<(usize, u32)>,
-    /// When the connection broke, while it is broken.
+    /// When the connection broke, until a reply shows a new one works.
     lost: Option<Instant>,
     next_dial: Instant,
     retry: Duration,
@@ -150,8 +150,7 @@ impl Link {
     }
 
     pub(crate) fn run(mut self) {
-        while self.shared.users.load(Ordering::Acquire) > 0 {
-            self.wait();
+        loop {
             // Non-blocking: the wake-up may have been for the socket.
             let _ = self.shared.wake.read();
             let mut line = std::mem::take(&mut *self.shared.line.lock().unwrap_or_else(PoisonError::into_inner));
@@ -162,8 +161,14 @@ impl Link {
             if self.socket.is_some()
                 && let Err(e) = self.exchange()
             {
+                // At once to dialling (when it is time) and sending again.
                 self.lose(e);
+                continue;
             }
+            if self.shared.users.load(Ordering::Acquire) == 0 {
+                break;
+            }
+            self.wait();
         }
         self.disconnect();
     }
@@ -330,6 +335,8 @@ impl Link {
     fn complete(&mut self, cookie: usize, errno: i32) {
         let Some(command) = self.sent[cookie].take() else { return };
         self.free.push(cookie);
+        // The connection works: a later break waits `reconnect-delay` anew.
+        (self.lost, self.retry) = (None, FIRST_RETRY);
         if errno == 0 && command.then_flush {
             let flush = Command {
                 kind: cmd::FLUSH,
@@ -359,9 +366,11 @@ impl Link {
             self.waiting.push_front(command);
         }
         self.free.clear();
-        self.lost = Some(Instant::now());
-        (self.next_dial, self.retry) = (Instant::now(), FIRST_RETRY);
-        self.dial_again();
+        self.lost.get_or_insert_with(Instant::now);
+        // A server that breaks every connection is dialled less and less often.
+        self.next_dial = Instant::now() + self.retry;
+        self.retry = (self.retry * 2).min(LONGEST_RETRY);
+        self.give_up_if_late();
     }
 
     /// Dials if it is time to; fails the waiting commands once the delay
@@ -373,7 +382,6 @@ impl Link {
                 Ok((socket, export)) if export.size == self.shared.export.size => {
                     log::info!("NBD connection to {} (export '{}') is back", self.config.server, self.config.export);
                     self.socket = Some(socket);
-                    self.lost = None;
                     return;
                 }
                 Ok((_, export)) => log::warn!(
@@ -388,7 +396,13 @@ impl Link {
             self.next_dial = now + self.retry;
             self.retry = (self.retry * 2).min(LONGEST_RETRY);
         }
-        if self.give_up_at().is_some_and(|deadline| now >= deadline) {
+        self.give_up_if_late();
+    }
+
+    /// Fails the waiting commands once `reconnect-delay` has passed since
+    /// the connection broke (at once without a delay).
+    fn give_up_if_late(&mut self) {
+        if self.give_up_at().is_some_and(|deadline| Instant::now() >= deadline) {
             for command in self.waiting.drain(..) {
                 command.mailbox.post(Completion { tag: command.tag, errno: libc::EIO });
             }

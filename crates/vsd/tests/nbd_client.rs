@@ -325,3 +325,136 @@ fn the_server_s_errors_are_the_request_s() {
     queue.read_at(4096, &mut back).unwrap();
     assert!(back.iter().all(|&b| b == 0), "the refused write left nothing");
 }
+
+/// A server without FUA (nbdkit's sh plugin, logging what it is asked):
+/// a durable write (a writethrough export) is a write and then a flush,
+/// in that order; with write-back, writes go without flushes.
+#[test]
+fn durable_writes_to_a_server_without_fua_are_followed_by_a_flush() {
+    let dir = Scratch::new("nbdc-nofua");
+    let (image, log) = (dir.image("remote.img", MIB), dir.path("calls.log"));
+    let script = dir.path("server.sh");
+    let body = format!(
+        "#!/bin/bash\ncase \"$1\" in\n  get_size) echo {MIB} ;;\n  can_write|can_flush) exit 0 ;;\n  can_fua) echo none ;;\n  \
+         pread) dd if={img} skip=$4 count=$3 iflag=skip_bytes,count_bytes status=none ;;\n  \
+         pwrite) echo \"pwrite $3 $4\" >> {log}; dd of={img} seek=$4 conv=notrunc oflag=seek_bytes status=none ;;\n  \
+         flush) echo flush >> {log} ;;\n  *) exit 2 ;;\nesac\n",
+        img = image.display(),
+        log = log.display()
+    );
+    std::fs::write(&script, body).unwrap();
+    run("chmod", &["+x", script.to_str().unwrap()]);
+    let socket = dir.path("kit.sock");
+    let mut kit = Command::new("nbdkit").args(["-f", "-U"]).arg(&socket).arg("sh").arg(&script).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !socket.exists() {
+        assert!(Instant::now() < deadline, "nbdkit did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let calls = |writethrough: &str| {
+        let _ = std::fs::remove_file(&log);
+        let vsd = vsd_over(&dir, nbd_node(&socket, "", ""), writethrough);
+        let mut client = vsd.connect(ClientOptions::default());
+        let mut queue = client.take_queue(0).unwrap();
+        for i in 0..3u64 {
+            queue.write_at(i * 65536, &pattern(i, 4096)).unwrap();
+        }
+        drop((queue, client, vsd));
+        std::fs::read_to_string(&log).unwrap_or_default().lines().map(String::from).collect::<Vec<_>>()
+    };
+    let durable = calls(",writethrough=on");
+    let expected: Vec<String> = (0..3).flat_map(|i| [format!("pwrite 4096 {}", i * 65536), "flush".into()]).collect();
+    assert_eq!(durable[..6], expected[..], "{durable:?}");
+    let write_back = calls("");
+    assert_eq!(write_back[..3], ["pwrite 4096 0", "pwrite 4096 65536", "pwrite 4096 131072"], "{write_back:?}");
+    assert_eq!(std::fs::read(&image).unwrap()[65536..][..4096], pattern(1, 4096)[..]);
+    let _ = kit.kill();
+    let _ = kit.wait();
+}
+
+/// How the test's hostile server answers the first request of a connection.
+#[derive(Clone, Copy, Debug)]
+enum Hostile {
+    /// Sixteen bytes that are no reply.
+    BadMagic,
+    /// A reply to a request never sent.
+    UnknownCookie,
+    /// Half a read's data, then the connection closes.
+    ShortRead,
+}
+
+/// A server that negotiates properly (1 MiB, flush) and then answers
+/// every connection's first request as `how` says.
+fn hostile_server(socket: &Path, how: Hostile) -> std::thread::JoinHandle<()> {
+    use std::io::{Read, Write};
+    let listener = std::os::unix::net::UnixListener::bind(socket).unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { return };
+            let mut greeting = b"NBDMAGICIHAVEOPT".to_vec();
+            greeting.extend_from_slice(&3u16.to_be_bytes());
+            let mut header = [0u8; 16];
+            let mut flags = [0u8; 4];
+            if s.write_all(&greeting)
+                .and_then(|()| s.read_exact(&mut flags))
+                .and_then(|()| s.read_exact(&mut header))
+                .is_err()
+            {
+                continue;
+            }
+            let mut data = vec![0; u32::from_be_bytes(header[12..16].try_into().unwrap()) as usize];
+            let _ = s.read_exact(&mut data);
+            let reply = |kind: u32, body: &[u8]| {
+                let mut out = 0x0003_e889_0455_65a9u64.to_be_bytes().to_vec();
+                out.extend_from_slice(&7u32.to_be_bytes());
+                out.extend_from_slice(&kind.to_be_bytes());
+                out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+                out.extend_from_slice(body);
+                out
+            };
+            let mut info = 0u16.to_be_bytes().to_vec();
+            info.extend_from_slice(&MIB.to_be_bytes());
+            info.extend_from_slice(&(1u16 | 4).to_be_bytes());
+            let _ = s.write_all(&reply(3, &info)).and_then(|()| s.write_all(&reply(1, &[])));
+            let mut request = [0u8; 28];
+            if s.read_exact(&mut request).is_err() {
+                continue;
+            }
+            let cookie = u64::from_be_bytes(request[8..16].try_into().unwrap());
+            let len = u32::from_be_bytes(request[24..28].try_into().unwrap()) as usize;
+            let mut simple = 0x6744_6698u32.to_be_bytes().to_vec();
+            simple.extend_from_slice(&0u32.to_be_bytes());
+            let answer = match how {
+                Hostile::BadMagic => vec![0xee; 16],
+                Hostile::UnknownCookie => [simple, (cookie + 12345).to_be_bytes().to_vec()].concat(),
+                Hostile::ShortRead => [simple, cookie.to_be_bytes().to_vec(), vec![0x5a; len / 2]].concat(),
+            };
+            let _ = s.write_all(&answer);
+        }
+    })
+}
+
+/// A server that breaks the protocol fails the request with an I/O
+/// error, and only it: vsd keeps running and keeps asking the server.
+#[test]
+fn a_server_that_breaks_the_protocol_fails_requests_not_vsd() {
+    for how in [Hostile::BadMagic, Hostile::UnknownCookie, Hostile::ShortRead] {
+        let dir = Scratch::new("nbdc-hostile");
+        let socket = dir.path("evil.sock");
+        let _server = hostile_server(&socket, how);
+        let mut vsd = vsd_over(&dir, nbd_node(&socket, "", ""), "");
+        let mut client = vsd.connect(ClientOptions::default());
+        let mut queue = client.take_queue(0).unwrap();
+        let mut buf = vec![0; 65536];
+        // The connection is dialled again: each request meets the same server,
+        // and fails at once (no reconnect-delay), not when the client gives up.
+        for _ in 0..3 {
+            let started = Instant::now();
+            assert!(queue.read_at(0, &mut buf).is_err(), "{how:?}: the read fails");
+            assert!(started.elapsed() < Duration::from_secs(2), "{how:?}: at once");
+        }
+        drop((queue, client));
+        assert!(vsd.is_running(), "{how:?}: vsd runs on");
+        assert!(vsd.stop().success(), "{how:?}: vsd stops cleanly");
+    }
+}
