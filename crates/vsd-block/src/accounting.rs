@@ -158,6 +158,9 @@ impl BlockNode for AccountedNode {
     fn throttle_group(&self) -> Option<Arc<crate::throttle::ThrottleGroup>> {
         self.inner.throttle_group()
     }
+    fn attach_backing(&self, backing: Arc<dyn BlockNode>) -> Result<(), crate::AttachError> {
+        self.inner.attach_backing(backing)
+    }
     fn dirty_bitmaps(&self) -> Option<&Arc<DirtyBitmaps>> {
         Some(&self.bitmaps)
     }

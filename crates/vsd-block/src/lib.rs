@@ -141,6 +141,12 @@ pub trait BlockNode: Send + Sync {
     fn allocation_depth(&self, _offset: u64, len: u64) -> io::Result<(u32, u64)> {
         Ok((1, len))
     }
+    /// Puts `backing` under this node, which has none (QMP
+    /// `blockdev-snapshot`: the node is a new overlay, opened with
+    /// `backing=null` and used by nobody yet).
+    fn attach_backing(&self, _backing: Arc<dyn BlockNode>) -> Result<(), AttachError> {
+        Err(AttachError::Unsupported)
+    }
     /// The throttle group whose limits the node applies, if it is a
     /// throttle filter.
     fn throttle_group(&self) -> Option<Arc<throttle::ThrottleGroup>> {
@@ -193,6 +199,21 @@ impl Cache {
             }
         }
     }
+}
+
+/// Why a backing node could not be put under a node; the messages are
+/// QEMU's for `blockdev-snapshot`.
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    /// The driver has no backing files.
+    #[error("The overlay does not support backing images")]
+    Unsupported,
+    /// It has one already.
+    #[error("The overlay already has a backing image")]
+    HasBacking,
+    /// The image could not be read again, or the backing node locked.
+    #[error("{0}")]
+    Io(#[from] io::Error),
 }
 
 /// Why a node could not be added.
@@ -280,8 +301,8 @@ pub enum RemoveError {
     /// No node has that name.
     #[error("no such node")]
     NoSuchNode,
-    /// Another node uses it as a child.
-    #[error("node is used as {role} of '{parent}'")]
+    /// Another node uses it as a child (a backing node is QEMU's "backing hd").
+    #[error("node is used as {} of '{parent}'", if *.role == "backing" { "backing hd" } else { .role })]
     Child {
         /// The role it has there (`file`, `backing`, ...).
         role: &'static str,
@@ -503,11 +524,8 @@ impl BlockGraph {
 
     fn remove_node(&mut self, name: &str, exported: &dyn Fn(&str) -> Option<String>) -> Result<(), RemoveError> {
         let index = self.nodes.iter().position(|n| n.name() == name).ok_or(RemoveError::NoSuchNode)?;
-        let parent = self.nodes.iter().find_map(|p| {
-            p.children().into_iter().find(|(_, c)| c.name() == name).map(|(role, _)| (role, p.name().to_string()))
-        });
-        if let Some((role, parent)) = parent {
-            return Err(RemoveError::Child { role, parent });
+        if let Some(used) = self.parent(name) {
+            return Err(used);
         }
         if let Some(export) = exported(name) {
             return Err(RemoveError::Exported { user: export });
@@ -521,6 +539,14 @@ impl BlockGraph {
             }
         }
         Ok(())
+    }
+
+    /// A node that has `name` as a child, as [`RemoveError::Child`] says it.
+    pub fn parent(&self, name: &str) -> Option<RemoveError> {
+        self.nodes.iter().find_map(|p| {
+            let (role, _) = p.children().into_iter().find(|(_, c)| c.name() == name)?;
+            Some(RemoveError::Child { role, parent: p.name().to_string() })
+        })
     }
 
     /// Every node, in the order they were added.

@@ -1,8 +1,8 @@
 //! The virtio-blk device an export presents: features and config space.
 
 use std::mem::offset_of;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
 
 use vhost::vhost_user::message::VhostUserVirtioFeatures;
 use virtio_bindings::virtio_blk::*;
@@ -23,7 +23,9 @@ const SIZE_MAX: u32 = 1 << 20;
 /// One export's device, shared by its sessions and queue workers.
 pub struct BlkDevice {
     pub(crate) config: ExportConfig,
-    pub(crate) node: Arc<dyn BlockNode>,
+    /// The node served; queues take it when they start (a live snapshot
+    /// replaces it while they are stopped).
+    node: RwLock<Arc<dyn BlockNode>>,
     /// The guest-visible write cache (WCE): when off, every write is made
     /// durable before it completes. The guest may toggle it (CONFIG_WCE).
     writeback: AtomicBool,
@@ -58,7 +60,7 @@ impl BlkDevice {
             capacity: AtomicU64::new(0),
             id: id_bytes(&config.serial),
             config,
-            node,
+            node: RwLock::new(node),
             limits,
             stats,
             iothread,
@@ -67,12 +69,23 @@ impl BlkDevice {
         device
     }
 
+    /// The node served.
+    pub(crate) fn node(&self) -> Arc<dyn BlockNode> {
+        self.node.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Serves `node` from now on: call it with every queue stopped.
+    pub(crate) fn set_node(&self, node: Arc<dyn BlockNode>) {
+        *self.node.write().unwrap_or_else(PoisonError::into_inner) = node;
+        self.refresh_capacity();
+    }
+
     /// Reads the node's size again (after a resize); returns the capacity.
     pub(crate) fn refresh_capacity(&self) -> u64 {
         let block = u64::from(self.config.logical_block_size);
         // Whole logical blocks only: a partial block at the end cannot be
         // addressed with aligned requests.
-        let capacity = self.node.size() / block * block;
+        let capacity = self.node().size() / block * block;
         self.capacity.store(capacity, Ordering::Relaxed);
         capacity
     }

@@ -159,8 +159,15 @@ impl VhostUserBlkExport {
     }
 
     /// The node it serves.
-    pub fn node(&self) -> &Arc<dyn BlockNode> {
-        &self.device.node
+    pub fn node(&self) -> Arc<dyn BlockNode> {
+        self.device.node()
+    }
+
+    /// Serves `node` instead (a live snapshot's overlay), with the queues
+    /// stopped meanwhile: requests in flight complete on the old node, the
+    /// next ones go to the new one.
+    pub fn replace_node(&self, node: Arc<dyn BlockNode>) {
+        self.with_queues_stopped(|| self.device.set_node(node));
     }
 
     /// Whether a front-end is connected.

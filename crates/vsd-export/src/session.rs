@@ -232,7 +232,7 @@ impl Session {
     pub(crate) fn with_queues_stopped<T>(&mut self, f: impl FnOnce() -> T) -> T {
         let stopped: Vec<Vec<QueueRun>> = (0..self.threads.len()).map(|thread| self.stop_thread(thread)).collect();
         let out = f();
-        let active = self.device.node.active();
+        let active = self.device.node().active();
         for (thread, runs) in stopped.into_iter().enumerate() {
             if !active {
                 runs.into_iter().for_each(|run| self.park(run));
@@ -252,8 +252,9 @@ impl Session {
     /// What a worker needs to run ring `index`, if the ring is ready and
     /// not running; its kick and call descriptors go with it.
     fn queue_run(&mut self, index: u32) -> ProtocolResult<Option<QueueRun>> {
-        if !self.device.node.active() {
-            log::debug!("vring {index}: held while node '{}' is inactive", self.device.node.name());
+        let node = self.device.node();
+        if !node.active() {
+            log::debug!("vring {index}: held while node '{}' is inactive", node.name());
             return Ok(None);
         }
         let event_idx = self.acked_features & (1 << VIRTIO_RING_F_EVENT_IDX) != 0;

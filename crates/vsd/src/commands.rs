@@ -40,6 +40,7 @@ const COMMANDS: &[&str] = &[
     "block-dirty-bitmap-merge",
     "transaction",
     "blockdev-backup",
+    "blockdev-snapshot",
     "query-jobs",
     "job-pause",
     "job-resume",
@@ -88,6 +89,7 @@ impl Dispatch for Daemon {
             "block-dirty-bitmap-merge" => self.transaction(vec![Action::MergeBitmaps(parse(args)?)]),
             "transaction" => self.transaction(parse::<Transaction>(args)?.actions()?),
             "blockdev-backup" => self.transaction(vec![Action::Backup(parse(args)?)]),
+            "blockdev-snapshot" => self.blockdev_snapshot(parse(args)?),
             "query-jobs" => no_arguments(&args).map(|()| self.query_jobs()),
             "query-block-jobs" => no_arguments(&args).map(|()| self.query_block_jobs()),
             "block-job-set-speed" => self.block_job_set_speed(parse(args)?),
@@ -385,8 +387,8 @@ impl Daemon {
 
     fn query_blockstats(&self, args: StatsQuery) -> Reply {
         let state = self.state();
-        let snapshots: Vec<(&str, &str, ExportSnapshot)> =
-            state.exports.values().map(|e| (e.id(), e.node().name(), e.stats())).collect();
+        let snapshots: Vec<(&str, String, ExportSnapshot)> =
+            state.exports.values().map(|e| (e.id(), e.node().name().to_string(), e.stats())).collect();
         let mut entries: Vec<Value> = snapshots
             .iter()
             .map(|(id, node, snapshot)| {

@@ -43,6 +43,19 @@ pub(crate) struct State {
     claims: BTreeMap<String, Vec<ClaimGuard>>,
 }
 
+/// What an export holds of the images below its node: it reads, and
+/// writes if writable.
+pub(crate) fn export_claim(writable: bool) -> Perms {
+    if writable { Perms::READ.with(Perms::WRITE) } else { Perms::READ }
+}
+
+impl State {
+    /// Replaces what export `id` holds of images (its node changed).
+    pub(crate) fn set_claims(&mut self, id: &str, claims: Vec<ClaimGuard>) {
+        self.claims.insert(id.to_string(), claims);
+    }
+}
+
 /// The bins a user asked for on one export, per request kind, with the
 /// histogram as it was then: bins count only what came after.
 #[derive(Default)]
@@ -110,7 +123,7 @@ impl Daemon {
         }
         // The export reads, and writes if writable, sharing both, as a
         // QEMU export does; formats below take what they need themselves.
-        let held = if config.writable() { Perms::READ.with(Perms::WRITE) } else { Perms::READ };
+        let held = export_claim(config.writable());
         let claims = node.claim(Claim { held, unshared: Perms::NONE })?;
         let id = id.to_string();
         let export = match config {
@@ -281,10 +294,10 @@ impl Export {
         }
     }
 
-    pub(crate) fn node(&self) -> &Arc<dyn BlockNode> {
+    pub(crate) fn node(&self) -> Arc<dyn BlockNode> {
         match self {
             Export::VhostUserBlk(e) => e.node(),
-            Export::Nbd(e) => e.node(),
+            Export::Nbd(e) => e.node().clone(),
         }
     }
 

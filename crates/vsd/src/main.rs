@@ -11,6 +11,7 @@ mod monitor;
 mod objects;
 mod pidfile;
 mod run_as;
+mod snapshot;
 mod stat;
 mod transaction;
 

@@ -86,9 +86,10 @@ impl QueueWorker {
     ) -> io::Result<Self> {
         let depth = run.queue.size();
         // The worker counts its requests; the node need not count them again.
-        let io = device.node.open_uncounted_queue(depth)?;
+        let node = device.node();
+        let io = node.open_uncounted_queue(depth)?;
         // ...nor record its writes in the node's dirty bitmaps.
-        let dirty = DirtyRecorder::for_node(&*device.node);
+        let dirty = DirtyRecorder::for_node(&*node);
         watch(epoll, run.kick.as_raw_fd(), Wake::Kick(at))?;
         if let Some(fd) = io.notify_fd() {
             watch(epoll, fd.as_raw_fd(), Wake::Io(at))?;

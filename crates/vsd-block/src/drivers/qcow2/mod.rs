@@ -7,7 +7,7 @@ mod queue;
 use std::io;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
 use vsd_qcow2::buf::AlignedBuf;
@@ -17,7 +17,7 @@ use super::child::ChildQueue;
 use super::file::FileNode;
 use crate::dirty::{DirtyBitmaps, Persisted};
 use crate::options::OptionMap;
-use crate::{BlockGraph, BlockNode, Cache, Claim, ClaimGuard, GraphError, IoQueue, LockError, Perms};
+use crate::{AttachError, BlockGraph, BlockNode, Cache, Claim, ClaimGuard, GraphError, IoQueue, LockError, Perms};
 use queue::Qcow2Queue;
 
 /// Backing chains deeper than this are refused (QEMU has no fixed limit,
@@ -32,11 +32,12 @@ pub(crate) struct Qcow2Node {
     /// it again. Queues hold the image they were opened with.
     image: RwLock<Arc<Image>>,
     /// How to open it again.
-    options: vsd_qcow2::Options,
+    options: RwLock<vsd_qcow2::Options>,
     cache_clean_interval: u64,
     file: Arc<dyn BlockNode>,
     data: Option<Arc<dyn BlockNode>>,
-    backing: Option<Arc<dyn BlockNode>>,
+    /// Set at open, or once later by `blockdev-snapshot`.
+    backing: OnceLock<Arc<dyn BlockNode>>,
     /// What the node holds of its images while active (image locks).
     claims: Mutex<Vec<ClaimGuard>>,
     /// The graph node's dirty bitmaps, whose persistent ones live in the
@@ -213,11 +214,11 @@ impl Qcow2Node {
         let node = Self {
             name,
             image: RwLock::new(Arc::new(image)),
-            options,
+            options: RwLock::new(options),
             cache_clean_interval: settings.cache_clean_interval,
             file,
             data,
-            backing,
+            backing: backing.map(OnceLock::from).unwrap_or_default(),
             claims: Mutex::new(file_claims),
             bitmaps: Arc::default(),
         };
@@ -235,7 +236,7 @@ impl Qcow2Node {
 
     /// Takes what the node needs of its images (see [`file_claim`]).
     fn claim_images(&self) -> Result<Vec<ClaimGuard>, LockError> {
-        let mut guards = self.file.claim(file_claim(self.options.writable))?;
+        let mut guards = self.file.claim(file_claim(self.options().writable))?;
         guards.extend(self.claim_children()?);
         Ok(guards)
     }
@@ -244,12 +245,17 @@ impl Qcow2Node {
     fn claim_children(&self) -> Result<Vec<ClaimGuard>, LockError> {
         let mut guards = Vec::new();
         if let Some(data) = &self.data {
-            guards.extend(data.claim(file_claim(self.options.writable))?);
+            guards.extend(data.claim(file_claim(self.options().writable))?);
         }
-        if let Some(backing) = &self.backing {
+        if let Some(backing) = self.backing.get() {
             guards.extend(backing.claim(BACKING_CLAIM)?);
         }
         Ok(guards)
+    }
+
+    /// How the image is opened.
+    fn options(&self) -> vsd_qcow2::Options {
+        self.options.read().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     /// The image as it stands.
@@ -269,7 +275,7 @@ impl Qcow2Node {
     /// a crash leaves them inconsistent (QEMU's protocol); none from an
     /// image opened read-only.
     fn load_bitmaps(&self) -> io::Result<()> {
-        if !self.options.writable {
+        if !self.options().writable {
             return Ok(());
         }
         let stored = self.with_io(|image, io| {
@@ -458,7 +464,7 @@ impl BlockNode for Qcow2Node {
     }
 
     fn read_only(&self) -> bool {
-        !self.options.writable
+        !self.options().writable
     }
 
     fn default_bitmap_granularity(&self) -> u64 {
@@ -466,8 +472,8 @@ impl BlockNode for Qcow2Node {
     }
 
     fn children(&self) -> Vec<(&'static str, Arc<dyn BlockNode>)> {
-        let optional = [("data-file", &self.data), ("backing", &self.backing)];
-        let optional = optional.into_iter().filter_map(|(role, node)| Some((role, node.clone()?)));
+        let optional = [("data-file", self.data.as_ref()), ("backing", self.backing.get())];
+        let optional = optional.into_iter().filter_map(|(role, node)| Some((role, node?.clone())));
         std::iter::once(("file", self.file.clone())).chain(optional).collect()
     }
 
@@ -485,13 +491,33 @@ impl BlockNode for Qcow2Node {
         self.close()?;
         self.bitmaps.drop_persistent();
         self.claims().clear();
-        self.reopen(read_only(&self.options))
+        self.reopen(read_only(&self.options()))
     }
 
     fn activate(&self) -> io::Result<()> {
         *self.claims() = self.claim_images().map_err(io::Error::other)?;
-        self.reopen(self.options.clone())?;
+        self.reopen(self.options())?;
         self.load_bitmaps()
+    }
+
+    /// The image is closed and read again knowing it has a backing file:
+    /// its unallocated clusters then read from it. Nobody uses the node
+    /// yet, so no queue holds the image it had.
+    fn attach_backing(&self, backing: Arc<dyn BlockNode>) -> Result<(), AttachError> {
+        if self.backing.get().is_some() {
+            return Err(AttachError::HasBacking);
+        }
+        let guards = backing.claim(BACKING_CLAIM).map_err(io::Error::other)?;
+        if self.image().writable() {
+            self.with_io(|image, io| image.close(io))?;
+        }
+        let mut options = self.options();
+        options.has_backing = Some(true);
+        self.reopen(options.clone())?;
+        *self.options.write().unwrap_or_else(PoisonError::into_inner) = options;
+        self.backing.set(backing).map_err(|_| AttachError::HasBacking)?;
+        self.claims().extend(guards);
+        Ok(())
     }
 
     fn can_store_bitmaps(&self) -> bool {
@@ -511,7 +537,7 @@ impl BlockNode for Qcow2Node {
     /// unallocated ones are what the backing file says (holes without one).
     fn block_status(&self, offset: u64, len: u64) -> io::Result<(crate::Allocation, u64)> {
         let (mapping, n) = self.mapping(offset, len)?;
-        match (mapping, &self.backing) {
+        match (mapping, self.backing.get()) {
             (Mapping::Data { .. } | Mapping::Compressed { .. }, _) => Ok((crate::Allocation::Data, n)),
             (Mapping::Unallocated, Some(backing)) if offset < backing.size() => {
                 backing.block_status(offset, n.min(backing.size() - offset))
@@ -525,7 +551,7 @@ impl BlockNode for Qcow2Node {
     /// deeper than the backing file has them, if it does.
     fn allocation_depth(&self, offset: u64, len: u64) -> io::Result<(u32, u64)> {
         let (mapping, n) = self.mapping(offset, len)?;
-        match (mapping, &self.backing) {
+        match (mapping, self.backing.get()) {
             (Mapping::Data { .. } | Mapping::Compressed { .. } | Mapping::Zero, _) => Ok((1, n)),
             (Mapping::Unallocated, Some(backing)) if offset < backing.size() => {
                 let (depth, n) = backing.allocation_depth(offset, n.min(backing.size() - offset))?;
@@ -548,7 +574,7 @@ impl BlockNode for Qcow2Node {
         let child_depth = depth + parts;
         let file = ChildQueue::open(&*self.file, child_depth, u64::MAX)?;
         let data = self.data.as_ref().map(|d| ChildQueue::open(&**d, child_depth, u64::MAX)).transpose()?;
-        let backing = self.backing.as_ref().map(|b| ChildQueue::open(&**b, child_depth, b.size())).transpose()?;
+        let backing = self.backing.get().map(|b| ChildQueue::open(&**b, child_depth, b.size())).transpose()?;
         Ok(Box::new(Qcow2Queue::new(self.image(), file, data, backing, depth, parts)?))
     }
 }

@@ -1,0 +1,88 @@
+//! QMP's `blockdev-snapshot`: a new qcow2 overlay goes on top of a running
+//! disk. The node becomes the overlay's backing node, and every export of
+//! the node serves the overlay from then on: its queues stop at a request
+//! boundary (the requests in flight complete on the node), the overlay
+//! takes their place, and the next requests go to it.
+
+use std::sync::Arc;
+
+use serde::Deserialize;
+use serde_json::{Value, json};
+use vsd_block::{BlockNode, Claim};
+use vsd_control::qmp::QmpError;
+
+use crate::daemon::{Daemon, Export, State, export_claim};
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct SnapshotArgs {
+    node: String,
+    overlay: String,
+}
+
+fn generic(text: String) -> QmpError {
+    QmpError::generic(text)
+}
+
+impl Daemon {
+    pub(crate) fn blockdev_snapshot(&self, args: SnapshotArgs) -> Result<Value, QmpError> {
+        let mut guard = self.state();
+        let state = &mut *guard;
+        let find = |name: &str| {
+            state.graph.get(name).ok_or_else(|| generic(format!("Cannot find device='{name}' nor node-name='{name}'")))
+        };
+        let (node, overlay) = (find(&args.node)?, find(&args.overlay)?);
+        // QEMU's checks, in its order: the node, then the overlay.
+        if let Some(used) = state.graph.parent(&args.node) {
+            return Err(generic(format!("Node '{}' is busy: {used}", args.node)));
+        }
+        if let Some((job, _)) = self.jobs.user_of(&args.node) {
+            return Err(generic(crate::jobs::busy(&args.node, &job)));
+        }
+        if args.overlay == args.node || self.in_use(state, &args.overlay) {
+            return Err(generic("The overlay is already in use".into()));
+        }
+        if let Some(nbd) = state.exports.values().find(|e| matches!(e, Export::Nbd(_)) && e.node().name() == args.node)
+        {
+            return Err(generic(format!(
+                "Node '{}' is exported over NBD by '{}': vsd moves only vhost-user-blk exports onto an overlay",
+                args.node,
+                nbd.id()
+            )));
+        }
+        if overlay.size() != node.size() {
+            return Err(generic(format!(
+                "The overlay has {} bytes and node '{}' {}: vsd takes overlays of the node's size",
+                overlay.size(),
+                args.node,
+                node.size()
+            )));
+        }
+        overlay.attach_backing(node.clone()).map_err(|e| generic(e.to_string()))?;
+        move_exports(state, &args.node, &overlay)?;
+        Ok(json!({}))
+    }
+
+    /// Whether an export, another node or a job uses node `name`.
+    fn in_use(&self, state: &State, name: &str) -> bool {
+        state.exports.values().any(|e| e.node().name() == name)
+            || state.stopping.values().any(|(node, _)| node == name)
+            || state.graph.parent(name).is_some()
+            || self.jobs.user_of(name).is_some()
+    }
+}
+
+/// Every vhost-user-blk export of node `from` serves `to` instead, holding
+/// what it needs of `to`'s images.
+fn move_exports(state: &mut State, from: &str, to: &Arc<dyn BlockNode>) -> Result<(), QmpError> {
+    let ids: Vec<String> = state.exports.values().filter(|e| e.node().name() == from).map(|e| e.id().into()).collect();
+    for id in ids {
+        let Some(Export::VhostUserBlk(export)) = state.exports.get(&id) else { continue };
+        let held = export_claim(export.config().writable);
+        let claims = to.claim(Claim { held, unshared: vsd_block::Perms::NONE }).map_err(|e| generic(e.to_string()))?;
+        export.replace_node(to.clone());
+        log::info!("export '{id}' serves node '{}' from now on", to.name());
+        state.set_claims(&id, claims);
+    }
+    Ok(())
+}

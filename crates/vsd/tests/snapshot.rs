@@ -1,0 +1,188 @@
+//! `blockdev-snapshot`: a qcow2 overlay put on a running disk, its exports
+//! moved onto it under a writing client, checked with qemu-img, and the
+//! command's answers against qemu-storage-daemon's.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use common::{Daemon, Scratch, monitor, pattern, run};
+use serde_json::{Value, json};
+use vsd_bench::ClientOptions;
+use vsd_control::client::QmpClient;
+
+const MIB: u64 = 1 << 20;
+const SIZE: u64 = 16 * MIB;
+
+fn ok(program: &str, args: &[&str]) -> String {
+    let out = run(program, args);
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{program} {args:?}: {text}");
+    text
+}
+
+/// A raw base image of `SIZE` bytes holding pattern 1, and a qcow2
+/// overlay file naming it as its backing file.
+fn images(dir: &Scratch) -> (std::path::PathBuf, std::path::PathBuf) {
+    let base = dir.path("base.img");
+    std::fs::write(&base, pattern(1, SIZE as usize)).unwrap();
+    let overlay = dir.path("overlay.qcow2");
+    let (b, o) = (base.to_str().unwrap(), overlay.to_str().unwrap());
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", "-b", b, "-F", "raw", o]);
+    (base, overlay)
+}
+
+/// `program` serving `base` as raw node `disk` over vhost-user-blk (two
+/// queues, writable), with QMP.
+fn serve(program: &str, dir: &Scratch, base: &Path) -> Daemon {
+    let mut args = vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=bf,filename={}", base.display()),
+        "--blockdev".into(),
+        "driver=raw,node-name=disk,file=bf".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=v0,node-name=disk,addr.type=unix,addr.path={},writable=on,num-queues=2",
+            dir.path("vhost.sock").display()
+        ),
+    ];
+    args.extend(monitor(&dir.path("qmp.sock")));
+    match program {
+        "vsd" => Daemon::vsd(dir, &args),
+        _ => Daemon::qsd(dir, &args),
+    }
+}
+
+fn add_overlay(qmp: &mut QmpClient, name: &str, file: &Path, backing_null: bool) -> Value {
+    let mut args = json!({"driver": "qcow2", "node-name": name, "file": {"driver": "file", "filename": file}});
+    if backing_null {
+        args["backing"] = Value::Null;
+    }
+    qmp.execute("blockdev-add", args).unwrap()
+}
+
+/// Two queues write while the snapshot is taken, without reconnecting:
+/// every acknowledged write is in the disk as qemu-img reads the chain,
+/// each one either in the base (before the snapshot) or in the overlay
+/// (after), the base holds nothing written after the snapshot returned,
+/// and qemu-img finds the overlay clean.
+#[test]
+fn a_live_snapshot_moves_a_writing_disk_onto_its_overlay() {
+    let dir = Scratch::new("snapshot-live");
+    let (base, overlay) = images(&dir);
+    let daemon = serve("vsd", &dir, &base);
+    let mut qmp = QmpClient::connect(&dir.path("qmp.sock")).unwrap();
+    add_overlay(&mut qmp, "ovl", &overlay, true);
+    let mut client = daemon.connect(ClientOptions { num_queues: 2, ..Default::default() });
+    let snapshot_taken = Arc::new(AtomicBool::new(false));
+    // Each write goes to its own 64 KiB slot: (queue, index) -> offset.
+    let slot = |q: u64, i: u64| (q * SIZE / 2) + i * 65536;
+    let writers: Vec<_> = client
+        .take_queues()
+        .into_iter()
+        .enumerate()
+        .map(|(q, mut queue)| {
+            let taken = snapshot_taken.clone();
+            std::thread::spawn(move || {
+                let mut after = Vec::new();
+                for i in 0..100u64 {
+                    let was_taken = taken.load(Ordering::Acquire);
+                    let data = pattern(100 * q as u64 + i + 2, 4096);
+                    queue.write_at(slot(q as u64, i), &data).unwrap();
+                    let mut back = vec![0; 4096];
+                    queue.read_at(slot(q as u64, i), &mut back).unwrap();
+                    assert_eq!(back, data, "queue {q} write {i} reads back");
+                    if was_taken {
+                        after.push(i);
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                queue.flush().unwrap();
+                after
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(60));
+    qmp.execute("blockdev-snapshot", json!({"node": "disk", "overlay": "ovl"})).unwrap();
+    snapshot_taken.store(true, Ordering::Release);
+    let after: Vec<Vec<u64>> = writers.into_iter().map(|w| w.join().unwrap()).collect();
+    assert!(after.iter().all(|a| !a.is_empty()), "writes went on after the snapshot: {after:?}");
+    let exports = qmp.execute("query-block-exports", json!({})).unwrap();
+    assert_eq!(exports[0]["node-name"], "ovl", "{exports}");
+    drop(client);
+    assert!(daemon.stop().success());
+
+    ok("qemu-img", &["check", "-q", overlay.to_str().unwrap()]);
+    let merged = dir.path("merged.raw");
+    ok("qemu-img", &["convert", "-O", "raw", overlay.to_str().unwrap(), merged.to_str().unwrap()]);
+    let (merged, base_bytes, before) =
+        (std::fs::read(&merged).unwrap(), std::fs::read(&base).unwrap(), pattern(1, SIZE as usize));
+    let mut expected = before.clone();
+    for q in 0..2u64 {
+        for i in 0..100u64 {
+            let at = slot(q, i) as usize;
+            let data = pattern(100 * q + i + 2, 4096);
+            expected[at..at + 4096].copy_from_slice(&data);
+            let in_base = &base_bytes[at..at + 4096];
+            assert!(
+                in_base == &data[..] || in_base == &before[at..at + 4096],
+                "queue {q} write {i}: the base holds it or not"
+            );
+            if after[q as usize].contains(&i) {
+                assert_eq!(
+                    in_base,
+                    &before[at..at + 4096],
+                    "queue {q} write {i} came after the snapshot: not in the base"
+                );
+            }
+        }
+    }
+    assert!(merged == expected, "the chain holds every acknowledged write");
+    let info = ok("qemu-img", &["info", "--output=json", overlay.to_str().unwrap()]);
+    let info: Value = serde_json::from_str(&info).unwrap();
+    assert_eq!(info["backing-filename"], base.to_str().unwrap(), "{info}");
+}
+
+/// The same commands, the same answers: every refusal in QEMU's words, and
+/// the export serving the overlay afterwards, as qemu-storage-daemon does.
+#[test]
+fn answers_as_qemu_storage_daemon() {
+    let transcript = |program: &str| {
+        let dir = Scratch::new(&format!("snapshot-{program}"));
+        let (base, overlay) = images(&dir);
+        let other = dir.path("other.qcow2");
+        std::fs::copy(&overlay, &other).unwrap();
+        let raw = dir.image("raw.img", SIZE);
+        let _daemon = serve(program, &dir, &base);
+        let mut qmp = QmpClient::connect(&dir.path("qmp.sock")).unwrap();
+        let mut lines = Vec::new();
+        let mut snapshot = |qmp: &mut QmpClient, node: &str, overlay: &str| {
+            let answer = qmp.execute("blockdev-snapshot", json!({"node": node, "overlay": overlay}));
+            lines.push(format!("{node} <- {overlay}: {}", answer.map_or_else(|e| e.to_string(), |v| v.to_string())));
+        };
+        snapshot(&mut qmp, "nope", "disk");
+        add_overlay(&mut qmp, "with-backing", &other, false);
+        snapshot(&mut qmp, "disk", "with-backing");
+        qmp.execute(
+            "blockdev-add",
+            json!({"driver": "raw", "node-name": "r", "file": {"driver": "file", "filename": raw}}),
+        )
+        .unwrap();
+        snapshot(&mut qmp, "disk", "r");
+        add_overlay(&mut qmp, "ovl", &overlay, true);
+        snapshot(&mut qmp, "disk", "nowhere");
+        snapshot(&mut qmp, "disk", "disk");
+        snapshot(&mut qmp, "disk", "ovl");
+        snapshot(&mut qmp, "disk", "ovl");
+        let exports = qmp.execute("query-block-exports", json!({})).unwrap();
+        lines.push(format!("export on {}", exports[0]["node-name"]));
+        let deleted = qmp.execute("blockdev-del", json!({"node-name": "disk"}));
+        lines.push(format!("del disk: {}", deleted.map_or_else(|e| e.to_string(), |v| v.to_string())));
+        lines
+    };
+    let (vsd, qsd) = (transcript("vsd"), transcript("qsd"));
+    assert_eq!(vsd, qsd);
+}
