@@ -89,7 +89,7 @@ impl Dispatch for Daemon {
             "block-dirty-bitmap-merge" => self.transaction(vec![Action::MergeBitmaps(parse(args)?)]),
             "transaction" => self.transaction(parse::<Transaction>(args)?.actions()?),
             "blockdev-backup" => self.transaction(vec![Action::Backup(parse(args)?)]),
-            "blockdev-snapshot" => self.blockdev_snapshot(parse(args)?),
+            "blockdev-snapshot" => self.blockdev_snapshot(&parse(args)?),
             "query-jobs" => no_arguments(&args).map(|()| self.query_jobs()),
             "query-block-jobs" => no_arguments(&args).map(|()| self.query_block_jobs()),
             "block-job-set-speed" => self.block_job_set_speed(parse(args)?),

@@ -20,14 +20,45 @@ pub(crate) struct SnapshotArgs {
     overlay: String,
 }
 
+type Node = Arc<dyn BlockNode>;
+
 fn generic(text: String) -> QmpError {
     QmpError::generic(text)
 }
 
 impl Daemon {
-    pub(crate) fn blockdev_snapshot(&self, args: SnapshotArgs) -> Result<Value, QmpError> {
+    pub(crate) fn blockdev_snapshot(&self, args: &SnapshotArgs) -> Result<Value, QmpError> {
         let mut guard = self.state();
         let state = &mut *guard;
+        let (node, overlay) = self.snapshot_nodes(state, args)?;
+        overlay.attach_backing(node).map_err(|e| generic(e.to_string()))?;
+        move_exports(state, &args.node, &overlay)?;
+        Ok(json!({}))
+    }
+
+    /// Checks the snapshots of a transaction before any action runs: each
+    /// as `blockdev-snapshot` would, and no node or overlay twice.
+    pub(crate) fn check_snapshots(&self, snapshots: &[&SnapshotArgs]) -> Result<(), QmpError> {
+        let state = self.state();
+        for (i, args) in snapshots.iter().enumerate() {
+            self.snapshot_nodes(&state, args)?;
+            let named = |name: &str| snapshots[..i].iter().any(|a| a.node == name || a.overlay == name);
+            if named(&args.node) || named(&args.overlay) {
+                return Err(generic(format!(
+                    "Node '{}' is busy: another snapshot of this transaction uses it",
+                    args.node
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The node and the overlay of a snapshot, if it may be taken.
+    fn snapshot_nodes(
+        &self,
+        state: &State,
+        args: &SnapshotArgs,
+    ) -> Result<(Node, Node), QmpError> {
         let find = |name: &str| {
             state.graph.get(name).ok_or_else(|| generic(format!("Cannot find device='{name}' nor node-name='{name}'")))
         };
@@ -41,6 +72,12 @@ impl Daemon {
         }
         if args.overlay == args.node || self.in_use(state, &args.overlay) {
             return Err(generic("The overlay is already in use".into()));
+        }
+        if overlay.children().iter().any(|(role, _)| *role == "backing") {
+            return Err(generic("The overlay already has a backing image".into()));
+        }
+        if overlay.driver() != "qcow2" {
+            return Err(generic("The overlay does not support backing images".into()));
         }
         if let Some(nbd) = state.exports.values().find(|e| matches!(e, Export::Nbd(_)) && e.node().name() == args.node)
         {
@@ -58,9 +95,7 @@ impl Daemon {
                 node.size()
             )));
         }
-        overlay.attach_backing(node.clone()).map_err(|e| generic(e.to_string()))?;
-        move_exports(state, &args.node, &overlay)?;
-        Ok(json!({}))
+        Ok((node, overlay))
     }
 
     /// Whether an export, another node or a job uses node `name`.
@@ -74,7 +109,7 @@ impl Daemon {
 
 /// Every vhost-user-blk export of node `from` serves `to` instead, holding
 /// what it needs of `to`'s images.
-fn move_exports(state: &mut State, from: &str, to: &Arc<dyn BlockNode>) -> Result<(), QmpError> {
+fn move_exports(state: &mut State, from: &str, to: &Node) -> Result<(), QmpError> {
     let ids: Vec<String> = state.exports.values().filter(|e| e.node().name() == from).map(|e| e.id().into()).collect();
     for id in ids {
         let Some(Export::VhostUserBlk(export)) = state.exports.get(&id) else { continue };

@@ -3,6 +3,11 @@
 //! adding a bitmap and disabling the previous one, and starts a backup
 //! with the bitmap of its next checkpoint, in one transaction). The bitmap
 //! commands and `blockdev-backup` are transactions of one action.
+//!
+//! `blockdev-snapshot` actions are checked before any action runs and
+//! taken after all the others have succeeded: moving an export waits for
+//! its queues to stop, which they cannot while the other actions hold the
+//! node's writers (`vsd_block::dirty::batch`).
 
 use std::sync::Arc;
 
@@ -14,6 +19,7 @@ use vsd_job::Job;
 use crate::bitmaps::{self, BitmapAdd, BitmapMerge, BitmapName, Change, remove_from_image};
 use crate::daemon::Daemon;
 use crate::jobs::BackupArgs;
+use crate::snapshot::SnapshotArgs;
 
 /// One action, as QMP names it (`type`) with its arguments (`data`).
 #[derive(Deserialize)]
@@ -33,6 +39,8 @@ pub(crate) enum Action {
     MergeBitmaps(BitmapMerge),
     #[serde(rename = "blockdev-backup")]
     Backup(BackupArgs),
+    #[serde(rename = "blockdev-snapshot")]
+    Snapshot(SnapshotArgs),
 }
 
 /// An action done, as the transaction finishes or undoes it.
@@ -107,6 +115,18 @@ impl Daemon {
     /// Does `actions` in order; if one fails, undoes those done before it,
     /// last first, and answers its error.
     pub(crate) fn transaction(&self, actions: Vec<Action>) -> Result<Value, QmpError> {
+        let mut snapshots = Vec::new();
+        let actions: Vec<Action> = actions
+            .into_iter()
+            .filter_map(|action| match action {
+                Action::Snapshot(args) => {
+                    snapshots.push(args);
+                    None
+                }
+                other => Some(other),
+            })
+            .collect();
+        self.check_snapshots(&snapshots.iter().collect::<Vec<_>>())?;
         let images = vsd_block::dirty::batch(|| {
             let mut done = Vec::with_capacity(actions.len());
             for action in actions {
@@ -121,6 +141,9 @@ impl Daemon {
             Ok(done.into_iter().filter_map(Done::commit).collect::<Vec<_>>())
         })?;
         images.iter().for_each(|node| remove_from_image(&**node));
+        for args in &snapshots {
+            self.blockdev_snapshot(args)?;
+        }
         Ok(json!({}))
     }
 
@@ -133,6 +156,7 @@ impl Daemon {
             Action::DisableBitmap(args) => self.bitmap_change(args, Change::Disable).map(Done::Bitmap),
             Action::MergeBitmaps(args) => self.bitmap_merge(args).map(Done::Bitmap),
             Action::Backup(args) => self.blockdev_backup(args).map(Done::Job),
+            Action::Snapshot(_) => Err(QmpError::generic("blockdev-snapshot is taken after the other actions")),
         }
     }
 }

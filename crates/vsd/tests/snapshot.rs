@@ -159,28 +159,36 @@ fn answers_as_qemu_storage_daemon() {
         let _daemon = serve(program, &dir, &base);
         let mut qmp = QmpClient::connect(&dir.path("qmp.sock")).unwrap();
         let mut lines = Vec::new();
-        let mut snapshot = |qmp: &mut QmpClient, node: &str, overlay: &str| {
-            let answer = qmp.execute("blockdev-snapshot", json!({"node": node, "overlay": overlay}));
-            lines.push(format!("{node} <- {overlay}: {}", answer.map_or_else(|e| e.to_string(), |v| v.to_string())));
+        let ask = |qmp: &mut QmpClient, command: &str, args: Value| {
+            let answer = qmp.execute(command, args.clone());
+            format!("{command} {args}: {}", answer.map_or_else(|e| e.to_string(), |v| v.to_string()))
         };
-        snapshot(&mut qmp, "nope", "disk");
+        let snapshot = |node: &str, overlay: &str| json!({"node": node, "overlay": overlay});
+        lines.push(ask(&mut qmp, "blockdev-snapshot", snapshot("nope", "disk")));
         add_overlay(&mut qmp, "with-backing", &other, false);
-        snapshot(&mut qmp, "disk", "with-backing");
+        lines.push(ask(&mut qmp, "blockdev-snapshot", snapshot("disk", "with-backing")));
         qmp.execute(
             "blockdev-add",
             json!({"driver": "raw", "node-name": "r", "file": {"driver": "file", "filename": raw}}),
         )
         .unwrap();
-        snapshot(&mut qmp, "disk", "r");
+        lines.push(ask(&mut qmp, "blockdev-snapshot", snapshot("disk", "r")));
         add_overlay(&mut qmp, "ovl", &overlay, true);
-        snapshot(&mut qmp, "disk", "nowhere");
-        snapshot(&mut qmp, "disk", "disk");
-        snapshot(&mut qmp, "disk", "ovl");
-        snapshot(&mut qmp, "disk", "ovl");
+        lines.push(ask(&mut qmp, "blockdev-snapshot", snapshot("disk", "nowhere")));
+        lines.push(ask(&mut qmp, "blockdev-snapshot", snapshot("disk", "disk")));
+        // In a transaction: all or nothing with a checkpoint's bitmap.
+        let action = |overlay: &str| json!({"type": "blockdev-snapshot", "data": snapshot("disk", overlay)});
+        let bitmap = json!({"type": "block-dirty-bitmap-add", "data": {"node": "disk", "name": "b0"}});
+        lines.push(ask(&mut qmp, "transaction", json!({"actions": [bitmap, action("with-backing")]})));
+        lines.push(ask(&mut qmp, "transaction", json!({"actions": [bitmap, action("ovl")]})));
+        let nodes = qmp.execute("query-named-block-nodes", json!({"flat": true})).unwrap();
+        let disk = nodes.as_array().unwrap().iter().find(|n| n["node-name"] == "disk").unwrap().clone();
+        let names: Vec<&Value> = disk["dirty-bitmaps"].as_array().unwrap().iter().map(|b| &b["name"]).collect();
+        lines.push(format!("bitmaps of disk: {names:?}"));
+        lines.push(ask(&mut qmp, "blockdev-snapshot", snapshot("disk", "ovl")));
         let exports = qmp.execute("query-block-exports", json!({})).unwrap();
         lines.push(format!("export on {}", exports[0]["node-name"]));
-        let deleted = qmp.execute("blockdev-del", json!({"node-name": "disk"}));
-        lines.push(format!("del disk: {}", deleted.map_or_else(|e| e.to_string(), |v| v.to_string())));
+        lines.push(ask(&mut qmp, "blockdev-del", json!({"node-name": "disk"})));
         lines
     };
     let (vsd, qsd) = (transcript("vsd"), transcript("qsd"));
