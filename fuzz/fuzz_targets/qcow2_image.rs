@@ -46,7 +46,7 @@ fn exercise(file: &mut MemFile, writable: bool, pick: u64) {
     let bitmaps = image.load_bitmaps(&mut io).unwrap_or_default();
     let _ = image.mark_bitmaps_in_use(&mut io);
     let _ = image.write(&mut io, at, n, &mut |_, buf: &mut [u8]| buf.fill(0x5a));
-    let _ = image.write_zeroes(&mut io, at / 2, n, pick & 1 == 0);
+    let _ = image.write_zeroes(&mut io, at / 2, n, pick & 1 == 0, pick & 4 != 0);
     let _ = image.discard(&mut io, at / 3, n);
     let _ = image.flush(&mut io);
     let _ = image.store_bitmaps(&mut io, &bitmaps);

@@ -453,7 +453,8 @@ impl AlignedQueue {
         self.bounces[tag as usize].chunk = chunk;
         match (kind, chunk) {
             (Kind::Zero { may_unmap }, Chunk::Zeroes { lo, hi }) => {
-                self.step(tag, Phase::Writing, IoOp::WriteZeroes { offset: lo, len: hi - lo, may_unmap });
+                let zero = IoOp::WriteZeroes { offset: lo, len: hi - lo, may_unmap, fast: false };
+                self.step(tag, Phase::Writing, zero);
             }
             (Kind::Read, Chunk::Buffered { lo, hi }) => self.transfer(tag, Phase::Reading, lo, hi, false),
             (_, Chunk::Buffered { lo, hi }) => match fill_for(start, end, lo, hi, block) {
@@ -569,7 +570,7 @@ fn describe(op: IoOp) -> (Kind, u64, u64) {
     match op {
         IoOp::Read { offset, len, .. } => (Kind::Read, offset, offset + len),
         IoOp::Write { offset, len, durable, .. } => (Kind::Write { durable }, offset, offset + len),
-        IoOp::WriteZeroes { offset, len, may_unmap } => (Kind::Zero { may_unmap }, offset, offset + len),
+        IoOp::WriteZeroes { offset, len, may_unmap, .. } => (Kind::Zero { may_unmap }, offset, offset + len),
         // Never bounced.
         IoOp::Discard { offset, len } => (Kind::Zero { may_unmap: true }, offset, offset + len),
         IoOp::Flush => (Kind::Read, 0, 0),
@@ -582,7 +583,15 @@ impl IoQueue for AlignedQueue {
             IoOp::Read { offset, len, ref iov } | IoOp::Write { offset, len, ref iov, .. } => {
                 self.fits(offset, len, iov)
             }
-            IoOp::WriteZeroes { offset, len, .. } => (offset | len) & self.request_mask == 0,
+            IoOp::WriteZeroes { offset, len, fast, .. } => {
+                let aligned = (offset | len) & self.request_mask == 0;
+                if fast && !aligned {
+                    // Its edges would be written through a bounce buffer.
+                    self.answered.push(Completion { tag, errno: libc::EOPNOTSUPP });
+                    return;
+                }
+                aligned
+            }
             IoOp::Discard { offset, len } if (offset | len) & self.request_mask != 0 => {
                 // Advisory: the whole blocks inside it, or nothing.
                 match inner_blocks(offset, len, self.block()) {
@@ -954,7 +963,7 @@ mod tests {
                 ops.push(match kind {
                     0 => read(at, &guest),
                     1 => write(at, &guest),
-                    2 => IoOp::WriteZeroes { offset: at, len, may_unmap: false },
+                    2 => IoOp::WriteZeroes { offset: at, len, may_unmap: false, fast: false },
                     _ => IoOp::Discard { offset: at, len },
                 });
                 guests.push(guest);

@@ -72,6 +72,9 @@ pub enum IoOp {
         len: u64,
         /// The range may be deallocated rather than written.
         may_unmap: bool,
+        /// Fail with EOPNOTSUPP rather than write zeroes the slow way
+        /// (NBD's FAST_ZERO, QEMU's BDRV_REQ_NO_FALLBACK).
+        fast: bool,
     },
 }
 
@@ -319,14 +322,14 @@ fn run_sync(fd: std::os::fd::BorrowedFd<'_>, op: IoOp) -> io::Result<()> {
         }
         IoOp::Flush => vsd_sys::fdatasync(fd),
         IoOp::Discard { offset, len } => vsd_sys::fallocate(fd, falloc::PUNCH_HOLE, offset, len),
-        IoOp::WriteZeroes { offset, len, may_unmap } => zero_range(fd, offset, len, may_unmap),
+        IoOp::WriteZeroes { offset, len, may_unmap, fast } => zero_range(fd, offset, len, may_unmap, fast),
     }
 }
 
 /// Zeroes a range the cheapest way the file system allows, falling back
 /// as QEMU's file driver does: ZERO_RANGE, then PUNCH_HOLE (re-allocated if
-/// unmapping is not allowed), then writing zeroes.
-fn zero_range(fd: std::os::fd::BorrowedFd<'_>, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
+/// unmapping is not allowed), then, unless `fast`, writing zeroes.
+fn zero_range(fd: std::os::fd::BorrowedFd<'_>, offset: u64, len: u64, may_unmap: bool, fast: bool) -> io::Result<()> {
     use vsd_sys::falloc;
     let unsupported = |e: &io::Error| e.raw_os_error() == Some(libc::EOPNOTSUPP);
     match vsd_sys::fallocate(fd, falloc::ZERO_RANGE, offset, len) {
@@ -336,7 +339,7 @@ fn zero_range(fd: std::os::fd::BorrowedFd<'_>, offset: u64, len: u64, may_unmap:
     match vsd_sys::fallocate(fd, falloc::PUNCH_HOLE, offset, len) {
         Ok(()) if may_unmap => return Ok(()),
         Ok(()) => return vsd_sys::fallocate(fd, falloc::ALLOCATE, offset, len),
-        Err(e) if unsupported(&e) => {}
+        Err(e) if unsupported(&e) && !fast => {}
         Err(e) => return Err(e),
     }
     write_zeroes_slowly(fd, offset, len)

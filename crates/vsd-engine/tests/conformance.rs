@@ -86,7 +86,7 @@ fn check_file_engine(queue: &mut dyn IoQueue, file: &File) {
 
     // Zeroing, with and without permission to unmap.
     for may_unmap in [false, true] {
-        assert_eq!(run(queue, IoOp::WriteZeroes { offset: 4096, len: 4096, may_unmap }), 0);
+        assert_eq!(run(queue, IoOp::WriteZeroes { offset: 4096, len: 4096, may_unmap, fast: false }), 0);
         assert_eq!(read(queue, 4096, &mut back), 0);
         assert!(back[..4096].iter().all(|&b| b == 0), "zeroed range reads zeroes");
         assert_eq!(back[4096..], pattern[4096..], "the rest is untouched");

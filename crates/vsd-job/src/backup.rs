@@ -295,7 +295,7 @@ impl Copier {
             };
             match allocation {
                 Allocation::Hole => {
-                    let zero = IoOp::WriteZeroes { offset: at, len: n, may_unmap: true };
+                    let zero = IoOp::WriteZeroes { offset: at, len: n, may_unmap: true, fast: false };
                     run_one(&mut *self.target_queue, zero)?;
                 }
                 Allocation::Data => self.copy_data(at, n)?,

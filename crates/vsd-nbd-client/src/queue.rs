@@ -106,6 +106,8 @@ impl IoQueue for NbdQueue {
         let size = export.size;
         let max_payload = u64::from(export.max_payload);
         let has = |flag| export.has(flag);
+        // What the request completes with if it sends no command.
+        let mut answer = 0;
         match op {
             IoOp::Read { offset, len, iov } => {
                 // Past the end reads as zeroes, as a file does.
@@ -114,7 +116,9 @@ impl IoQueue for NbdQueue {
                 unsafe { iov.fill(inside, len - inside, None) };
                 self.split(tag, cmd::READ, 0, (offset, inside), max_payload, Some(iov));
             }
-            _ if op.extent().is_some_and(|(offset, len)| !vsd_engine::range_ok(offset, len, size)) => {}
+            _ if op.extent().is_some_and(|(offset, len)| !vsd_engine::range_ok(offset, len, size)) => {
+                answer = libc::EIO
+            }
             IoOp::Write { offset, len, iov, durable } => {
                 let flags = if durable { cmd_flag::FUA } else { 0 };
                 self.split(tag, cmd::WRITE, flags, (offset, len), max_payload, Some(iov));
@@ -123,8 +127,10 @@ impl IoQueue for NbdQueue {
             IoOp::Discard { offset, len } if has(tx_flag::SEND_TRIM) => {
                 self.split(tag, cmd::TRIM, 0, (offset, len), MAX_RANGE, None)
             }
-            IoOp::WriteZeroes { offset, len, may_unmap } if has(tx_flag::SEND_WRITE_ZEROES) => {
-                let flags = if may_unmap { 0 } else { cmd_flag::NO_HOLE };
+            IoOp::WriteZeroes { fast: true, .. } if !has(tx_flag::SEND_FAST_ZERO) => answer = libc::EOPNOTSUPP,
+            IoOp::WriteZeroes { offset, len, may_unmap, fast } if has(tx_flag::SEND_WRITE_ZEROES) => {
+                let unmap = if may_unmap { 0 } else { cmd_flag::NO_HOLE };
+                let flags = if fast { unmap | cmd_flag::FAST_ZERO } else { unmap };
                 self.split(tag, cmd::WRITE_ZEROES, flags, (offset, len), MAX_RANGE, None)
             }
             IoOp::WriteZeroes { offset, len, .. } => {
@@ -136,9 +142,7 @@ impl IoQueue for NbdQueue {
         }
         let slot = &mut self.slots[tag as usize];
         if slot.parts == 0 {
-            let out_of_bounds = op.extent().is_some_and(|(offset, len)| !vsd_engine::range_ok(offset, len, size));
-            let errno = if out_of_bounds && !matches!(op, IoOp::Read { .. }) { libc::EIO } else { 0 };
-            self.answered.push(Completion { tag, errno });
+            self.answered.push(Completion { tag, errno: answer });
         }
         self.outstanding += slot.parts as usize;
     }

@@ -393,7 +393,6 @@ impl<W: Wire> Transmission<W> {
             }
             Command::Trim { len: 0, .. } | Command::WriteZeroes { len: 0, .. } => return self.reply_done(index),
             // Zeroing here may fall back to writing zeroes: not fast.
-            Command::WriteZeroes { fast: true, .. } => return self.reply_error(index, errno::ENOTSUP),
             Command::BlockStatus { offset, len, one } => return self.block_status(index, offset, len, one),
             Command::Read { offset, len, .. } => IoOp::Read { offset, len, iov: self.iovecs(index, len) },
             Command::Write { offset, len, fua } => {
@@ -404,9 +403,9 @@ impl<W: Wire> Transmission<W> {
                 self.slots[index].then_flush = fua || durable;
                 IoOp::Discard { offset, len }
             }
-            Command::WriteZeroes { offset, len, fua, may_unmap, .. } => {
+            Command::WriteZeroes { offset, len, fua, may_unmap, fast } => {
                 self.slots[index].then_flush = fua || durable;
-                IoOp::WriteZeroes { offset, len, may_unmap }
+                IoOp::WriteZeroes { offset, len, may_unmap, fast }
             }
         };
         self.push(index, op);

@@ -114,6 +114,8 @@ impl RbdQueue {
                     Err(e) => Err(e.raw_os_error().unwrap_or(libc::EIO)),
                 }
             }
+            // librbd may write the zeroes: not fast, as QEMU's rbd driver says.
+            (IoOp::WriteZeroes { fast: true, .. }, _) => Err(libc::EOPNOTSUPP),
             _ => self.start(tag, op, step),
         };
         match started {
@@ -148,7 +150,7 @@ impl RbdQueue {
                 }
                 (IoOp::Write { .. } | IoOp::Flush, _) => (api.rbd_aio_flush)(image, completion),
                 (IoOp::Discard { offset, len }, _) => (api.rbd_aio_discard)(image, offset, len, completion),
-                (IoOp::WriteZeroes { offset, len, may_unmap }, _) => {
+                (IoOp::WriteZeroes { offset, len, may_unmap, .. }, _) => {
                     // Not unmapped unless allowed, as QEMU asks librbd.
                     let flags = if may_unmap { 0 } else { ffi::WRITE_ZEROES_THICK };
                     let len = usize::try_from(len).unwrap_or(usize::MAX);

@@ -54,11 +54,7 @@ impl Daemon {
     }
 
     /// The node and the overlay of a snapshot, if it may be taken.
-    fn snapshot_nodes(
-        &self,
-        state: &State,
-        args: &SnapshotArgs,
-    ) -> Result<(Node, Node), QmpError> {
+    fn snapshot_nodes(&self, state: &State, args: &SnapshotArgs) -> Result<(Node, Node), QmpError> {
         let find = |name: &str| {
             state.graph.get(name).ok_or_else(|| generic(format!("Cannot find device='{name}' nor node-name='{name}'")))
         };

@@ -857,3 +857,62 @@ fn allocation_depth_and_allocation_map_as_qemu_storage_daemon_s() {
     let types: Vec<u64> = depths.as_array().unwrap().iter().map(|e| e["type"].as_u64().unwrap()).collect();
     assert_eq!(types, [2, 0, 1, 0, 1, 0, 1, 0], "backing, absent, local...: {depths}");
 }
+
+/// NBD_CMD_FLAG_FAST_ZERO: a zeroing that the node does without writing
+/// zeroes (fallocate on a file, zero clusters of a qcow2 image) succeeds;
+/// one that would write (a partial qcow2 cluster over data, a version 2
+/// image) fails with ENOTSUP and changes nothing, as qemu-storage-daemon
+/// answers the same requests.
+#[test]
+fn fast_zero_answers_as_qemu_storage_daemon() {
+    const FAST_ZERO: u16 = 1 << 4;
+    const NO_HOLE: u16 = 1 << 1;
+    let answers = |program: &str| {
+        let dir = Scratch::new(&format!("nbd-fast-zero-{program}"));
+        let raw = dir.path("disk.raw");
+        std::fs::write(&raw, pattern(1, 4 * MIB as usize)).unwrap();
+        // qemu-storage-daemon wants the server before its exports.
+        let mut args =
+            vec!["--nbd-server".to_string(), format!("addr.type=unix,addr.path={}", dir.path("nbd.sock").display())];
+        for (name, compat) in [("v3", "1.1"), ("v2", "0.10")] {
+            let image = dir.path(&format!("{name}.qcow2"));
+            let (src, dst) = (raw.to_str().unwrap(), image.to_str().unwrap());
+            ok("qemu-img", &["convert", "-q", "-f", "raw", "-O", "qcow2", "-o", &format!("compat={compat}"), src, dst]);
+            args.extend([
+                "--blockdev".to_string(),
+                format!("driver=qcow2,node-name={name},file.driver=file,file.filename={dst}"),
+                "--export".into(),
+                format!("type=nbd,id=e-{name},node-name={name},name={name},writable=on"),
+            ]);
+        }
+        args.extend([
+            "--blockdev".into(),
+            format!("driver=file,node-name=raw,filename={}", raw.display()),
+            "--export".into(),
+            "type=nbd,id=e-raw,node-name=raw,name=raw,writable=on".into(),
+        ]);
+        let _daemon = if program == "vsd" { Daemon::vsd(&dir, &args) } else { Daemon::qsd(&dir, &args) };
+        let mut said = Vec::new();
+        for export in ["raw", "v3", "v2"] {
+            let mut c = RawClient::connect(&dir.path("nbd.sock"), export, Mode::Simple);
+            let requests = [
+                (FAST_ZERO, 0, 64 << 10),
+                (FAST_ZERO | NO_HOLE, 128 << 10, 64 << 10),
+                (FAST_ZERO, (1 << 20) + 4096, 4096),
+                (0, (2 << 20) + 4096, 4096),
+            ];
+            for (cookie, (flags, offset, len)) in requests.into_iter().enumerate() {
+                c.request(flags, WRITE_ZEROES, cookie as u64, offset, len, &[]);
+                let (error, _) = c.simple_reply();
+                c.request(0, READ, 99, offset, len, &[]);
+                assert_eq!(c.simple_reply(), (0, 99));
+                let zeroed = c.read_exact(len as usize).iter().all(|&b| b == 0);
+                said.push(format!("{export} flags {flags:#x} at {offset}: error {error}, zeroed {zeroed}"));
+            }
+        }
+        said
+    };
+    let vsd = answers("vsd");
+    assert!(vsd.iter().any(|line| line.contains("error 95")), "some fast zeroing is refused: {vsd:#?}");
+    assert_eq!(vsd, answers("qsd"));
+}

@@ -458,3 +458,30 @@ fn a_server_that_breaks_the_protocol_fails_requests_not_vsd() {
         assert!(vsd.stop().success(), "{how:?}: vsd stops cleanly");
     }
 }
+
+/// A zeroing that must be fast (qemu-io's `write -z -n`, NBD's FAST_ZERO
+/// through vsd's export) reaches a server that can zero fast, and is
+/// refused with ENOTSUP by one that cannot (nbdkit without zeroing),
+/// where a plain zeroing is written as data.
+#[test]
+fn fast_zeroing_goes_through_or_is_refused_as_the_server_can() {
+    let dir = Scratch::new("nbdc-fast-zero");
+    let io = |command: &str| {
+        let x = uri(&dir.path("vsd-nbd.sock"), "x");
+        run("qemu-io", &["-f", "raw", "-c", command, &x])
+    };
+    for (filters, fast) in [(&[][..], true), (&["nozero zeromode=none"][..], false)] {
+        let _kit = Nbdkit::start(&dir.path("kit.sock"), filters, 4 * MIB);
+        let _vsd = vsd_over(&dir, nbd_node(&dir.path("kit.sock"), "", ""), "");
+        assert!(io("write -P 0x5a 0 1M").status.success());
+        let out = io("write -z -n 0 64k");
+        let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+        assert_eq!(!text.contains("Operation not supported"), fast, "{filters:?}: {text}");
+        assert!(io("write -z 512k 64k").status.success(), "{filters:?}: a plain zeroing works either way");
+        let read = io("read -P 0 512k 64k");
+        assert!(!String::from_utf8_lossy(&read.stdout).contains("verification failed"), "{filters:?}");
+        let read = io("read -P 0 0 64k");
+        let zeroed = !String::from_utf8_lossy(&read.stdout).contains("verification failed");
+        assert_eq!(zeroed, fast, "{filters:?}: the refused fast zeroing changed nothing");
+    }
+}

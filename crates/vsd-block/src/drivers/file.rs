@@ -52,6 +52,9 @@ pub(super) struct FilePolicy {
     no_flush: bool,
     /// `discard=unmap`: discards punch holes; otherwise they are ignored.
     unmap: bool,
+    /// A block device, whose zeroing the kernel may do by writing zeroes:
+    /// a zeroing that must be fast is refused, as QEMU does.
+    device: bool,
 }
 
 impl FileNode {
@@ -67,7 +70,7 @@ impl FileNode {
         let context = opts.context().to_string();
         let filename = opts.require("filename")?;
         let Cache { direct, .. } = cache;
-        let policy = FilePolicy::take(cache, opts)?;
+        let policy = FilePolicy { device, ..FilePolicy::take(cache, opts)? };
         let read_only = opts.take_bool("read-only")?.unwrap_or(false);
         let aio = match opts.take_choice("aio", &["io_uring", "threads"])? {
             Some("threads") => Aio::Threads,
@@ -131,7 +134,7 @@ impl FilePolicy {
     pub(super) fn take(cache: Cache, opts: &mut OptionMap) -> Result<Self, GraphError> {
         let unmap =
             opts.take_choice("discard", &["ignore", "off", "unmap", "on"])?.is_some_and(|d| d == "unmap" || d == "on");
-        Ok(Self { no_flush: cache.no_flush, unmap })
+        Ok(Self { no_flush: cache.no_flush, unmap, device: false })
     }
 }
 
@@ -143,8 +146,9 @@ impl Filter for FilePolicy {
         match op {
             IoOp::Flush if self.no_flush => Route::Answer(0),
             IoOp::Discard { .. } if !self.unmap => Route::Answer(0),
-            IoOp::WriteZeroes { offset, len, may_unmap } => {
-                Route::Forward(IoOp::WriteZeroes { offset, len, may_unmap: may_unmap && self.unmap })
+            IoOp::WriteZeroes { fast: true, .. } if self.device => Route::Answer(libc::EOPNOTSUPP),
+            IoOp::WriteZeroes { offset, len, may_unmap, fast } => {
+                Route::Forward(IoOp::WriteZeroes { offset, len, may_unmap: may_unmap && self.unmap, fast })
             }
             op => Route::Forward(op),
         }

@@ -119,7 +119,9 @@ pub(crate) fn shifted(op: IoOp, delta: u64) -> IoOp {
         IoOp::Read { offset, len, iov } => IoOp::Read { offset: offset + delta, len, iov },
         IoOp::Write { offset, len, iov, durable } => IoOp::Write { offset: offset + delta, len, iov, durable },
         IoOp::Discard { offset, len } => IoOp::Discard { offset: offset + delta, len },
-        IoOp::WriteZeroes { offset, len, may_unmap } => IoOp::WriteZeroes { offset: offset + delta, len, may_unmap },
+        IoOp::WriteZeroes { offset, len, may_unmap, fast } => {
+            IoOp::WriteZeroes { offset: offset + delta, len, may_unmap, fast }
+        }
         IoOp::Flush => IoOp::Flush,
     }
 }

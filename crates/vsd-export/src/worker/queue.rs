@@ -398,7 +398,9 @@ impl QueueWorker {
             }
             Action::Flush => (IoOp::Flush, 0),
             Action::Discard { offset, len } => (IoOp::Discard { offset, len }, 0),
-            Action::WriteZeroes { offset, len, unmap } => (IoOp::WriteZeroes { offset, len, may_unmap: unmap }, 0),
+            Action::WriteZeroes { offset, len, unmap } => {
+                (IoOp::WriteZeroes { offset, len, may_unmap: unmap, fast: false }, 0)
+            }
             Action::GetId => {
                 // SAFETY: the iovecs were just mapped by `parse` for this
                 // GET_ID request and `mem` keeps them mapped.

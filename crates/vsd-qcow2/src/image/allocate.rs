@@ -356,7 +356,7 @@ mod tests {
         let busy = |r: io::Result<()>| r.is_err_and(|e| Busy::is(&e));
         assert!(busy(image.start_write(&mut io(&mut file), 0, 4 * KIB, &mut { data }).map(drop)));
         assert!(busy(image.write(&mut io(&mut file), 60 * KIB, 8 * KIB, &mut { data })), "straddling into it");
-        assert!(busy(image.write_zeroes(&mut io(&mut file), 0, 4 * KIB, true)));
+        assert!(busy(image.write_zeroes(&mut io(&mut file), 0, 4 * KIB, true, false)));
         assert!(busy(image.discard(&mut io(&mut file), 0, 64 * KIB)));
         let other = image.start_write(&mut io(&mut file), 64 * KIB, 4 * KIB, &mut { data }).unwrap().unwrap();
 

@@ -46,20 +46,25 @@ impl Image {
 
     /// Makes a range read as zeroes, with metadata where it can and by
     /// writing zeroes where it cannot (partial subclusters, version 2
-    /// images, raw external data files).
-    pub fn write_zeroes(&self, io: &mut ImageIo, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
+    /// images, raw external data files); with `fast`, where it cannot it
+    /// fails with EOPNOTSUPP instead, having changed nothing.
+    pub fn write_zeroes(&self, io: &mut ImageIo, offset: u64, len: u64, may_unmap: bool, fast: bool) -> io::Result<()> {
         self.check_writable()?;
         // Checked for the whole range first, so that a busy cluster in the
         // middle does not leave the head done and the rest not.
         self.check_idle(&self.lock(), offset, len)?;
         let zeroes: Fill = &mut |_, buf| buf.fill(0);
+        let slow = || io::Error::from_raw_os_error(libc::EOPNOTSUPP);
         if (self.header.version < 3 && !self.layout.extended) || self.raw_data_file() {
-            return self.write(io, offset, len, zeroes);
+            return if fast { Err(slow()) } else { self.write(io, offset, len, zeroes) };
         }
         let unit = 1u64 << self.layout.subcluster_bits();
         let end = offset + len;
         let head_end = offset.next_multiple_of(unit).min(end);
         let tail_start = if end == self.size() { end } else { (end & !(unit - 1)).max(head_end) };
+        if fast && (head_end > offset || end > tail_start) {
+            return Err(slow());
+        }
         if head_end > offset {
             self.write(io, offset, head_end - offset, zeroes)?;
         }

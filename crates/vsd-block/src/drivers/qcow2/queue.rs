@@ -369,8 +369,8 @@ impl Qcow2Queue {
                 Ok(None)
             }
             IoOp::Discard { offset, len } => self.sync(|image, io| image.discard(io, offset, len)),
-            IoOp::WriteZeroes { offset, len, may_unmap } => {
-                self.sync(|image, io| image.write_zeroes(io, offset, len, may_unmap))
+            IoOp::WriteZeroes { offset, len, may_unmap, fast } => {
+                self.sync(|image, io| image.write_zeroes(io, offset, len, may_unmap, fast))
             }
         }
     }
