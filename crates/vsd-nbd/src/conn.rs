@@ -23,10 +23,11 @@ use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vsd_block::dirty::DirtyRecorder;
-use vsd_block::{Allocation, Completion, IoOp, IoQueue, IoVecs};
+use vsd_block::{Allocation, BlockNode, Completion, IoOp, IoQueue, IoVecs};
 use vsd_qcow2::buf::AlignedBuf;
 use vsd_trace::{Clock, OpKind, QueueStats};
 
@@ -53,6 +54,8 @@ const MAX_IOV: usize = 64;
 
 const TOKEN_SOCKET: u64 = 0;
 const TOKEN_ENGINE: u64 = 1;
+/// The export's node was replaced ([`Export::moved`], edge-triggered).
+const TOKEN_MOVED: u64 = 2;
 
 struct Slot {
     request: Request,
@@ -76,6 +79,12 @@ struct Slot {
 /// slots own.
 struct Transmission<W: Wire> {
     queue: Box<dyn IoQueue>,
+    /// The node `queue` is open on, and which of the export's nodes it is.
+    node: Arc<dyn BlockNode>,
+    serving: Arc<AtomicU64>,
+    /// The export's node was replaced: no request is read until those in
+    /// flight are done and the queue is open on the new node.
+    moving: bool,
     /// The queue is uncounted: the connection counts its requests, and
     /// records its writes in the node's dirty bitmaps.
     dirty: DirtyRecorder,
@@ -137,12 +146,16 @@ fn serve_on<W: Wire>(stream: W, agreement: Agreement<Arc<Export>>, early: &[u8])
     let clock = Clock::get();
     let stats = Arc::new(QueueStats::timed_by(clock));
     export.attach_stats(stats.clone());
+    let (serving, node) = export.join();
     let result =
-        Transmission::new(stream, export.clone(), limits, contexts, stats.clone(), clock, early).and_then(|mut t| {
-            let served = t.run();
-            t.stream.close();
-            served
-        });
+        Transmission::new(stream, export.clone(), (node, serving.clone()), limits, contexts, stats.clone(), early)
+            .and_then(|mut t| {
+                let served = t.run();
+                t.stream.close();
+                served
+            });
+    // Its requests are done (dropping the queue waited for them).
+    export.leave(&serving);
     export.detach_stats(&stats);
     result
 }
@@ -151,17 +164,21 @@ impl<W: Wire> Transmission<W> {
     fn new(
         stream: W,
         export: Arc<Export>,
+        (node, serving): (Arc<dyn BlockNode>, Arc<AtomicU64>),
         limits: Limits,
         contexts: Vec<Context>,
         stats: Arc<QueueStats>,
-        clock: Clock,
         early: &[u8],
     ) -> io::Result<Self> {
-        let queue = export.node.open_uncounted_queue(SLOTS as u16)?;
-        let dirty = DirtyRecorder::for_node(&*export.node);
+        // The process's clock, which timed `stats`.
+        let clock = Clock::get();
+        let queue = node.open_uncounted_queue(SLOTS as u16)?;
+        let dirty = DirtyRecorder::for_node(&*node);
         let epoll = Epoll::new()?;
         let edge = EventSet::IN | EventSet::OUT | EventSet::EDGE_TRIGGERED;
         epoll.ctl(ControlOperation::Add, stream.as_raw_fd(), EpollEvent::new(edge, TOKEN_SOCKET))?;
+        let moved = EventSet::IN | EventSet::EDGE_TRIGGERED;
+        epoll.ctl(ControlOperation::Add, export.moved.as_raw_fd(), EpollEvent::new(moved, TOKEN_MOVED))?;
         if let Some(fd) = queue.notify_fd() {
             epoll.ctl(ControlOperation::Add, fd.as_raw_fd(), EpollEvent::new(EventSet::IN, TOKEN_ENGINE))?;
         }
@@ -182,6 +199,9 @@ impl<W: Wire> Transmission<W> {
         input[..early.len()].copy_from_slice(early);
         Ok(Self {
             queue,
+            node,
+            serving,
+            moving: false,
             dirty,
             slots,
             free: (0..SLOTS).rev().collect(),
@@ -211,6 +231,7 @@ impl<W: Wire> Transmission<W> {
     fn run(&mut self) -> io::Result<()> {
         loop {
             self.now = self.clock.now();
+            self.follow_node()?;
             let mut progress = self.receive()?;
             progress |= self.submit_and_reap()?;
             progress |= self.send()?;
@@ -224,11 +245,34 @@ impl<W: Wire> Transmission<W> {
         }
     }
 
+    /// Moves to the export's new node once the requests in flight on the
+    /// old one are done.
+    fn follow_node(&mut self) -> io::Result<()> {
+        self.moving = self.export.generation() != self.serving.load(Ordering::Relaxed);
+        if !self.moving || self.in_flight > 0 {
+            return Ok(());
+        }
+        let (generation, node) = self.export.current();
+        let queue = node.open_uncounted_queue(SLOTS as u16)?;
+        if let Some(fd) = self.queue.notify_fd() {
+            self.epoll.ctl(ControlOperation::Delete, fd.as_raw_fd(), EpollEvent::default())?;
+        }
+        if let Some(fd) = queue.notify_fd() {
+            self.epoll.ctl(ControlOperation::Add, fd.as_raw_fd(), EpollEvent::new(EventSet::IN, TOKEN_ENGINE))?;
+        }
+        self.queue = queue;
+        self.dirty = DirtyRecorder::for_node(&*node);
+        self.node = node;
+        self.moving = false;
+        self.export.moved_to(&self.serving, generation);
+        Ok(())
+    }
+
     /// Reads and parses requests while slots are free; true if it did any.
     fn receive(&mut self) -> io::Result<bool> {
         let mut progress = false;
         loop {
-            if self.closing {
+            if self.closing || self.moving {
                 return Ok(progress);
             }
             if let Some(slot) = self.receiving {
@@ -561,12 +605,12 @@ impl<W: Wire> Transmission<W> {
     /// them (1 to `len`): an extent's length and flags.
     fn status(&self, context: Context, offset: u64, len: u64) -> io::Result<(u64, u32)> {
         Ok(match context {
-            Context::BaseAllocation => match self.export.node.block_status(offset, len)? {
+            Context::BaseAllocation => match self.node.block_status(offset, len)? {
                 (Allocation::Data, n) => (n, 0),
                 (Allocation::Hole, n) => (n, state::HOLE | state::ZERO),
             },
             Context::AllocationDepth => {
-                let (depth, n) = self.export.node.allocation_depth(offset, len)?;
+                let (depth, n) = self.node.allocation_depth(offset, len)?;
                 (n, depth)
             }
             Context::DirtyBitmap(i) => {

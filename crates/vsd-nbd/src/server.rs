@@ -16,8 +16,8 @@ use std::net::TcpListener;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -102,7 +102,18 @@ struct Conn {
 /// What connections to one export share.
 pub(crate) struct Export {
     pub(crate) config: ExportConfig,
-    pub(crate) node: Arc<dyn BlockNode>,
+    /// The node served, and how many times it was replaced (a live
+    /// snapshot's overlay takes its place).
+    node: RwLock<(u64, Arc<dyn BlockNode>)>,
+    /// The replacement count alone, for connections to look at each round
+    /// without taking the lock.
+    generation: AtomicU64,
+    /// Written when the node is replaced: it wakes idle connections (each
+    /// watches it edge-triggered), which move to the new node.
+    pub(crate) moved: EventFd,
+    /// Which replacement each live connection serves.
+    serving: Mutex<Vec<Arc<AtomicU64>>>,
+    switched: Condvar,
     pub(crate) info: ExportInfo,
     /// The bitmaps of `config.bitmaps`, held busy while the export lives.
     pub(crate) bitmaps: Vec<BusyGuard>,
@@ -124,6 +135,64 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Export {
+    /// The node served, and its replacement count.
+    pub(crate) fn current(&self) -> (u64, Arc<dyn BlockNode>) {
+        let node = self.node.read().unwrap_or_else(PoisonError::into_inner);
+        (node.0, node.1.clone())
+    }
+
+    /// How many times the node was replaced.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// The node served.
+    pub(crate) fn node(&self) -> Arc<dyn BlockNode> {
+        self.current().1
+    }
+
+    /// A new connection: the node it serves, and where it says which
+    /// replacement that is ([`Export::moved_to`]). Under the list's lock, so
+    /// that a replacement either waits for it or is the node it gets.
+    pub(crate) fn join(&self) -> (Arc<AtomicU64>, Arc<dyn BlockNode>) {
+        let mut list = lock(&self.serving);
+        let (generation, node) = self.current();
+        let serving = Arc::new(AtomicU64::new(generation));
+        list.push(serving.clone());
+        (serving, node)
+    }
+
+    /// A connection ended.
+    pub(crate) fn leave(&self, serving: &Arc<AtomicU64>) {
+        lock(&self.serving).retain(|s| !Arc::ptr_eq(s, serving));
+        self.switched.notify_all();
+    }
+
+    /// A connection serves replacement `generation` from now on.
+    pub(crate) fn moved_to(&self, serving: &AtomicU64, generation: u64) {
+        let _list = lock(&self.serving);
+        serving.store(generation, Ordering::Release);
+        self.switched.notify_all();
+    }
+
+    /// Serves `node` instead: each connection finishes its requests on the
+    /// old node, then takes its next ones to the new one. Returns once
+    /// every connection has moved.
+    fn replace(&self, node: Arc<dyn BlockNode>) {
+        let generation = {
+            let mut current = self.node.write().unwrap_or_else(PoisonError::into_inner);
+            *current = (current.0 + 1, node);
+            self.generation.store(current.0, Ordering::Release);
+            current.0
+        };
+        if let Err(e) = self.moved.write(1) {
+            log::error!("NBD export '{}': cannot wake its connections: {e}", self.config.id);
+        }
+        let list = lock(&self.serving);
+        let moved = |list: &mut Vec<Arc<AtomicU64>>| list.iter().all(|s| s.load(Ordering::Acquire) == generation);
+        drop(self.switched.wait_while(list, |list| !moved(list)).unwrap_or_else(PoisonError::into_inner));
+    }
+
     /// A connection's statistics, counted in the export's from now on.
     pub(crate) fn attach_stats(&self, stats: Arc<QueueStats>) {
         lock(&self.stats).live.push(stats);
@@ -185,8 +254,19 @@ impl NbdServer {
             return Err(NbdError::NameTaken { id: config.id.clone(), name: config.name.clone() });
         }
         let bitmaps = exported_bitmaps(&config, &node).map_err(invalid)?;
-        let export =
-            Arc::new(Export { config, node, info, bitmaps, closed: AtomicBool::new(false), stats: Mutex::default() });
+        let moved = EventFd::new(EFD_NONBLOCK).map_err(|e| invalid(format!("cannot make an eventfd: {e}")))?;
+        let export = Arc::new(Export {
+            config,
+            node: RwLock::new((0, node)),
+            generation: AtomicU64::new(0),
+            moved,
+            serving: Mutex::default(),
+            switched: Condvar::new(),
+            info,
+            bitmaps,
+            closed: AtomicBool::new(false),
+            stats: Mutex::default(),
+        });
         exports.insert(export.config.name.clone(), export.clone());
         Ok(NbdExport { export, server: self.shared.clone() })
     }
@@ -218,8 +298,15 @@ impl NbdExport {
     }
 
     /// The node it serves.
-    pub fn node(&self) -> &Arc<dyn BlockNode> {
-        &self.export.node
+    pub fn node(&self) -> Arc<dyn BlockNode> {
+        self.export.node()
+    }
+
+    /// Serves `node` instead (a live snapshot's overlay): each connection
+    /// finishes its requests in flight on the old node and takes its next
+    /// ones to the new one; returns once all have moved.
+    pub fn replace_node(&self, node: Arc<dyn BlockNode>) {
+        self.export.replace(node);
     }
 
     /// Whether a client is connected to it.
@@ -479,7 +566,7 @@ impl Catalog for Offered<'_> {
         let exports = self.0.exports.read().unwrap_or_else(PoisonError::into_inner);
         let export = exports.get(name)?.clone();
         // The size as it is now: the node may have been resized.
-        let info = ExportInfo { size: export.node.size() & !511, ..export.info.clone() };
+        let info = ExportInfo { size: export.node().size() & !511, ..export.info.clone() };
         Some((export, info))
     }
 

@@ -297,7 +297,15 @@ impl Export {
     pub(crate) fn node(&self) -> Arc<dyn BlockNode> {
         match self {
             Export::VhostUserBlk(e) => e.node(),
-            Export::Nbd(e) => e.node().clone(),
+            Export::Nbd(e) => e.node(),
+        }
+    }
+
+    /// Whether the guest or client may write.
+    pub(crate) fn writable(&self) -> bool {
+        match self {
+            Export::VhostUserBlk(e) => e.config().writable,
+            Export::Nbd(e) => e.config().writable,
         }
     }
 

@@ -75,14 +75,6 @@ impl Daemon {
         if overlay.driver() != "qcow2" {
             return Err(generic("The overlay does not support backing images".into()));
         }
-        if let Some(nbd) = state.exports.values().find(|e| matches!(e, Export::Nbd(_)) && e.node().name() == args.node)
-        {
-            return Err(generic(format!(
-                "Node '{}' is exported over NBD by '{}': vsd moves only vhost-user-blk exports onto an overlay",
-                args.node,
-                nbd.id()
-            )));
-        }
         if overlay.size() != node.size() {
             return Err(generic(format!(
                 "The overlay has {} bytes and node '{}' {}: vsd takes overlays of the node's size",
@@ -103,15 +95,18 @@ impl Daemon {
     }
 }
 
-/// Every vhost-user-blk export of node `from` serves `to` instead, holding
-/// what it needs of `to`'s images.
+/// Every export of node `from` serves `to` instead, holding what it needs
+/// of `to`'s images.
 fn move_exports(state: &mut State, from: &str, to: &Node) -> Result<(), QmpError> {
     let ids: Vec<String> = state.exports.values().filter(|e| e.node().name() == from).map(|e| e.id().into()).collect();
     for id in ids {
-        let Some(Export::VhostUserBlk(export)) = state.exports.get(&id) else { continue };
-        let held = export_claim(export.config().writable);
+        let Some(export) = state.exports.get(&id) else { continue };
+        let held = export_claim(export.writable());
         let claims = to.claim(Claim { held, unshared: vsd_block::Perms::NONE }).map_err(|e| generic(e.to_string()))?;
-        export.replace_node(to.clone());
+        match export {
+            Export::VhostUserBlk(export) => export.replace_node(to.clone()),
+            Export::Nbd(export) => export.replace_node(to.clone()),
+        }
         log::info!("export '{id}' serves node '{}' from now on", to.name());
         state.set_claims(&id, claims);
     }

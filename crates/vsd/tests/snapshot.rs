@@ -36,7 +36,7 @@ fn images(dir: &Scratch) -> (std::path::PathBuf, std::path::PathBuf) {
 }
 
 /// `program` serving `base` as raw node `disk` over vhost-user-blk (two
-/// queues, writable), with QMP.
+/// queues, writable) and NBD (export `n`), with QMP.
 fn serve(program: &str, dir: &Scratch, base: &Path) -> Daemon {
     let mut args = vec![
         "--blockdev".into(),
@@ -48,6 +48,10 @@ fn serve(program: &str, dir: &Scratch, base: &Path) -> Daemon {
             "type=vhost-user-blk,id=v0,node-name=disk,addr.type=unix,addr.path={},writable=on,num-queues=2",
             dir.path("vhost.sock").display()
         ),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", dir.path("nbd.sock").display()),
+        "--export".into(),
+        "type=nbd,id=n0,node-name=disk,name=n,writable=on".into(),
     ];
     args.extend(monitor(&dir.path("qmp.sock")));
     match program {
@@ -105,13 +109,32 @@ fn a_live_snapshot_moves_a_writing_disk_onto_its_overlay() {
             })
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(60));
+    // An NBD client writes, sleeps through the snapshot on an idle
+    // connection, and writes again.
+    let nbd_uri = format!("nbd+unix:///n?socket={}", dir.path("nbd.sock").display());
+    let nbd = std::process::Command::new("qemu-io")
+        .args([
+            "-f",
+            "raw",
+            "-c",
+            "write -P 0x11 7M 64k",
+            "-c",
+            "sleep 1500",
+            "-c",
+            "write -P 0x22 7680k 64k",
+            &nbd_uri,
+        ])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
     qmp.execute("blockdev-snapshot", json!({"node": "disk", "overlay": "ovl"})).unwrap();
     snapshot_taken.store(true, Ordering::Release);
+    assert!(nbd.wait_with_output().unwrap().status.success(), "the NBD client's writes succeed");
     let after: Vec<Vec<u64>> = writers.into_iter().map(|w| w.join().unwrap()).collect();
     assert!(after.iter().all(|a| !a.is_empty()), "writes went on after the snapshot: {after:?}");
     let exports = qmp.execute("query-block-exports", json!({})).unwrap();
-    assert_eq!(exports[0]["node-name"], "ovl", "{exports}");
+    assert!(exports.as_array().unwrap().iter().all(|e| e["node-name"] == "ovl"), "{exports}");
     drop(client);
     assert!(daemon.stop().success());
 
@@ -140,6 +163,15 @@ fn a_live_snapshot_moves_a_writing_disk_onto_its_overlay() {
             }
         }
     }
+    // Between the two queues' slots.
+    let (first, second) = (7 * MIB as usize, 7680 << 10);
+    assert!(
+        base_bytes[first..first + 65536].iter().all(|&b| b == 0x11),
+        "the NBD write before the snapshot is in the base"
+    );
+    assert_eq!(base_bytes[second..second + 65536], before[second..second + 65536], "the one after it is not");
+    expected[first..first + 65536].fill(0x11);
+    expected[second..second + 65536].fill(0x22);
     assert!(merged == expected, "the chain holds every acknowledged write");
     let info = ok("qemu-img", &["info", "--output=json", overlay.to_str().unwrap()]);
     let info: Value = serde_json::from_str(&info).unwrap();
@@ -187,7 +219,8 @@ fn answers_as_qemu_storage_daemon() {
         lines.push(format!("bitmaps of disk: {names:?}"));
         lines.push(ask(&mut qmp, "blockdev-snapshot", snapshot("disk", "ovl")));
         let exports = qmp.execute("query-block-exports", json!({})).unwrap();
-        lines.push(format!("export on {}", exports[0]["node-name"]));
+        let nodes: Vec<&Value> = exports.as_array().unwrap().iter().map(|e| &e["node-name"]).collect();
+        lines.push(format!("exports on {nodes:?}"));
         lines.push(ask(&mut qmp, "blockdev-del", json!({"node-name": "disk"})));
         lines
     };
