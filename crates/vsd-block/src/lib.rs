@@ -159,6 +159,12 @@ pub trait BlockNode: Send + Sync {
     }
 }
 
+/// Writes a new, empty qcow2 image over `file` (emptied first), waiting on
+/// the calling thread: QMP `blockdev-create`, not guests' requests.
+pub fn create_qcow2(file: &dyn BlockNode, image: &vsd_qcow2::create::NewImage) -> io::Result<()> {
+    drivers::create_qcow2(file, image)
+}
+
 /// How a range of a node reads, as block status reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Allocation {

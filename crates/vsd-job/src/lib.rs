@@ -222,6 +222,14 @@ pub struct JobInfo {
     pub auto_finalize: bool,
     /// As made.
     pub auto_dismiss: bool,
+    /// A block job (`query-block-jobs`, `BLOCK_JOB_*` events), not one of
+    /// QEMU's other jobs (`create`).
+    pub block: bool,
+}
+
+/// Whether jobs of type `kind` are block jobs, as QEMU's types are.
+fn is_block_job(kind: &str) -> bool {
+    matches!(kind, "backup" | "commit" | "stream" | "mirror")
 }
 
 /// Why a cancelled job ended, in the words of `strerror(ECANCELED)`.
@@ -307,6 +315,7 @@ impl Job {
             error: state.error.clone(),
             auto_finalize: self.spec.auto_finalize,
             auto_dismiss: self.spec.auto_dismiss,
+            block: is_block_job(self.spec.kind),
         }
     }
 
@@ -505,6 +514,17 @@ impl Job {
 
     fn conclude(&self) {
         let mut state = self.state();
+        if is_block_job(self.spec.kind) {
+            self.say_ended(&state);
+        }
+        self.set_status(&mut state, Status::Concluded);
+        if self.spec.auto_dismiss {
+            self.set_status(&mut state, Status::Null);
+        }
+    }
+
+    /// BLOCK_JOB_CANCELLED or BLOCK_JOB_COMPLETED, with the error if any.
+    fn say_ended(&self, state: &State) {
         let mut data = json!({
             "device": self.spec.id,
             "len": state.total,
@@ -514,16 +534,12 @@ impl Job {
         });
         if state.cancelled {
             (self.emit)("BLOCK_JOB_CANCELLED", data);
-        } else {
-            if let Some(error) = &state.error {
-                data["error"] = json!(error);
-            }
-            (self.emit)("BLOCK_JOB_COMPLETED", data);
+            return;
         }
-        self.set_status(&mut state, Status::Concluded);
-        if self.spec.auto_dismiss {
-            self.set_status(&mut state, Status::Null);
+        if let Some(error) = &state.error {
+            data["error"] = json!(error);
         }
+        (self.emit)("BLOCK_JOB_COMPLETED", data);
     }
 
     /// Cancels the job whatever its status (the daemon stops) and waits

@@ -44,6 +44,7 @@
 pub mod bitmap;
 pub mod buf;
 pub mod compress;
+pub mod create;
 pub mod entry;
 pub mod header;
 mod image;

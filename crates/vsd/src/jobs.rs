@@ -192,6 +192,7 @@ impl Daemon {
     fn block_job(&self, id: &str) -> Result<Arc<Job>, QmpError> {
         self.jobs
             .get(id)
+            .filter(|job| job.info().block)
             .ok_or_else(|| QmpError::new(ErrorClass::DeviceNotActive, format!("Block job '{id}' not found")))
     }
 
@@ -247,7 +248,7 @@ impl Daemon {
             }
             entry
         };
-        self.jobs.all().iter().map(|job| entry(job.info())).collect()
+        self.jobs.all().iter().map(|job| job.info()).filter(|info| info.block).map(entry).collect()
     }
 }
 

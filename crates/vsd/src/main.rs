@@ -5,6 +5,7 @@
 
 mod bitmaps;
 mod commands;
+mod create;
 mod daemon;
 mod jobs;
 mod monitor;

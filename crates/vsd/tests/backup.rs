@@ -6,13 +6,12 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use common::qmp::Qmp;
 use common::{Daemon, Scratch, monitor, run};
 use serde_json::{Value, json};
 use vsd_bench::ClientOptions;
@@ -20,79 +19,6 @@ use vsd_bench::ClientOptions;
 const MIB: u64 = 1 << 20;
 const KIB: u64 = 1 << 10;
 const CLUSTER: u64 = 64 * KIB;
-
-/// A QMP connection that keeps every event, in order.
-struct Qmp {
-    writer: UnixStream,
-    reader: BufReader<UnixStream>,
-    events: Vec<Value>,
-    /// Events before this one were matched by [`Qmp::await_event`].
-    seen: usize,
-}
-
-impl Qmp {
-    fn connect(path: &Path) -> Self {
-        let writer = UnixStream::connect(path).unwrap();
-        writer.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-        let reader = BufReader::new(writer.try_clone().unwrap());
-        let mut qmp = Self { writer, reader, events: Vec::new(), seen: 0 };
-        assert!(qmp.receive().get("QMP").is_some(), "a greeting");
-        qmp.answer("qmp_capabilities", json!({}));
-        qmp
-    }
-
-    fn receive(&mut self) -> Value {
-        let mut line = String::new();
-        let n = self.reader.read_line(&mut line).expect("a QMP message in time");
-        assert!(n > 0, "the daemon hung up");
-        serde_json::from_str(&line).unwrap()
-    }
-
-    /// The command's return value or its error (class and text).
-    fn answer(&mut self, command: &str, args: Value) -> Value {
-        let request = json!({"execute": command, "arguments": args});
-        self.writer.write_all(format!("{request}\n").as_bytes()).unwrap();
-        loop {
-            let mut message = self.receive();
-            if message.get("event").is_some() {
-                self.events.push(message);
-                continue;
-            }
-            if let Some(value) = message.get_mut("return") {
-                return json!({ "return": value.take() });
-            }
-            return json!({ "error": message["error"].clone() });
-        }
-    }
-
-    /// Runs a command that must succeed; returns what it returned.
-    fn ok(&mut self, command: &str, args: Value) -> Value {
-        let mut answer = self.answer(command, args.clone());
-        assert!(answer.get("return").is_some(), "{command} {args}: {answer}");
-        answer["return"].take()
-    }
-
-    /// Waits for an event `name` whose data holds every member of `data`.
-    fn await_event(&mut self, name: &str, data: Value) -> Value {
-        let matches = |event: &Value| {
-            event["event"] == name && data.as_object().unwrap().iter().all(|(k, v)| &event["data"][k] == v)
-        };
-        loop {
-            if let Some(at) = self.events[self.seen..].iter().position(matches) {
-                self.seen += at + 1;
-                return self.events[self.seen - 1]["data"].clone();
-            }
-            let message = self.receive();
-            assert!(message.get("event").is_some(), "an event, not {message}");
-            self.events.push(message);
-        }
-    }
-
-    /// Every event's name and data so far (timestamps left out).
-    fn event_log(&self) -> Vec<Value> {
-        self.events.iter().map(|e| json!([e["event"], e["data"]])).collect()
-    }
-}
 
 /// `--blockdev` arguments for file nodes, each over a new image.
 fn file_nodes(dir: &Scratch, nodes: &[(&str, u64)]) -> Vec<String> {
@@ -522,7 +448,12 @@ fn sync_none_into_a_scratch_over_the_source_serves_the_old_data() {
     assert_eq!(jobs[0]["current-progress"], json!(3 * CLUSTER), "the old data of three clusters was copied");
     let refused = qmp.answer("blockdev-del", json!({"node-name": "fleece"}));
     assert_eq!(refused["error"]["desc"], json!("Node 'fleece' is busy: block device is in use by block job: backup"));
-    qmp.ok("block-export-del", json!({"id": "view"}));
+    // qemu-io has hung up; the server may not have seen it yet.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while qmp.answer("block-export-del", json!({"id": "view"})).get("error").is_some() {
+        assert!(Instant::now() < deadline, "the export is still in use after its client left");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     qmp.ok("job-cancel", json!({"id": "n"}));
     qmp.await_event("BLOCK_JOB_CANCELLED", json!({"device": "n"}));
     let source = |at: u64| match at {

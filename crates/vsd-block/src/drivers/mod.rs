@@ -46,6 +46,23 @@ pub(crate) fn open(
     }
 }
 
+/// Writes a new, empty qcow2 image over `file`, emptied first (a node that
+/// cannot be resized is written over as it is).
+pub(crate) fn create_qcow2(file: &dyn BlockNode, image: &vsd_qcow2::create::NewImage) -> io::Result<()> {
+    use vsd_qcow2::SyncIo;
+    let clusters = vsd_qcow2::create::new_image(image).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    match file.resize(0) {
+        Err(e) if e.kind() != io::ErrorKind::Unsupported => return Err(e),
+        _ => {}
+    }
+    let mut queue = child::ChildQueue::open(file, 1, u64::MAX)?;
+    for (at, bytes) in &clusters {
+        queue.write_at(bytes, *at)?;
+    }
+    queue.flush()?;
+    file.refresh_size().map(drop)
+}
+
 /// What a filter decides for one request.
 pub(crate) enum Route {
     /// Pass this (possibly rewritten) request down.

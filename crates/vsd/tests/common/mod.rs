@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use vsd_bench::{Client, ClientOptions};
 
 pub mod frontend;
+pub mod qmp;
 
 pub const VSD: &str = env!("CARGO_BIN_EXE_vsd");
 
