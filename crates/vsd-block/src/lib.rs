@@ -327,6 +327,10 @@ pub enum RemoveError {
 /// name, or defined inline under the role's prefix.
 const CHILD_ROLES: [&str; 4] = ["file", "backing", "data-file", "image"];
 
+/// Where nodes send QMP events (BLOCK_IMAGE_CORRUPTED): the event's name
+/// and data.
+pub type EventSink = Arc<dyn Fn(&str, serde_json::Value) + Send + Sync>;
+
 /// Where nodes find the objects they name by id: the daemon's `--object`s.
 pub trait NodeObjects: Send + Sync {
     /// The bytes of secret `id` (`key-secret=ID`), or why there are none,
@@ -346,12 +350,23 @@ pub struct BlockGraph {
     /// Names given to nodes defined inline without one (`#block<n>`, as QEMU).
     implicit: u64,
     objects: Option<Arc<dyn NodeObjects>>,
+    events: Option<EventSink>,
 }
 
 impl BlockGraph {
     /// An empty graph.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Gives nodes added from now on a way to send events.
+    pub fn set_events(&mut self, events: EventSink) {
+        self.events = Some(events);
+    }
+
+    /// Where nodes send events, if anywhere.
+    fn events(&self) -> Option<EventSink> {
+        self.events.clone()
     }
 
     /// Gives nodes added from now on the daemon's objects.

@@ -57,6 +57,26 @@ use std::io;
 pub use bitmap::StoredBitmap;
 pub use image::{Allocation, Busy, Extent, Image, ImageIo, MapMemo, Mapping, Options};
 
+/// Metadata found corrupt while the image is in use (a table pointing at
+/// metadata, refcounts that lie): the request fails with EIO, and the
+/// block driver marks the image corrupt.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct CorruptMetadata(pub String);
+
+impl From<CorruptMetadata> for io::Error {
+    fn from(corrupt: CorruptMetadata) -> Self {
+        io::Error::other(corrupt)
+    }
+}
+
+impl CorruptMetadata {
+    /// What `e` says is corrupt, if it is this error.
+    pub fn of(e: &io::Error) -> Option<&str> {
+        e.get_ref().and_then(|inner| inner.downcast_ref::<CorruptMetadata>()).map(|c| c.0.as_str())
+    }
+}
+
 /// Why an image cannot be opened (or a range of it used).
 #[derive(Debug, thiserror::Error)]
 pub enum FormatError {

@@ -73,8 +73,11 @@ pub(crate) struct Bins {
 impl Daemon {
     pub fn new() -> Self {
         let objects = Arc::new(Objects::default());
+        let events = Events::new();
         let mut graph = BlockGraph::new();
         graph.set_objects(objects.clone());
+        let sink = events.clone();
+        graph.set_events(Arc::new(move |name: &str, data| sink.emit(name, data)));
         let state = State {
             graph,
             exports: BTreeMap::new(),
@@ -83,7 +86,6 @@ impl Daemon {
             histograms: BTreeMap::new(),
             claims: BTreeMap::new(),
         };
-        let events = Events::new();
         let sink = events.clone();
         let jobs = vsd_job::Jobs::new(Arc::new(move |name: &str, data| sink.emit(name, data)));
         Self { state: Mutex::new(state), export_stopped: Condvar::new(), events, objects, jobs }

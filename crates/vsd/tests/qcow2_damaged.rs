@@ -19,7 +19,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Scratch, VSD, pattern, run};
+use common::{Daemon, Scratch, VSD, pattern, run, vsd_fails};
+use serde_json::json;
 use vsd_bench::{Client, ClientOptions, Error, Queue};
 
 const KIB: u64 = 1 << 10;
@@ -246,6 +247,20 @@ impl Img {
         }
         out
     }
+}
+
+/// The header's corrupt bit (incompatible feature bit 1).
+const CORRUPT_BIT: u64 = 1 << 1;
+
+/// What a writable node does when it meets corrupt metadata, as QEMU's
+/// qcow2 driver: the image is flagged corrupt in its header and nothing
+/// else of its metadata changes (`before`, taken before it was served).
+fn flagged_corrupt_and_nothing_else(case: &str, image: &Img, before: &[(String, u64, Vec<u8>)]) {
+    assert_ne!(image.u64(72) & CORRUPT_BIT, 0, "{case}: the image is not flagged corrupt");
+    image.set_u64(72, image.u64(72) & !CORRUPT_BIT);
+    let changes = metadata_changes(before, &image.metadata());
+    image.set_u64(72, image.u64(72) | CORRUPT_BIT);
+    assert!(changes.is_empty(), "{case}: more than the corrupt flag changed: {}", changes.join("; "));
 }
 
 /// Compares metadata snapshots; returns what changed.
@@ -710,9 +725,11 @@ fn l2_entry_with_an_unaligned_offset_fails_its_reads() {
     damaged_entry_fails_reads("L2 entry with an unaligned offset", &dir, &image);
 }
 
-/// An L2 entry naming a metadata cluster: reads and writes of the range
-/// fail (read-only, then writable), nothing of the metadata changes, and
-/// the rest of the disk stays readable and writable.
+/// An L2 entry naming a metadata cluster: reads of the range fail and the
+/// rest reads right (read-only); served writable, the first request that
+/// meets it fails and the image is found corrupt: flagged in its header,
+/// every later request failing, nothing else changed, the data still
+/// there for QEMU to read.
 fn l2_entry_into_metadata(case: &str, name: &str, target: fn(&Img) -> u64) {
     let dir = Scratch::new(name);
     let image = base_image(&dir, "d.qcow2", "");
@@ -720,47 +737,75 @@ fn l2_entry_into_metadata(case: &str, name: &str, target: fn(&Img) -> u64) {
     image.set_l2_entry(DAMAGED, target(&image) | COPIED);
     damaged_entry_fails_reads(case, &dir, &image);
 
-    // 4. Served writable: writes, write-zeroes and discards of the range
-    // must not touch the metadata it names.
+    // 4. Served writable: found corrupt at the first request that needs
+    // the entry; from then on the node serves nothing.
     let before = image.metadata();
     let (len, old_data) = (image.len(), image.bytes(old_host, CLUSTER));
     let mut served = serve(&dir, &image, true);
     let q = &mut served.queue;
-    expect_write_eio(case, q, DAMAGED, &pattern(1, CLUSTER as usize));
     expect_write_eio(case, q, DAMAGED + 8 * KIB, &pattern(2, 4 * KIB as usize));
-    expect_write_eio(case, q, 0, &pattern(3, 2 * CLUSTER as usize));
-    let zeroes = q.write_zeroes(DAMAGED, CLUSTER, false);
-    let discard = q.discard(DAMAGED, CLUSTER);
-    eprintln!("{case}: observed: write-zeroes gives {zeroes:?}, discard gives {discard:?}");
-    q.flush().unwrap();
-    let changes = metadata_changes(&before, &image.metadata());
-    assert!(
-        changes.is_empty(),
-        "{case}: requests on the damaged range changed metadata (write-zeroes: {zeroes:?}, discard: {discard:?}): {}",
-        changes.join("; ")
-    );
+    expect_write_eio(case, q, 2 * CLUSTER, &pattern(4, CLUSTER as usize));
+    expect_read_eio(case, q, 0, CLUSTER);
+    assert!(q.flush().is_err(), "{case}: a flush of a corrupt image succeeded");
+    served.stop(case);
+    flagged_corrupt_and_nothing_else(case, &image, &before);
     assert_eq!(image.len(), len, "{case}: the file grew");
     assert!(image.bytes(old_host, CLUSTER) == old_data, "{case}: the cluster the entry used to name changed");
-    expect_read_eio(case, q, DAMAGED, CLUSTER);
-
-    // The rest stays writable: in place, and allocating.
-    let (in_place, fresh) = (pattern(4, CLUSTER as usize), pattern(5, 2 * CLUSTER as usize));
-    q.write_at(2 * CLUSTER, &in_place).unwrap_or_else(|e| panic!("{case}: in-place write elsewhere: {e}"));
-    q.write_at(UNALLOCATED, &fresh).unwrap_or_else(|e| panic!("{case}: allocating write elsewhere: {e}"));
-    q.flush().unwrap();
-    expect_read(case, q, 2 * CLUSTER, &in_place);
-    expect_read(case, q, UNALLOCATED, &fresh);
-    expect_byte(case, q, 0, CLUSTER, 0x41);
-    expect_byte(case, q, MIB, CLUSTER, 0x44);
-    expect_read_eio(case, q, DAMAGED, CLUSTER);
-    served.stop(case);
-    let after = image.metadata();
-    for name in ["header", "L1 table", "refcount table"] {
-        let (b, a) = (before.iter().find(|m| m.0 == name).unwrap(), after.iter().find(|m| m.0 == name).unwrap());
-        assert!(b.2 == a.2, "{case}: the {name} changed although no request needed it to");
-    }
-    // QEMU sees vsd's writes.
+    let refused = vsd_fails(&[
+        "--blockdev",
+        &format!("driver=file,node-name=f,filename={}", image.path.display()),
+        "--blockdev",
+        "driver=qcow2,node-name=q,file=f",
+    ]);
+    assert!(refused.contains("marked corrupt"), "{case}: {refused}");
+    // QEMU reads what is left.
     qemu_io(&image.path, true, &["read -q -P 0x41 0 64k", "read -q -P 0x44 1M 64k", "read -q -P 0x45 8M 64k"]);
+}
+
+/// A writable image found corrupt stops only its own export: QMP clients
+/// get BLOCK_IMAGE_CORRUPTED (fatal) once, as from QEMU, and another
+/// export of the same daemon goes on reading and writing.
+#[test]
+fn a_corrupt_image_stops_only_its_own_export_and_says_so() {
+    let case = "an L2 entry into the L1 table, next to a healthy export";
+    let dir = Scratch::new("qcow2-corrupt-event");
+    let image = base_image(&dir, "d.qcow2", "");
+    image.set_l2_entry(DAMAGED, image.l1() | COPIED);
+    let healthy = dir.image("healthy.img", 4 * MIB);
+    let mut args = qcow2_args(&image.path, &dir.path("s.sock"), true);
+    args.extend([
+        "--blockdev".into(),
+        format!("driver=file,node-name=h,filename={}", healthy.display()),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=h0,node-name=h,addr.type=unix,addr.path={},writable=on",
+            dir.path("h.sock").display()
+        ),
+    ]);
+    args.extend(common::monitor(&dir.path("qmp.sock")));
+    let daemon = Daemon::vsd(&dir, &args);
+    let mut qmp = common::qmp::Qmp::connect(&dir.path("qmp.sock"));
+    let options = ClientOptions { io_timeout: TIMEOUT, ..Default::default() };
+    let mut client = Client::connect(&dir.path("s.sock"), options.clone()).unwrap();
+    let mut q = client.take_queue(0).unwrap();
+    let mut other = Client::connect(&dir.path("h.sock"), options).unwrap();
+    let mut h = other.take_queue(0).unwrap();
+    h.write_at(0, &pattern(1, 4096)).unwrap();
+    expect_write_eio(case, &mut q, DAMAGED, &pattern(2, 4096));
+    let event = qmp.await_event("BLOCK_IMAGE_CORRUPTED", json!({"node-name": "q0"}));
+    assert_eq!((event["fatal"].clone(), event["device"].clone()), (json!(true), json!("")), "{event}");
+    assert!(event["msg"].as_str().is_some_and(|m| m.contains("0x10000")), "{event}");
+    expect_read_eio(case, &mut q, 0, CLUSTER);
+    expect_write_eio(case, &mut q, 4 * MIB, &pattern(3, 4096));
+    h.write_at(4096, &pattern(4, 4096)).unwrap();
+    let mut back = vec![0; 8192];
+    h.read_at(0, &mut back).unwrap();
+    assert_eq!(back, [pattern(1, 4096), pattern(4, 4096)].concat(), "{case}: the other export works on");
+    let events = qmp.event_log();
+    assert_eq!(events.iter().filter(|e| e[0] == "BLOCK_IMAGE_CORRUPTED").count(), 1, "one event: {events:?}");
+    drop((q, client, h, other, qmp));
+    assert!(daemon.stop().success(), "{case}: vsd stops cleanly");
+    assert_ne!(image.u64(72) & CORRUPT_BIT, 0, "{case}: the image is flagged corrupt");
 }
 
 #[test]
@@ -1027,10 +1072,10 @@ fn l2_table_with_refcount_0_is_not_handed_out() {
     served.stop(case);
 }
 
-/// A compressed L2 entry naming the L1 table (compressed entries are not
-/// checked against metadata): discarding the range drops a reference to
-/// the L1 table's cluster (QEMU does too), but a later allocation must not
-/// put guest data there (QEMU's overlap check refuses that write).
+/// A compressed L2 entry naming the L1 table: vsd checks compressed
+/// entries against metadata too, so a writable node finds the image
+/// corrupt at the first read of it, and nothing (a discard dropping the
+/// L1 table's reference, guest data allocated onto it) can follow.
 #[test]
 fn compressed_entry_into_the_l1_table_does_not_let_data_onto_it() {
     let case = "compressed L2 entry pointing into the L1 table, discarded";
@@ -1041,32 +1086,19 @@ fn compressed_entry_into_the_l1_table_does_not_let_data_onto_it() {
     image.set_l2_entry(DAMAGED, COMPRESSED | l1);
     let l1_before = image.bytes(l1, CLUSTER);
 
+    let before = image.metadata();
     let mut served = serve(&dir, &image, true);
     let q = &mut served.queue;
+    // The entry is found to point into metadata: the image is corrupt, and
+    // nothing more is served, so no guest data can reach the L1 table.
     expect_read_eio(case, q, DAMAGED, CLUSTER);
-    let discard = q.discard(DAMAGED, CLUSTER);
-    let fresh = pattern(41, CLUSTER as usize);
-    q.write_at(UNALLOCATED, &fresh).unwrap_or_else(|e| panic!("{case}: allocating write elsewhere: {e}"));
-    q.flush().unwrap();
-    expect_read(case, q, UNALLOCATED, &fresh);
+    assert!(q.discard(DAMAGED, CLUSTER).is_err(), "{case}: a discard of a corrupt image succeeded");
+    expect_write_eio(case, q, UNALLOCATED, &pattern(41, CLUSTER as usize));
     served.stop(case);
-
-    let (refcount, l1_after) = (image.refcount(l1), image.bytes(l1, CLUSTER));
-    assert!(
-        l1_after == l1_before,
-        "{case}: the discard returned {discard:?} and left the L1 table cluster {l1:#x} with refcount {refcount}; \
-         after one allocating write the L1 table on disk {} (first entry {:#018x}, was {:#018x})",
-        if l1_after == l1_before { "is unchanged" } else { "holds other bytes" },
-        u64::from_be_bytes(l1_after[..8].try_into().unwrap()),
-        u64::from_be_bytes(l1_before[..8].try_into().unwrap()),
-    );
-    let host = image.host_of(UNALLOCATED);
-    assert_ne!(host, l1, "{case}: the allocating write after the discard ({discard:?}) put guest data on the L1 table");
-    let mut served = serve(&dir, &image, false);
-    let q = &mut served.queue;
-    expect_byte(case, q, 0, CLUSTER, 0x41);
-    expect_read(case, q, UNALLOCATED, &fresh);
-    served.stop(case);
+    flagged_corrupt_and_nothing_else(case, &image, &before);
+    assert!(image.bytes(l1, CLUSTER) == l1_before, "{case}: the L1 table changed");
+    assert_eq!(image.refcount(l1), 1, "{case}: the L1 table's refcount changed");
+    qemu_io(&image.path, true, &["read -q -P 0x41 0 64k", "read -q -P 0x44 1M 64k"]);
 }
 
 /// A data cluster with refcount 0 becomes a new L2 table; the old entry
@@ -1093,7 +1125,8 @@ fn stale_entry_onto_a_newly_allocated_l2_table_is_not_written_through() {
     let new_l2 = image.l2_table(second);
     let c = pattern(52, CLUSTER as usize);
     let through_old = q.write_at(0, &c);
-    q.flush().unwrap();
+    // Refused as corrupt, the image then serves nothing: the flush fails.
+    let flushed = q.flush();
     served.stop(case);
 
     let first_word = image.u64(new_l2);
@@ -1102,11 +1135,18 @@ fn stale_entry_onto_a_newly_allocated_l2_table_is_not_written_through() {
         "{case}: the new L2 table went to {new_l2:#x}, still mapped at guest 0, and a write to guest 0 succeeded; \
          the table's first entry on disk is now {first_word:#018x}"
     );
-    let mut served = serve(&dir, &image, false);
-    let q = &mut served.queue;
-    expect_read(&format!("{case}, after a restart"), q, second, &b);
-    expect_byte(&format!("{case}, after a restart"), q, CLUSTER, CLUSTER, 0x42);
-    served.stop(case);
+    assert_eq!(flushed.is_err(), image.u64(72) & CORRUPT_BIT != 0, "{case}: a flush fails once the image is corrupt");
+    let guest = |offset: u64| {
+        let out = dir.path("cluster.raw");
+        let window = format!(
+            "driver=raw,offset={offset},size={CLUSTER},file.driver=qcow2,file.file.filename={}",
+            image.path.display()
+        );
+        qemu_img(&["convert", "--image-opts", &window, "-O", "raw", out.to_str().unwrap()]);
+        std::fs::read(&out).unwrap()
+    };
+    assert!(guest(second) == b, "{case}: the write needing a new L2 table is in the image");
+    assert!(guest(CLUSTER).iter().all(|&x| x == 0x42), "{case}: guest cluster 1 is intact");
 }
 
 // ---------------------------------------------------------------------------

@@ -382,6 +382,13 @@ impl Image {
         !self.layout.data_file && self.metadata.overlaps(host, len, self.header.cluster_bits)
     }
 
+    /// Flags the image corrupt in its header, as QEMU does when it finds
+    /// metadata it cannot trust: QEMU and vsd then refuse to write it until
+    /// `qemu-img check -r` repairs it. Nothing else is written.
+    pub fn mark_corrupt(&self, io: &mut dyn SyncIo) -> io::Result<()> {
+        self.lock().set_incompatible_bit(io, crate::header::incompatible::CORRUPT, true)
+    }
+
     /// Flushes, then clears the dirty bit of lazy refcounts: the image is
     /// consistent on disk as QEMU expects after a clean close.
     pub fn close(&self, io: &mut ImageIo) -> io::Result<()> {
@@ -496,14 +503,19 @@ impl Image {
 
 impl Meta {
     fn set_dirty_bit(&mut self, io: &mut dyn SyncIo, on: bool) -> io::Result<()> {
-        let at = crate::header::field::INCOMPATIBLE as usize;
-        let mut bits = u64::from_be_bytes(self.header_chunk[at..at + 8].try_into().unwrap());
-        bits = if on { bits | crate::header::incompatible::DIRTY } else { bits & !crate::header::incompatible::DIRTY };
-        self.header_chunk[at..at + 8].copy_from_slice(&bits.to_be_bytes());
-        io.write_at(&self.header_chunk, 0)?;
-        io.flush()?;
+        self.set_incompatible_bit(io, crate::header::incompatible::DIRTY, on)?;
         self.dirty_bit = on;
         Ok(())
+    }
+
+    /// Sets or clears one `incompatible_features` bit, durably.
+    fn set_incompatible_bit(&mut self, io: &mut dyn SyncIo, bit: u64, on: bool) -> io::Result<()> {
+        let at = crate::header::field::INCOMPATIBLE as usize;
+        let mut bits = u64::from_be_bytes(self.header_chunk[at..at + 8].try_into().unwrap_or_default());
+        bits = if on { bits | bit } else { bits & !bit };
+        self.header_chunk[at..at + 8].copy_from_slice(&bits.to_be_bytes());
+        io.write_at(&self.header_chunk, 0)?;
+        io.flush()
     }
 }
 

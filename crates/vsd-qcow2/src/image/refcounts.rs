@@ -154,11 +154,10 @@ impl Refcounts {
 /// a table growth, then blocks for the grown table, with room to spare.
 const ALLOC_ROUNDS: usize = 16;
 
-/// A corruption found while allocating: logged, and an I/O error for the
-/// request (the image is left as it is).
+/// A corruption found while allocating: an error for the request that
+/// says so (the image is left as it is).
 fn corrupt(what: String) -> io::Error {
-    log::error!("qcow2: corrupt refcounts: {what}");
-    io::Error::from_raw_os_error(libc::EIO)
+    crate::CorruptMetadata(format!("corrupt refcounts: {what}")).into()
 }
 
 impl Meta {

@@ -157,8 +157,8 @@ impl Image {
         let touched = self.touched(within, n);
         match old.host {
             Some(host) if old.copied && self.write_hits_metadata(host, self.cluster_size()) => {
-                log::error!("qcow2: guest cluster {cluster:#x} maps onto metadata at {host:#x}");
-                Err(io::Error::from_raw_os_error(libc::EIO))
+                let what = format!("guest cluster {cluster:#x} maps onto metadata at {host:#x}");
+                Err(crate::CorruptMetadata(what).into())
             }
             Some(host) if old.copied => {
                 self.write_subclusters(io, &old, cluster, within, n, fill)?;

@@ -2,6 +2,7 @@
 //! backing chain and external data file opened from the header as QEMU
 //! does (inheriting the node's cache options), or given as nodes.
 
+mod health;
 mod queue;
 
 use std::io;
@@ -18,6 +19,7 @@ use super::file::FileNode;
 use crate::dirty::{DirtyBitmaps, Persisted};
 use crate::options::OptionMap;
 use crate::{AttachError, BlockGraph, BlockNode, Cache, Claim, ClaimGuard, GraphError, IoQueue, LockError, Perms};
+use health::Health;
 use queue::Qcow2Queue;
 
 /// Backing chains deeper than this are refused (QEMU has no fixed limit,
@@ -43,6 +45,8 @@ pub(crate) struct Qcow2Node {
     /// The graph node's dirty bitmaps, whose persistent ones live in the
     /// image (loaded while active and writable, stored when handed over).
     bitmaps: Arc<DirtyBitmaps>,
+    /// Whether the metadata was found corrupt, and whom to tell.
+    health: Arc<Health>,
 }
 
 /// What a qcow2 node needs of its image file (and external data file), as
@@ -120,6 +124,7 @@ impl Qcow2Node {
         };
         let mut node = Self::build(name, &context, file, backing, data_file, &settings, &mut Vec::new())?;
         node.bitmaps = bitmaps.clone();
+        node.health = Arc::new(Health::new(&node.name, graph.events()));
         if active {
             node.load_bitmaps().map_err(|source| GraphError::Host {
                 context,
@@ -211,6 +216,7 @@ impl Qcow2Node {
                 return Err(invalid("the image needs an external data file and names none: give data-file=".into()));
             }
         };
+        let health = Arc::new(Health::new(&name, None));
         let node = Self {
             name,
             image: RwLock::new(Arc::new(image)),
@@ -221,6 +227,7 @@ impl Qcow2Node {
             backing: backing.map(OnceLock::from).unwrap_or_default(),
             claims: Mutex::new(file_claims),
             bitmaps: Arc::default(),
+            health,
         };
         if !settings.inactive {
             let children = node.claim_children().map_err(locked)?;
@@ -478,7 +485,8 @@ impl BlockNode for Qcow2Node {
     }
 
     fn close(&self) -> io::Result<()> {
-        if !self.image().writable() {
+        // A corrupt image is written no more, as QEMU leaves it.
+        if !self.image().writable() || self.health.is_corrupt() {
             return Ok(());
         }
         self.store_bitmaps(false)?;
@@ -575,6 +583,7 @@ impl BlockNode for Qcow2Node {
         let file = ChildQueue::open(&*self.file, child_depth, u64::MAX)?;
         let data = self.data.as_ref().map(|d| ChildQueue::open(&**d, child_depth, u64::MAX)).transpose()?;
         let backing = self.backing.get().map(|b| ChildQueue::open(&**b, child_depth, b.size())).transpose()?;
-        Ok(Box::new(Qcow2Queue::new(self.image(), file, data, backing, depth, parts)?))
+        let children = queue::Children { file, data, backing };
+        Ok(Box::new(Qcow2Queue::new(self.image(), children, self.health.clone(), depth, parts)?))
     }
 }

@@ -30,8 +30,9 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_engine::{Completion, IoOp, IoQueue, IoVecs};
 use vsd_qcow2::buf::AlignedBuf;
-use vsd_qcow2::{Allocation, Busy, Image, ImageIo, MapMemo, Mapping};
+use vsd_qcow2::{Allocation, Busy, CorruptMetadata, Image, ImageIo, MapMemo, Mapping};
 
+use super::health::Health;
 use crate::drivers::child::ChildQueue;
 
 /// Which child a request goes to.
@@ -97,8 +98,16 @@ impl Wake for WakeFd {
     }
 }
 
+/// A queue's channels to the node's children.
+pub(crate) struct Children {
+    pub(crate) file: ChildQueue,
+    pub(crate) data: Option<ChildQueue>,
+    pub(crate) backing: Option<ChildQueue>,
+}
+
 pub(crate) struct Qcow2Queue {
     image: Arc<Image>,
+    health: Arc<Health>,
     file: ChildQueue,
     data: Option<ChildQueue>,
     backing: Option<ChildQueue>,
@@ -131,9 +140,8 @@ impl Qcow2Queue {
     /// `depth + parts` tags each.
     pub(crate) fn new(
         image: Arc<Image>,
-        file: ChildQueue,
-        data: Option<ChildQueue>,
-        backing: Option<ChildQueue>,
+        Children { file, data, backing }: Children,
+        health: Arc<Health>,
         depth: u16,
         parts: u16,
     ) -> io::Result<Self> {
@@ -145,6 +153,7 @@ impl Qcow2Queue {
         }
         Ok(Self {
             image,
+            health,
             file,
             data,
             backing,
@@ -331,6 +340,11 @@ impl Qcow2Queue {
             Ok(Some(Whole(target, op))) => unsafe { self.child(target).push(tag, op) },
             Ok(None) => self.release(tag, 0),
             Err(Refused::Failed(errno)) => self.release(tag, errno),
+            Err(Refused::Corrupt(what)) => {
+                let (health, image) = (self.health.clone(), self.image.clone());
+                health.corrupted(&what, &image, &mut self.file);
+                self.release(tag, libc::EIO);
+            }
             Err(Refused::Busy) => {
                 self.image.wake_after(seen, &self.waker);
                 self.blocked.push(Blocked { tag, op, seen });
@@ -355,7 +369,7 @@ impl Qcow2Queue {
     }
 
     fn route(&mut self, tag: u32, op: IoOp) -> Routed {
-        if crate::drivers::out_of_bounds(&op, self.image.size()) {
+        if self.health.is_corrupt() || crate::drivers::out_of_bounds(&op, self.image.size()) {
             return Err(Refused::Failed(libc::EIO));
         }
         match op {
@@ -404,7 +418,7 @@ impl Qcow2Queue {
                     let (_, cluster) = self.compressed.as_ref().expect("just decompressed");
                     fill(iov, pos, n, Some(&cluster[within..within + n as usize]));
                 }
-                Mapping::Invalid => return Err(Refused::Failed(libc::EIO)),
+                Mapping::Invalid => return Err(invalid(offset + pos)),
             }
             pos += n;
         }
@@ -439,7 +453,7 @@ impl Qcow2Queue {
                     return Ok(Some(Whole(Target::Data, IoOp::Write { offset: host, len, iov, durable })));
                 }
                 Mapping::Data { host, in_place: true } => self.extents.push((host, pos, e.len)),
-                Mapping::Invalid => return Err(Refused::Failed(libc::EIO)),
+                Mapping::Invalid => return Err(invalid(offset + pos)),
                 _ => break,
             }
             pos += e.len;
@@ -588,10 +602,25 @@ enum Refused {
     /// A cluster it would change has an allocation in flight: retry it
     /// once one finishes.
     Busy,
+    /// The metadata it needs is corrupt (this says how): it fails, and
+    /// the image is marked corrupt.
+    Corrupt(String),
 }
 
 fn refused(e: io::Error) -> Refused {
-    if Busy::is(&e) { Refused::Busy } else { Refused::Failed(e.raw_os_error().unwrap_or(libc::EIO)) }
+    if Busy::is(&e) {
+        return Refused::Busy;
+    }
+    match CorruptMetadata::of(&e) {
+        Some(what) => Refused::Corrupt(what.to_string()),
+        None => Refused::Failed(e.raw_os_error().unwrap_or(libc::EIO)),
+    }
+}
+
+/// The mapping of guest byte `at` is invalid (an L2 entry pointing outside
+/// the file or into metadata).
+fn invalid(at: u64) -> Refused {
+    Refused::Corrupt(format!("the L2 entry mapping guest offset {at:#x} is invalid"))
 }
 
 /// The buffers and length of a transfer; none for other requests.
