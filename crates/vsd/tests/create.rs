@@ -8,17 +8,10 @@ mod common;
 use std::path::Path;
 
 use common::qmp::Qmp;
-use common::{Daemon, Scratch, monitor, run};
+use common::{Daemon, Scratch, monitor, ok};
 use serde_json::{Value, json};
 
 const MIB: u64 = 1 << 20;
-
-fn ok(program: &str, args: &[&str]) -> String {
-    let out = run(program, args);
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{program} {args:?}: {text}");
-    text
-}
 
 /// What qemu-img says of an image, without what differs by who made it
 /// (sizes on the host, paths).

@@ -62,6 +62,9 @@ impl Qemu {
         command
             .args(["--timeout", "900", "--queues", "2", "--smp", "2", "--iodepth", "32"])
             .args(["--size", "256M", "--bs", "4k", "--reconnect-ms", "200"])
+            // A read-back pass long enough for the kill, the restart and
+            // the migration back to happen during it.
+            .args(["--append", "vsd.verify_iops=1000"])
             .arg("--socket")
             .arg(socket)
             .arg("--qmp")
@@ -202,8 +205,13 @@ fn a_guest_under_fio_verify_migrates_between_two_vsds_and_back() {
     wait_for_requests(&mut qmp_a, ANY, 500, "the guest's requests on vsd A after the cancellation");
 
     let (second, there, first_log) = switch_over(&dir, first, "qemu2", &vsd_b, &mut qmp_a, &mut qmp_b);
-    // Back while fio reads what it wrote: the reads completed during the
-    // switch-over reach the destination only through the dirty log.
+    // Once fio has written and flushed everything (writes acknowledged but
+    // not flushed are lost with a killed daemon, as with QEMU's), and reads
+    // it back: the reads completed during the switch-over back reach the
+    // destination only through the dirty log.
+    wait_for(Duration::from_secs(300), "the guest's write pass", || {
+        facts(&[&first_log, &second.log]).contains_key("fio_write_status").then_some(())
+    });
     wait_for_requests(&mut qmp_b, READS, 2000, "the guest's reads on vsd B");
     // vsd B dies with requests in flight; its successor takes over from the
     // in-flight region QEMU kept, as without a migration.

@@ -13,7 +13,7 @@ use std::path::Path;
 use std::process::Output;
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Scratch, pattern, run};
+use common::{Daemon, Scratch, ok, pattern, run};
 use serde_json::{Value, json};
 use vsd_control::client::QmpClient;
 
@@ -40,12 +40,6 @@ fn uri(socket: &Path, name: &str) -> String {
 
 fn text(out: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
-}
-
-fn ok(program: &str, args: &[&str]) -> String {
-    let out = run(program, args);
-    assert!(out.status.success(), "{program} {args:?}: {}", text(&out));
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// A TCP port nobody listens on right now.

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Scratch, pattern, run, vsd_fails};
+use common::{Daemon, Scratch, ok, pattern, run, vsd_fails};
 use vsd_bench::ClientOptions;
 
 const MIB: u64 = 1 << 20;
@@ -94,13 +94,6 @@ fn vsd_over(dir: &Scratch, node: String, export_opts: &str) -> Daemon {
 
 fn uri(socket: &Path, name: &str) -> String {
     format!("nbd+unix:///{name}?socket={}", socket.display())
-}
-
-fn ok(program: &str, args: &[&str]) -> String {
-    let out = run(program, args);
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{program} {args:?}: {text}");
-    text
 }
 
 /// Two queues of a guest-like client write their patterns concurrently

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Scratch, pattern, run};
+use common::{Daemon, Scratch, ok, pattern, run};
 use serde_json::{Value, json};
 use vsd_control::client::QmpClient;
 
@@ -28,12 +28,6 @@ const REP_ERR_TLS_REQD: u32 = (1 << 31) + 5;
 
 fn text(out: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
-}
-
-fn ok(program: &str, args: &[&str]) -> String {
-    let out = run(program, args);
-    assert!(out.status.success(), "{program} {args:?}: {}", text(&out));
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn openssl(dir: &Path, args: &[&str]) {

@@ -9,20 +9,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use common::{Daemon, Scratch, monitor, pattern, run};
+use common::{Daemon, Scratch, monitor, ok, pattern};
 use serde_json::{Value, json};
 use vsd_bench::ClientOptions;
 use vsd_control::client::QmpClient;
 
 const MIB: u64 = 1 << 20;
 const SIZE: u64 = 16 * MIB;
-
-fn ok(program: &str, args: &[&str]) -> String {
-    let out = run(program, args);
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{program} {args:?}: {text}");
-    text
-}
 
 /// A raw base image of `SIZE` bytes holding pattern 1, and a qcow2
 /// overlay file naming it as its backing file.

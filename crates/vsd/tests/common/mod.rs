@@ -277,6 +277,14 @@ pub fn monitor(socket: &Path) -> Vec<String> {
     ]
 }
 
+/// Runs a command that must succeed; returns what it printed on stdout.
+pub fn ok(program: &str, args: &[&str]) -> String {
+    let out = run(program, args);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{program} {args:?}: {stdout}{stderr}");
+    stdout.into_owned()
+}
+
 /// Runs a command to completion, failing the test if it cannot start.
 pub fn run(program: &str, args: &[&str]) -> Output {
     Command::new(program).args(args).output().unwrap_or_else(|e| panic!("cannot run {program}: {e}"))
