@@ -298,6 +298,10 @@ impl IoQueue for AccountedQueue {
         self.inner.max_batch()
     }
 
+    fn held(&self) -> usize {
+        self.inner.held()
+    }
+
     fn kernel_entries(&self) -> u64 {
         self.inner.kernel_entries()
     }

@@ -262,6 +262,13 @@ pub trait IoQueue: Send {
         usize::MAX
     }
 
+    /// How many pushed requests the queue holds back on purpose (a
+    /// throttle's, waiting for their turn): no engine works on them, so
+    /// they give the owner no reason not to poll.
+    fn held(&self) -> usize {
+        0
+    }
+
     /// How many times the queue has entered the kernel to submit or wait
     /// (`io_uring_enter`), for the events-per-I/O statistics.
     fn kernel_entries(&self) -> u64 {

@@ -125,6 +125,10 @@ impl<F: Filter> IoQueue for FilteredQueue<F> {
         self.inner.max_batch()
     }
 
+    fn held(&self) -> usize {
+        self.inner.held()
+    }
+
     fn kernel_entries(&self) -> u64 {
         self.inner.kernel_entries()
     }

@@ -278,6 +278,10 @@ impl IoQueue for ThrottleQueue {
         self.inner.max_batch()
     }
 
+    fn held(&self) -> usize {
+        self.waiting.iter().map(VecDeque::len).sum::<usize>() + self.inner.held()
+    }
+
     fn kernel_entries(&self) -> u64 {
         self.inner.kernel_entries()
     }

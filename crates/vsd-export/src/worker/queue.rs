@@ -131,6 +131,12 @@ impl QueueWorker {
         }
     }
 
+    /// Whether requests are with an engine (not only held back by a
+    /// throttle).
+    pub(super) fn has_io_in_flight(&self) -> bool {
+        self.in_flight() > self.io.held()
+    }
+
     pub(super) fn in_flight(&self) -> usize {
         self.slots.in_flight()
     }
