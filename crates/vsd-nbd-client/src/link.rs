@@ -296,8 +296,9 @@ impl Link {
         loop {
             let available = &self.input[self.in_start..self.in_end];
             if let Some((cookie, done)) = self.reading {
-                let Some(command) = self.sent[cookie].as_ref() else {
-                    unreachable!("a read being copied is on the wire")
+                // A read being copied is on the wire until its data is in.
+                let Some(command) = self.sent.get(cookie).and_then(Option::as_ref) else {
+                    return Err(LinkError::Cookie(cookie as u64));
                 };
                 let n = (command.len - done).min(available.len() as u32);
                 if let Data::Buffers { iov, pos } = command.data {
