@@ -210,6 +210,29 @@ impl Queue {
         Ok(())
     }
 
+    /// Reads each `(offset, buffer)` of `reads`, all submitted at once so
+    /// that they are in flight together; fails naming the first that
+    /// failed, in `reads` order.
+    pub fn read_batch(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        let mut bounce = self.take_bounce(reads.iter().map(|(_, dst)| dst.len()).sum())?;
+        let mut at = 0;
+        for (token, (offset, dst)) in reads.iter().enumerate() {
+            self.blkioq.read(*offset, bounce[at..].as_mut_ptr(), dst.len(), token, ReqFlags::empty());
+            at += dst.len();
+        }
+        let outcome = self.wait_for(Op::Read, reads.len());
+        let mut at = 0;
+        for (_, dst) in reads.iter_mut() {
+            dst.copy_from_slice(&bounce[at..at + dst.len()]);
+            at += dst.len();
+        }
+        self.return_bounce(bounce);
+        for ((offset, dst), (ret, message)) in reads.iter().zip(outcome?) {
+            completion_result(Op::Read, *offset, dst.len() as u64, ret, message)?;
+        }
+        Ok(())
+    }
+
     /// Submits one request with `submit`, waits for it and maps its status.
     fn run(&mut self, op: Op, offset: u64, len: u64, submit: impl FnOnce(&mut Blkioq)) -> Result<()> {
         self.ensure_usable()?;

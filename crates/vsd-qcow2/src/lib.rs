@@ -11,12 +11,15 @@
 //!
 //! # Design
 //! ```text
-//!   guest request ─▶ Image::map ─▶ L1 (atomics) ─▶ L2 cache (RwLock, Arc'd tables of atomics)
-//!                       │                              └─ miss: loaded under the metadata mutex
+//!   guest request ─▶ Image::map_cached ─▶ L1 (atomics) ─▶ L2 cache (RwLock, Arc'd tables of atomics)
+//!                       │                                    └─ miss: the caller reads the table (TableLoad)
 //!                       └▶ allocation, COW, zeroing, discard ─▶ metadata mutex (refcounts, tables)
 //! ```
 //! Reads and in-place writes of allocated clusters only take the L2 cache's
-//! read lock for a lookup, never a lock held across I/O. Everything that
+//! read lock for a lookup, never a lock held across I/O. A table the cache
+//! lacks is read by the caller like any other request, beside its others,
+//! and put in the cache under the metadata mutex for no I/O
+//! ([`Image::finish_load`]). Everything that
 //! changes metadata runs under one mutex, through [`SyncIo`], except the
 //! data of a new cluster: [`Image::start_write`] allocates clusters and
 //! fills their new contents, the caller writes them asynchronously, and
@@ -55,7 +58,7 @@ pub mod refcount;
 use std::io;
 
 pub use bitmap::StoredBitmap;
-pub use image::{Allocation, Busy, Extent, Image, ImageIo, MapMemo, Mapping, Options};
+pub use image::{Allocation, Busy, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable, Options, TableLoad};
 
 /// Metadata found corrupt while the image is in use (a table pointing at
 /// metadata, refcounts that lie): the request fails with EIO, and the

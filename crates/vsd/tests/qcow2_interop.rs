@@ -1045,6 +1045,41 @@ fn growth_past_the_first_l2_and_refcount_tables_both_ways() {
     assert_compare_identical(&dir, REFERENCE, &format!("{what}: after vsd wrote again"));
 }
 
+/// Random reads 32 at a time through a cache of two L2 tables, over an
+/// image of 512 tables: nearly every read waits for a table, many for the
+/// same one, more than a queue reads at once, and reads that span two
+/// tables resume after the first; every byte must be QEMU's.
+#[test]
+fn reads_at_depth_wait_for_tables() {
+    let what = "512-byte clusters, 2 L2 tables cached, 32 reads in flight";
+    let dir = Scratch::new("q2r-table-loads");
+    filled(&dir, "cluster_size=512", 16 * MIB, 121);
+    qemu_img(&dir, &["convert", "-O", "raw", IMG, REFERENCE]);
+    let reference = File::open(dir.path(REFERENCE)).unwrap();
+    let mut args = vsd_args(&dir, false, false, 1);
+    args[3].push_str(",l2-cache-size=1024");
+    let daemon = Daemon::vsd(&dir, &args);
+    let mut client = daemon.connect(ClientOptions { read_only: true, ..Default::default() });
+    let mut queue = client.take_queue(0).unwrap();
+    let mut rng = Rng::new(122);
+    let mut want = vec![0u8; 8 * KIB as usize];
+    for _ in 0..100 {
+        let mut bufs: Vec<(u64, Vec<u8>)> =
+            (0..32).map(|_| (rng.below(16 * MIB / 512 - 16) * 512, vec![0u8; 8 * KIB as usize])).collect();
+        let mut reads: Vec<(u64, &mut [u8])> = bufs.iter_mut().map(|(at, buf)| (*at, &mut buf[..])).collect();
+        queue.read_batch(&mut reads).unwrap_or_else(|e| panic!("{what}: {e}"));
+        for (at, got) in &bufs {
+            reference.read_exact_at(&mut want, *at).unwrap();
+            if let Some(diff) = describe_diff(got, &want, *at, ("vsd", REFERENCE)) {
+                panic!("{what}: {diff}");
+            }
+        }
+    }
+    drop(queue);
+    drop(client);
+    assert!(daemon.stop().success(), "{what}: vsd exit status");
+}
+
 /// Tiny caches that must evict all the time, and a cleaner that drops
 /// unused entries every second in the middle of the workload: QEMU still
 /// finds the image clean and equal to the reference.

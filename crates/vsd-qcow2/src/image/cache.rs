@@ -11,120 +11,159 @@ use crate::buf::AlignedBuf;
 use crate::entry::{COMPRESSED, EntryError, L2Entry, Layout, OFFSET_MASK};
 
 /// One L2 table as in memory: raw entries (and bitmaps, for extended L2)
-/// in host byte order.
+/// in the file's byte order (big-endian), as QEMU caches them: a table
+/// comes in with one copy, for nearly every request when the cache is
+/// small, and a lookup pays one byte swap.
 pub(super) struct L2Table {
     /// Where the table is in the image file.
     pub(super) offset: u64,
     words: Box<[AtomicU64]>,
-    /// Entries whose data cluster overlaps the image's metadata: never
-    /// followed, never written through. Entries only ever join it.
-    bad: Box<[AtomicU64]>,
-    /// The metadata map's version `bad` was last brought up to date with.
-    checked_at: AtomicU64,
+    /// Entries known not to point into the image's metadata, one bit each:
+    /// an entry is checked the first time a request uses it, not when the
+    /// table is loaded (a table loaded for one request is often evicted
+    /// before a second entry of it is used). Cleared whenever a cluster
+    /// becomes metadata.
+    verified: Box<[AtomicU64]>,
+    /// The metadata map's version `verified` holds for.
+    verified_at: AtomicU64,
     stamp: AtomicU64,
 }
 
-/// `checked_at` of a table never checked.
-const UNCHECKED: u64 = u64::MAX;
+/// `verified_at` of a table never verified.
+const UNVERIFIED: u64 = u64::MAX;
 
 impl L2Table {
-    /// A table as read from disk, not yet checked against the metadata
-    /// ([`L2Table::check`]).
+    /// A table as read from disk.
     pub(super) fn parse(offset: u64, raw: &[u8]) -> Self {
-        Self::with_words(offset, raw.chunks_exact(8).map(|w| u64::from_be_bytes(w.try_into().unwrap())))
+        let (entries, _) = raw.as_chunks::<8>();
+        Self::from_disk(offset, entries.iter().map(|w| u64::from_ne_bytes(*w)).collect())
+    }
+
+    /// A table whose words were read from disk into `words`, kept as they
+    /// are.
+    pub(super) fn from_disk(offset: u64, words: Box<[u64]>) -> Self {
+        Self::with_words(offset, atomic(words))
     }
 
     /// A table of unallocated entries at `offset`.
     pub(super) fn empty(offset: u64, cluster_size: u64) -> Self {
-        Self::with_words(offset, (0..cluster_size / 8).map(|_| 0))
+        Self::with_words(offset, (0..cluster_size / 8).map(|_| AtomicU64::new(0)).collect())
     }
 
     /// A copy of this table to be written at `offset` (copy-on-write of a
     /// table shared with a snapshot).
     pub(super) fn copy_to(&self, offset: u64) -> Self {
-        let table = Self::with_words(offset, self.words.iter().map(|w| w.load(Ordering::Relaxed)));
+        let table =
+            Self::with_words(offset, self.words.iter().map(|w| AtomicU64::new(w.load(Ordering::Relaxed))).collect());
+        table.verified_at.store(self.verified_at.load(Ordering::Acquire), Ordering::Release);
         table
-            .bad
+            .verified
             .iter()
-            .zip(&self.bad)
+            .zip(&self.verified)
             .for_each(|(to, from)| to.store(from.load(Ordering::Relaxed), Ordering::Relaxed));
         table
     }
 
-    fn with_words(offset: u64, words: impl Iterator<Item = u64>) -> Self {
-        let words: Box<[AtomicU64]> = words.map(AtomicU64::new).collect();
-        let bad = (0..words.len().div_ceil(64)).map(|_| AtomicU64::new(0)).collect();
-        Self { offset, words, bad, checked_at: AtomicU64::new(UNCHECKED), stamp: AtomicU64::new(0) }
+    fn with_words(offset: u64, words: Box<[AtomicU64]>) -> Self {
+        let verified = (0..words.len().div_ceil(64)).map(|_| AtomicU64::new(0)).collect();
+        Self { offset, words, verified, verified_at: AtomicU64::new(UNVERIFIED), stamp: AtomicU64::new(0) }
     }
 
-    /// Whether the table was checked against `version` of the metadata map.
+    /// Word `i` in host byte order.
+    #[inline]
+    fn word(&self, i: usize, order: Ordering) -> u64 {
+        u64::from_be(self.words[i].load(order))
+    }
+
+    /// Sets word `i` from host byte order.
+    #[inline]
+    fn set_word(&self, i: usize, value: u64) {
+        self.words[i].store(value.to_be(), Ordering::Release);
+    }
+
+    /// Whether the verified entries hold for `version` of the metadata map.
     #[inline]
     pub(super) fn checked(&self, version: u64) -> bool {
-        self.checked_at.load(Ordering::Acquire) == version
+        self.verified_at.load(Ordering::Acquire) == version
     }
 
-    /// Marks the entries whose data lies in metadata as bad, by the
-    /// metadata map at `version`. `is_metadata(host)` says whether a data
-    /// cluster offset is a metadata cluster (None: data lives in an
-    /// external file, where nothing can overlap).
-    pub(super) fn check(&self, layout: &Layout, is_metadata: Option<&dyn Fn(u64) -> bool>, version: u64) {
+    /// Forgets every verification unless they hold for `version`. Called
+    /// under the metadata map's read lock, so that no verification against
+    /// an older version can land after the reset.
+    pub(super) fn revalidate(&self, version: u64) {
+        if !self.checked(version) {
+            self.verified.iter().for_each(|w| w.store(0, Ordering::Relaxed));
+            self.verified_at.store(version, Ordering::Release);
+        }
+    }
+
+    /// Whether entry `index` is known not to point into metadata.
+    #[inline]
+    pub(super) fn is_verified(&self, index: usize) -> bool {
+        self.verified[index / 64].load(Ordering::Acquire) & (1 << (index % 64)) != 0
+    }
+
+    /// Checks entry `index` against the metadata: whether the data it
+    /// points at (if any) lies outside every metadata cluster, which it
+    /// then remembers. `is_metadata(host)` says whether a data cluster
+    /// offset is a metadata cluster (None: data lives in an external file,
+    /// where nothing can overlap). Called under the metadata map's read
+    /// lock, after [`L2Table::revalidate`].
+    pub(super) fn verify(&self, layout: &Layout, index: usize, is_metadata: Option<&dyn Fn(u64) -> bool>) -> bool {
         if let Some(is_metadata) = is_metadata {
             let stride = if layout.extended { 2 } else { 1 };
             let cluster_size = 1u64 << layout.cluster_bits;
-            for i in 0..self.words.len() / stride {
-                let e = self.words[i * stride].load(Ordering::Acquire);
-                let (start, len) = if e & COMPRESSED != 0 {
-                    layout.decode(e, 0).ok().and_then(|d| d.compressed).unwrap_or((0, 0))
-                } else {
-                    (e & OFFSET_MASK, cluster_size)
-                };
-                let mut clusters = (start / cluster_size..(start + len).div_ceil(cluster_size)).filter(|_| start != 0);
-                if clusters.any(|c| is_metadata(c * cluster_size)) {
-                    self.bad[i / 64].fetch_or(1 << (i % 64), Ordering::Release);
-                }
+            let e = self.word(index * stride, Ordering::Acquire);
+            let (start, len) = if e & COMPRESSED != 0 {
+                layout.decode(e, 0).ok().and_then(|d| d.compressed).unwrap_or((0, 0))
+            } else {
+                (e & OFFSET_MASK, cluster_size)
+            };
+            let mut clusters = (start / cluster_size..(start + len).div_ceil(cluster_size)).filter(|_| start != 0);
+            if clusters.any(|c| is_metadata(c * cluster_size)) {
+                return false;
             }
         }
-        self.checked_at.store(version, Ordering::Release);
+        self.verified[index / 64].fetch_or(1 << (index % 64), Ordering::Release);
+        true
     }
 
-    #[inline]
-    fn is_bad(&self, index: usize) -> bool {
-        self.bad[index / 64].load(Ordering::Acquire) & (1 << (index % 64)) != 0
-    }
-
-    /// Decodes entry `index`.
+    /// Decodes entry `index`, verified or not.
     pub(super) fn decode(&self, layout: &Layout, index: usize) -> Result<L2Entry, EntryError> {
         let stride = if layout.extended { 2 } else { 1 };
-        let entry = self.words[index * stride].load(Ordering::Acquire);
-        if self.is_bad(index) {
-            return Err(EntryError::Metadata(entry));
-        }
-        let bitmap = if layout.extended { self.words[index * stride + 1].load(Ordering::Acquire) } else { 0 };
+        let entry = self.word(index * stride, Ordering::Acquire);
+        let bitmap = if layout.extended { self.word(index * stride + 1, Ordering::Acquire) } else { 0 };
         layout.decode(entry, bitmap)
     }
 
+    /// The raw entry word `index` (for errors).
+    pub(super) fn raw_entry(&self, layout: &Layout, index: usize) -> u64 {
+        self.word(index * if layout.extended { 2 } else { 1 }, Ordering::Relaxed)
+    }
+
     /// Entry `index` if it plainly maps data ([`Layout::plain_data`]) and
-    /// does not point into metadata.
+    /// is verified not to point into metadata.
     #[inline]
     pub(super) fn plain_data(&self, layout: &Layout, index: usize) -> Option<(u64, bool)> {
-        if layout.extended || self.is_bad(index) {
+        if layout.extended || !self.is_verified(index) {
             return None;
         }
-        layout.plain_data(self.words[index].load(Ordering::Acquire))
+        layout.plain_data(self.word(index, Ordering::Acquire))
     }
 
     /// Replaces entry `index` in memory; returns the byte range of the
-    /// table that changed.
+    /// table that changed. New entries come from the allocator, which never
+    /// hands out metadata clusters, so the entry's verification stands.
     pub(super) fn set(&self, layout: &Layout, index: usize, e: &L2Entry) -> std::ops::Range<usize> {
         let (entry, bitmap) = layout.encode(e);
         if layout.extended {
             // The bitmap first: a reader that sees the new entry word also
             // sees the bitmap that goes with it.
-            self.words[index * 2 + 1].store(bitmap, Ordering::Release);
-            self.words[index * 2].store(entry, Ordering::Release);
+            self.set_word(index * 2 + 1, bitmap);
+            self.set_word(index * 2, entry);
             index * 16..index * 16 + 16
         } else {
-            self.words[index].store(entry, Ordering::Release);
+            self.set_word(index, entry);
             index * 8..index * 8 + 8
         }
     }
@@ -134,7 +173,7 @@ impl L2Table {
     pub(super) fn bytes(&self, range: std::ops::Range<usize>) -> AlignedBuf {
         let mut out = AlignedBuf::zeroed(range.len());
         for (chunk, word) in out.chunks_exact_mut(8).zip(&self.words[range.start / 8..range.end / 8]) {
-            chunk.copy_from_slice(&word.load(Ordering::Relaxed).to_be_bytes());
+            chunk.copy_from_slice(&word.load(Ordering::Relaxed).to_ne_bytes());
         }
         out
     }
@@ -143,6 +182,15 @@ impl L2Table {
     pub(super) fn len(&self) -> usize {
         self.words.len() * 8
     }
+}
+
+/// `words` as atomics, in the same allocation.
+fn atomic(words: Box<[u64]>) -> Box<[AtomicU64]> {
+    const _: () = assert!(std::mem::align_of::<AtomicU64>() == std::mem::align_of::<u64>());
+    // SAFETY: AtomicU64 has the same size and bit validity as u64, and here
+    // (asserted above) the same alignment, so the allocation holds a valid
+    // [AtomicU64] of the same length and layout, which the new box owns.
+    unsafe { Box::from_raw(Box::into_raw(words) as *mut [AtomicU64]) }
 }
 
 /// Hashes a table's offset as itself: offsets are distinct multiples of

@@ -13,6 +13,7 @@ mod write;
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::io;
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::Waker;
@@ -23,7 +24,7 @@ use refcounts::Refcounts;
 
 use crate::SyncIo;
 use crate::buf::AlignedBuf;
-use crate::entry::{self, Layout, Subcluster};
+use crate::entry::{self, EntryError, L2Entry, Layout, Subcluster};
 use crate::header::{BitmapsExtension, Compression, Header};
 
 pub use allocate::{Allocation, Busy};
@@ -95,6 +96,10 @@ pub struct Extent {
 /// Tables one queue looked up recently, by L1 index modulo the slot count.
 const MEMO_SLOTS: usize = 16;
 
+/// How many tables [`Image::missing_table`] looks at: guest requests span
+/// at most two.
+const PRELOAD_TABLES: usize = 2;
+
 /// One queue's memo of the L2 tables it used last. While the cache's
 /// generation is unchanged (no table entered or left it), a memoised table
 /// is still the cached one, so the lookup takes no lock and hashes nothing.
@@ -161,6 +166,47 @@ pub struct Image {
     lazy: bool,
     /// Allocations finished so far (see [`Image::wake_after`]).
     finished: AtomicU64,
+    /// Advanced (under the metadata mutex) whenever L2 tables are written
+    /// to the file or move: a table read without the mutex
+    /// ([`TableLoad`]) is current only if this did not change meanwhile.
+    tables_written: AtomicU64,
+}
+
+/// An L2 table the cache lacks, read without blocking: the caller reads
+/// the cluster at [`TableLoad::offset`] into [`TableLoad::buffer`] however
+/// it likes (asynchronously, beside other requests), then hands it to
+/// [`Image::finish_load`]. The read lands in the memory the cached table
+/// keeps: no copy, no zeroing.
+pub struct TableLoad {
+    offset: u64,
+    epoch: u64,
+    words: Box<[MaybeUninit<u64>]>,
+}
+
+impl TableLoad {
+    /// A load of tables of `image`.
+    pub fn new(image: &Image) -> Self {
+        Self { offset: 0, epoch: 0, words: Box::new_uninit_slice(image.cluster_size() as usize / 8) }
+    }
+
+    /// Where the table is in the image file.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Where to read it to, and how many bytes (one cluster). The memory
+    /// is uninitialised until the read fills it.
+    pub fn buffer(&mut self) -> (*mut u8, usize) {
+        (self.words.as_mut_ptr().cast(), self.words.len() * 8)
+    }
+}
+
+/// The L2 table at `offset` of the image file is needed and not cached:
+/// load it ([`Image::start_load`]) and map again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MissingTable {
+    /// Where the table is in the image file.
+    pub offset: u64,
 }
 
 /// Everything allocation changes, behind the metadata mutex.
@@ -227,9 +273,23 @@ impl Image {
 
     /// The mapping of the guest bytes from `offset`, for at most `len`
     /// bytes; the returned extent is never empty. `memo` is the calling
-    /// queue's own.
-    #[inline(always)]
+    /// queue's own. An L2 table the cache lacks is read through `io`, under
+    /// the metadata mutex: [`Image::map_cached`] does not wait for it.
     pub fn map(&self, memo: &mut MapMemo, io: &mut dyn SyncIo, offset: u64, len: u64) -> io::Result<Extent> {
+        match self.map_cached(memo, offset, len) {
+            Ok(extent) => Ok(extent),
+            Err(missing) => {
+                let table = self.load_l2(&mut self.lock(), io, missing.offset)?;
+                self.check_l2(&table);
+                Ok(self.walk(&table, offset, self.table_end(offset, len)))
+            }
+        }
+    }
+
+    /// [`Image::map`] without I/O: the L2 table it needs if the cache
+    /// lacks it.
+    #[inline(always)]
+    pub fn map_cached(&self, memo: &mut MapMemo, offset: u64, len: u64) -> Result<Extent, MissingTable> {
         // Nearly every request ends here, inlined into the caller: no L1
         // entry decoded, no walk, no extent returned through memory.
         if let Some(table) = self.memoised(memo, self.l1_index(offset))
@@ -238,16 +298,21 @@ impl Image {
             self.l2.touch(table);
             return Ok(extent);
         }
-        self.map_through_l1(memo, io, offset, len)
+        self.map_through_l1(memo, offset, len)
     }
 
-    /// [`Image::map`] for any range: the L1 entry decoded, the table looked
-    /// up in the cache or loaded, and walked.
-    fn map_through_l1(&self, memo: &mut MapMemo, io: &mut dyn SyncIo, offset: u64, len: u64) -> io::Result<Extent> {
+    /// Where the range from `offset` for `len` bytes ends within the span
+    /// of one L2 table.
+    fn table_end(&self, offset: u64, len: u64) -> u64 {
         let span_bits = self.header.cluster_bits + self.l2_bits();
-        let l1_index = self.l1_index(offset);
-        let limit = offset + len.min((((offset >> span_bits) + 1) << span_bits) - offset);
+        offset + len.min((((offset >> span_bits) + 1) << span_bits) - offset)
+    }
 
+    /// [`Image::map_cached`] for any range: the L1 entry decoded, the table
+    /// looked up in the cache, and walked.
+    fn map_through_l1(&self, memo: &mut MapMemo, offset: u64, len: u64) -> Result<Extent, MissingTable> {
+        let l1_index = self.l1_index(offset);
+        let limit = self.table_end(offset, len);
         let l2_offset = match entry::l1(self.l1[l1_index].load(Ordering::Acquire), self.cluster_size()) {
             Ok(Some((l2_offset, _))) => l2_offset,
             Ok(None) => return Ok(Extent { mapping: Mapping::Unallocated, len: limit - offset }),
@@ -257,15 +322,68 @@ impl Image {
             self.l2.touch(table);
             return Ok(self.walk(table, offset, limit));
         }
-        let table = match self.l2.lookup(l2_offset) {
-            Some((table, generation)) => {
-                memo.slots[l1_index % MEMO_SLOTS] = Some((l2_offset, generation, table.clone()));
-                table
-            }
-            None => self.load_l2(&mut self.lock(), io, l2_offset)?,
+        let Some((table, generation)) = self.l2.lookup(l2_offset) else {
+            return Err(MissingTable { offset: l2_offset });
         };
+        memo.slots[l1_index % MEMO_SLOTS] = Some((l2_offset, generation, table.clone()));
         self.check_l2(&table);
         Ok(self.walk(&table, offset, limit))
+    }
+
+    /// The first L2 table among those mapping the first [`PRELOAD_TABLES`]
+    /// table spans of a guest range that the cache lacks: a request that
+    /// changes metadata loads them ahead ([`Image::start_load`]) rather
+    /// than under the metadata mutex. Ranges wider than that load the rest
+    /// as they go.
+    pub fn missing_table(&self, offset: u64, len: u64) -> Option<MissingTable> {
+        let first = self.l1_index(offset);
+        let last = self.l1_index(offset + len.max(1) - 1).min(first + PRELOAD_TABLES - 1);
+        (first..=last.min(self.l1.len().saturating_sub(1))).find_map(|i| {
+            let (l2_offset, _) = entry::l1(self.l1[i].load(Ordering::Acquire), self.cluster_size()).ok()??;
+            self.l2.get(l2_offset).is_none().then_some(MissingTable { offset: l2_offset })
+        })
+    }
+
+    /// Prepares `load` for the table `missing` names; the caller then reads
+    /// it into [`TableLoad::buf`].
+    pub fn start_load(&self, load: &mut TableLoad, missing: MissingTable) {
+        load.offset = missing.offset;
+        load.epoch = self.tables_written.load(Ordering::Acquire);
+    }
+
+    /// Puts the table `load` read into the cache, unless the cache or the
+    /// in-memory changes have a newer one, or tables were written while it
+    /// was read (then what it read may be stale: map again, which loads it
+    /// again). Whether the table is cached now. The metadata mutex is taken
+    /// for no I/O.
+    ///
+    /// # Safety
+    /// A read has filled the whole of [`TableLoad::buffer`] since
+    /// [`Image::start_load`].
+    pub unsafe fn finish_load(&self, load: &mut TableLoad) -> bool {
+        let meta = self.lock();
+        if self.l2.get(load.offset).is_some() {
+            return true;
+        }
+        if let Some((table, _)) = meta.dirty_l2.get(&load.offset) {
+            self.l2.insert(table.clone());
+            return true;
+        }
+        if self.tables_written.load(Ordering::Acquire) != load.epoch {
+            return false;
+        }
+        let fresh = Box::new_uninit_slice(load.words.len());
+        let words = std::mem::replace(&mut load.words, fresh);
+        // SAFETY: the caller's guarantee: a read initialised every byte.
+        let words = unsafe { words.assume_init() };
+        self.l2.insert(Arc::new(L2Table::from_disk(load.offset, words)));
+        true
+    }
+
+    /// Marks the tables in the file as changed (under the metadata mutex,
+    /// once the change is written): loads in flight are stale.
+    fn tables_written(&self) {
+        self.tables_written.fetch_add(1, Ordering::AcqRel);
     }
 
     /// The memo's table for L1 entry `l1_index`, if the entry still names
@@ -309,7 +427,7 @@ impl Image {
         let mut pos = offset;
         while pos < limit {
             let index = self.l2_index(pos);
-            let e = match table.decode(&self.layout, index) {
+            let e = match self.entry(table, index) {
                 Ok(e) => e,
                 Err(e) if first.is_none() => return self.invalid(e, offset, (pos | (self.cluster_size() - 1)) + 1),
                 Err(_) => break,
@@ -454,6 +572,7 @@ impl Image {
             }
         }
         meta.dirty_l2.clear();
+        self.tables_written();
         if !meta.dirty_l1.is_empty() {
             barrier(io)?;
             for &start in &meta.dirty_l1 {
@@ -481,23 +600,33 @@ impl Image {
         let mut raw = AlignedBuf::zeroed(self.cluster_size() as usize);
         io.read_at(&mut raw, l2_offset)?;
         let table = Arc::new(L2Table::parse(l2_offset, &raw));
-        self.check_l2(&table);
         self.l2.insert(table.clone());
         Ok(table)
     }
 
-    /// Brings `table`'s bad entries up to date with the metadata map, if a
-    /// cluster became metadata since it was last checked: guest data is
-    /// then never read from or written over metadata through it.
+    /// Forgets `table`'s verified entries if a cluster became metadata
+    /// since they were verified: guest data is then never read from or
+    /// written over metadata through it.
     fn check_l2(&self, table: &L2Table) {
-        if table.checked(self.metadata.version()) {
-            return;
+        if !table.checked(self.metadata.version()) {
+            self.metadata.with_test(|_, version| table.revalidate(version));
         }
-        let cb = self.header.cluster_bits;
-        self.metadata.with_test(|is_metadata, version| {
-            let test = |host| is_metadata(host >> cb);
-            table.check(&self.layout, (!self.layout.data_file).then_some(&test), version)
-        });
+    }
+
+    /// Entry `index` of `table`, verified not to point into metadata.
+    fn entry(&self, table: &L2Table, index: usize) -> Result<L2Entry, EntryError> {
+        if !(table.checked(self.metadata.version()) && table.is_verified(index)) {
+            let cb = self.header.cluster_bits;
+            let verified = self.metadata.with_test(|is_metadata, version| {
+                table.revalidate(version);
+                let test = |host| is_metadata(host >> cb);
+                table.verify(&self.layout, index, (!self.layout.data_file).then_some(&test))
+            });
+            if !verified {
+                return Err(EntryError::Metadata(table.raw_entry(&self.layout, index)));
+            }
+        }
+        table.decode(&self.layout, index)
     }
 }
 

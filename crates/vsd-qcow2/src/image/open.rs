@@ -147,6 +147,7 @@ impl Image {
             dirty: Default::default(),
             lazy,
             finished: AtomicU64::new(0),
+            tables_written: AtomicU64::new(0),
         })
     }
 }

@@ -3,9 +3,10 @@
 //! check), so a corrupt table entry can never send guest data over a
 //! table, and the allocator never hands such a cluster out.
 //!
-//! The check is made once per cached L2 table, not once per write: a table
-//! remembers the map's version it was checked against, and only a cluster
-//! turned into metadata since (a new version) makes it check again.
+//! The check is made once per L2 entry while its table is cached, the
+//! first time a request uses it, not once per write: a table remembers the
+//! map's version its entries were checked against, and only a cluster
+//! turned into metadata since (a new version) makes them checked again.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{RwLock, RwLockReadGuard};

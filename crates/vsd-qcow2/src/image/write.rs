@@ -336,7 +336,7 @@ impl Image {
         cluster: u64,
     ) -> io::Result<(Arc<L2Table>, usize, L2Entry)> {
         let (table, index) = self.l2_for_write(meta, io, cluster)?;
-        let entry = table.decode(&self.layout, index).map_err(eio)?;
+        let entry = self.entry(&table, index).map_err(eio)?;
         Ok((table, index, entry))
     }
 
@@ -366,6 +366,7 @@ impl Image {
             self.l2.remove(old_offset);
             meta.decref(old_offset / cs, false);
         }
+        self.tables_written();
         Ok((table, index))
     }
 

@@ -574,13 +574,14 @@ impl BlockNode for Qcow2Node {
         // Child tags below `depth` carry guest requests sent whole, under
         // their own tags. Requests split at cluster boundaries need tags
         // for their parts; beyond these, parts wait in line. (The child
-        // queue keeps one more tag for blocking requests.)
-        let parts = depth.max(8).min((u16::MAX - 1).saturating_sub(depth));
+        // queue keeps one more tag for blocking requests, and the file's
+        // has tags for table reads.)
+        let parts = depth.max(8).min((u16::MAX - 1 - queue::LOADS).saturating_sub(depth));
         if parts == 0 {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
         let child_depth = depth + parts;
-        let file = ChildQueue::open(&*self.file, child_depth, u64::MAX)?;
+        let file = ChildQueue::open(&*self.file, child_depth + queue::LOADS, u64::MAX)?;
         let data = self.data.as_ref().map(|d| ChildQueue::open(&**d, child_depth, u64::MAX)).transpose()?;
         let backing = self.backing.get().map(|b| ChildQueue::open(&**b, child_depth, b.size())).transpose()?;
         let children = queue::Children { file, data, backing };

@@ -15,6 +15,12 @@
 //! allocation finishes: the image wakes this queue through an eventfd in
 //! its epoll set.
 //!
+//! A request whose mapping needs an L2 table the cache lacks waits while
+//! the table is read like any other child request ([`TableLoad`]); the
+//! others go on meanwhile, and the request is routed again (from where it
+//! stopped) once the table is in. Requests that change metadata load the
+//! tables they need the same way before they take the metadata mutex.
+//!
 //! A guest request that maps onto one child request, all of it (the common
 //! case: a read or write within a cluster), goes down under the guest's own
 //! tag, and its completion comes back up as it is. Child tags from the
@@ -30,7 +36,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_engine::{Completion, IoOp, IoQueue, IoVecs};
 use vsd_qcow2::buf::AlignedBuf;
-use vsd_qcow2::{Allocation, Busy, CorruptMetadata, Image, ImageIo, MapMemo, Mapping};
+use vsd_qcow2::{Allocation, Busy, CorruptMetadata, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable, TableLoad};
 
 use super::health::Health;
 use crate::drivers::child::ChildQueue;
@@ -82,6 +88,33 @@ struct Blocked {
     seen: u64,
 }
 
+/// How many L2 tables one queue reads at once; requests needing another
+/// wait for one of these to finish (each holds a cluster-sized buffer).
+pub(crate) const LOADS: u16 = 8;
+
+/// How many times a request waits for tables before it loads the next one
+/// it lacks under the metadata mutex: tables other queues evict as fast as
+/// this one loads them cannot keep it from progressing.
+const PATIENCE: u8 = 4;
+
+/// A guest request routed as far as `from` (bytes of it sent on), waiting
+/// for an L2 table.
+struct Waiting {
+    tag: u32,
+    op: IoOp,
+    from: u64,
+    /// Tables it waited for so far.
+    waits: u8,
+}
+
+/// One table read in flight, and the requests waiting for it.
+struct Load {
+    table: Option<TableLoad>,
+    /// The buffer the child request reads into.
+    iov: libc::iovec,
+    waiting: Vec<Waiting>,
+}
+
 /// Wakes the queue's owner when an allocation it waits for finishes (on
 /// whichever thread): the eventfd is in the queue's epoll set.
 struct WakeFd(EventFd);
@@ -125,6 +158,14 @@ pub(crate) struct Qcow2Queue {
     deferred: VecDeque<Deferred>,
     answered: Vec<Completion>,
     blocked: Vec<Blocked>,
+    /// Table reads, by load tag (child tag minus the guest's depth and the
+    /// part tags): busy while requests wait in them.
+    loads: Vec<Load>,
+    free_loads: Vec<u32>,
+    /// Requests waiting for a load tag.
+    want_load: VecDeque<Waiting>,
+    /// Requests whose table came in: routed again from `reap`.
+    resumable: Vec<Waiting>,
     /// Wakes this queue for `blocked`.
     unblocked: Arc<WakeFd>,
     waker: Waker,
@@ -165,6 +206,16 @@ impl Qcow2Queue {
             deferred: VecDeque::new(),
             answered: Vec::with_capacity(usize::from(depth)),
             blocked: Vec::new(),
+            loads: (0..LOADS)
+                .map(|_| Load {
+                    table: None,
+                    iov: libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 },
+                    waiting: Vec::new(),
+                })
+                .collect(),
+            free_loads: (0..u32::from(LOADS)).rev().collect(),
+            want_load: VecDeque::new(),
+            resumable: Vec::new(),
             waker: Waker::from(unblocked.clone()),
             unblocked,
             compressed: None,
@@ -299,14 +350,22 @@ impl Qcow2Queue {
     /// completions: a whole request's is the guest's own, a part's settles
     /// its parent.
     fn settle_parts(&mut self, out: &mut Vec<Completion>, start: usize) {
-        if self.free.len() == self.parts.len() {
-            // No part is out: every completion is a guest's own.
+        if self.free.len() == self.parts.len() && self.free_loads.len() == self.loads.len() {
+            // No part or table read is out: every completion is a guest's own.
             return;
         }
+        let loads_from = self.depth + self.parts.len() as u32;
         let mut kept = start;
         for i in start..out.len() {
             let c = out[i];
-            let done = if c.tag < self.depth { Some(c) } else { self.settle_part(c) };
+            let done = match c.tag {
+                tag if tag < self.depth => Some(c),
+                tag if tag < loads_from => self.settle_part(c),
+                tag => {
+                    self.settle_load(tag - loads_from, c.errno);
+                    None
+                }
+            };
             if let Some(done) = done {
                 out[kept] = done;
                 kept += 1;
@@ -328,13 +387,84 @@ impl Qcow2Queue {
         self.settle(parent, errno)
     }
 
+    /// A table read done: the requests waiting for it are routed again
+    /// (from `reap`), or fail with its error.
+    fn settle_load(&mut self, slot: u32, errno: i32) {
+        let load = &mut self.loads[slot as usize];
+        let table = load.table.as_mut().expect("a load in flight has its table");
+        if errno == 0 {
+            // SAFETY: the read into its buffer succeeded, which fills it
+            // whole (IoQueue's contract: zeroes past the end of the file).
+            unsafe { self.image.finish_load(table) };
+            self.resumable.append(&mut load.waiting);
+        } else {
+            log::error!("qcow2: reading the L2 table at {:#x} failed: errno {errno}", table.offset());
+            for w in std::mem::take(&mut load.waiting) {
+                self.release(w.tag, errno);
+            }
+        }
+        self.free_loads.push(slot);
+        // A load tag is free: the first to wait for one tries again.
+        self.resumable.extend(self.want_load.pop_front());
+    }
+
+    /// Holds `w` back until the table `missing` is in: joins the read of it
+    /// in flight, or starts one, or waits for a load tag.
+    fn await_table(&mut self, missing: MissingTable, mut w: Waiting) {
+        if let Some(load) = self
+            .loads
+            .iter_mut()
+            .find(|l| !l.waiting.is_empty() && l.table.as_ref().is_some_and(|t| t.offset() == missing.offset))
+        {
+            w.waits += 1;
+            load.waiting.push(w);
+            return;
+        }
+        let Some(slot) = self.free_loads.pop() else {
+            self.want_load.push_back(w);
+            return;
+        };
+        w.waits += 1;
+        let load = &mut self.loads[slot as usize];
+        let table = load.table.get_or_insert_with(|| TableLoad::new(&self.image));
+        self.image.start_load(table, missing);
+        let (buf, len) = table.buffer();
+        load.iov = libc::iovec { iov_base: buf.cast(), iov_len: len };
+        load.waiting.push(w);
+        // SAFETY: `load.iov` and the buffer it names live in `self.loads`,
+        // which never grows, and are not touched until the read completes.
+        let iov = unsafe { IoVecs::new(&load.iov, 1) };
+        let op = IoOp::Read { offset: missing.offset, len: load.iov.iov_len as u64, iov };
+        let tag = self.depth + self.parts.len() as u32 + slot;
+        // SAFETY: as above.
+        unsafe { self.file.push(tag, op) };
+    }
+
+    /// Routes again the requests whose tables came in; whether there were
+    /// any.
+    fn resume(&mut self) -> bool {
+        if self.resumable.is_empty() {
+            return false;
+        }
+        for w in std::mem::take(&mut self.resumable) {
+            self.proceed(w);
+        }
+        true
+    }
+
     /// Routes a guest request, and sends it on, answers it, or holds it
-    /// back until an allocation it waits for finishes.
+    /// back until an allocation or a table it waits for is there.
     fn start(&mut self, tag: u32, op: IoOp) {
         // Held until routing is done, so the parent cannot complete early.
         self.parents[tag as usize] = Parent { remaining: 1, errno: 0 };
+        self.proceed(Waiting { tag, op, from: 0, waits: 0 });
+    }
+
+    /// [`Qcow2Queue::start`] for a request routed as far as `w.from`.
+    fn proceed(&mut self, w: Waiting) {
+        let Waiting { tag, op, .. } = w;
         let seen = self.image.allocations_finished();
-        match self.route(tag, op) {
+        match self.route(&w) {
             // SAFETY: the caller's guarantee for `op` (see `push`) covers
             // the child request, which names the same buffers (or none).
             Ok(Some(Whole(target, op))) => unsafe { self.child(target).push(tag, op) },
@@ -348,6 +478,11 @@ impl Qcow2Queue {
             Err(Refused::Busy) => {
                 self.image.wake_after(seen, &self.waker);
                 self.blocked.push(Blocked { tag, op, seen });
+            }
+            Err(Refused::Missing(missing, from)) => {
+                // Waits count only while the request makes no progress.
+                let waits = if from == w.from { w.waits } else { 0 };
+                self.await_table(missing, Waiting { tag, op, from, waits });
             }
         }
     }
@@ -368,13 +503,15 @@ impl Qcow2Queue {
         true
     }
 
-    fn route(&mut self, tag: u32, op: IoOp) -> Routed {
+    fn route(&mut self, w: &Waiting) -> Routed {
+        let (tag, op) = (w.tag, w.op);
         if self.health.is_corrupt() || crate::drivers::out_of_bounds(&op, self.image.size()) {
             return Err(Refused::Failed(libc::EIO));
         }
+        let patient = w.waits < PATIENCE;
         match op {
-            IoOp::Read { offset, len, iov } => self.read(tag, offset, len, iov),
-            IoOp::Write { offset, len, iov, durable } => self.write(tag, offset, len, iov, durable),
+            IoOp::Read { offset, len, iov } => self.read(tag, offset, len, iov, w.from, patient),
+            IoOp::Write { offset, len, iov, durable } => self.write(tag, offset, len, iov, durable, patient),
             IoOp::Flush if self.image.metadata_dirty() => self.sync(|image, io| image.flush(io)),
             IoOp::Flush if self.data.is_none() => Ok(Some(Whole(Target::File, IoOp::Flush))),
             IoOp::Flush => {
@@ -382,17 +519,43 @@ impl Qcow2Queue {
                 self.issue(tag, Target::Data, IoOp::Flush, 0);
                 Ok(None)
             }
-            IoOp::Discard { offset, len } => self.sync(|image, io| image.discard(io, offset, len)),
+            IoOp::Discard { offset, len } => {
+                self.preload(offset, len, patient)?;
+                self.sync(|image, io| image.discard(io, offset, len))
+            }
             IoOp::WriteZeroes { offset, len, may_unmap, fast } => {
+                self.preload(offset, len, patient)?;
                 self.sync(|image, io| image.write_zeroes(io, offset, len, may_unmap, fast))
             }
         }
     }
 
-    fn read(&mut self, tag: u32, offset: u64, len: u64, iov: IoVecs) -> Routed {
-        let mut pos = 0;
+    /// The mapping of the guest bytes from `offset` (`pos` bytes into the
+    /// request), for at most `len` bytes. A table the cache lacks makes
+    /// the request wait for it, resuming at `pos`; an impatient one loads
+    /// it under the metadata mutex instead.
+    fn map(&mut self, offset: u64, len: u64, pos: u64, patient: bool) -> Result<Extent, Refused> {
+        match self.image.map_cached(&mut self.memo, offset, len) {
+            Ok(extent) => Ok(extent),
+            Err(missing) if patient => Err(Refused::Missing(missing, pos)),
+            Err(_) => self.image.map(&mut self.memo, &mut self.file, offset, len).map_err(refused),
+        }
+    }
+
+    /// Makes a request that changes the metadata of guest bytes
+    /// `offset..offset + len` wait for the tables it lacks, so that the
+    /// metadata path finds them cached.
+    fn preload(&self, offset: u64, len: u64, patient: bool) -> Result<(), Refused> {
+        match self.image.missing_table(offset, len) {
+            Some(missing) if patient => Err(Refused::Missing(missing, 0)),
+            _ => Ok(()),
+        }
+    }
+
+    fn read(&mut self, tag: u32, offset: u64, len: u64, iov: IoVecs, from: u64, patient: bool) -> Routed {
+        let mut pos = from;
         while pos < len {
-            let extent = self.image.map(&mut self.memo, &mut self.file, offset + pos, len - pos).map_err(refused)?;
+            let extent = self.map(offset + pos, len - pos, pos, patient)?;
             let (at, n, whole) = (offset + pos, extent.len, pos == 0 && extent.len == len);
             match extent.mapping {
                 Mapping::Data { host, .. } if whole => {
@@ -438,7 +601,7 @@ impl Qcow2Queue {
         result
     }
 
-    fn write(&mut self, tag: u32, offset: u64, len: u64, iov: IoVecs, durable: bool) -> Routed {
+    fn write(&mut self, tag: u32, offset: u64, len: u64, iov: IoVecs, durable: bool, patient: bool) -> Routed {
         // Fast path: every byte lands on data this image owns. A durable
         // write must not land on a cluster whose allocation is still only
         // in memory: then the metadata path flushes it too.
@@ -446,7 +609,8 @@ impl Qcow2Queue {
         self.extents.clear();
         let mut pos = 0;
         while pos < len {
-            let e = self.image.map(&mut self.memo, &mut self.file, offset + pos, len - pos).map_err(refused)?;
+            // Nothing is sent before the loop ends: a wait restarts it.
+            let e = self.map(offset + pos, len - pos, 0, patient)?;
             match e.mapping {
                 // One extent for the whole request (so pos is 0).
                 Mapping::Data { host, in_place: true } if e.len == len && in_place(&self.image) => {
@@ -465,6 +629,7 @@ impl Qcow2Queue {
             }
             return Ok(None);
         }
+        self.preload(offset, len, patient)?;
         if !durable {
             // Clusters to allocate: their contents go down asynchronously.
             let started = self.with_io(|image, io| image.start_write(io, offset, len, &mut copy_from(iov)));
@@ -537,7 +702,7 @@ impl IoQueue for Qcow2Queue {
                 backing.reap(out);
             }
             self.settle_parts(out, start);
-            let sent = self.send_deferred() | self.retry_blocked();
+            let sent = self.send_deferred() | self.retry_blocked() | self.resume();
             out.append(&mut self.answered);
             // Linking an allocation or routing a held-back request may have
             // done blocking I/O on a child, which keeps the completions
@@ -605,6 +770,9 @@ enum Refused {
     /// The metadata it needs is corrupt (this says how): it fails, and
     /// the image is marked corrupt.
     Corrupt(String),
+    /// It needs this L2 table, which the cache lacks; it was routed as far
+    /// as this many bytes.
+    Missing(MissingTable, u64),
 }
 
 fn refused(e: io::Error) -> Refused {
