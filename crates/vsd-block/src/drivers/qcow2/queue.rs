@@ -534,6 +534,7 @@ impl Qcow2Queue {
     /// request), for at most `len` bytes. A table the cache lacks makes
     /// the request wait for it, resuming at `pos`; an impatient one loads
     /// it under the metadata mutex instead.
+    #[inline(always)]
     fn map(&mut self, offset: u64, len: u64, pos: u64, patient: bool) -> Result<Extent, Refused> {
         match self.image.map_cached(&mut self.memo, offset, len) {
             Ok(extent) => Ok(extent),
