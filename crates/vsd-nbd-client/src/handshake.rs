@@ -118,13 +118,28 @@ pub fn negotiate(stream: Stream, export: &str, tls: Option<&Tls>) -> Result<(Box
     let mut wire = TlsStream::new(session, stream);
     wire.handshake().map_err(|e| HandshakeError::Tls(e.to_string()))?;
     // TLS 1.3 servers refuse a client's certificate (or its absence) after
-    // the client thinks the handshake done: the alert comes with the reply.
-    let found = select(&mut wire, export, no_zeroes).map_err(|e| match e {
-        HandshakeError::Io(e) if e.kind() == io::ErrorKind::InvalidData => HandshakeError::Tls(e.to_string()),
-        e => e,
-    })?;
+    // the client thinks the handshake done: the alert comes with the reply,
+    // or the server is gone before the client's first option is sent.
+    let found = match select(&mut wire, export, no_zeroes) {
+        Ok(found) => found,
+        Err(HandshakeError::Io(e)) => return Err(HandshakeError::Tls(refusal(&mut wire, e))),
+        Err(e) => return Err(e),
+    };
     handle.set_nonblocking()?;
     Ok((Box::new(wire), found))
+}
+
+/// What an I/O error `e` right after the TLS handshake says: the server's
+/// alert if it sent one (a write that found the server gone has not read
+/// it yet), else that the server left.
+fn refusal<S: Read>(wire: &mut S, e: io::Error) -> String {
+    if e.kind() == io::ErrorKind::InvalidData {
+        return e.to_string();
+    }
+    match wire.read(&mut [0u8; 1]) {
+        Err(alert) if alert.kind() == io::ErrorKind::InvalidData => alert.to_string(),
+        _ => format!("the server closed the connection after the handshake ({e}); does it want a client certificate?"),
+    }
 }
 
 /// Selects the export: GO, or EXPORT_NAME with a server without GO.
