@@ -12,14 +12,14 @@
 //! # Design
 //! ```text
 //!   guest request ─▶ Image::map_cached ─▶ L1 (atomics) ─▶ L2 cache (RwLock, Arc'd tables of atomics)
-//!                       │                                    └─ miss: the caller reads the table (TableLoad)
+//!                       │                                    └─ miss: the caller reads a 4 KiB slice (TableLoad)
 //!                       └▶ allocation, COW, zeroing, discard ─▶ metadata mutex (refcounts, tables)
 //! ```
 //! Reads and in-place writes of allocated clusters only take the L2 cache's
-//! read lock for a lookup, never a lock held across I/O. A table the cache
-//! lacks is read by the caller like any other request, beside its others,
-//! and put in the cache under the metadata mutex for no I/O
-//! ([`Image::finish_load`]). Everything that
+//! read lock for a lookup, never a lock held across I/O. Tables are cached
+//! in slices of 4 KiB, as QEMU does: a slice the cache lacks is read by the
+//! caller like any other request, beside its others, and put in the cache
+//! under the metadata mutex for no I/O ([`Image::finish_load`]). Everything that
 //! changes metadata runs under one mutex, through [`SyncIo`], except the
 //! data of a new cluster: [`Image::start_write`] allocates clusters and
 //! fills their new contents, the caller writes them asynchronously, and

@@ -1080,6 +1080,26 @@ fn reads_at_depth_wait_for_tables() {
     assert!(daemon.stop().success(), "{what}: vsd exit status");
 }
 
+/// A cache of two tables' worth of 4 KiB slices over an image of eight
+/// 64 KiB tables: tables are loaded, changed and written back a slice at a
+/// time, and evicted with some slices never loaded; QEMU still finds the
+/// image clean and equal to the reference.
+#[test]
+fn vsd_writes_through_a_cache_of_table_slices() {
+    let what = "64 KiB clusters, 8 L2 tables of 16 slices, 32 slices cached";
+    let dir = Scratch::new("q2w-slices");
+    filled(&dir, "cluster_size=65536", 4096 * MIB, 131);
+    qemu_img(&dir, &["convert", "-O", "raw", IMG, REFERENCE]);
+    let mut args = vsd_args(&dir, true, false, 2);
+    args[3].push_str(",l2-cache-size=131072");
+    let daemon = Daemon::vsd(&dir, &args);
+    let workload = Workload { seed: 132, ops: 200, cluster: 65536, discard: true, sequential: 0 };
+    run_workload(&daemon, &dir.path(REFERENCE), workload, what);
+    assert!(daemon.stop().success(), "{what}: vsd exit status");
+    assert_check_clean(&dir, what);
+    assert_compare_identical(&dir, REFERENCE, what);
+}
+
 /// Tiny caches that must evict all the time, and a cleaner that drops
 /// unused entries every second in the middle of the workload: QEMU still
 /// finds the image clean and equal to the reference.

@@ -260,8 +260,9 @@ impl Image {
     /// Points the table entry at the allocation's cluster (its contents
     /// written) and drops the references the old entry held.
     pub(super) fn link(&self, meta: &mut Meta, io: &mut dyn SyncIo, a: &Allocation) -> io::Result<()> {
-        let table: Arc<_> = self.load_l2(meta, io, a.table)?;
-        self.set_l2(meta, &table, a.index, &a.new);
+        let slice = self.slice_of(a.index);
+        let table: Arc<_> = self.load_l2(meta, io, a.table, slice..slice + 1)?;
+        self.set_l2(meta, &table, a.index, &a.new)?;
         self.release(meta, &a.old);
         Ok(())
     }

@@ -1,28 +1,37 @@
 //! The L2 table cache: tables of atomics that readers consult under a
 //! read lock held only for the lookup, and that the metadata mutex's holder
-//! updates in place.
+//! updates in place. Tables are loaded a slice (4 KiB, as QEMU's cache
+//! entries) at a time: a random read over a disk far larger than the cache
+//! reads 4 KiB of table per miss, not a whole cluster.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
 use crate::buf::AlignedBuf;
 use crate::entry::{COMPRESSED, EntryError, L2Entry, Layout, OFFSET_MASK};
 
+/// Bytes of a table slice (the whole table, if smaller): also the unit in
+/// which changed tables are written back ([`super::Image::chunk_of`]), so
+/// a changed entry always lies in a loaded slice.
+pub(super) const SLICE_BYTES: usize = 4096;
+
 /// One L2 table as in memory: raw entries (and bitmaps, for extended L2)
-/// in the file's byte order (big-endian), as QEMU caches them: a table
-/// comes in with one copy, for nearly every request when the cache is
-/// small, and a lookup pays one byte swap.
+/// in the file's byte order (big-endian), as QEMU caches them: a slice
+/// comes in with one copy, and a lookup pays one byte swap.
 pub(super) struct L2Table {
     /// Where the table is in the image file.
     pub(super) offset: u64,
-    words: Box<[AtomicU64]>,
+    /// The table's words, slice by slice, each set once when loaded.
+    slices: Box<[Slice]>,
+    /// log2 of the words per slice.
+    slice_bits: u32,
+    /// Slices loaded so far.
+    loaded: AtomicUsize,
     /// Entries known not to point into the image's metadata, one bit each:
-    /// an entry is checked the first time a request uses it, not when the
-    /// table is loaded (a table loaded for one request is often evicted
-    /// before a second entry of it is used). Cleared whenever a cluster
-    /// becomes metadata.
+    /// an entry is checked the first time a request uses it, not when its
+    /// slice is loaded. Cleared whenever a cluster becomes metadata.
     verified: Box<[AtomicU64]>,
     /// The metadata map's version `verified` holds for.
     verified_at: AtomicU64,
@@ -33,52 +42,115 @@ pub(super) struct L2Table {
 const UNVERIFIED: u64 = u64::MAX;
 
 impl L2Table {
-    /// A table as read from disk.
-    pub(super) fn parse(offset: u64, raw: &[u8]) -> Self {
-        let (entries, _) = raw.as_chunks::<8>();
-        Self::from_disk(offset, entries.iter().map(|w| u64::from_ne_bytes(*w)).collect())
+    /// A table of `len` bytes at `offset` with no slice loaded.
+    pub(super) fn unloaded(offset: u64, len: usize) -> Self {
+        let slice_words = SLICE_BYTES.min(len) / 8;
+        let words = len / 8;
+        Self {
+            offset,
+            slices: (0..words / slice_words).map(|_| Slice(AtomicPtr::new(std::ptr::null_mut()))).collect(),
+            slice_bits: slice_words.trailing_zeros(),
+            loaded: AtomicUsize::new(0),
+            verified: (0..words.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            verified_at: AtomicU64::new(UNVERIFIED),
+            stamp: AtomicU64::new(0),
+        }
     }
 
-    /// A table whose words were read from disk into `words`, kept as they
-    /// are.
-    pub(super) fn from_disk(offset: u64, words: Box<[u64]>) -> Self {
-        Self::with_words(offset, atomic(words))
+    /// A table as read whole from disk: every slice loaded.
+    pub(super) fn parse(offset: u64, raw: &[u8]) -> Self {
+        let table = Self::unloaded(offset, raw.len());
+        let (words, _) = raw.as_chunks::<8>();
+        for (slice, chunk) in words.chunks(table.slice_words()).enumerate() {
+            table.fill(slice, chunk.iter().map(|w| u64::from_ne_bytes(*w)).collect());
+        }
+        table
     }
 
     /// A table of unallocated entries at `offset`.
-    pub(super) fn empty(offset: u64, cluster_size: u64) -> Self {
-        Self::with_words(offset, (0..cluster_size / 8).map(|_| AtomicU64::new(0)).collect())
+    pub(super) fn empty(offset: u64, len: usize) -> Self {
+        Self::parse(offset, &vec![0; len])
     }
 
     /// A copy of this table to be written at `offset` (copy-on-write of a
-    /// table shared with a snapshot).
-    pub(super) fn copy_to(&self, offset: u64) -> Self {
-        let table =
-            Self::with_words(offset, self.words.iter().map(|w| AtomicU64::new(w.load(Ordering::Relaxed))).collect());
+    /// table shared with a snapshot); None unless every slice is loaded.
+    pub(super) fn copy_to(&self, offset: u64) -> Option<Self> {
+        let table = Self::unloaded(offset, self.len());
+        for i in 0..self.slices.len() {
+            table.fill(i, self.slice(i)?.iter().map(|w| w.load(Ordering::Relaxed)).collect());
+        }
         table.verified_at.store(self.verified_at.load(Ordering::Acquire), Ordering::Release);
         table
             .verified
             .iter()
             .zip(&self.verified)
             .for_each(|(to, from)| to.store(from.load(Ordering::Relaxed), Ordering::Relaxed));
-        table
+        Some(table)
     }
 
-    fn with_words(offset: u64, words: Box<[AtomicU64]>) -> Self {
-        let verified = (0..words.len().div_ceil(64)).map(|_| AtomicU64::new(0)).collect();
-        Self { offset, words, verified, verified_at: AtomicU64::new(UNVERIFIED), stamp: AtomicU64::new(0) }
+    /// Words per slice.
+    pub(super) fn slice_words(&self) -> usize {
+        1 << self.slice_bits
     }
 
-    /// Word `i` in host byte order.
+    /// The slice holding entry `index`.
+    pub(super) fn slice_of(&self, layout: &Layout, index: usize) -> usize {
+        (index * stride(layout)) >> self.slice_bits
+    }
+
+    /// Whether slice `slice` is loaded.
+    pub(super) fn is_loaded(&self, slice: usize) -> bool {
+        !self.slices[slice].0.load(Ordering::Acquire).is_null()
+    }
+
+    /// Slices loaded so far.
+    pub(super) fn loaded(&self) -> usize {
+        self.loaded.load(Ordering::Acquire)
+    }
+
+    /// Sets slice `slice` to `words` as read from disk (file byte order),
+    /// unless it is loaded already; whether it was set. Through
+    /// [`L2Cache::fill`] for a table that may be cached.
+    pub(super) fn fill(&self, slice: usize, words: Box<[u64]>) -> bool {
+        assert_eq!(words.len(), self.slice_words(), "a slice is a slice's worth of words");
+        let words = Box::into_raw(atomic(words)).cast::<AtomicU64>();
+        let null = std::ptr::null_mut();
+        if self.slices[slice].0.compare_exchange(null, words, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            // SAFETY: `words` came from Box::into_raw of a slice this long
+            // just above, and went nowhere else.
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(words, self.slice_words())) });
+            return false;
+        }
+        self.loaded.fetch_add(1, Ordering::AcqRel);
+        true
+    }
+
+    /// Slice `slice`'s words, if loaded.
+    fn slice(&self, slice: usize) -> Option<&[AtomicU64]> {
+        let words = self.slices[slice].0.load(Ordering::Acquire);
+        // SAFETY: a non-null slice pointer names a slice's worth of words,
+        // set once by `fill` and freed only when the table drops.
+        (!words.is_null()).then(|| unsafe { std::slice::from_raw_parts(words, self.slice_words()) })
+    }
+
+    /// The atomic holding word `i`, if its slice is loaded.
+    #[inline(always)]
+    fn atom(&self, i: usize) -> Option<&AtomicU64> {
+        let words = self.slices[i >> self.slice_bits].0.load(Ordering::Acquire);
+        // SAFETY: as in `slice`; the index is masked to within the slice.
+        (!words.is_null()).then(|| unsafe { &*words.add(i & ((1 << self.slice_bits) - 1)) })
+    }
+
+    /// Word `i` in host byte order, if its slice is loaded.
+    #[inline(always)]
+    fn word(&self, i: usize, order: Ordering) -> Option<u64> {
+        Some(u64::from_be(self.atom(i)?.load(order)))
+    }
+
+    /// Sets word `i` from host byte order; false if its slice is not loaded.
     #[inline]
-    fn word(&self, i: usize, order: Ordering) -> u64 {
-        u64::from_be(self.words[i].load(order))
-    }
-
-    /// Sets word `i` from host byte order.
-    #[inline]
-    fn set_word(&self, i: usize, value: u64) {
-        self.words[i].store(value.to_be(), Ordering::Release);
+    fn set_word(&self, i: usize, value: u64) -> bool {
+        self.atom(i).map(|w| w.store(value.to_be(), Ordering::Release)).is_some()
     }
 
     /// Whether the verified entries hold for `version` of the metadata map.
@@ -98,7 +170,7 @@ impl L2Table {
     }
 
     /// Whether entry `index` is known not to point into metadata.
-    #[inline]
+    #[inline(always)]
     pub(super) fn is_verified(&self, index: usize) -> bool {
         self.verified[index / 64].load(Ordering::Acquire) & (1 << (index % 64)) != 0
     }
@@ -108,12 +180,12 @@ impl L2Table {
     /// then remembers. `is_metadata(host)` says whether a data cluster
     /// offset is a metadata cluster (None: data lives in an external file,
     /// where nothing can overlap). Called under the metadata map's read
-    /// lock, after [`L2Table::revalidate`].
+    /// lock, after [`L2Table::revalidate`]; false too if the entry's slice
+    /// is not loaded.
     pub(super) fn verify(&self, layout: &Layout, index: usize, is_metadata: Option<&dyn Fn(u64) -> bool>) -> bool {
+        let Some(e) = self.word(index * stride(layout), Ordering::Acquire) else { return false };
         if let Some(is_metadata) = is_metadata {
-            let stride = if layout.extended { 2 } else { 1 };
             let cluster_size = 1u64 << layout.cluster_bits;
-            let e = self.word(index * stride, Ordering::Acquire);
             let (start, len) = if e & COMPRESSED != 0 {
                 layout.decode(e, 0).ok().and_then(|d| d.compressed).unwrap_or((0, 0))
             } else {
@@ -128,60 +200,84 @@ impl L2Table {
         true
     }
 
-    /// Decodes entry `index`, verified or not.
-    pub(super) fn decode(&self, layout: &Layout, index: usize) -> Result<L2Entry, EntryError> {
-        let stride = if layout.extended { 2 } else { 1 };
-        let entry = self.word(index * stride, Ordering::Acquire);
-        let bitmap = if layout.extended { self.word(index * stride + 1, Ordering::Acquire) } else { 0 };
-        layout.decode(entry, bitmap)
+    /// Decodes entry `index`, verified or not; None if its slice is not
+    /// loaded.
+    pub(super) fn decode(&self, layout: &Layout, index: usize) -> Option<Result<L2Entry, EntryError>> {
+        let at = index * stride(layout);
+        let entry = self.word(at, Ordering::Acquire)?;
+        let bitmap = if layout.extended { self.word(at + 1, Ordering::Acquire)? } else { 0 };
+        Some(layout.decode(entry, bitmap))
     }
 
-    /// The raw entry word `index` (for errors).
+    /// The raw entry word `index` (for errors); 0 if not loaded.
     pub(super) fn raw_entry(&self, layout: &Layout, index: usize) -> u64 {
-        self.word(index * if layout.extended { 2 } else { 1 }, Ordering::Relaxed)
+        self.word(index * stride(layout), Ordering::Relaxed).unwrap_or(0)
     }
 
     /// Entry `index` if it plainly maps data ([`Layout::plain_data`]) and
-    /// is verified not to point into metadata.
-    #[inline]
+    /// is verified not to point into metadata (so its slice is loaded).
+    #[inline(always)]
     pub(super) fn plain_data(&self, layout: &Layout, index: usize) -> Option<(u64, bool)> {
         if layout.extended || !self.is_verified(index) {
             return None;
         }
-        layout.plain_data(self.word(index, Ordering::Acquire))
+        layout.plain_data(self.word(index, Ordering::Acquire)?)
     }
 
     /// Replaces entry `index` in memory; returns the byte range of the
-    /// table that changed. New entries come from the allocator, which never
-    /// hands out metadata clusters, so the entry's verification stands.
-    pub(super) fn set(&self, layout: &Layout, index: usize, e: &L2Entry) -> std::ops::Range<usize> {
+    /// table that changed, or None if its slice is not loaded. New entries
+    /// come from the allocator, which never hands out metadata clusters,
+    /// so the entry's verification stands.
+    pub(super) fn set(&self, layout: &Layout, index: usize, e: &L2Entry) -> Option<std::ops::Range<usize>> {
         let (entry, bitmap) = layout.encode(e);
         if layout.extended {
             // The bitmap first: a reader that sees the new entry word also
             // sees the bitmap that goes with it.
-            self.set_word(index * 2 + 1, bitmap);
-            self.set_word(index * 2, entry);
-            index * 16..index * 16 + 16
+            (self.set_word(index * 2 + 1, bitmap) && self.set_word(index * 2, entry))
+                .then_some(index * 16..index * 16 + 16)
         } else {
-            self.set_word(index, entry);
-            index * 8..index * 8 + 8
+            self.set_word(index, entry).then_some(index * 8..index * 8 + 8)
         }
     }
 
     /// The on-disk bytes of `range` (aligned to 512-byte sectors by the
-    /// caller).
-    pub(super) fn bytes(&self, range: std::ops::Range<usize>) -> AlignedBuf {
+    /// caller); None if part of it is not loaded.
+    pub(super) fn bytes(&self, range: std::ops::Range<usize>) -> Option<AlignedBuf> {
         let mut out = AlignedBuf::zeroed(range.len());
-        for (chunk, word) in out.chunks_exact_mut(8).zip(&self.words[range.start / 8..range.end / 8]) {
-            chunk.copy_from_slice(&word.load(Ordering::Relaxed).to_ne_bytes());
+        for (chunk, i) in out.chunks_exact_mut(8).zip(range.start / 8..) {
+            chunk.copy_from_slice(&self.word(i, Ordering::Relaxed)?.to_be_bytes());
         }
-        out
+        Some(out)
     }
 
     /// Its size in bytes.
     pub(super) fn len(&self) -> usize {
-        self.words.len() * 8
+        self.slices.len() << (self.slice_bits + 3)
     }
+}
+
+impl Drop for L2Table {
+    fn drop(&mut self) {
+        for slice in &self.slices {
+            let words = slice.0.load(Ordering::Acquire);
+            if !words.is_null() {
+                // SAFETY: set by `fill` from Box::into_raw of a slice this
+                // long; nothing uses it once the table is dropped.
+                drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(words, self.slice_words())) });
+            }
+        }
+    }
+}
+
+/// One slice of a table: null until loaded, then a slice's worth of words
+/// (from a boxed slice) that stays until the table drops. A bare pointer,
+/// not a `OnceLock<Box<[_]>>`: every lookup goes through it, and it saves
+/// the lock's state check and the length's bounds check.
+struct Slice(AtomicPtr<AtomicU64>);
+
+/// Words per entry.
+fn stride(layout: &Layout) -> usize {
+    if layout.extended { 2 } else { 1 }
 }
 
 /// `words` as atomics, in the same allocation.
@@ -217,9 +313,18 @@ impl Hasher for OffsetHasher {
 
 type TableMap = HashMap<u64, Arc<L2Table>, BuildHasherDefault<OffsetHasher>>;
 
-/// Cached L2 tables by offset, with approximate LRU eviction.
+/// The cached tables, and the slices they hold between them.
+#[derive(Default)]
+struct Tables {
+    map: TableMap,
+    slices: usize,
+}
+
+/// Cached L2 tables by offset, with approximate LRU eviction, bounded by
+/// the slices they hold.
 pub(super) struct L2Cache {
-    tables: RwLock<TableMap>,
+    tables: RwLock<Tables>,
+    /// Slices the cache may hold.
     capacity: usize,
     /// Advanced on every insertion and cleaning pass; lookups stamp tables
     /// with it, so the hit path writes no shared counter.
@@ -232,11 +337,11 @@ pub(super) struct L2Cache {
 }
 
 impl L2Cache {
-    /// A cache of at most `capacity` tables (at least 2).
-    pub(super) fn new(capacity: usize) -> Self {
+    /// A cache of at most `capacity` slices (at least `floor`).
+    pub(super) fn new(capacity: usize, floor: usize) -> Self {
         Self {
             tables: RwLock::default(),
-            capacity: capacity.max(2),
+            capacity: capacity.max(floor),
             clock: AtomicU64::new(1),
             cleaned: AtomicU64::new(0),
             generation: AtomicU64::new(0),
@@ -252,7 +357,7 @@ impl L2Cache {
     /// The table at `offset`, if cached, and the generation it is cached in.
     pub(super) fn lookup(&self, offset: u64) -> Option<(Arc<L2Table>, u64)> {
         let tables = self.tables.read().unwrap_or_else(|e| e.into_inner());
-        let table = tables.get(&offset)?;
+        let table = tables.map.get(&offset)?;
         self.touch(table);
         Some((table.clone(), self.generation()))
     }
@@ -269,21 +374,46 @@ impl L2Cache {
     /// The table at `offset`, if cached.
     pub(super) fn get(&self, offset: u64) -> Option<Arc<L2Table>> {
         let tables = self.tables.read().unwrap_or_else(|e| e.into_inner());
-        tables.get(&offset).cloned()
+        tables.map.get(&offset).cloned()
     }
 
-    /// Adds a table, evicting the least recently used one if full.
+    /// Adds a table, evicting the least recently used ones if full.
     pub(super) fn insert(&self, table: Arc<L2Table>) {
         let now = self.clock.fetch_add(1, Ordering::Relaxed) + 1;
         table.stamp.store(now, Ordering::Relaxed);
         let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
         self.generation.fetch_add(1, Ordering::Release);
-        tables.insert(table.offset, table);
-        if tables.len() > self.capacity {
-            let oldest = tables.iter().min_by_key(|(_, t)| t.stamp.load(Ordering::Relaxed)).map(|(&off, _)| off);
-            if let Some(off) = oldest {
-                tables.remove(&off);
-            }
+        tables.slices += table.loaded();
+        if let Some(old) = tables.map.insert(table.offset, table.clone()) {
+            tables.slices -= old.loaded();
+        }
+        self.evict(&mut tables, table.offset);
+    }
+
+    /// Loads slice `slice` of `table` with `words` (file byte order),
+    /// unless loaded already, counting it if the table is cached (and
+    /// evicting others if that makes the cache full).
+    pub(super) fn fill(&self, table: &Arc<L2Table>, slice: usize, words: Box<[u64]>) {
+        let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
+        if table.fill(slice, words) && tables.map.get(&table.offset).is_some_and(|t| Arc::ptr_eq(t, table)) {
+            tables.slices += 1;
+            self.evict(&mut tables, table.offset);
+        }
+    }
+
+    /// Evicts the least recently used tables but `keep` while the cache
+    /// holds more slices than it may.
+    fn evict(&self, tables: &mut Tables, keep: u64) {
+        while tables.slices > self.capacity {
+            let oldest = tables
+                .map
+                .iter()
+                .filter(|&(&off, _)| off != keep)
+                .min_by_key(|(_, t)| t.stamp.load(Ordering::Relaxed))
+                .map(|(&off, _)| off);
+            let Some(table) = oldest.and_then(|off| tables.map.remove(&off)) else { return };
+            tables.slices -= table.loaded();
+            self.generation.fetch_add(1, Ordering::Release);
         }
     }
 
@@ -295,13 +425,22 @@ impl L2Cache {
         self.generation.fetch_add(1, Ordering::Release);
         let now = self.clock.fetch_add(1, Ordering::Relaxed) + 1;
         let last = self.cleaned.swap(now, Ordering::Relaxed);
-        tables.retain(|_, t| t.stamp.load(Ordering::Relaxed) >= last);
+        let Tables { map, slices } = &mut *tables;
+        map.retain(|_, t| {
+            let keep = t.stamp.load(Ordering::Relaxed) >= last;
+            if !keep {
+                *slices -= t.loaded();
+            }
+            keep
+        });
     }
 
     /// Forgets the table at `offset` (it moved).
     pub(super) fn remove(&self, offset: u64) {
         let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
         self.generation.fetch_add(1, Ordering::Release);
-        tables.remove(&offset);
+        if let Some(table) = tables.map.remove(&offset) {
+            tables.slices -= table.loaded();
+        }
     }
 }

@@ -96,10 +96,6 @@ pub struct Extent {
 /// Tables one queue looked up recently, by L1 index modulo the slot count.
 const MEMO_SLOTS: usize = 16;
 
-/// How many tables [`Image::missing_table`] looks at: guest requests span
-/// at most two.
-const PRELOAD_TABLES: usize = 2;
-
 /// One queue's memo of the L2 tables it used last. While the cache's
 /// generation is unchanged (no table entered or left it), a memoised table
 /// is still the cached one, so the lookup takes no lock and hashes nothing.
@@ -172,41 +168,48 @@ pub struct Image {
     tables_written: AtomicU64,
 }
 
-/// An L2 table the cache lacks, read without blocking: the caller reads
-/// the cluster at [`TableLoad::offset`] into [`TableLoad::buffer`] however
-/// it likes (asynchronously, beside other requests), then hands it to
-/// [`Image::finish_load`]. The read lands in the memory the cached table
-/// keeps: no copy, no zeroing.
+/// A slice of an L2 table the cache lacks, read without blocking: the
+/// caller reads [`TableLoad::buffer`] from [`TableLoad::at`] in the image
+/// file however it likes (asynchronously, beside other requests), then
+/// hands it to [`Image::finish_load`]. The read lands in the memory the
+/// cached table keeps: no copy, no zeroing.
 pub struct TableLoad {
-    offset: u64,
+    missing: MissingTable,
+    at: u64,
     epoch: u64,
     words: Box<[MaybeUninit<u64>]>,
 }
 
 impl TableLoad {
-    /// A load of tables of `image`.
+    /// A load of table slices of `image`.
     pub fn new(image: &Image) -> Self {
-        Self { offset: 0, epoch: 0, words: Box::new_uninit_slice(image.cluster_size() as usize / 8) }
+        let words = Box::new_uninit_slice(image.slice_bytes() / 8);
+        Self { missing: MissingTable { offset: 0, slice: 0 }, at: 0, epoch: 0, words }
     }
 
-    /// Where the table is in the image file.
-    pub fn offset(&self) -> u64 {
-        self.offset
+    /// Whether it loads what `missing` names.
+    pub fn loads(&self, missing: MissingTable) -> bool {
+        self.missing == missing
     }
 
-    /// Where to read it to, and how many bytes (one cluster). The memory
-    /// is uninitialised until the read fills it.
+    /// Where the slice is in the image file.
+    pub fn at(&self) -> u64 {
+        self.at
+    }
+
+    /// Where to read it to, and how many bytes. The memory is
+    /// uninitialised until the read fills it.
     pub fn buffer(&mut self) -> (*mut u8, usize) {
         (self.words.as_mut_ptr().cast(), self.words.len() * 8)
     }
 }
 
-/// The L2 table at `offset` of the image file is needed and not cached:
-/// load it ([`Image::start_load`]) and map again.
+/// A slice of the L2 table at `offset` of the image file is needed and not
+/// cached: load it ([`Image::start_load`]) and map again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MissingTable {
-    /// Where the table is in the image file.
-    pub offset: u64,
+    offset: u64,
+    slice: usize,
 }
 
 /// Everything allocation changes, behind the metadata mutex.
@@ -279,9 +282,10 @@ impl Image {
         match self.map_cached(memo, offset, len) {
             Ok(extent) => Ok(extent),
             Err(missing) => {
-                let table = self.load_l2(&mut self.lock(), io, missing.offset)?;
+                let table = self.load_l2(&mut self.lock(), io, missing.offset, missing.slice..missing.slice + 1)?;
                 self.check_l2(&table);
-                Ok(self.walk(&table, offset, self.table_end(offset, len)))
+                self.walk(&table, offset, self.table_end(offset, len))
+                    .ok_or_else(|| io::Error::from_raw_os_error(libc::EIO))
             }
         }
     }
@@ -318,65 +322,88 @@ impl Image {
             Ok(None) => return Ok(Extent { mapping: Mapping::Unallocated, len: limit - offset }),
             Err(e) => return Ok(self.invalid(e, offset, limit)),
         };
+        let missing = MissingTable { offset: l2_offset, slice: self.slice_of(self.l2_index(offset)) };
         if let Some(table) = self.memoised(memo, l1_index) {
             self.l2.touch(table);
-            return Ok(self.walk(table, offset, limit));
+            return self.walk(table, offset, limit).ok_or(missing);
         }
         let Some((table, generation)) = self.l2.lookup(l2_offset) else {
-            return Err(MissingTable { offset: l2_offset });
+            return Err(missing);
         };
         memo.slots[l1_index % MEMO_SLOTS] = Some((l2_offset, generation, table.clone()));
         self.check_l2(&table);
-        Ok(self.walk(&table, offset, limit))
+        self.walk(&table, offset, limit).ok_or(missing)
     }
 
-    /// The first L2 table among those mapping the first [`PRELOAD_TABLES`]
-    /// table spans of a guest range that the cache lacks: a request that
-    /// changes metadata loads them ahead ([`Image::start_load`]) rather
-    /// than under the metadata mutex. Ranges wider than that load the rest
-    /// as they go.
+    /// Bytes of an L2 table slice, as loaded and cached.
+    fn slice_bytes(&self) -> usize {
+        cache::SLICE_BYTES.min(self.cluster_size() as usize)
+    }
+
+    /// The slice of its table that holds L2 entry `index`.
+    fn slice_of(&self, index: usize) -> usize {
+        index * if self.layout.extended { 16 } else { 8 } / self.slice_bytes()
+    }
+
+    /// The table slice the cache lacks among those mapping the first and
+    /// the last cluster of a guest range: a request that changes metadata
+    /// loads them ahead ([`Image::start_load`]) rather than under the
+    /// metadata mutex. Slices between them (ranges over 32 MiB, with 64 KiB
+    /// clusters) are loaded as the request goes.
     pub fn missing_table(&self, offset: u64, len: u64) -> Option<MissingTable> {
-        let first = self.l1_index(offset);
-        let last = self.l1_index(offset + len.max(1) - 1).min(first + PRELOAD_TABLES - 1);
-        (first..=last.min(self.l1.len().saturating_sub(1))).find_map(|i| {
-            let (l2_offset, _) = entry::l1(self.l1[i].load(Ordering::Acquire), self.cluster_size()).ok()??;
-            self.l2.get(l2_offset).is_none().then_some(MissingTable { offset: l2_offset })
+        [offset, offset + len.max(1) - 1].into_iter().find_map(|at| {
+            let entry = self.l1.get(self.l1_index(at))?.load(Ordering::Acquire);
+            let (l2_offset, _) = entry::l1(entry, self.cluster_size()).ok()??;
+            let slice = self.slice_of(self.l2_index(at));
+            let cached = self.l2.get(l2_offset).is_some_and(|t| t.is_loaded(slice));
+            (!cached).then_some(MissingTable { offset: l2_offset, slice })
         })
     }
 
-    /// Prepares `load` for the table `missing` names; the caller then reads
-    /// it into [`TableLoad::buf`].
+    /// Prepares `load` for the slice `missing` names; the caller then reads
+    /// it into [`TableLoad::buffer`].
     pub fn start_load(&self, load: &mut TableLoad, missing: MissingTable) {
-        load.offset = missing.offset;
+        load.missing = missing;
+        load.at = missing.offset + (missing.slice * self.slice_bytes()) as u64;
         load.epoch = self.tables_written.load(Ordering::Acquire);
     }
 
-    /// Puts the table `load` read into the cache, unless the cache or the
-    /// in-memory changes have a newer one, or tables were written while it
+    /// Puts the slice `load` read into the cache, unless the cache or the
+    /// in-memory changes have it already, or tables were written while it
     /// was read (then what it read may be stale: map again, which loads it
-    /// again). Whether the table is cached now. The metadata mutex is taken
+    /// again). Whether the slice is cached now. The metadata mutex is taken
     /// for no I/O.
     ///
     /// # Safety
     /// A read has filled the whole of [`TableLoad::buffer`] since
     /// [`Image::start_load`].
     pub unsafe fn finish_load(&self, load: &mut TableLoad) -> bool {
+        let MissingTable { offset, slice } = load.missing;
         let meta = self.lock();
-        if self.l2.get(load.offset).is_some() {
+        let current = load.epoch == self.tables_written.load(Ordering::Acquire);
+        let table = match (self.l2.get(offset), meta.dirty_l2.get(&offset)) {
+            (Some(table), _) => table,
+            (None, Some((table, _))) => {
+                self.l2.insert(table.clone());
+                table.clone()
+            }
+            (None, None) if current => {
+                let table = Arc::new(L2Table::unloaded(offset, self.cluster_size() as usize));
+                self.l2.insert(table.clone());
+                table
+            }
+            (None, None) => return false,
+        };
+        if table.is_loaded(slice) {
             return true;
         }
-        if let Some((table, _)) = meta.dirty_l2.get(&load.offset) {
-            self.l2.insert(table.clone());
-            return true;
-        }
-        if self.tables_written.load(Ordering::Acquire) != load.epoch {
+        if !current {
             return false;
         }
         let fresh = Box::new_uninit_slice(load.words.len());
         let words = std::mem::replace(&mut load.words, fresh);
         // SAFETY: the caller's guarantee: a read initialised every byte.
-        let words = unsafe { words.assume_init() };
-        self.l2.insert(Arc::new(L2Table::from_disk(load.offset, words)));
+        self.l2.fill(&table, slice, unsafe { words.assume_init() });
         true
     }
 
@@ -404,7 +431,7 @@ impl Image {
     /// The mapping of a range within one cluster that plainly holds data
     /// ([`L2Table::plain_data`]), the common case, without the general
     /// walk; `None` for any other range.
-    #[inline]
+    #[inline(always)]
     fn plain(&self, table: &L2Table, offset: u64, len: u64) -> Option<Extent> {
         let cb = self.header.cluster_bits;
         let within = offset & ((1 << cb) - 1);
@@ -416,10 +443,11 @@ impl Image {
     }
 
     /// Walks `table` from `offset` to `limit` (both within it), merging
-    /// subclusters that map the same way.
-    fn walk(&self, table: &L2Table, offset: u64, limit: u64) -> Extent {
+    /// subclusters that map the same way, as far as its loaded slices go;
+    /// None if the slice of `offset` is not loaded.
+    fn walk(&self, table: &L2Table, offset: u64, limit: u64) -> Option<Extent> {
         if let Some(extent) = self.plain(table, offset, limit - offset) {
-            return extent;
+            return Some(extent);
         }
         let cb = self.header.cluster_bits;
         let scb = self.layout.subcluster_bits();
@@ -428,9 +456,12 @@ impl Image {
         while pos < limit {
             let index = self.l2_index(pos);
             let e = match self.entry(table, index) {
-                Ok(e) => e,
-                Err(e) if first.is_none() => return self.invalid(e, offset, (pos | (self.cluster_size() - 1)) + 1),
-                Err(_) => break,
+                None if first.is_none() => return None,
+                Some(Ok(e)) => e,
+                Some(Err(e)) if first.is_none() => {
+                    return Some(self.invalid(e, offset, (pos | (self.cluster_size() - 1)) + 1));
+                }
+                _ => break,
             };
             let sc = ((pos >> scb) & u64::from(self.layout.subclusters() - 1)) as u32;
             let (mapping, next) = match e.subcluster(sc, scb) {
@@ -458,7 +489,7 @@ impl Image {
                 break;
             }
         }
-        Extent { mapping: first.expect("the loop runs at least once"), len: pos.min(limit) - offset }
+        Some(Extent { mapping: first.expect("the loop runs at least once"), len: pos.min(limit) - offset })
     }
 
     /// The index in the L1 table of the entry mapping guest `offset`.
@@ -568,7 +599,8 @@ impl Image {
         for (table, chunks) in meta.dirty_l2.values() {
             for &start in chunks {
                 let len = self.chunk_of(start..start + 8).len();
-                io.meta.write_at(&table.bytes(start..start + len), table.offset + start as u64)?;
+                let bytes = table.bytes(start..start + len).ok_or_else(unloaded_slice)?;
+                io.meta.write_at(&bytes, table.offset + start as u64)?;
             }
         }
         meta.dirty_l2.clear();
@@ -586,22 +618,41 @@ impl Image {
         Ok(())
     }
 
-    /// The L2 table at `l2_offset`, loaded into the cache if needed. Loads
-    /// happen under the metadata mutex so that a table being changed is
-    /// never reloaded from stale disk contents.
-    fn load_l2(&self, meta: &mut Meta, io: &mut dyn SyncIo, l2_offset: u64) -> io::Result<Arc<L2Table>> {
-        if let Some(table) = self.l2.get(l2_offset) {
-            return Ok(table);
+    /// The L2 table at `l2_offset` with its `slices` loaded, into the
+    /// cache if needed. Loads happen under the metadata mutex so that a
+    /// table being changed is never reloaded from stale disk contents.
+    fn load_l2(
+        &self,
+        meta: &mut Meta,
+        io: &mut dyn SyncIo,
+        l2_offset: u64,
+        slices: std::ops::Range<usize>,
+    ) -> io::Result<Arc<L2Table>> {
+        let table = match (self.l2.get(l2_offset), meta.dirty_l2.get(&l2_offset)) {
+            (Some(table), _) => table,
+            (None, Some((table, _))) => {
+                self.l2.insert(table.clone());
+                table.clone()
+            }
+            (None, None) => {
+                let table = Arc::new(L2Table::unloaded(l2_offset, self.cluster_size() as usize));
+                self.l2.insert(table.clone());
+                table
+            }
+        };
+        let bytes = self.slice_bytes();
+        for slice in slices.filter(|&slice| !table.is_loaded(slice)) {
+            let mut raw = AlignedBuf::zeroed(bytes);
+            io.read_at(&mut raw, l2_offset + (slice * bytes) as u64)?;
+            let (words, _) = raw.as_chunks::<8>();
+            self.l2.fill(&table, slice, words.iter().map(|w| u64::from_ne_bytes(*w)).collect());
         }
-        if let Some((table, _)) = meta.dirty_l2.get(&l2_offset) {
-            self.l2.insert(table.clone());
-            return Ok(table.clone());
-        }
-        let mut raw = AlignedBuf::zeroed(self.cluster_size() as usize);
-        io.read_at(&mut raw, l2_offset)?;
-        let table = Arc::new(L2Table::parse(l2_offset, &raw));
-        self.l2.insert(table.clone());
         Ok(table)
+    }
+
+    /// The range of every slice of a table.
+    fn all_slices(&self) -> std::ops::Range<usize> {
+        0..self.cluster_size() as usize / self.slice_bytes()
     }
 
     /// Forgets `table`'s verified entries if a cluster became metadata
@@ -613,8 +664,9 @@ impl Image {
         }
     }
 
-    /// Entry `index` of `table`, verified not to point into metadata.
-    fn entry(&self, table: &L2Table, index: usize) -> Result<L2Entry, EntryError> {
+    /// Entry `index` of `table`, verified not to point into metadata; None
+    /// if its slice is not loaded.
+    fn entry(&self, table: &L2Table, index: usize) -> Option<Result<L2Entry, EntryError>> {
         if !(table.checked(self.metadata.version()) && table.is_verified(index)) {
             let cb = self.header.cluster_bits;
             let verified = self.metadata.with_test(|is_metadata, version| {
@@ -623,7 +675,8 @@ impl Image {
                 table.verify(&self.layout, index, (!self.layout.data_file).then_some(&test))
             });
             if !verified {
-                return Err(EntryError::Metadata(table.raw_entry(&self.layout, index)));
+                let slice = table.slice_of(&self.layout, index);
+                return table.is_loaded(slice).then(|| Err(EntryError::Metadata(table.raw_entry(&self.layout, index))));
             }
         }
         table.decode(&self.layout, index)
@@ -646,6 +699,14 @@ impl Meta {
         io.write_at(&self.header_chunk, 0)?;
         io.flush()
     }
+}
+
+/// A changed L2 entry outside the loaded slices of its table: changes load
+/// their slice first, so this is a bug, reported as an I/O error rather
+/// than written as zeroes.
+fn unloaded_slice() -> io::Error {
+    log::error!("qcow2: an L2 table slice to write back is not in memory");
+    io::Error::from_raw_os_error(libc::EIO)
 }
 
 /// Whether `next`, found `delta` bytes after the start of `first`, extends it.

@@ -130,7 +130,11 @@ impl Image {
             return Err(FormatError::Unsupported("lazy refcounts need a version 3 (compat=1.1) image".into()));
         }
         Ok(Image {
-            l2: L2Cache::new((cache_bytes / cs) as usize),
+            l2: {
+                let slice = super::cache::SLICE_BYTES.min(cs as usize) as u64;
+                // At least two whole tables.
+                L2Cache::new((cache_bytes / slice) as usize, 2 * (cs / slice) as usize)
+            },
             // The table's clusters hold more entries than l1_size: keep
             // room for them (zero) so that growing needs no new table.
             l1: (0..(u64::from(header.l1_size) * 8).next_multiple_of(cs) / 8)

@@ -164,7 +164,7 @@ impl Image {
                 self.write_subclusters(io, &old, cluster, within, n, fill)?;
                 let new = L2Entry { alloc: old.alloc | touched, zero: old.zero & !touched, ..old };
                 if new != old {
-                    self.set_l2(meta, &table, index, &new);
+                    self.set_l2(meta, &table, index, &new)?;
                 }
                 debug_assert_eq!(new.host, Some(host));
                 Ok(())
@@ -292,7 +292,7 @@ impl Image {
             L2Entry { alloc: old.alloc & !touched, zero: old.zero | touched, ..old }
         };
         if new != old {
-            self.set_l2(meta, &table, index, &new);
+            self.set_l2(meta, &table, index, &new)?;
         }
         if new.host != old.host || new.compressed != old.compressed {
             self.release(meta, &old);
@@ -311,7 +311,7 @@ impl Image {
             L2Entry::UNALLOCATED
         };
         if new != old {
-            self.set_l2(meta, &table, index, &new);
+            self.set_l2(meta, &table, index, &new)?;
         }
         match old.host {
             Some(host) if keep => {
@@ -336,7 +336,7 @@ impl Image {
         cluster: u64,
     ) -> io::Result<(Arc<L2Table>, usize, L2Entry)> {
         let (table, index) = self.l2_for_write(meta, io, cluster)?;
-        let entry = self.entry(&table, index).map_err(eio)?;
+        let entry = self.entry(&table, index).ok_or_else(super::unloaded_slice)?.map_err(eio)?;
         Ok((table, index, entry))
     }
 
@@ -349,17 +349,20 @@ impl Image {
         let index = ((cluster >> self.header.cluster_bits) & (self.header.l2_entries() - 1)) as usize;
         let l1_entry = self.l1[l1_index].load(Ordering::Acquire);
         let table = match entry::l1(l1_entry, cs).map_err(eio)? {
-            Some((offset, true)) => return Ok((self.load_l2(meta, io.meta, offset)?, index)),
+            Some((offset, true)) => {
+                let slice = self.slice_of(index);
+                return Ok((self.load_l2(meta, io.meta, offset, slice..slice + 1)?, index));
+            }
             Some((offset, false)) => {
                 // Shared with a snapshot: copy it, then drop our reference.
-                let old = self.load_l2(meta, io.meta, offset)?;
+                let old = self.load_l2(meta, io.meta, offset, self.all_slices())?;
                 let new_offset = meta.alloc(io.meta, 1)?;
-                Arc::new(old.copy_to(new_offset))
+                Arc::new(old.copy_to(new_offset).ok_or_else(super::unloaded_slice)?)
             }
-            None => Arc::new(L2Table::empty(meta.alloc(io.meta, 1)?, cs)),
+            None => Arc::new(L2Table::empty(meta.alloc(io.meta, 1)?, cs as usize)),
         };
         meta.metadata.insert(table.offset / cs);
-        io.meta.write_at(&table.bytes(0..table.len()), table.offset)?;
+        io.meta.write_at(&table.bytes(0..table.len()).ok_or_else(super::unloaded_slice)?, table.offset)?;
         self.l2.insert(table.clone());
         self.set_l1(meta, l1_index, table.offset | COPIED);
         if let Ok(Some((old_offset, _))) = entry::l1(l1_entry, cs) {
@@ -378,9 +381,10 @@ impl Image {
     }
 
     /// Changes an L2 entry in memory; the next flush writes it.
-    pub(super) fn set_l2(&self, meta: &mut Meta, table: &Arc<L2Table>, index: usize, e: &L2Entry) {
-        let chunk = self.chunk_of(table.set(&self.layout, index, e));
+    pub(super) fn set_l2(&self, meta: &mut Meta, table: &Arc<L2Table>, index: usize, e: &L2Entry) -> io::Result<()> {
+        let chunk = self.chunk_of(table.set(&self.layout, index, e).ok_or_else(super::unloaded_slice)?);
         meta.dirty_l2.entry(table.offset).or_insert_with(|| (table.clone(), BTreeSet::new())).1.insert(chunk.start);
+        Ok(())
     }
 
     /// Changes an L1 entry in memory; the next flush writes it.

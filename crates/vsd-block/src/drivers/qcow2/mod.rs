@@ -3,6 +3,7 @@
 //! does (inheriting the node's cache options), or given as nodes.
 
 mod health;
+mod loads;
 mod queue;
 
 use std::io;
@@ -576,12 +577,12 @@ impl BlockNode for Qcow2Node {
         // for their parts; beyond these, parts wait in line. (The child
         // queue keeps one more tag for blocking requests, and the file's
         // has tags for table reads.)
-        let parts = depth.max(8).min((u16::MAX - 1 - queue::LOADS).saturating_sub(depth));
+        let parts = depth.max(8).min((u16::MAX - 1 - loads::LOADS).saturating_sub(depth));
         if parts == 0 {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
         let child_depth = depth + parts;
-        let file = ChildQueue::open(&*self.file, child_depth + queue::LOADS, u64::MAX)?;
+        let file = ChildQueue::open(&*self.file, child_depth + loads::LOADS, u64::MAX)?;
         let data = self.data.as_ref().map(|d| ChildQueue::open(&**d, child_depth, u64::MAX)).transpose()?;
         let backing = self.backing.get().map(|b| ChildQueue::open(&**b, child_depth, b.size())).transpose()?;
         let children = queue::Children { file, data, backing };

@@ -15,11 +15,11 @@
 //! allocation finishes: the image wakes this queue through an eventfd in
 //! its epoll set.
 //!
-//! A request whose mapping needs an L2 table the cache lacks waits while
-//! the table is read like any other child request ([`TableLoad`]); the
-//! others go on meanwhile, and the request is routed again (from where it
-//! stopped) once the table is in. Requests that change metadata load the
-//! tables they need the same way before they take the metadata mutex.
+//! A request whose mapping needs an L2 table slice the cache lacks waits
+//! while the slice is read like any other child request (see `loads`);
+//! the others go on meanwhile, and the request is routed again (from where
+//! it stopped) once the slice is in. Requests that change metadata load the
+//! slices they need the same way before they take the metadata mutex.
 //!
 //! A guest request that maps onto one child request, all of it (the common
 //! case: a read or write within a cluster), goes down under the guest's own
@@ -36,9 +36,10 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_engine::{Completion, IoOp, IoQueue, IoVecs};
 use vsd_qcow2::buf::AlignedBuf;
-use vsd_qcow2::{Allocation, Busy, CorruptMetadata, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable, TableLoad};
+use vsd_qcow2::{Allocation, Busy, CorruptMetadata, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable};
 
 use super::health::Health;
+use super::loads::{Loads, Waiting};
 use crate::drivers::child::ChildQueue;
 
 /// Which child a request goes to.
@@ -88,33 +89,6 @@ struct Blocked {
     seen: u64,
 }
 
-/// How many L2 tables one queue reads at once; requests needing another
-/// wait for one of these to finish (each holds a cluster-sized buffer).
-pub(crate) const LOADS: u16 = 8;
-
-/// How many times a request waits for tables before it loads the next one
-/// it lacks under the metadata mutex: tables other queues evict as fast as
-/// this one loads them cannot keep it from progressing.
-const PATIENCE: u8 = 4;
-
-/// A guest request routed as far as `from` (bytes of it sent on), waiting
-/// for an L2 table.
-struct Waiting {
-    tag: u32,
-    op: IoOp,
-    from: u64,
-    /// Tables it waited for so far.
-    waits: u8,
-}
-
-/// One table read in flight, and the requests waiting for it.
-struct Load {
-    table: Option<TableLoad>,
-    /// The buffer the child request reads into.
-    iov: libc::iovec,
-    waiting: Vec<Waiting>,
-}
-
 /// Wakes the queue's owner when an allocation it waits for finishes (on
 /// whichever thread): the eventfd is in the queue's epoll set.
 struct WakeFd(EventFd);
@@ -158,14 +132,8 @@ pub(crate) struct Qcow2Queue {
     deferred: VecDeque<Deferred>,
     answered: Vec<Completion>,
     blocked: Vec<Blocked>,
-    /// Table reads, by load tag (child tag minus the guest's depth and the
-    /// part tags): busy while requests wait in them.
-    loads: Vec<Load>,
-    free_loads: Vec<u32>,
-    /// Requests waiting for a load tag.
-    want_load: VecDeque<Waiting>,
-    /// Requests whose table came in: routed again from `reap`.
-    resumable: Vec<Waiting>,
+    /// Reads of table slices, and the requests waiting for them.
+    loads: Loads,
     /// Wakes this queue for `blocked`.
     unblocked: Arc<WakeFd>,
     waker: Waker,
@@ -206,16 +174,7 @@ impl Qcow2Queue {
             deferred: VecDeque::new(),
             answered: Vec::with_capacity(usize::from(depth)),
             blocked: Vec::new(),
-            loads: (0..LOADS)
-                .map(|_| Load {
-                    table: None,
-                    iov: libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 },
-                    waiting: Vec::new(),
-                })
-                .collect(),
-            free_loads: (0..u32::from(LOADS)).rev().collect(),
-            want_load: VecDeque::new(),
-            resumable: Vec::new(),
+            loads: Loads::new(),
             waker: Waker::from(unblocked.clone()),
             unblocked,
             compressed: None,
@@ -350,7 +309,7 @@ impl Qcow2Queue {
     /// completions: a whole request's is the guest's own, a part's settles
     /// its parent.
     fn settle_parts(&mut self, out: &mut Vec<Completion>, start: usize) {
-        if self.free.len() == self.parts.len() && self.free_loads.len() == self.loads.len() {
+        if self.free.len() == self.parts.len() && self.loads.idle() {
             // No part or table read is out: every completion is a guest's own.
             return;
         }
@@ -362,7 +321,9 @@ impl Qcow2Queue {
                 tag if tag < self.depth => Some(c),
                 tag if tag < loads_from => self.settle_part(c),
                 tag => {
-                    self.settle_load(tag - loads_from, c.errno);
+                    for w in self.loads.finish(&self.image, tag - loads_from, c.errno) {
+                        self.release(w.tag, c.errno);
+                    }
                     None
                 }
             };
@@ -387,66 +348,13 @@ impl Qcow2Queue {
         self.settle(parent, errno)
     }
 
-    /// A table read done: the requests waiting for it are routed again
-    /// (from `reap`), or fail with its error.
-    fn settle_load(&mut self, slot: u32, errno: i32) {
-        let load = &mut self.loads[slot as usize];
-        let table = load.table.as_mut().expect("a load in flight has its table");
-        if errno == 0 {
-            // SAFETY: the read into its buffer succeeded, which fills it
-            // whole (IoQueue's contract: zeroes past the end of the file).
-            unsafe { self.image.finish_load(table) };
-            self.resumable.append(&mut load.waiting);
-        } else {
-            log::error!("qcow2: reading the L2 table at {:#x} failed: errno {errno}", table.offset());
-            for w in std::mem::take(&mut load.waiting) {
-                self.release(w.tag, errno);
-            }
-        }
-        self.free_loads.push(slot);
-        // A load tag is free: the first to wait for one tries again.
-        self.resumable.extend(self.want_load.pop_front());
-    }
-
-    /// Holds `w` back until the table `missing` is in: joins the read of it
-    /// in flight, or starts one, or waits for a load tag.
-    fn await_table(&mut self, missing: MissingTable, mut w: Waiting) {
-        if let Some(load) = self
-            .loads
-            .iter_mut()
-            .find(|l| !l.waiting.is_empty() && l.table.as_ref().is_some_and(|t| t.offset() == missing.offset))
-        {
-            w.waits += 1;
-            load.waiting.push(w);
-            return;
-        }
-        let Some(slot) = self.free_loads.pop() else {
-            self.want_load.push_back(w);
-            return;
-        };
-        w.waits += 1;
-        let load = &mut self.loads[slot as usize];
-        let table = load.table.get_or_insert_with(|| TableLoad::new(&self.image));
-        self.image.start_load(table, missing);
-        let (buf, len) = table.buffer();
-        load.iov = libc::iovec { iov_base: buf.cast(), iov_len: len };
-        load.waiting.push(w);
-        // SAFETY: `load.iov` and the buffer it names live in `self.loads`,
-        // which never grows, and are not touched until the read completes.
-        let iov = unsafe { IoVecs::new(&load.iov, 1) };
-        let op = IoOp::Read { offset: missing.offset, len: load.iov.iov_len as u64, iov };
-        let tag = self.depth + self.parts.len() as u32 + slot;
-        // SAFETY: as above.
-        unsafe { self.file.push(tag, op) };
-    }
-
     /// Routes again the requests whose tables came in; whether there were
     /// any.
     fn resume(&mut self) -> bool {
-        if self.resumable.is_empty() {
+        if self.loads.resumable.is_empty() {
             return false;
         }
-        for w in std::mem::take(&mut self.resumable) {
+        for w in std::mem::take(&mut self.loads.resumable) {
             self.proceed(w);
         }
         true
@@ -457,7 +365,7 @@ impl Qcow2Queue {
     fn start(&mut self, tag: u32, op: IoOp) {
         // Held until routing is done, so the parent cannot complete early.
         self.parents[tag as usize] = Parent { remaining: 1, errno: 0 };
-        self.proceed(Waiting { tag, op, from: 0, waits: 0 });
+        self.proceed(Waiting::new(tag, op));
     }
 
     /// [`Qcow2Queue::start`] for a request routed as far as `w.from`.
@@ -482,7 +390,13 @@ impl Qcow2Queue {
             Err(Refused::Missing(missing, from)) => {
                 // Waits count only while the request makes no progress.
                 let waits = if from == w.from { w.waits } else { 0 };
-                self.await_table(missing, Waiting { tag, op, from, waits });
+                let waiting = Waiting { tag, op, from, waits };
+                if let Some((number, read)) = self.loads.wait(&self.image, missing, waiting) {
+                    let tag = self.depth + self.parts.len() as u32 + number;
+                    // SAFETY: the read's buffers live in `self.loads` until
+                    // it completes (see `Loads::wait`).
+                    unsafe { self.file.push(tag, read) };
+                }
             }
         }
     }
@@ -508,7 +422,7 @@ impl Qcow2Queue {
         if self.health.is_corrupt() || crate::drivers::out_of_bounds(&op, self.image.size()) {
             return Err(Refused::Failed(libc::EIO));
         }
-        let patient = w.waits < PATIENCE;
+        let patient = w.patient();
         match op {
             IoOp::Read { offset, len, iov } => self.read(tag, offset, len, iov, w.from, patient),
             IoOp::Write { offset, len, iov, durable } => self.write(tag, offset, len, iov, durable, patient),
