@@ -92,6 +92,9 @@ pub enum FormatError {
     /// Metadata contradicts itself.
     #[error("corrupt qcow2 image: {0}")]
     Corrupt(String),
+    /// An option the image cannot take, in QEMU's words.
+    #[error("{0}")]
+    Option(String),
     /// The host refused a read or write.
     #[error("I/O error on the image: {0}")]
     Io(#[from] io::Error),

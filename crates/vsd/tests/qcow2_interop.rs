@@ -1100,6 +1100,33 @@ fn vsd_writes_through_a_cache_of_table_slices() {
     assert_compare_identical(&dir, REFERENCE, what);
 }
 
+/// `l2-cache-entry-size` as QEMU takes it: whole tables at once read the
+/// same bytes as the default slices, and a size that is not a power of two
+/// between 512 and the cluster size is refused in QEMU's words.
+#[test]
+fn l2_cache_entry_size_is_qemus_option() {
+    let dir = Scratch::new("q2r-entry-size");
+    filled(&dir, "cluster_size=65536", 64 * MIB, 141);
+    qemu_img(&dir, &["convert", "-O", "raw", IMG, "expected.raw"]);
+    for entry in ["65536", "512"] {
+        let what = format!("l2-cache-entry-size={entry}");
+        let mut args = vsd_args(&dir, false, false, 1);
+        args[3].push_str(&format!(",{what},l2-cache-size=131072"));
+        let daemon = Daemon::vsd(&dir, &args);
+        assert_served_equals(&daemon, true, &dir.path("expected.raw"), &what);
+        assert!(daemon.stop().success(), "{what}: vsd exit status");
+    }
+    for entry in ["1000", "256", "131072"] {
+        let mut args = vsd_args(&dir, false, false, 1);
+        args[3].push_str(&format!(",l2-cache-entry-size={entry}"));
+        let refused = common::vsd_fails(&args);
+        assert!(
+            refused.contains("L2 cache entry size must be a power of two between 512 and the cluster size (65536)"),
+            "l2-cache-entry-size={entry}: {refused}"
+        );
+    }
+}
+
 /// Tiny caches that must evict all the time, and a cleaner that drops
 /// unused entries every second in the middle of the workload: QEMU still
 /// finds the image clean and equal to the reference.

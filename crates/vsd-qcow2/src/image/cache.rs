@@ -1,8 +1,8 @@
 //! The L2 table cache: tables of atomics that readers consult under a
 //! read lock held only for the lookup, and that the metadata mutex's holder
-//! updates in place. Tables are loaded a slice (4 KiB, as QEMU's cache
-//! entries) at a time: a random read over a disk far larger than the cache
-//! reads 4 KiB of table per miss, not a whole cluster.
+//! updates in place. Tables are loaded a slice at a time (4 KiB by default,
+//! QEMU's `l2-cache-entry-size`): a random read over a disk far larger
+//! than the cache reads 4 KiB of table per miss, not a whole cluster.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -11,11 +11,6 @@ use std::sync::{Arc, RwLock};
 
 use crate::buf::AlignedBuf;
 use crate::entry::{COMPRESSED, EntryError, L2Entry, Layout, OFFSET_MASK};
-
-/// Bytes of a table slice (the whole table, if smaller): also the unit in
-/// which changed tables are written back ([`super::Image::chunk_of`]), so
-/// a changed entry always lies in a loaded slice.
-pub(super) const SLICE_BYTES: usize = 4096;
 
 /// One L2 table as in memory: raw entries (and bitmaps, for extended L2)
 /// in the file's byte order (big-endian), as QEMU caches them: a slice
@@ -42,9 +37,10 @@ pub(super) struct L2Table {
 const UNVERIFIED: u64 = u64::MAX;
 
 impl L2Table {
-    /// A table of `len` bytes at `offset` with no slice loaded.
-    pub(super) fn unloaded(offset: u64, len: usize) -> Self {
-        let slice_words = SLICE_BYTES.min(len) / 8;
+    /// A table of `len` bytes at `offset`, in slices of `slice` bytes,
+    /// none loaded.
+    pub(super) fn unloaded(offset: u64, len: usize, slice: usize) -> Self {
+        let slice_words = slice.min(len) / 8;
         let words = len / 8;
         Self {
             offset,
@@ -58,8 +54,8 @@ impl L2Table {
     }
 
     /// A table as read whole from disk: every slice loaded.
-    pub(super) fn parse(offset: u64, raw: &[u8]) -> Self {
-        let table = Self::unloaded(offset, raw.len());
+    pub(super) fn parse(offset: u64, raw: &[u8], slice: usize) -> Self {
+        let table = Self::unloaded(offset, raw.len(), slice);
         let (words, _) = raw.as_chunks::<8>();
         for (slice, chunk) in words.chunks(table.slice_words()).enumerate() {
             table.fill(slice, chunk.iter().map(|w| u64::from_ne_bytes(*w)).collect());
@@ -68,14 +64,14 @@ impl L2Table {
     }
 
     /// A table of unallocated entries at `offset`.
-    pub(super) fn empty(offset: u64, len: usize) -> Self {
-        Self::parse(offset, &vec![0; len])
+    pub(super) fn empty(offset: u64, len: usize, slice: usize) -> Self {
+        Self::parse(offset, &vec![0; len], slice)
     }
 
     /// A copy of this table to be written at `offset` (copy-on-write of a
     /// table shared with a snapshot); None unless every slice is loaded.
     pub(super) fn copy_to(&self, offset: u64) -> Option<Self> {
-        let table = Self::unloaded(offset, self.len());
+        let table = Self::unloaded(offset, self.len(), self.slice_words() * 8);
         for i in 0..self.slices.len() {
             table.fill(i, self.slice(i)?.iter().map(|w| w.load(Ordering::Relaxed)).collect());
         }

@@ -37,6 +37,11 @@ pub struct Options {
     /// Bytes of L2 tables to cache; by default enough for the whole disk,
     /// up to 32 MiB (256 GiB of disk with 64 KiB clusters).
     pub l2_cache_bytes: Option<u64>,
+    /// Bytes of an L2 table loaded and cached at once (QEMU's
+    /// `l2-cache-entry-size`): a power of two from 512 to the cluster
+    /// size; by default 4 KiB. Below 4 KiB (the unit changed tables are
+    /// written back in) tables are loaded 4 KiB at a time.
+    pub l2_cache_entry_bytes: Option<u64>,
     /// Bytes of refcount blocks to cache; by default a quarter of the L2
     /// cache, at least 4 clusters (QEMU's default).
     pub refcount_cache_bytes: Option<u64>,
@@ -152,6 +157,8 @@ pub struct Image {
     /// into them without moving the table.
     l1: Box<[AtomicU64]>,
     l2: L2Cache,
+    /// Bytes of an L2 table slice, as loaded and cached.
+    slice_bytes: usize,
     /// Clusters holding metadata: L2 entries pointing there are refused,
     /// and data writes never land there.
     metadata: Arc<MetadataMap>,
@@ -183,7 +190,7 @@ pub struct TableLoad {
 impl TableLoad {
     /// A load of table slices of `image`.
     pub fn new(image: &Image) -> Self {
-        let words = Box::new_uninit_slice(image.slice_bytes() / 8);
+        let words = Box::new_uninit_slice(image.slice_bytes / 8);
         Self { missing: MissingTable { offset: 0, slice: 0 }, at: 0, epoch: 0, words }
     }
 
@@ -335,14 +342,9 @@ impl Image {
         self.walk(&table, offset, limit).ok_or(missing)
     }
 
-    /// Bytes of an L2 table slice, as loaded and cached.
-    fn slice_bytes(&self) -> usize {
-        cache::SLICE_BYTES.min(self.cluster_size() as usize)
-    }
-
     /// The slice of its table that holds L2 entry `index`.
     fn slice_of(&self, index: usize) -> usize {
-        index * if self.layout.extended { 16 } else { 8 } / self.slice_bytes()
+        index * if self.layout.extended { 16 } else { 8 } / self.slice_bytes
     }
 
     /// The table slice the cache lacks among those mapping the first and
@@ -364,7 +366,7 @@ impl Image {
     /// it into [`TableLoad::buffer`].
     pub fn start_load(&self, load: &mut TableLoad, missing: MissingTable) {
         load.missing = missing;
-        load.at = missing.offset + (missing.slice * self.slice_bytes()) as u64;
+        load.at = missing.offset + (missing.slice * self.slice_bytes) as u64;
         load.epoch = self.tables_written.load(Ordering::Acquire);
     }
 
@@ -388,7 +390,7 @@ impl Image {
                 table.clone()
             }
             (None, None) if current => {
-                let table = Arc::new(L2Table::unloaded(offset, self.cluster_size() as usize));
+                let table = Arc::new(L2Table::unloaded(offset, self.cluster_size() as usize, self.slice_bytes));
                 self.l2.insert(table.clone());
                 table
             }
@@ -635,12 +637,12 @@ impl Image {
                 table.clone()
             }
             (None, None) => {
-                let table = Arc::new(L2Table::unloaded(l2_offset, self.cluster_size() as usize));
+                let table = Arc::new(L2Table::unloaded(l2_offset, self.cluster_size() as usize, self.slice_bytes));
                 self.l2.insert(table.clone());
                 table
             }
         };
-        let bytes = self.slice_bytes();
+        let bytes = self.slice_bytes;
         for slice in slices.filter(|&slice| !table.is_loaded(slice)) {
             let mut raw = AlignedBuf::zeroed(bytes);
             io.read_at(&mut raw, l2_offset + (slice * bytes) as u64)?;
@@ -652,7 +654,7 @@ impl Image {
 
     /// The range of every slice of a table.
     fn all_slices(&self) -> std::ops::Range<usize> {
-        0..self.cluster_size() as usize / self.slice_bytes()
+        0..self.cluster_size() as usize / self.slice_bytes
     }
 
     /// Forgets `table`'s verified entries if a cluster became metadata

@@ -22,6 +22,12 @@ const MAX_SNAPSHOTS: u32 = 65536;
 /// Default L2 cache: 32 MiB of tables at most.
 const DEFAULT_L2_CACHE_BYTES: u64 = 32 << 20;
 
+/// Bytes of an L2 table loaded and cached at once unless
+/// `l2-cache-entry-size` says otherwise, as QEMU loads them; also the unit
+/// changed tables are written back in (`Image::chunk_of`), so that a
+/// changed entry always lies in a loaded slice.
+const DEFAULT_SLICE_BYTES: u64 = 4096;
+
 impl Image {
     /// Opens the image whose file is `io`, `file_len` bytes long.
     pub fn open(io: &mut dyn SyncIo, file_len: u64, opts: Options) -> Result<Self, FormatError> {
@@ -95,6 +101,14 @@ impl Image {
         }
 
         let cache_bytes = opts.l2_cache_bytes.unwrap_or(DEFAULT_L2_CACHE_BYTES.min(header.l1_entries_needed() * cs));
+        let slice = match opts.l2_cache_entry_bytes {
+            Some(entry) if !entry.is_power_of_two() || !(512..=cs).contains(&entry) => {
+                return Err(FormatError::Option(format!(
+                    "L2 cache entry size must be a power of two between 512 and the cluster size ({cs})"
+                )));
+            }
+            entry => entry.unwrap_or(DEFAULT_SLICE_BYTES).clamp(DEFAULT_SLICE_BYTES.min(cs), cs),
+        };
         let refcount_cache_bytes = opts.refcount_cache_bytes.unwrap_or((cache_bytes / 4).max(4 * cs));
         let metadata = Arc::new(MetadataMap::new(metadata));
         let mut meta = Meta {
@@ -130,11 +144,9 @@ impl Image {
             return Err(FormatError::Unsupported("lazy refcounts need a version 3 (compat=1.1) image".into()));
         }
         Ok(Image {
-            l2: {
-                let slice = super::cache::SLICE_BYTES.min(cs as usize) as u64;
-                // At least two whole tables.
-                L2Cache::new((cache_bytes / slice) as usize, 2 * (cs / slice) as usize)
-            },
+            // At least two whole tables.
+            l2: L2Cache::new((cache_bytes / slice) as usize, 2 * (cs / slice) as usize),
+            slice_bytes: slice as usize,
             // The table's clusters hold more entries than l1_size: keep
             // room for them (zero) so that growing needs no new table.
             l1: (0..(u64::from(header.l1_size) * 8).next_multiple_of(cs) / 8)

@@ -359,7 +359,7 @@ impl Image {
                 let new_offset = meta.alloc(io.meta, 1)?;
                 Arc::new(old.copy_to(new_offset).ok_or_else(super::unloaded_slice)?)
             }
-            None => Arc::new(L2Table::empty(meta.alloc(io.meta, 1)?, cs as usize)),
+            None => Arc::new(L2Table::empty(meta.alloc(io.meta, 1)?, cs as usize, self.slice_bytes)),
         };
         meta.metadata.insert(table.offset / cs);
         io.meta.write_at(&table.bytes(0..table.len()).ok_or_else(super::unloaded_slice)?, table.offset)?;

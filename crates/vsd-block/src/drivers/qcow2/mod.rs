@@ -80,6 +80,7 @@ struct Settings {
     /// opens from its header inherit, as in QEMU.
     cache: Cache,
     l2_cache_bytes: Option<u64>,
+    l2_cache_entry_bytes: Option<u64>,
     discard_no_unref: bool,
     pass_discard: bool,
     lazy_refcounts: Option<bool>,
@@ -115,6 +116,7 @@ impl Qcow2Node {
             read_only: opts.take_bool("read-only")?.unwrap_or(false) || file.read_only(),
             cache,
             l2_cache_bytes: opts.take_size("l2-cache-size")?,
+            l2_cache_entry_bytes: opts.take_size("l2-cache-entry-size")?,
             discard_no_unref: opts.take_bool("discard-no-unref")?.unwrap_or(false),
             pass_discard: opts.take_bool("pass-discard-request")?.unwrap_or(true),
             lazy_refcounts: opts.take_bool("lazy-refcounts")?,
@@ -168,6 +170,7 @@ impl Qcow2Node {
         let options = vsd_qcow2::Options {
             writable: !settings.read_only,
             l2_cache_bytes: settings.l2_cache_bytes,
+            l2_cache_entry_bytes: settings.l2_cache_entry_bytes,
             discard_no_unref: settings.discard_no_unref,
             pass_discard: settings.pass_discard,
             has_backing,
@@ -425,7 +428,9 @@ fn open_backing(
     match format.as_str() {
         "raw" | "file" => Ok(file),
         "qcow2" => {
-            let settings = Settings { read_only: true, ..settings.clone() };
+            // The entry size must fit the overlay's clusters, not the
+            // backing file's: QEMU opens backing files with defaults.
+            let settings = Settings { read_only: true, l2_cache_entry_bytes: None, ..settings.clone() };
             let context = path.display().to_string();
             let name = format!("#{context}-qcow2");
             Ok(Arc::new(Qcow2Node::build(name, &context, file, Backing::FromHeader, None, &settings, chain)?))
