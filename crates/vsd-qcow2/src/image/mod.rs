@@ -719,3 +719,93 @@ fn continues(first: Mapping, next: Mapping, delta: u64) -> bool {
         _ => false,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mem::MemFile;
+
+    const MIB: u64 = 1 << 20;
+
+    /// A 1 GiB image (64 KiB clusters: one L2 table of 16 slices) with
+    /// data at 0 and at 32 MiB (its second slice), made by qemu-img and
+    /// vsd, opened anew with nothing cached.
+    fn cold_image(name: &str) -> (Image, MemFile) {
+        let path = std::env::temp_dir().join(format!("vsd-qcow2-{name}-{}.qcow2", std::process::id()));
+        let status = std::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2"])
+            .arg(&path)
+            .arg("1G")
+            .status()
+            .expect("qemu-img runs");
+        assert!(status.success());
+        let mut file = MemFile::new(std::fs::read(&path).unwrap(), 64 * MIB);
+        std::fs::remove_file(&path).unwrap();
+        let opts = Options { writable: true, ..Options::default() };
+        let len = file.bytes.len() as u64;
+        let image = Image::open(&mut file, len, opts.clone()).unwrap();
+        let mut io = ImageIo { meta: &mut file, data: None, backing: None };
+        for at in [0, 32 * MIB] {
+            image.write(&mut io, at, 4096, &mut |_, buf| buf.fill(0x5a)).unwrap();
+        }
+        image.close(&mut io).unwrap();
+        let len = file.bytes.len() as u64;
+        (Image::open(&mut file, len, opts).unwrap(), file)
+    }
+
+    /// Reads what `load` asks for from `file`, as a queue's child request would.
+    fn read_into(file: &MemFile, load: &mut TableLoad) {
+        let at = load.at() as usize;
+        let (buf, len) = load.buffer();
+        // SAFETY: `buf` names `len` bytes owned by `load`, apart from `file`.
+        unsafe { std::ptr::copy_nonoverlapping(file.bytes[at..at + len].as_ptr(), buf, len) };
+    }
+
+    #[test]
+    fn a_missing_slice_is_read_once_and_the_next_slice_still_misses() {
+        let (image, file) = cold_image("slice-miss");
+        let mut memo = MapMemo::default();
+        let missing = image.map_cached(&mut memo, 0, 4096).unwrap_err();
+        let mut load = TableLoad::new(&image);
+        image.start_load(&mut load, missing);
+        assert!(load.loads(missing));
+        assert_eq!(load.buffer().1, 4096, "one 4 KiB slice");
+        read_into(&file, &mut load);
+        // SAFETY: read_into filled the whole buffer.
+        assert!(unsafe { image.finish_load(&mut load) });
+        let first = image.map_cached(&mut memo, 0, 4096).unwrap();
+        assert!(matches!(first.mapping, Mapping::Data { in_place: true, .. }), "{first:?}");
+        let second = image.map_cached(&mut memo, 32 * MIB, 4096).unwrap_err();
+        assert_ne!(second, missing, "another slice of the same table");
+        // The blocking path loads it and maps it like the other.
+        let extent = image.map(&mut memo, &mut file.clone(), 32 * MIB, 4096).unwrap();
+        assert!(matches!(extent.mapping, Mapping::Data { in_place: true, .. }), "{extent:?}");
+        assert!(image.map_cached(&mut memo, 32 * MIB, 4096).is_ok());
+    }
+
+    #[test]
+    fn a_slice_read_while_tables_were_written_is_read_again() {
+        let (image, mut file) = cold_image("slice-stale");
+        let mut memo = MapMemo::default();
+        let missing = image.map_cached(&mut memo, 0, 4096).unwrap_err();
+        let mut load = TableLoad::new(&image);
+        image.start_load(&mut load, missing);
+        read_into(&file, &mut load);
+        // Another queue allocates in another slice of the table and flushes
+        // it before this read is handed in: what was read may be stale.
+        let mut io = ImageIo { meta: &mut file, data: None, backing: None };
+        image.write(&mut io, 33 * MIB, 4096, &mut |_, buf| buf.fill(0xa5)).unwrap();
+        image.flush(&mut io).unwrap();
+        // SAFETY: read_into filled the whole buffer.
+        assert!(!unsafe { image.finish_load(&mut load) }, "a read older than a table write is dropped");
+        assert_eq!(image.map_cached(&mut memo, 0, 4096).unwrap_err(), missing);
+        image.start_load(&mut load, missing);
+        read_into(&file, &mut load);
+        // SAFETY: as above.
+        assert!(unsafe { image.finish_load(&mut load) });
+        for at in [0, 33 * MIB] {
+            let extent = image.map_cached(&mut memo, at, 4096).unwrap();
+            assert!(matches!(extent.mapping, Mapping::Data { in_place: true, .. }), "{at:#x}: {extent:?}");
+        }
+    }
+}
