@@ -18,6 +18,23 @@ impl MemFile {
     pub fn new(bytes: Vec<u8>, max_len: u64) -> Self {
         Self { bytes, max_len }
     }
+
+    /// A new qcow2 image of `size` (qemu-img's spelling) with qemu-img's
+    /// defaults, made by qemu-img; `name` keeps tests running at once apart.
+    #[cfg(test)]
+    pub(crate) fn made_by_qemu_img(name: &str, size: &str) -> Self {
+        let path = std::env::temp_dir().join(format!("vsd-qcow2-{name}-{}.qcow2", std::process::id()));
+        let status = std::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2"])
+            .arg(&path)
+            .arg(size)
+            .status()
+            .expect("qemu-img runs");
+        assert!(status.success(), "qemu-img create {size}");
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        Self::new(bytes, 64 << 20)
+    }
 }
 
 impl SyncIo for MemFile {

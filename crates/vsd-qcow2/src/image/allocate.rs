@@ -289,17 +289,7 @@ mod tests {
 
     /// A new 4 MiB image with 64 KiB clusters, made by qemu-img, in memory.
     fn fresh_image(name: &str) -> (Image, MemFile) {
-        let path = std::env::temp_dir().join(format!("vsd-qcow2-{name}-{}.qcow2", std::process::id()));
-        let status = std::process::Command::new("qemu-img")
-            .args(["create", "-q", "-f", "qcow2"])
-            .arg(&path)
-            .arg("4M")
-            .status()
-            .expect("qemu-img runs");
-        assert!(status.success());
-        let bytes = std::fs::read(&path).unwrap();
-        std::fs::remove_file(&path).unwrap();
-        let mut file = MemFile::new(bytes, 64 << 20);
+        let mut file = MemFile::made_by_qemu_img(name, "4M");
         let len = file.bytes.len() as u64;
         let opts = Options { writable: true, ..Options::default() };
         (Image::open(&mut file, len, opts).unwrap(), file)

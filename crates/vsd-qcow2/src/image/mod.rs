@@ -329,17 +329,17 @@ impl Image {
             Ok(None) => return Ok(Extent { mapping: Mapping::Unallocated, len: limit - offset }),
             Err(e) => return Ok(self.invalid(e, offset, limit)),
         };
-        let missing = MissingTable { offset: l2_offset, slice: self.slice_of(self.l2_index(offset)) };
+        let missing = || MissingTable { offset: l2_offset, slice: self.slice_of(self.l2_index(offset)) };
         if let Some(table) = self.memoised(memo, l1_index) {
             self.l2.touch(table);
-            return self.walk(table, offset, limit).ok_or(missing);
+            return self.walk(table, offset, limit).ok_or_else(missing);
         }
         let Some((table, generation)) = self.l2.lookup(l2_offset) else {
-            return Err(missing);
+            return Err(missing());
         };
         memo.slots[l1_index % MEMO_SLOTS] = Some((l2_offset, generation, table.clone()));
         self.check_l2(&table);
-        self.walk(&table, offset, limit).ok_or(missing)
+        self.walk(&table, offset, limit).ok_or_else(missing)
     }
 
     /// The slice of its table that holds L2 entry `index`.
@@ -382,24 +382,11 @@ impl Image {
     pub unsafe fn finish_load(&self, load: &mut TableLoad) -> bool {
         let MissingTable { offset, slice } = load.missing;
         let meta = self.lock();
-        let current = load.epoch == self.tables_written.load(Ordering::Acquire);
-        let table = match (self.l2.get(offset), meta.dirty_l2.get(&offset)) {
-            (Some(table), _) => table,
-            (None, Some((table, _))) => {
-                self.l2.insert(table.clone());
-                table.clone()
-            }
-            (None, None) if current => {
-                let table = Arc::new(L2Table::unloaded(offset, self.cluster_size() as usize, self.slice_bytes));
-                self.l2.insert(table.clone());
-                table
-            }
-            (None, None) => return false,
-        };
+        let table = self.cached_table(&meta, offset);
         if table.is_loaded(slice) {
             return true;
         }
-        if !current {
+        if load.epoch != self.tables_written.load(Ordering::Acquire) {
             return false;
         }
         let fresh = Box::new_uninit_slice(load.words.len());
@@ -630,18 +617,7 @@ impl Image {
         l2_offset: u64,
         slices: std::ops::Range<usize>,
     ) -> io::Result<Arc<L2Table>> {
-        let table = match (self.l2.get(l2_offset), meta.dirty_l2.get(&l2_offset)) {
-            (Some(table), _) => table,
-            (None, Some((table, _))) => {
-                self.l2.insert(table.clone());
-                table.clone()
-            }
-            (None, None) => {
-                let table = Arc::new(L2Table::unloaded(l2_offset, self.cluster_size() as usize, self.slice_bytes));
-                self.l2.insert(table.clone());
-                table
-            }
-        };
+        let table = self.cached_table(meta, l2_offset);
         let bytes = self.slice_bytes;
         for slice in slices.filter(|&slice| !table.is_loaded(slice)) {
             let mut raw = AlignedBuf::zeroed(bytes);
@@ -650,6 +626,21 @@ impl Image {
             self.l2.fill(&table, slice, words.iter().map(|w| u64::from_ne_bytes(*w)).collect());
         }
         Ok(table)
+    }
+
+    /// The table at `offset` in the cache, put there if needed: the one
+    /// with unwritten changes, else one with no slice loaded yet. Called
+    /// under the metadata mutex (`meta`).
+    fn cached_table(&self, meta: &Meta, offset: u64) -> Arc<L2Table> {
+        if let Some(table) = self.l2.get(offset) {
+            return table;
+        }
+        let table = match meta.dirty_l2.get(&offset) {
+            Some((table, _)) => table.clone(),
+            None => Arc::new(L2Table::unloaded(offset, self.cluster_size() as usize, self.slice_bytes)),
+        };
+        self.l2.insert(table.clone());
+        table
     }
 
     /// The range of every slice of a table.
@@ -731,16 +722,7 @@ mod tests {
     /// data at 0 and at 32 MiB (its second slice), made by qemu-img and
     /// vsd, opened anew with nothing cached.
     fn cold_image(name: &str) -> (Image, MemFile) {
-        let path = std::env::temp_dir().join(format!("vsd-qcow2-{name}-{}.qcow2", std::process::id()));
-        let status = std::process::Command::new("qemu-img")
-            .args(["create", "-q", "-f", "qcow2"])
-            .arg(&path)
-            .arg("1G")
-            .status()
-            .expect("qemu-img runs");
-        assert!(status.success());
-        let mut file = MemFile::new(std::fs::read(&path).unwrap(), 64 * MIB);
-        std::fs::remove_file(&path).unwrap();
+        let mut file = MemFile::made_by_qemu_img(name, "1G");
         let opts = Options { writable: true, ..Options::default() };
         let len = file.bytes.len() as u64;
         let image = Image::open(&mut file, len, opts.clone()).unwrap();
