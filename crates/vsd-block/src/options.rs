@@ -36,6 +36,14 @@ pub enum OptionError {
         /// What was expected.
         expected: String,
     },
+    /// Values that each parse but do not go together (QEMU's wording).
+    #[error("{context}: {reason}")]
+    Rejected {
+        /// Which option string.
+        context: String,
+        /// Why.
+        reason: String,
+    },
     /// A key nobody asked for.
     #[error("{context}: unknown parameter '{key}'")]
     Unknown {
@@ -171,6 +179,11 @@ impl OptionMap {
             value: value.to_string(),
             expected: expected.into(),
         }
+    }
+
+    /// The options, as a whole, are refused for `reason`.
+    pub fn rejected(&self, reason: impl Into<String>) -> OptionError {
+        OptionError::Rejected { context: self.context.clone(), reason: reason.into() }
     }
 
     /// Removes every `prefix.key` entry and returns them as an option map

@@ -25,13 +25,18 @@ pub struct ExportConfig {
     /// `num-queues=`: virtqueues offered (default 1).
     pub num_queues: u16,
     /// `num-threads=`: worker threads serving the queues, 1 to
-    /// `num_queues`; queue q is served by thread q % `num_threads`. By
-    /// default one per queue, but no more than the CPUs vsd may run on.
+    /// `num_queues`; queue q is served by thread q % `num_threads` unless
+    /// `queue_threads` says otherwise. By default one per queue, but no
+    /// more than the CPUs vsd may run on.
     pub num_threads: u16,
-    /// `iothread=`: the id of the I/O thread (`--object iothread`) that
-    /// serves every queue, shared with other exports; `None`: the export's
-    /// own threads (`num-threads`).
-    pub iothread: Option<String>,
+    /// The I/O threads (`--object iothread`, shared with other exports)
+    /// the worker threads are, by thread: one from `iothread=`, which
+    /// serves every queue, or one per item of `iothread-vq-mapping`.
+    /// Empty: the export's own threads.
+    pub iothreads: Vec<String>,
+    /// The thread serving each queue, where `iothread-vq-mapping` names
+    /// the queues of each I/O thread; empty otherwise.
+    pub queue_threads: Vec<u16>,
     /// `logical-block-size=`: 512 or 4096.
     pub logical_block_size: u32,
     /// `serial=`: what GET_ID answers (at most 20 bytes are sent).
@@ -91,17 +96,17 @@ impl ExportConfig {
             n @ 1..=64 => n as u16,
             n => return Err(opts.invalid("num-queues", n, &format!("a number from 1 to {MAX_QUEUES}"))),
         };
-        let iothread = opts.take("iothread");
-        if iothread.is_some() && ["num-threads", "cpu-affinity", "poll-us"].iter().any(|key| opts.has(key)) {
-            return Err(opts.invalid(
-                "iothread",
-                iothread.unwrap_or_default(),
-                "an I/O thread without num-threads, cpu-affinity or poll-us (it serves every queue, on its own \
-                 CPUs, polling as its poll-max-ns says)",
-            ));
+        let Shared { iothreads, queue_threads } = take_iothreads(opts, num_queues)?;
+        if let Some(key) = ["num-threads", "cpu-affinity", "poll-us"].into_iter().find(|key| opts.has(key))
+            && !iothreads.is_empty()
+        {
+            return Err(opts.rejected(format!(
+                "{key} cannot be set with I/O threads (iothread or iothread-vq-mapping): each serves its \
+                 queues on its own CPUs, polling as its poll-max-ns says"
+            )));
         }
         let num_threads = match opts.take_u64("num-threads")? {
-            None if iothread.is_some() => 1,
+            None if !iothreads.is_empty() => iothreads.len() as u16,
             None => default_threads(num_queues),
             Some(n) if (1..=u64::from(num_queues)).contains(&n) => n as u16,
             Some(n) => {
@@ -141,7 +146,8 @@ impl ExportConfig {
             writethrough,
             num_queues,
             num_threads,
-            iothread,
+            iothreads,
+            queue_threads,
             logical_block_size,
             serial,
             trace,
@@ -159,7 +165,10 @@ impl ExportConfig {
 impl ExportConfig {
     /// The worker thread that serves queue `queue`.
     pub(crate) fn thread_of(&self, queue: u16) -> u16 {
-        queue % self.num_threads
+        match self.queue_threads.get(usize::from(queue)) {
+            Some(&thread) => thread,
+            None => queue % self.num_threads,
+        }
     }
 
     /// The CPU thread `thread` is pinned to, if `cpu-affinity` was given.
@@ -167,6 +176,69 @@ impl ExportConfig {
         let cpus = &self.cpu_affinity;
         (!cpus.is_empty()).then(|| cpus[usize::from(thread) % cpus.len()])
     }
+}
+
+/// The I/O threads an export's queues run on, and which queue each serves.
+struct Shared {
+    iothreads: Vec<String>,
+    queue_threads: Vec<u16>,
+}
+
+/// `iothread=ID`, or `iothread-vq-mapping`: a list of `{iothread, vqs}`
+/// with QEMU's shape and rules (its virtio-blk device's property, checked
+/// with its messages): either every item lists its queues, and each queue
+/// is listed once, or none does, and the queues go round-robin.
+fn take_iothreads(opts: &mut OptionMap, num_queues: u16) -> Result<Shared, OptionError> {
+    let mapping = opts.take_groups("iothread-vq-mapping");
+    let iothread = opts.take("iothread");
+    if mapping.is_empty() {
+        return Ok(Shared { iothreads: iothread.into_iter().collect(), queue_threads: Vec::new() });
+    }
+    if iothread.is_some() {
+        return Err(opts.rejected("iothread and iothread-vq-mapping properties cannot be set at the same time"));
+    }
+    let mut iothreads: Vec<String> = Vec::new();
+    let mut queue_threads = vec![u16::MAX; usize::from(num_queues)];
+    let mut listed = None;
+    for (thread, mut item) in mapping.into_iter().enumerate() {
+        let name = item.require("iothread")?;
+        if iothreads.contains(&name) {
+            return Err(opts.rejected(format!("duplicate IOThread name \"{name}\" in iothread-vq-mapping")));
+        }
+        let vqs = item.take_values("vqs");
+        if *listed.get_or_insert(!vqs.is_empty()) == vqs.is_empty() {
+            return Err(
+                opts.rejected("either all items in iothread-vq-mapping must have vqs or none of them must have it")
+            );
+        }
+        for vq in vqs {
+            let index = vq.parse::<u16>().map_err(|_| item.invalid("vqs", &vq, "a queue number"))?;
+            match queue_threads.get_mut(usize::from(index)) {
+                None => {
+                    return Err(opts.rejected(format!(
+                        "vq index {index} for IOThread \"{name}\" must be less than num_queues {num_queues} in \
+                         iothread-vq-mapping"
+                    )));
+                }
+                Some(slot) if *slot != u16::MAX => {
+                    return Err(opts.rejected(format!(
+                        "cannot assign vq {index} to IOThread \"{name}\" because it is already assigned"
+                    )));
+                }
+                Some(slot) => *slot = thread as u16,
+            }
+        }
+        item.finish()?;
+        iothreads.push(name);
+    }
+    if listed == Some(false) {
+        // Round-robin: queue q to thread q % the threads, as without a mapping.
+        return Ok(Shared { iothreads, queue_threads: Vec::new() });
+    }
+    if let Some(queue) = queue_threads.iter().position(|&thread| thread == u16::MAX) {
+        return Err(opts.rejected(format!("missing vq {queue} IOThread assignment in iothread-vq-mapping")));
+    }
+    Ok(Shared { iothreads, queue_threads })
 }
 
 /// One thread per queue, but no more than the CPUs vsd may run on: more
@@ -276,6 +348,59 @@ mod tests {
         assert_eq!(cpus, [Some(0), Some(1), Some(0), Some(1)], "cycling through the list");
         let c = parse(&format!("{BASE},num-queues=2,num-threads=2")).unwrap();
         assert_eq!(c.cpu_of(1), None, "not pinned without cpu-affinity");
+    }
+
+    #[test]
+    fn iothread_vq_mapping_spreads_queues_round_robin_or_as_listed() {
+        let mapping = "iothread-vq-mapping.0.iothread=a,iothread-vq-mapping.1.iothread=b";
+        let c = parse(&format!("{BASE},num-queues=5,{mapping}")).unwrap();
+        assert_eq!((c.iothreads.as_slice(), c.num_threads), (&["a".to_string(), "b".into()][..], 2));
+        assert_eq!((0..5).map(|q| c.thread_of(q)).collect::<Vec<_>>(), [0, 1, 0, 1, 0]);
+        let json = r#"{"type": "vhost-user-blk", "id": "e", "node-name": "n", "addr": {"type": "unix", "path": "/s"},
+            "num-queues": 4, "iothread-vq-mapping": [{"iothread": "a", "vqs": [3, 0]}, {"iothread": "b", "vqs": [1, 2]}]}"#;
+        let c = parse(json).unwrap();
+        assert_eq!((0..4).map(|q| c.thread_of(q)).collect::<Vec<_>>(), [0, 1, 1, 0]);
+        let c = parse(&format!("{BASE},num-queues=2,iothread=a")).unwrap();
+        assert_eq!((c.iothreads.as_slice(), c.num_threads, c.thread_of(1)), (&["a".to_string()][..], 1, 0));
+    }
+
+    #[test]
+    fn iothread_vq_mapping_mistakes_are_qemus_errors() {
+        let item = |i: usize, name: &str, vqs: &[u16]| {
+            let vqs = vqs.iter().enumerate().map(|(j, vq)| format!(",iothread-vq-mapping.{i}.vqs.{j}={vq}"));
+            format!("iothread-vq-mapping.{i}.iothread={name}{}", vqs.collect::<String>())
+        };
+        let cases = [
+            (
+                format!("iothread=a,{}", item(0, "b", &[])),
+                "iothread and iothread-vq-mapping properties cannot be set at the same time",
+            ),
+            (
+                format!("{},{}", item(0, "a", &[0]), item(1, "a", &[1])),
+                "duplicate IOThread name \"a\" in iothread-vq-mapping",
+            ),
+            (
+                format!("{},{}", item(0, "a", &[0, 1]), item(1, "b", &[])),
+                "either all items in iothread-vq-mapping must have vqs or none of them must have it",
+            ),
+            (
+                item(0, "a", &[0, 1, 2]),
+                "vq index 2 for IOThread \"a\" must be less than num_queues 2 in iothread-vq-mapping",
+            ),
+            (
+                format!("{},{}", item(0, "a", &[0, 1]), item(1, "b", &[1])),
+                "cannot assign vq 1 to IOThread \"b\" because it is already assigned",
+            ),
+            (item(0, "a", &[1]), "missing vq 0 IOThread assignment in iothread-vq-mapping"),
+            (format!("{},num-threads=1", item(0, "a", &[])), "num-threads cannot be set with I/O threads"),
+            ("iothread=a,poll-us=5".to_string(), "poll-us cannot be set with I/O threads"),
+        ];
+        for (options, expected) in cases {
+            let err = parse(&format!("{BASE},num-queues=2,{options}")).unwrap_err().to_string();
+            assert!(err.contains(expected), "{options}: {err}");
+        }
+        let err = parse(&format!("{BASE},iothread-vq-mapping.0.vqs.0=0")).unwrap_err().to_string();
+        assert!(err.contains("'iothread' is missing"), "{err}");
     }
 
     #[test]

@@ -38,12 +38,13 @@ pub struct BlkDevice {
     /// One per virtqueue, kept across connections; each is written only by
     /// the worker serving its queue at the time.
     pub(crate) stats: Vec<Arc<QueueStats>>,
-    /// The I/O thread serving every queue (`iothread=`), if any.
-    pub(crate) iothread: Option<Arc<IoThread>>,
+    /// The I/O threads serving the queues, by worker thread (see
+    /// `ExportConfig::iothreads`); empty: the export's own threads.
+    pub(crate) iothreads: Vec<Arc<IoThread>>,
 }
 
 impl BlkDevice {
-    pub(crate) fn new(config: ExportConfig, node: Arc<dyn BlockNode>, iothread: Option<Arc<IoThread>>) -> Self {
+    pub(crate) fn new(config: ExportConfig, node: Arc<dyn BlockNode>, iothreads: Vec<Arc<IoThread>>) -> Self {
         let limits = Limits {
             capacity: 0,
             block_size: config.logical_block_size,
@@ -63,7 +64,7 @@ impl BlkDevice {
             node: RwLock::new(node),
             limits,
             stats,
-            iothread,
+            iothreads,
         };
         device.refresh_capacity();
         device

@@ -103,7 +103,7 @@ impl Connection {
     /// Serves `stream` for an export of `node` configured as `config`.
     pub fn new(stream: UnixStream, config: ExportConfig, node: Arc<dyn BlockNode>) -> io::Result<Self> {
         let peek = stream.try_clone()?;
-        let device = Arc::new(BlkDevice::new(config, node, None));
+        let device = Arc::new(BlkDevice::new(config, node, Vec::new()));
         let session = Arc::new(Mutex::new(Session::new(device.clone())));
         let handler = BackendReqHandler::from_stream(stream, session.clone());
         Ok(Self { handler, session, peek, channel: None, device })
@@ -182,7 +182,8 @@ pub fn run(input: &[u8]) -> Outcome {
         num_queues,
         // Two queues to a thread, so that shared threads are exercised too.
         num_threads: num_queues.div_ceil(2),
-        iothread: None,
+        iothreads: Vec::new(),
+        queue_threads: Vec::new(),
         logical_block_size: 512,
         serial: "fuzz-serial".into(),
         trace: true,

@@ -113,12 +113,12 @@ struct Client {
 
 impl VhostUserBlkExport {
     /// Binds the socket and starts accepting front-ends. The socket is
-    /// ready when this returns. `iothread` is the I/O thread that
-    /// `config.iothread` names, which serves every queue.
+    /// ready when this returns. `iothreads` are the I/O threads that
+    /// `config.iothreads` names, in that order.
     pub fn start(
         config: ExportConfig,
         node: Arc<dyn BlockNode>,
-        iothread: Option<Arc<IoThread>>,
+        iothreads: Vec<Arc<IoThread>>,
     ) -> Result<Self, ExportError> {
         let invalid = |reason: String| ExportError::Invalid { id: config.id.clone(), reason };
         if config.writable && node.read_only() {
@@ -139,10 +139,10 @@ impl VhostUserBlkExport {
         let acceptor = Acceptor::get().map_err(listen_error)?;
         let listener = bind(&config)?;
         let shared = Arc::new(Shared { stopping: AtomicBool::new(false), client: Mutex::default() });
-        if config.iothread.as_deref() != iothread.as_ref().map(|io| io.id()) {
-            return Err(invalid("the I/O thread given is not the one the options name".into()));
+        if !config.iothreads.iter().map(String::as_str).eq(iothreads.iter().map(|io| io.id())) {
+            return Err(invalid("the I/O threads given are not the ones the options name".into()));
         }
-        let device = Arc::new(BlkDevice::new(config.clone(), node, iothread));
+        let device = Arc::new(BlkDevice::new(config.clone(), node, iothreads));
         let token = match acceptor.add(Listening::new(listener, device.clone(), shared.clone())) {
             Ok(token) => token,
             Err(e) => {

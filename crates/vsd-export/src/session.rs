@@ -163,7 +163,7 @@ impl Session {
             return Ok(());
         }
         let (mem, device) = (self.mem.clone(), self.device.clone());
-        let worker = match &self.device.iothread {
+        let worker = match self.device.iothreads.get(thread) {
             Some(iothread) => Worker::start_on(iothread, runs, mem, device),
             None => Worker::start(thread as u16, runs, mem, device),
         }

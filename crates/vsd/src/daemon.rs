@@ -130,8 +130,8 @@ impl Daemon {
         let id = id.to_string();
         let export = match config {
             ExportOptions::VhostUserBlk(config) => {
-                let iothread = config.iothread.as_deref().map(|id| self.objects.iothread(id)).transpose();
-                let export = VhostUserBlkExport::start(config, node, iothread.map_err(anyhow::Error::msg)?)?;
+                let iothreads = config.iothreads.iter().map(|id| self.objects.iothread(id)).collect::<Result<_, _>>();
+                let export = VhostUserBlkExport::start(config, node, iothreads.map_err(anyhow::Error::msg)?)?;
                 log::info!("export '{id}' listening on {}", export.config().socket.display());
                 Export::VhostUserBlk(export)
             }

@@ -129,6 +129,76 @@ fn exports_share_an_io_thread_and_leave_it_without_stopping_the_others() {
     assert!(daemon.is_running());
 }
 
+/// CPU time (user and system, in clock ticks) of the daemon's thread named `name`.
+fn cpu_ticks(daemon: &Daemon, name: &str) -> u64 {
+    for task in std::fs::read_dir(format!("/proc/{}/task", daemon.pid())).unwrap() {
+        let task = task.unwrap().path();
+        if std::fs::read_to_string(task.join("comm")).is_ok_and(|comm| comm.trim() == name) {
+            let stat = std::fs::read_to_string(task.join("stat")).unwrap();
+            // The fields after the name, which is in parentheses: utime and stime are 14 and 15.
+            let fields: Vec<&str> = stat.rsplit_once(") ").unwrap().1.split(' ').collect();
+            return fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+        }
+    }
+    panic!("no thread {name}");
+}
+
+/// Reads on `queues` until thread `busy` has run for 5 clock ticks more;
+/// returns how many more `idle` ran meanwhile.
+fn drive(daemon: &Daemon, queues: &mut [vsd_bench::Queue], busy: &str, idle: &str) -> u64 {
+    let (busy_from, idle_from) = (cpu_ticks(daemon, busy), cpu_ticks(daemon, idle));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut buf = [0u8; 512];
+    while cpu_ticks(daemon, busy) < busy_from + 5 {
+        assert!(std::time::Instant::now() < deadline, "{busy} did not serve the reads");
+        for _ in 0..1000 {
+            for queue in queues.iter_mut() {
+                queue.read_at(0, &mut buf).unwrap();
+            }
+        }
+    }
+    cpu_ticks(daemon, idle) - idle_from
+}
+
+#[test]
+fn iothread_vq_mapping_puts_each_queue_on_its_io_thread() {
+    let dir = Scratch::new("iothread-vq-mapping");
+    let args: Vec<String> = [
+        "--object",
+        "iothread,id=io0,poll-max-ns=0",
+        "--object",
+        "iothread,id=io1,poll-max-ns=0",
+        "--blockdev",
+        "driver=null-co,node-name=n,size=64M,read-zeroes=on",
+        "--chardev",
+        &format!("socket,id=m,path={},server=on,wait=off", dir.path("qmp.sock").display()),
+        "--monitor",
+        "chardev=m",
+    ]
+    .map(String::from)
+    .into();
+    let daemon = Daemon::vsd(&dir, &args);
+    let mut qmp = QmpClient::connect(&dir.path("qmp.sock")).unwrap();
+    qmp.execute(
+        "block-export-add",
+        json!({ "type": "vhost-user-blk", "id": "e", "node-name": "n", "num-queues": 4, "writable": true,
+                "iothread-vq-mapping": [{ "iothread": "io0", "vqs": [0, 3] }, { "iothread": "io1", "vqs": [2, 1] }],
+                "addr": { "type": "unix", "path": dir.path("e.sock") } }),
+    )
+    .unwrap();
+    let mut client =
+        Client::connect(&dir.path("e.sock"), ClientOptions { num_queues: 4, ..Default::default() }).unwrap();
+    let mut queues = client.take_queues();
+    assert!(threads(&daemon, "vsd-e-q").is_empty(), "no queue threads of the export's own");
+    let (mut on_io0, mut on_io1): (Vec<_>, Vec<_>) = queues.drain(..).enumerate().partition(|(q, _)| q % 3 == 0);
+    let mut on_io0: Vec<_> = on_io0.drain(..).map(|(_, queue)| queue).collect();
+    let mut on_io1: Vec<_> = on_io1.drain(..).map(|(_, queue)| queue).collect();
+    let idle = drive(&daemon, &mut on_io0, "vsd-io-io0", "vsd-io-io1");
+    assert!(idle <= 1, "queues 0 and 3 are io0's: io1 ran {idle} ticks meanwhile");
+    let idle = drive(&daemon, &mut on_io1, "vsd-io-io1", "vsd-io-io0");
+    assert!(idle <= 1, "queues 1 and 2 are io1's: io0 ran {idle} ticks meanwhile");
+}
+
 #[test]
 fn mistakes_are_one_error_line() {
     let dir = Scratch::new("iothreads-errors");
@@ -136,7 +206,13 @@ fn mistakes_are_one_error_line() {
     let node = format!("driver=file,node-name=dn,filename={}", image.display());
     for (objects, extra, expected) in [
         (vec![], ",iothread=nope", "iothread \"nope\" not found"),
-        (vec!["iothread,id=io0"], ",iothread=io0,num-threads=1", "without num-threads, cpu-affinity or poll-us"),
+        (vec!["iothread,id=io0"], ",iothread=io0,num-threads=1", "num-threads cannot be set with I/O threads"),
+        (vec!["iothread,id=io0"], ",iothread-vq-mapping.0.iothread=nope", "iothread \"nope\" not found"),
+        (
+            vec!["iothread,id=io0"],
+            ",num-queues=2,iothread-vq-mapping.0.iothread=io0,iothread-vq-mapping.0.vqs.0=1",
+            "missing vq 0 IOThread assignment in iothread-vq-mapping",
+        ),
         (vec!["iothread,id=io0,cpu-affinity=999"], "", "CPU 999 is not available"),
         (vec!["iothread,id=io0", "iothread,id=io0"], "", "attempt to add duplicate property 'io0'"),
         (vec!["iothread,id=io0,poll-max-ns=-1"], "", "poll-max-ns"),
