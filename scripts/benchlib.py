@@ -110,11 +110,15 @@ def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk
                                       for name, ticks in threads_after.items() if ticks > threads_before.get(name, 0)}}
 
 
-def callgrind_worker(vsd, bench, work, name, blockdevs, bench_args, seconds, export_opts="", qmp=(), extra_args=()):
+def callgrind_worker(vsd, bench, work, name, blockdevs, bench_args, seconds, export_opts="", qmp=(), extra_args=(),
+                     warmup=0):
     """`vsd` serving `blockdevs` (--blockdev values; the exported node is
     disk0, with `export_opts` such as ",trace=off", and `qmp` commands run
     first) under valgrind --tool=callgrind with one output file per thread, driven by `bench`
-    (vsd-bench, with `bench_args`) for `seconds` without ramp. Returns the
+    (vsd-bench, with `bench_args`) for `seconds` without ramp, after
+    `warmup` seconds of the same load whose instructions are not counted
+    (callgrind_control --zero: what the first requests pay once, such as
+    loading and checking tables, is left out). Returns the
     instructions per request of the busiest thread (the queue worker), the
     requests completed, and that thread's callgrind file, which stays in
     `work` (named after `name`) for callgrind_annotate."""
@@ -137,9 +141,12 @@ def callgrind_worker(vsd, bench, work, name, blockdevs, bench_args, seconds, exp
                 raise RuntimeError("vsd under valgrind did not start")
             time.sleep(0.1)
         run_qmp(qmp_sock, qmp)
-        res = json.loads(subprocess.run(
-            [bench, "--socket", sock, *bench_args, "--seconds", str(seconds), "--ramp-seconds", "0", "--json"],
-            check=True, capture_output=True, text=True).stdout)["results"]
+        drive = [bench, "--socket", sock, *bench_args, "--ramp-seconds", "0", "--json", "--seconds"]
+        if warmup > 0:
+            subprocess.run(drive + [str(warmup)], check=True, capture_output=True)
+            subprocess.run(["callgrind_control", "--zero", str(daemon.pid)], check=True, capture_output=True)
+        res = json.loads(subprocess.run(drive + [str(seconds)], check=True, capture_output=True,
+                                        text=True).stdout)["results"]
     finally:
         daemon.terminate()
         daemon.wait()

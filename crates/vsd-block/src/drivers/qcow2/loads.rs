@@ -27,17 +27,10 @@ pub(super) struct Waiting {
     pub(super) waits: u8,
 }
 
-impl Waiting {
-    /// A request not routed yet.
-    pub(super) fn new(tag: u32, op: IoOp) -> Self {
-        Self { tag, op, from: 0, waits: 0 }
-    }
-
-    /// Whether it may wait for a slice again rather than load it under the
-    /// metadata mutex.
-    pub(super) fn patient(&self) -> bool {
-        self.waits < PATIENCE
-    }
+/// Whether a request that waited `waits` times may wait for a slice again
+/// rather than load it under the metadata mutex.
+pub(super) fn patient(waits: u8) -> bool {
+    waits < PATIENCE
 }
 
 /// One slice read in flight, and the requests waiting for it.

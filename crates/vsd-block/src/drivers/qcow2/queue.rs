@@ -39,7 +39,7 @@ use vsd_qcow2::buf::AlignedBuf;
 use vsd_qcow2::{Allocation, Busy, CorruptMetadata, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable};
 
 use super::health::Health;
-use super::loads::{Loads, Waiting};
+use super::loads::{self, Loads, Waiting};
 use crate::drivers::child::ChildQueue;
 
 /// Which child a request goes to.
@@ -355,7 +355,7 @@ impl Qcow2Queue {
             return false;
         }
         for w in std::mem::take(&mut self.loads.resumable) {
-            self.proceed(w);
+            self.proceed(w.tag, w.op, w.from, w.waits);
         }
         true
     }
@@ -365,14 +365,14 @@ impl Qcow2Queue {
     fn start(&mut self, tag: u32, op: IoOp) {
         // Held until routing is done, so the parent cannot complete early.
         self.parents[tag as usize] = Parent { remaining: 1, errno: 0 };
-        self.proceed(Waiting::new(tag, op));
+        self.proceed(tag, op, 0, 0);
     }
 
-    /// [`Qcow2Queue::start`] for a request routed as far as `w.from`.
-    fn proceed(&mut self, w: Waiting) {
-        let Waiting { tag, op, .. } = w;
+    /// [`Qcow2Queue::start`] for a request routed as far as `from` bytes,
+    /// which waited for slices `waits` times since it last progressed.
+    fn proceed(&mut self, tag: u32, op: IoOp, from: u64, waits: u8) {
         let seen = self.image.allocations_finished();
-        match self.route(&w) {
+        match self.route(tag, op, from, loads::patient(waits)) {
             // SAFETY: the caller's guarantee for `op` (see `push`) covers
             // the child request, which names the same buffers (or none).
             Ok(Some(Whole(target, op))) => unsafe { self.child(target).push(tag, op) },
@@ -387,10 +387,10 @@ impl Qcow2Queue {
                 self.image.wake_after(seen, &self.waker);
                 self.blocked.push(Blocked { tag, op, seen });
             }
-            Err(Refused::Missing(missing, from)) => {
+            Err(Refused::Missing(missing, at)) => {
                 // Waits count only while the request makes no progress.
-                let waits = if from == w.from { w.waits } else { 0 };
-                let waiting = Waiting { tag, op, from, waits };
+                let waits = if at == from { waits } else { 0 };
+                let waiting = Waiting { tag, op, from: at, waits };
                 if let Some((number, read)) = self.loads.wait(&self.image, missing, waiting) {
                     let tag = self.depth + self.parts.len() as u32 + number;
                     // SAFETY: the read's buffers live in `self.loads` until
@@ -417,15 +417,25 @@ impl Qcow2Queue {
         true
     }
 
-    fn route(&mut self, w: &Waiting) -> Routed {
-        let (tag, op) = (w.tag, w.op);
+    /// Routes guest request `tag` from `from` bytes on; a `patient` one may
+    /// wait for a table slice.
+    fn route(&mut self, tag: u32, op: IoOp, from: u64, patient: bool) -> Routed {
         if self.health.is_corrupt() || crate::drivers::out_of_bounds(&op, self.image.size()) {
             return Err(Refused::Failed(libc::EIO));
         }
-        let patient = w.patient();
         match op {
-            IoOp::Read { offset, len, iov } => self.read(tag, offset, len, iov, w.from, patient),
-            IoOp::Write { offset, len, iov, durable } => self.write(tag, offset, len, iov, durable, patient),
+            IoOp::Read { offset, len, iov } => match self.owned(offset, len) {
+                Some((host, _)) if from == 0 => Ok(Some(Whole(Target::Data, IoOp::Read { offset: host, len, iov }))),
+                _ => self.read(tag, offset, len, iov, from, patient),
+            },
+            // A durable write must not land on a cluster whose allocation
+            // is still only in memory: then the metadata path flushes it too.
+            IoOp::Write { offset, len, iov, durable } => match self.owned(offset, len) {
+                Some((host, true)) if !(durable && self.image.metadata_dirty()) => {
+                    Ok(Some(Whole(Target::Data, IoOp::Write { offset: host, len, iov, durable })))
+                }
+                _ => self.write(tag, offset, len, iov, durable, patient),
+            },
             IoOp::Flush if self.image.metadata_dirty() => self.sync(|image, io| image.flush(io)),
             IoOp::Flush if self.data.is_none() => Ok(Some(Whole(Target::File, IoOp::Flush))),
             IoOp::Flush => {
@@ -441,6 +451,20 @@ impl Qcow2Queue {
                 self.preload(offset, len, patient)?;
                 self.sync(|image, io| image.write_zeroes(io, offset, len, may_unmap, fast))
             }
+        }
+    }
+
+    /// Where guest bytes `offset..offset + len` are in the data child, and
+    /// whether they may be written in place, if one cluster the cache maps
+    /// holds them all: the common request, routed without the general
+    /// walk (`read`, `write`) it would also find its way through.
+    #[inline(always)]
+    fn owned(&mut self, offset: u64, len: u64) -> Option<(u64, bool)> {
+        match self.image.map_cached(&mut self.memo, offset, len) {
+            Ok(Extent { mapping: Mapping::Data { host, in_place }, len: mapped }) if mapped == len => {
+                Some((host, in_place))
+            }
+            _ => None,
         }
     }
 
@@ -473,9 +497,6 @@ impl Qcow2Queue {
             let extent = self.map(offset + pos, len - pos, pos, patient)?;
             let (at, n, whole) = (offset + pos, extent.len, pos == 0 && extent.len == len);
             match extent.mapping {
-                Mapping::Data { host, .. } if whole => {
-                    return Ok(Some(Whole(Target::Data, IoOp::Read { offset: host, len, iov })));
-                }
                 Mapping::Data { host, .. } => {
                     self.issue(tag, Target::Data, IoOp::Read { offset: host, len: n, iov }, pos)
                 }
@@ -517,27 +538,21 @@ impl Qcow2Queue {
     }
 
     fn write(&mut self, tag: u32, offset: u64, len: u64, iov: IoVecs, durable: bool, patient: bool) -> Routed {
-        // Fast path: every byte lands on data this image owns. A durable
-        // write must not land on a cluster whose allocation is still only
-        // in memory: then the metadata path flushes it too.
-        let in_place = |image: &Image| !(durable && image.metadata_dirty());
         self.extents.clear();
         let mut pos = 0;
         while pos < len {
             // Nothing is sent before the loop ends: a wait restarts it.
             let e = self.map(offset + pos, len - pos, 0, patient)?;
             match e.mapping {
-                // One extent for the whole request (so pos is 0).
-                Mapping::Data { host, in_place: true } if e.len == len && in_place(&self.image) => {
-                    return Ok(Some(Whole(Target::Data, IoOp::Write { offset: host, len, iov, durable })));
-                }
                 Mapping::Data { host, in_place: true } => self.extents.push((host, pos, e.len)),
                 Mapping::Invalid => return Err(invalid(offset + pos)),
                 _ => break,
             }
             pos += e.len;
         }
-        if pos == len && in_place(&self.image) {
+        // Every byte lands on data this image owns (a durable write only
+        // if no allocation awaits a flush, as in `route`): in place, in parts.
+        if pos == len && !(durable && self.image.metadata_dirty()) {
             for i in 0..self.extents.len() {
                 let (host, at, n) = self.extents[i];
                 self.issue(tag, Target::Data, IoOp::Write { offset: host, len: n, iov, durable }, at);
