@@ -26,6 +26,13 @@ impl AlignedBuf {
         Self { ptr, len }
     }
 
+    /// A copy of `bytes`.
+    pub fn copy_of(bytes: &[u8]) -> Self {
+        let mut buf = Self::zeroed(bytes.len());
+        buf.copy_from_slice(bytes);
+        buf
+    }
+
     fn layout(len: usize) -> Layout {
         Layout::from_size_align(len, ALIGN).expect("buffer sizes are bounded by the cluster size")
     }

@@ -29,9 +29,11 @@
 //! flush (a guest FLUSH, a writethrough write, or the daemon stopping),
 //! which writes them in dependency order with a file flush between steps:
 //! data and refcount increments, L2 tables, L1 entries, then refcount
-//! decrements. A crash or power loss at any point leaves at worst leaked
-//! clusters, never a table pointing at an unreferenced cluster; what was
-//! flushed survives.
+//! decrements. A flush copies the changed chunks under the metadata mutex
+//! and writes the copies without it: other queues go on allocating and
+//! linking while it waits for the disk. A crash or power loss at any point
+//! leaves at worst leaked clusters, never a table pointing at an
+//! unreferenced cluster; what was flushed survives.
 //!
 //! Clusters freed by discard are not reused until the image is reopened: a
 //! write in flight on another queue may still target them.

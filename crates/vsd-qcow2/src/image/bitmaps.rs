@@ -160,12 +160,12 @@ impl Image {
         if !bitmaps.is_empty() && self.header.version < 3 {
             return Err(FormatError::Unsupported("bitmaps need a version 3 (compat=1.1) image".into()).into());
         }
-        let mut meta = self.lock();
-        if bitmaps.is_empty() && meta.bitmaps.is_none() {
+        let _writeback = self.writeback();
+        if bitmaps.is_empty() && self.lock().bitmaps.is_none() {
             return Ok(()); // nothing stored, nothing to remove
         }
-        // Nothing else queued: the decrements below may be applied at once.
-        self.flush_metadata(&mut meta, io)?;
+        self.write_back(io)?;
+        let mut meta = self.lock();
         let old = self.current_directory(&meta, io.meta)?;
         let mut old_clusters = BTreeSet::new();
         for e in &old {
@@ -195,13 +195,15 @@ impl Image {
     /// marked inconsistent.
     pub fn mark_bitmaps_in_use(&self, io: &mut ImageIo) -> io::Result<()> {
         self.check_writable()?;
-        let mut meta = self.lock();
-        let mut entries = self.current_directory(&meta, io.meta)?;
+        // The directory changes only under the writeback lock.
+        let _writeback = self.writeback();
+        let mut entries = self.current_directory(&self.lock(), io.meta)?;
         if entries.iter().all(|e| e.in_use) {
             return Ok(());
         }
         entries.iter_mut().for_each(|e| e.in_use = true);
-        self.flush_metadata(&mut meta, io)?;
+        self.write_back(io)?;
+        let mut meta = self.lock();
         self.replace_directory(&mut meta, io.meta, BTreeSet::new(), |_, _, _, _| Ok(entries))
     }
 
@@ -217,7 +219,8 @@ impl Image {
     /// what they point to, its clusters listed in `fresh`), switches the
     /// header to it, then frees `old_clusters` and the old directory. If
     /// anything fails before the header write, the new clusters are given
-    /// back; after it, they are left (leaked at worst).
+    /// back; after it, they are left (leaked at worst). The caller holds
+    /// the writeback lock: refcount chunks are written here.
     fn replace_directory(
         &self,
         meta: &mut Meta,
@@ -253,10 +256,11 @@ impl Image {
         io.write_at(&meta.header_chunk, 0)?;
         io.flush()?;
         meta.bitmaps = ext;
+        // No table names the old clusters: freed now, not at a flush.
         for cluster in old_clusters {
-            meta.decref(cluster, self.opts.pass_discard);
+            meta.decrement(io, cluster, self.opts.pass_discard)?;
         }
-        meta.apply_decrements(io)?;
+        meta.refcounts.write_dirty(io)?;
         self.note_dirty(meta);
         io.flush()
     }

@@ -10,6 +10,7 @@ mod rebuild;
 mod refcounts;
 mod resize;
 mod write;
+mod writeback;
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::io;
@@ -163,6 +164,9 @@ pub struct Image {
     /// and data writes never land there.
     metadata: Arc<MetadataMap>,
     meta: Mutex<Meta>,
+    /// Held by whoever writes metadata chunks (see `writeback`), before
+    /// `meta`.
+    writeback: Mutex<()>,
     /// Some metadata change is not on disk yet: a flush must write it.
     dirty: AtomicBool,
     /// Lazy refcounts are in use.
@@ -532,7 +536,8 @@ impl Image {
     pub fn close(&self, io: &mut ImageIo) -> io::Result<()> {
         self.flush(io)?;
         let mut meta = self.lock();
-        if meta.dirty_bit {
+        // Clean only if nothing changed since the flush (no one should).
+        if meta.dirty_bit && !self.metadata_dirty() {
             meta.set_dirty_bit(io.meta, false)?;
         }
         Ok(())
@@ -561,50 +566,6 @@ impl Image {
     fn note_dirty(&self, meta: &Meta) {
         let dirty = meta.refcounts.is_dirty() || !meta.dirty_l2.is_empty() || !meta.dirty_l1.is_empty();
         self.dirty.store(dirty || !meta.decrements.is_empty(), Ordering::Release);
-    }
-
-    /// Makes every completed write durable, metadata included, in an order
-    /// that leaves a consistent image wherever a crash or power loss cuts
-    /// it: data and refcount increments, then L2 tables, then L1 entries
-    /// (each step durable before the next starts), then refcount
-    /// decrements (a lost decrement is a leak, never a corruption).
-    pub fn flush(&self, io: &mut ImageIo) -> io::Result<()> {
-        if let Some(data) = io.data.as_deref_mut() {
-            data.flush()?;
-        }
-        self.flush_metadata(&mut self.lock(), io)
-    }
-
-    /// [`Image::flush`] of the image file, under the metadata mutex: no
-    /// decrement is left queued afterwards.
-    fn flush_metadata(&self, meta: &mut Meta, io: &mut ImageIo) -> io::Result<()> {
-        if !self.metadata_dirty() {
-            return io.meta.flush();
-        }
-        meta.refcounts.write_dirty(io.meta)?;
-        // With lazy refcounts the dirty bit covers any order: no barriers.
-        let barrier = |io: &mut ImageIo| if self.lazy { Ok(()) } else { io.meta.flush() };
-        barrier(io)?;
-        for (table, chunks) in meta.dirty_l2.values() {
-            for &start in chunks {
-                let len = self.chunk_of(start..start + 8).len();
-                let bytes = table.bytes(start..start + len).ok_or_else(unloaded_slice)?;
-                io.meta.write_at(&bytes, table.offset + start as u64)?;
-            }
-        }
-        meta.dirty_l2.clear();
-        self.tables_written();
-        if !meta.dirty_l1.is_empty() {
-            barrier(io)?;
-            for &start in &meta.dirty_l1 {
-                io.meta.write_at(&self.l1_chunk(start), self.header.l1_offset + start as u64)?;
-            }
-            meta.dirty_l1.clear();
-        }
-        io.meta.flush()?;
-        meta.apply_decrements(io.meta)?;
-        self.note_dirty(meta);
-        Ok(())
     }
 
     /// The L2 table at `l2_offset` with its `slices` loaded, into the

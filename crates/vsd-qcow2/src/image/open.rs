@@ -160,6 +160,7 @@ impl Image {
             header,
             metadata,
             meta: Mutex::new(meta),
+            writeback: Mutex::default(),
             dirty: Default::default(),
             lazy,
             finished: AtomicU64::new(0),

@@ -13,6 +13,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::io;
 
 use super::Meta;
+use super::writeback::{Copy, RefcountCopy};
 use crate::SyncIo;
 use crate::buf::AlignedBuf;
 use crate::header::field;
@@ -122,6 +123,27 @@ impl Refcounts {
         }
         self.dirty.clear();
         Ok(())
+    }
+
+    /// Copies of the chunks changed in memory, to write without the
+    /// metadata mutex.
+    pub(super) fn copy_dirty(&self) -> Vec<RefcountCopy> {
+        let chunk = self.chunk();
+        let copy = |&(index, start): &(u64, usize)| {
+            let bytes = AlignedBuf::copy_of(&self.blocks[&index][start..start + chunk]);
+            Copy { key: (index, start), at: self.table[index as usize] + start as u64, bytes }
+        };
+        self.dirty.iter().map(copy).collect()
+    }
+
+    /// Marks clean the chunks written from `copies` that still hold what
+    /// was written.
+    pub(super) fn forget_written(&mut self, copies: &[RefcountCopy]) {
+        for Copy { key: (index, start), bytes, .. } in copies {
+            if self.blocks[index][*start..*start + bytes.len()] == bytes[..] {
+                self.dirty.remove(&(*index, *start));
+            }
+        }
     }
 
     pub(super) fn is_dirty(&self) -> bool {
@@ -305,15 +327,17 @@ impl Meta {
         self.decrements.push((cluster, discard));
     }
 
-    /// Applies the decrements queued by [`Meta::decref`].
-    pub(super) fn apply_decrements(&mut self, io: &mut dyn SyncIo) -> io::Result<()> {
-        for (cluster, discard) in std::mem::take(&mut self.decrements) {
+    /// Applies, in memory, the first `n` decrements queued by
+    /// [`Meta::decref`]; `io` serves the refcount blocks not cached.
+    pub(super) fn apply_decrements(&mut self, io: &mut dyn SyncIo, n: usize) -> io::Result<()> {
+        for (cluster, discard) in self.decrements.drain(..n).collect::<Vec<_>>() {
             self.decrement(io, cluster, discard)?;
         }
-        self.refcounts.write_dirty(io)
+        Ok(())
     }
 
-    fn decrement(&mut self, io: &mut dyn SyncIo, cluster: u64, discard: bool) -> io::Result<()> {
+    /// Drops one reference to `cluster` now, in memory.
+    pub(super) fn decrement(&mut self, io: &mut dyn SyncIo, cluster: u64, discard: bool) -> io::Result<()> {
         let count = self.refcounts.get(io, cluster)?;
         if count == 0 {
             log::error!("qcow2: refcount of cluster {cluster} would drop below zero");
