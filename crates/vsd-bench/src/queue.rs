@@ -42,7 +42,26 @@ pub enum BatchOp<'a> {
     Write(u64, &'a [u8]),
     /// Zero this many bytes at this offset (the device may unmap them).
     WriteZeroes(u64, u64),
+    /// Read this many bytes at this offset (the data is not kept).
+    Read(u64, u64),
+    /// Flush the device's write cache.
+    Flush,
 }
+
+impl BatchOp<'_> {
+    /// The request's kind, offset and length, as errors name them.
+    fn describe(&self) -> (Op, u64, u64) {
+        match *self {
+            BatchOp::Write(offset, src) => (Op::Write, offset, src.len() as u64),
+            BatchOp::WriteZeroes(offset, len) => (Op::WriteZeroes, offset, len),
+            BatchOp::Read(offset, len) => (Op::Read, offset, len),
+            BatchOp::Flush => (Op::Flush, 0, 0),
+        }
+    }
+}
+
+/// A request's status and libblkio's error message.
+type Outcome = (i32, Option<String>);
 
 /// One virtqueue of a [`crate::Client`], owned by one thread at a time.
 ///
@@ -183,31 +202,38 @@ impl Queue {
 
     /// Submits every request of `batch` at once and waits for them all, so
     /// that they are in flight together (as a guest's are at depth); fails
-    /// naming the first one that failed, in `batch` order.
-    pub fn run_batch(&mut self, batch: &[BatchOp<'_>]) -> Result<()> {
-        let data_len = batch.iter().map(|op| if let BatchOp::Write(_, src) = op { src.len() } else { 0 }).sum();
-        let mut bounce = self.take_bounce(data_len)?;
+    /// naming the first one that failed, in `batch` order. Returns the
+    /// requests' indexes in `batch` in the order they completed.
+    pub fn run_batch(&mut self, batch: &[BatchOp<'_>]) -> Result<Vec<usize>> {
+        let bytes = |op: &BatchOp<'_>| match *op {
+            BatchOp::Write(_, src) => src.len(),
+            BatchOp::Read(_, len) => len as usize,
+            _ => 0,
+        };
+        let mut bounce = self.take_bounce(batch.iter().map(bytes).sum())?;
         let mut at = 0;
         for (token, op) in batch.iter().enumerate() {
             match *op {
                 BatchOp::Write(offset, src) => {
                     bounce[at..at + src.len()].copy_from_slice(src);
                     self.blkioq.write(offset, bounce[at..].as_ptr(), src.len(), token, ReqFlags::empty());
-                    at += src.len();
                 }
                 BatchOp::WriteZeroes(offset, len) => self.blkioq.write_zeroes(offset, len, token, ReqFlags::empty()),
+                BatchOp::Read(offset, len) => {
+                    self.blkioq.read(offset, bounce[at..].as_mut_ptr(), len as usize, token, ReqFlags::empty());
+                }
+                BatchOp::Flush => self.blkioq.flush(token, ReqFlags::empty()),
             }
+            at += bytes(op);
         }
-        let outcome = self.wait_for(Op::Write, batch.len());
+        let outcome = self.wait_in_order(Op::Write, batch.len());
         self.return_bounce(bounce);
-        for (op, (ret, message)) in batch.iter().zip(outcome?) {
-            let (kind, offset, len) = match *op {
-                BatchOp::Write(offset, src) => (Op::Write, offset, src.len() as u64),
-                BatchOp::WriteZeroes(offset, len) => (Op::WriteZeroes, offset, len),
-            };
+        let (done, order) = outcome?;
+        for (op, (ret, message)) in batch.iter().zip(done) {
+            let (kind, offset, len) = op.describe();
             completion_result(kind, offset, len, ret, message)?;
         }
-        Ok(())
+        Ok(order)
     }
 
     /// Reads each `(offset, buffer)` of `reads`, all submitted at once so
@@ -244,8 +270,14 @@ impl Queue {
     /// Waits for the `n` requests submitted with tokens `0..n` (`op` names
     /// them in errors); returns each one's `ret` and libblkio's message, by
     /// token. Any failure to wait leaves the queue broken.
-    fn wait_for(&mut self, op: Op, n: usize) -> Result<Vec<(i32, Option<String>)>> {
+    fn wait_for(&mut self, op: Op, n: usize) -> Result<Vec<Outcome>> {
+        self.wait_in_order(op, n).map(|(done, _)| done)
+    }
+
+    /// [`Queue::wait_for`], and the tokens in the order they completed.
+    fn wait_in_order(&mut self, op: Op, n: usize) -> Result<(Vec<Outcome>, Vec<usize>)> {
         let mut done = vec![None; n];
+        let mut order = Vec::with_capacity(n);
         let mut pending = n;
         while pending > 0 {
             let reaped = match self.reap(1, Some(self.timeout)) {
@@ -261,7 +293,10 @@ impl Queue {
             for i in 0..reaped {
                 let Some(Reaped { token, ret }) = self.completion(i) else { continue };
                 match done.get_mut(token) {
-                    Some(slot @ None) => *slot = Some((ret, self.error_message(i))),
+                    Some(slot @ None) => {
+                        *slot = Some((ret, self.error_message(i)));
+                        order.push(token);
+                    }
                     // A completion nobody waits for: the ring cannot be trusted.
                     _ => {
                         self.broken = true;
@@ -271,7 +306,7 @@ impl Queue {
                 pending -= 1;
             }
         }
-        Ok(done.into_iter().flatten().collect())
+        Ok((done.into_iter().flatten().collect(), order))
     }
 
     fn ensure_usable(&self) -> Result<()> {

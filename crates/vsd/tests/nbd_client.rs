@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{Daemon, Scratch, ok, pattern, run, vsd_fails};
-use vsd_bench::ClientOptions;
+use vsd_bench::{BatchOp, ClientOptions};
 
 const MIB: u64 = 1 << 20;
 
@@ -28,12 +28,18 @@ fn qsd_serving(dir: &Scratch, image: &Path, socket: &Path) -> Daemon {
     )
 }
 
-/// nbdkit's memory plugin (`size` bytes) behind `filters` ("NAME PARAMS",
-/// or a flag such as `-r`), on `socket`.
+/// nbdkit on `socket`: a plugin behind `filters` ("NAME PARAMS", or a flag
+/// such as `-r`).
 struct Nbdkit(Child);
 
 impl Nbdkit {
+    /// The memory plugin, `size` bytes.
     fn start(socket: &Path, filters: &[&str], size: u64) -> Self {
+        Self::serving(socket, filters, &["memory", &size.to_string()])
+    }
+
+    /// `plugin`: its name and parameters.
+    fn serving(socket: &Path, filters: &[&str], plugin: &[&str]) -> Self {
         let _ = std::fs::remove_file(socket);
         let mut command = Command::new("nbdkit");
         command.args(["-f", "-U"]).arg(socket);
@@ -48,8 +54,7 @@ impl Nbdkit {
             params.extend(rest.split_whitespace());
         }
         // Filters' parameters follow the plugin's.
-        let child =
-            command.args(["memory", &size.to_string()]).args(params).stdin(Stdio::null()).spawn().expect("nbdkit");
+        let child = command.args(plugin).args(params).stdin(Stdio::null()).spawn().expect("nbdkit");
         let deadline = Instant::now() + Duration::from_secs(10);
         while !socket.exists() {
             assert!(Instant::now() < deadline, "nbdkit did not start");
@@ -225,6 +230,42 @@ fn a_qcow2_image_on_another_vsd_s_nbd_export() {
     let bytes = std::fs::read(&raw).unwrap();
     assert!(bytes[5 * MIB as usize..][..data.len()] == data[..], "the write is in the qcow2 image");
     assert!(bytes[..5 * MIB as usize].iter().all(|&b| b == 0));
+}
+
+/// A guest flush with qcow2 metadata to write goes on beside the queue's
+/// other requests: with every write to the image file taking a second
+/// (nbdkit's delay filter), reads sent after the flush complete before it.
+#[test]
+fn a_qcow2_flush_does_not_hold_up_the_queue_s_other_requests() {
+    let dir = Scratch::new("nbdc-qcow2-flush");
+    let image = dir.path("disk.qcow2");
+    let path = image.to_str().unwrap();
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", path, "16M"]);
+    ok("qemu-io", &["-f", "qcow2", "-c", "write -P 0x5a 0 1M", path]);
+    // Room to allocate in: nbdkit's file plugin does not grow the file.
+    std::fs::OpenOptions::new().write(true).open(&image).unwrap().set_len(32 * MIB).unwrap();
+    let socket = dir.path("kit.sock");
+    let _kit = Nbdkit::serving(&socket, &["delay delay-write=1"], &["file", &format!("file={path}")]);
+    let node = format!(
+        "driver=qcow2,node-name=d0,file.driver=nbd,file.server.type=unix,file.server.path={},file.export=",
+        socket.display()
+    );
+    let vhost = dir.path("vhost.sock");
+    let export =
+        format!("type=vhost-user-blk,id=v0,node-name=d0,addr.type=unix,addr.path={},writable=on", vhost.display());
+    let vsd = Daemon::vsd(&dir, &["--blockdev".into(), node, "--export".into(), export]);
+    let mut client = vsd.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    queue.write_at(8 * MIB, &pattern(3, 4096)).unwrap();
+    // The flush writes a refcount block and an L2 table: two slow writes.
+    let mut batch = vec![BatchOp::Flush];
+    batch.extend((0..8).map(|i| BatchOp::Read(i * 64 * 1024, 4096)));
+    let order = queue.run_batch(&batch).unwrap();
+    assert_eq!(order.last(), Some(&0), "the reads complete while the flush writes the metadata: {order:?}");
+    drop((queue, client));
+    assert!(vsd.stop().success());
+    ok("qemu-img", &["check", "-q", path]);
+    ok("qemu-io", &["-f", "qcow2", "-c", "read -P 0x5a 0 1M", path]);
 }
 
 /// With `reconnect-delay`, a request sent while the server is down waits

@@ -976,6 +976,7 @@ fn allocations_in_flight(name: &str, direct: bool, build: impl FnOnce(&Scratch))
                                 BatchOp::WriteZeroes(at, len) => {
                                     reference.write_all_at(&vec![0; len as usize], at).unwrap()
                                 }
+                                BatchOp::Read(..) | BatchOp::Flush => unreachable!("writes only"),
                             }
                         }
                     }

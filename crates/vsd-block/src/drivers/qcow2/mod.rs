@@ -2,6 +2,7 @@
 //! backing chain and external data file opened from the header as QEMU
 //! does (inheriting the node's cache options), or given as nodes.
 
+mod flusher;
 mod health;
 mod loads;
 mod queue;
@@ -20,6 +21,7 @@ use super::file::FileNode;
 use crate::dirty::{DirtyBitmaps, Persisted};
 use crate::options::OptionMap;
 use crate::{AttachError, BlockGraph, BlockNode, Cache, Claim, ClaimGuard, GraphError, IoQueue, LockError, Perms};
+use flusher::Flusher;
 use health::Health;
 use queue::Qcow2Queue;
 
@@ -48,6 +50,8 @@ pub(crate) struct Qcow2Node {
     bitmaps: Arc<DirtyBitmaps>,
     /// Whether the metadata was found corrupt, and whom to tell.
     health: Arc<Health>,
+    /// Does the queues' flushes that have metadata to write.
+    flusher: Arc<Flusher>,
 }
 
 /// What a qcow2 node needs of its image file (and external data file), as
@@ -221,6 +225,7 @@ impl Qcow2Node {
             }
         };
         let health = Arc::new(Health::new(&name, None));
+        let flusher = Arc::new(Flusher::new(file.clone(), data.clone()));
         let node = Self {
             name,
             image: RwLock::new(Arc::new(image)),
@@ -232,6 +237,7 @@ impl Qcow2Node {
             claims: Mutex::new(file_claims),
             bitmaps: Arc::default(),
             health,
+            flusher,
         };
         if !settings.inactive {
             let children = node.claim_children().map_err(locked)?;
@@ -591,6 +597,7 @@ impl BlockNode for Qcow2Node {
         let data = self.data.as_ref().map(|d| ChildQueue::open(&**d, child_depth, u64::MAX)).transpose()?;
         let backing = self.backing.get().map(|b| ChildQueue::open(&**b, child_depth, b.size())).transpose()?;
         let children = queue::Children { file, data, backing };
-        Ok(Box::new(Qcow2Queue::new(self.image(), children, self.health.clone(), depth, parts)?))
+        let (health, flusher) = (self.health.clone(), self.flusher.clone());
+        Ok(Box::new(Qcow2Queue::new(self.image(), children, health, flusher, depth, parts)?))
     }
 }

@@ -38,6 +38,7 @@ use vsd_engine::{Completion, IoOp, IoQueue, IoVecs};
 use vsd_qcow2::buf::AlignedBuf;
 use vsd_qcow2::{Allocation, Busy, CorruptMetadata, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable};
 
+use super::flusher::{Answers, Flusher, Request};
 use super::health::Health;
 use super::loads::{self, Loads, Waiting};
 use crate::drivers::child::ChildQueue;
@@ -115,6 +116,12 @@ pub(crate) struct Children {
 pub(crate) struct Qcow2Queue {
     image: Arc<Image>,
     health: Arc<Health>,
+    /// Takes the flushes that have metadata to write.
+    flusher: Arc<Flusher>,
+    /// Where it answers them.
+    flushed: Arc<Answers>,
+    /// Flushes handed to it and not answered yet.
+    flushes_out: u32,
     file: ChildQueue,
     data: Option<ChildQueue>,
     backing: Option<ChildQueue>,
@@ -151,6 +158,7 @@ impl Qcow2Queue {
         image: Arc<Image>,
         Children { file, data, backing }: Children,
         health: Arc<Health>,
+        flusher: Arc<Flusher>,
         depth: u16,
         parts: u16,
     ) -> io::Result<Self> {
@@ -160,9 +168,13 @@ impl Qcow2Queue {
         for fd in children.filter_map(ChildQueue::notify_fd).map(|fd| fd.as_raw_fd()).chain([unblocked.0.as_raw_fd()]) {
             epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, 0))?;
         }
+        let waker = Waker::from(unblocked.clone());
         Ok(Self {
             image,
             health,
+            flusher,
+            flushed: Arc::new(Answers::new(waker.clone())),
+            flushes_out: 0,
             file,
             data,
             backing,
@@ -175,7 +187,7 @@ impl Qcow2Queue {
             answered: Vec::with_capacity(usize::from(depth)),
             blocked: Vec::new(),
             loads: Loads::new(),
-            waker: Waker::from(unblocked.clone()),
+            waker,
             unblocked,
             compressed: None,
             extents: Vec::new(),
@@ -436,7 +448,7 @@ impl Qcow2Queue {
                 }
                 _ => self.write(tag, offset, len, iov, durable, patient),
             },
-            IoOp::Flush if self.image.metadata_dirty() => self.sync(|image, io| image.flush(io)),
+            IoOp::Flush if self.image.metadata_dirty() => self.flush_metadata(tag),
             IoOp::Flush if self.data.is_none() => Ok(Some(Whole(Target::File, IoOp::Flush))),
             IoOp::Flush => {
                 self.issue(tag, Target::File, IoOp::Flush, 0);
@@ -578,6 +590,34 @@ impl Qcow2Queue {
         })
     }
 
+    /// Hands a flush with metadata to write to the node's flusher, and goes
+    /// on meanwhile; without one, flushes here.
+    fn flush_metadata(&mut self, tag: u32) -> Routed {
+        let (image, health, answers) = (self.image.clone(), self.health.clone(), self.flushed.clone());
+        self.parents[tag as usize].remaining += 1;
+        match self.flusher.flush(Request { image, health, tag, answers }) {
+            Ok(()) => {
+                self.flushes_out += 1;
+                Ok(None)
+            }
+            Err(_) => {
+                self.parents[tag as usize].remaining -= 1;
+                self.sync(|image, io| image.flush(io))
+            }
+        }
+    }
+
+    /// Answers the flushes the flusher is done with.
+    fn take_flushed(&mut self) {
+        if self.flushes_out == 0 {
+            return;
+        }
+        for done in self.flushed.take() {
+            self.flushes_out -= 1;
+            self.release(done.tag, done.errno);
+        }
+    }
+
     /// Runs `f` with the image and its files as blocking I/O; the request
     /// is answered when it returns.
     fn sync(&mut self, f: impl FnOnce(&Image, &mut ImageIo) -> io::Result<()>) -> Routed {
@@ -618,6 +658,7 @@ impl IoQueue for Qcow2Queue {
     }
 
     fn reap(&mut self, out: &mut Vec<Completion>) {
+        self.take_flushed();
         out.append(&mut self.answered);
         // Deferred parts sent here may complete at once (inline, on tmpfs),
         // which makes no child's notify_fd readable, so the owner would
