@@ -232,12 +232,10 @@ fn a_qcow2_image_on_another_vsd_s_nbd_export() {
     assert!(bytes[..5 * MIB as usize].iter().all(|&b| b == 0));
 }
 
-/// A guest flush with qcow2 metadata to write goes on beside the queue's
-/// other requests: with every write to the image file taking a second
-/// (nbdkit's delay filter), reads sent after the flush complete before it.
-#[test]
-fn a_qcow2_flush_does_not_hold_up_the_queue_s_other_requests() {
-    let dir = Scratch::new("nbdc-qcow2-flush");
+/// vsd serving a qcow2 image (1 MiB of 0x5a written at 0) whose file is on
+/// nbdkit, where every write takes a second (its delay filter); the
+/// export's options end with `export_opts`.
+fn qcow2_with_slow_writes(dir: &Scratch, export_opts: &str) -> (Nbdkit, Daemon) {
     let image = dir.path("disk.qcow2");
     let path = image.to_str().unwrap();
     ok("qemu-img", &["create", "-q", "-f", "qcow2", path, "16M"]);
@@ -245,27 +243,69 @@ fn a_qcow2_flush_does_not_hold_up_the_queue_s_other_requests() {
     // Room to allocate in: nbdkit's file plugin does not grow the file.
     std::fs::OpenOptions::new().write(true).open(&image).unwrap().set_len(32 * MIB).unwrap();
     let socket = dir.path("kit.sock");
-    let _kit = Nbdkit::serving(&socket, &["delay delay-write=1"], &["file", &format!("file={path}")]);
+    let kit = Nbdkit::serving(&socket, &["delay delay-write=1"], &["file", &format!("file={path}")]);
     let node = format!(
         "driver=qcow2,node-name=d0,file.driver=nbd,file.server.type=unix,file.server.path={},file.export=",
         socket.display()
     );
     let vhost = dir.path("vhost.sock");
-    let export =
-        format!("type=vhost-user-blk,id=v0,node-name=d0,addr.type=unix,addr.path={},writable=on", vhost.display());
-    let vsd = Daemon::vsd(&dir, &["--blockdev".into(), node, "--export".into(), export]);
+    let export = format!(
+        "type=vhost-user-blk,id=v0,node-name=d0,addr.type=unix,addr.path={},writable=on{export_opts}",
+        vhost.display()
+    );
+    (kit, Daemon::vsd(dir, &["--blockdev".into(), node, "--export".into(), export]))
+}
+
+/// Submits `first` and eight reads of the data at once; returns the order
+/// they completed in (0 is `first`).
+fn beside_reads(queue: &mut vsd_bench::Queue, first: BatchOp<'_>) -> Vec<usize> {
+    let mut batch = vec![first];
+    batch.extend((0..8).map(|i| BatchOp::Read(i * 64 * 1024, 4096)));
+    queue.run_batch(&batch).unwrap()
+}
+
+/// Stops vsd and checks the image: consistent, the first MiB intact.
+fn stop_and_check(dir: &Scratch, vsd: Daemon) {
+    assert!(vsd.stop().success());
+    let image = dir.path("disk.qcow2");
+    ok("qemu-img", &["check", "-q", image.to_str().unwrap()]);
+    ok("qemu-io", &["-f", "qcow2", "-c", "read -P 0x5a 0 1M", image.to_str().unwrap()]);
+}
+
+/// A guest flush with qcow2 metadata to write goes on beside the queue's
+/// other requests: reads sent after it complete before it, while it writes
+/// the tables a second at a time.
+#[test]
+fn a_qcow2_flush_does_not_hold_up_the_queue_s_other_requests() {
+    let dir = Scratch::new("nbdc-qcow2-flush");
+    let (_kit, vsd) = qcow2_with_slow_writes(&dir, "");
     let mut client = vsd.connect(ClientOptions::default());
     let mut queue = client.take_queue(0).unwrap();
     queue.write_at(8 * MIB, &pattern(3, 4096)).unwrap();
     // The flush writes a refcount block and an L2 table: two slow writes.
-    let mut batch = vec![BatchOp::Flush];
-    batch.extend((0..8).map(|i| BatchOp::Read(i * 64 * 1024, 4096)));
-    let order = queue.run_batch(&batch).unwrap();
+    let order = beside_reads(&mut queue, BatchOp::Flush);
     assert_eq!(order.last(), Some(&0), "the reads complete while the flush writes the metadata: {order:?}");
     drop((queue, client));
-    assert!(vsd.stop().success());
-    ok("qemu-img", &["check", "-q", path]);
-    ok("qemu-io", &["-f", "qcow2", "-c", "read -P 0x5a 0 1M", path]);
+    stop_and_check(&dir, vsd);
+}
+
+/// With `writethrough=on`, an allocating write is written, linked and
+/// flushed beside the queue's other requests, and answered once durable.
+#[test]
+fn a_writethrough_allocation_does_not_hold_up_the_queue_s_other_requests() {
+    let dir = Scratch::new("nbdc-qcow2-writethrough");
+    let (_kit, vsd) = qcow2_with_slow_writes(&dir, ",writethrough=on");
+    let mut client = vsd.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    let data = pattern(4, 4096);
+    let order = beside_reads(&mut queue, BatchOp::Write(8 * MIB, &data));
+    assert_eq!(order.last(), Some(&0), "the reads complete while the write allocates and flushes: {order:?}");
+    drop((queue, client));
+    stop_and_check(&dir, vsd);
+    let image = dir.path("disk.qcow2");
+    let raw = dir.path("disk.raw");
+    ok("qemu-img", &["convert", "-O", "raw", image.to_str().unwrap(), raw.to_str().unwrap()]);
+    assert!(std::fs::read(&raw).unwrap()[8 * MIB as usize..][..4096] == data[..], "the write is in the image");
 }
 
 /// With `reconnect-delay`, a request sent while the server is down waits

@@ -59,6 +59,9 @@ enum Target {
 struct Parent {
     remaining: u32,
     errno: i32,
+    /// A durable write whose clusters are being allocated: once they are
+    /// linked, a flush makes them durable before it is answered.
+    flush_after: bool,
 }
 
 /// A guest request that is one child request, all of it.
@@ -222,7 +225,19 @@ impl Qcow2Queue {
         }
         let p = &mut self.parents[parent as usize];
         p.remaining -= 1;
-        (p.remaining == 0).then_some(Completion { tag: parent, errno: p.errno })
+        if p.remaining > 0 {
+            return None;
+        }
+        let errno = p.errno;
+        if std::mem::take(&mut p.flush_after) && errno == 0 {
+            // A durable write's clusters are linked: now they are flushed.
+            if self.hand_flush(parent) {
+                return None;
+            }
+            let flushed = self.with_io(|image, io| image.flush(io));
+            return Some(Completion { tag: parent, errno: flushed.err().map_or(0, |e| errno_of(&e)) });
+        }
+        Some(Completion { tag: parent, errno })
     }
 
     /// Ends routing's hold on a guest request: answers it unless parts of
@@ -355,7 +370,7 @@ impl Qcow2Queue {
         if let Some(allocation) = allocation
             && let Err(e) = self.image.finish_allocation(&mut self.file, allocation, errno == 0)
         {
-            errno = e.raw_os_error().unwrap_or(libc::EIO);
+            errno = errno_of(&e);
         }
         self.settle(parent, errno)
     }
@@ -376,7 +391,7 @@ impl Qcow2Queue {
     /// back until an allocation or a table it waits for is there.
     fn start(&mut self, tag: u32, op: IoOp) {
         // Held until routing is done, so the parent cannot complete early.
-        self.parents[tag as usize] = Parent { remaining: 1, errno: 0 };
+        self.parents[tag as usize] = Parent { remaining: 1, ..Parent::default() };
         self.proceed(tag, op, 0, 0);
     }
 
@@ -572,18 +587,19 @@ impl Qcow2Queue {
             return Ok(None);
         }
         self.preload(offset, len, patient)?;
-        if !durable {
-            // Clusters to allocate: their contents go down asynchronously.
-            let started = self.with_io(|image, io| image.start_write(io, offset, len, &mut copy_from(iov)));
-            if let Some(allocations) = started.map_err(refused)? {
-                for allocation in allocations {
-                    self.issue_allocation(tag, offset, iov, allocation);
-                }
-                return Ok(None);
+        // Clusters to allocate: their contents go down asynchronously (a
+        // durable write's flush follows once they are linked).
+        let started = self.with_io(|image, io| image.start_write(io, offset, len, &mut copy_from(iov)));
+        if let Some(allocations) = started.map_err(refused)? {
+            self.parents[tag as usize].flush_after = durable;
+            for allocation in allocations {
+                self.issue_allocation(tag, offset, iov, allocation);
             }
+            return Ok(None);
         }
-        // Owned clusters with subclusters to fill, or a durable write with
-        // metadata to flush: the metadata path, all at once.
+        // Owned and new clusters mixed, subclusters to fill, or a durable
+        // write on clusters whose allocation awaits a flush: the metadata
+        // path, all at once.
         self.sync(|image, io| {
             image.write(io, offset, len, &mut copy_from(iov))?;
             if durable { image.flush(io) } else { Ok(()) }
@@ -593,18 +609,21 @@ impl Qcow2Queue {
     /// Hands a flush with metadata to write to the node's flusher, and goes
     /// on meanwhile; without one, flushes here.
     fn flush_metadata(&mut self, tag: u32) -> Routed {
+        if self.hand_flush(tag) { Ok(None) } else { self.sync(|image, io| image.flush(io)) }
+    }
+
+    /// Hands a flush for guest request `tag` to the node's flusher, as a
+    /// part of it; false if the flusher could not take it.
+    fn hand_flush(&mut self, tag: u32) -> bool {
         let (image, health, answers) = (self.image.clone(), self.health.clone(), self.flushed.clone());
         self.parents[tag as usize].remaining += 1;
-        match self.flusher.flush(Request { image, health, tag, answers }) {
-            Ok(()) => {
-                self.flushes_out += 1;
-                Ok(None)
-            }
-            Err(_) => {
-                self.parents[tag as usize].remaining -= 1;
-                self.sync(|image, io| image.flush(io))
-            }
+        let handed = self.flusher.flush(Request { image, health, tag, answers }).is_ok();
+        if handed {
+            self.flushes_out += 1;
+        } else {
+            self.parents[tag as usize].remaining -= 1;
         }
+        handed
     }
 
     /// Answers the flushes the flusher is done with.
@@ -746,13 +765,17 @@ enum Refused {
     Missing(MissingTable, u64),
 }
 
+fn errno_of(e: &io::Error) -> i32 {
+    e.raw_os_error().unwrap_or(libc::EIO)
+}
+
 fn refused(e: io::Error) -> Refused {
     if Busy::is(&e) {
         return Refused::Busy;
     }
     match CorruptMetadata::of(&e) {
         Some(what) => Refused::Corrupt(what.to_string()),
-        None => Refused::Failed(e.raw_os_error().unwrap_or(libc::EIO)),
+        None => Refused::Failed(errno_of(&e)),
     }
 }
 
