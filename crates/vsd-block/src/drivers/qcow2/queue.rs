@@ -125,6 +125,10 @@ pub(crate) struct Qcow2Queue {
     flushed: Arc<Answers>,
     /// Flushes handed to it and not answered yet.
     flushes_out: u32,
+    /// Guest requests pushed and not reaped yet.
+    in_flight: u32,
+    /// Guest flushes with metadata to write, routed since the last submit.
+    flushes_due: Vec<u32>,
     file: ChildQueue,
     data: Option<ChildQueue>,
     backing: Option<ChildQueue>,
@@ -178,6 +182,8 @@ impl Qcow2Queue {
             flusher,
             flushed: Arc::new(Answers::new(waker.clone())),
             flushes_out: 0,
+            in_flight: 0,
+            flushes_due: Vec::new(),
             file,
             data,
             backing,
@@ -228,16 +234,13 @@ impl Qcow2Queue {
         if p.remaining > 0 {
             return None;
         }
-        let errno = p.errno;
-        if std::mem::take(&mut p.flush_after) && errno == 0 {
+        if std::mem::take(&mut p.flush_after) && p.errno == 0 {
             // A durable write's clusters are linked: now they are flushed.
-            if self.hand_flush(parent) {
-                return None;
-            }
-            let flushed = self.with_io(|image, io| image.flush(io));
-            return Some(Completion { tag: parent, errno: flushed.err().map_or(0, |e| errno_of(&e)) });
+            p.remaining += 1;
+            self.flush_part(parent);
+            return None;
         }
-        Some(Completion { tag: parent, errno })
+        Some(Completion { tag: parent, errno: p.errno })
     }
 
     /// Ends routing's hold on a guest request: answers it unless parts of
@@ -463,7 +466,12 @@ impl Qcow2Queue {
                 }
                 _ => self.write(tag, offset, len, iov, durable, patient),
             },
-            IoOp::Flush if self.image.metadata_dirty() => self.flush_metadata(tag),
+            IoOp::Flush if self.image.metadata_dirty() => {
+                // Done at `submit`, when the requests that came with it are known.
+                self.parents[tag as usize].remaining += 1;
+                self.flushes_due.push(tag);
+                Ok(None)
+            }
             IoOp::Flush if self.data.is_none() => Ok(Some(Whole(Target::File, IoOp::Flush))),
             IoOp::Flush => {
                 self.issue(tag, Target::File, IoOp::Flush, 0);
@@ -606,24 +614,72 @@ impl Qcow2Queue {
         })
     }
 
-    /// Hands a flush with metadata to write to the node's flusher, and goes
-    /// on meanwhile; without one, flushes here.
-    fn flush_metadata(&mut self, tag: u32) -> Routed {
-        if self.hand_flush(tag) { Ok(None) } else { self.sync(|image, io| image.flush(io)) }
+    /// [`IoQueue::reap`]'s work: the guest requests done, into `out`.
+    fn collect(&mut self, out: &mut Vec<Completion>) {
+        self.take_flushed();
+        out.append(&mut self.answered);
+        // Deferred parts sent here may complete at once (inline, on tmpfs),
+        // which makes no child's notify_fd readable, so the owner would
+        // sleep on them: reap again until none are sent.
+        loop {
+            let start = out.len();
+            self.file.reap(out);
+            if let Some(data) = &mut self.data {
+                data.reap(out);
+            }
+            if let Some(backing) = &mut self.backing {
+                backing.reap(out);
+            }
+            self.settle_parts(out, start);
+            let sent = self.send_deferred() | self.retry_blocked() | self.resume();
+            out.append(&mut self.answered);
+            // Linking an allocation or routing a held-back request may have
+            // done blocking I/O on a child, which keeps the completions
+            // that arrived meanwhile: reap again for them too.
+            let stashed = self.children().any(ChildQueue::has_stash);
+            if !sent && !stashed {
+                return;
+            }
+            if let Err(e) = self.submit() {
+                log::error!("qcow2: submitting deferred requests failed: {e}");
+            }
+        }
     }
 
-    /// Hands a flush for guest request `tag` to the node's flusher, as a
-    /// part of it; false if the flusher could not take it.
-    fn hand_flush(&mut self, tag: u32) -> bool {
-        let (image, health, answers) = (self.image.clone(), self.health.clone(), self.flushed.clone());
-        self.parents[tag as usize].remaining += 1;
-        let handed = self.flusher.flush(Request { image, health, tag, answers }).is_ok();
-        if handed {
-            self.flushes_out += 1;
-        } else {
-            self.parents[tag as usize].remaining -= 1;
+    /// Starts the metadata flushes routed since the last submit.
+    fn start_flushes(&mut self) {
+        for tag in std::mem::take(&mut self.flushes_due) {
+            self.flush_part(tag);
         }
-        handed
+    }
+
+    /// Flushes the image for guest request `tag`, a part of it: on the
+    /// node's flusher while other guest requests are in flight on this
+    /// queue, here otherwise (alone, it gains nothing from the thread but
+    /// two wake-ups).
+    fn flush_part(&mut self, tag: u32) {
+        if self.in_flight > 1 {
+            let (image, health, answers) = (self.image.clone(), self.health.clone(), self.flushed.clone());
+            if self.flusher.flush(Request { image, health, tag, answers }).is_ok() {
+                self.flushes_out += 1;
+                return;
+            }
+        }
+        let errno = match self.with_io(|image, io| image.flush(io)) {
+            Ok(()) => 0,
+            Err(e) => self.failure(e),
+        };
+        self.release(tag, errno);
+    }
+
+    /// The errno a request fails with for `e`; corrupt metadata marks the
+    /// image so.
+    fn failure(&mut self, e: io::Error) -> i32 {
+        if let Some(what) = CorruptMetadata::of(&e) {
+            let (health, image) = (self.health.clone(), self.image.clone());
+            health.corrupted(what, &image, &mut self.file);
+        }
+        errno_of(&e)
     }
 
     /// Answers the flushes the flusher is done with.
@@ -662,10 +718,14 @@ unsafe impl Send for Qcow2Queue {}
 
 impl IoQueue for Qcow2Queue {
     unsafe fn push(&mut self, tag: u32, op: IoOp) {
+        self.in_flight += 1;
         self.start(tag, op);
     }
 
     fn submit(&mut self) -> io::Result<()> {
+        if !self.flushes_due.is_empty() {
+            self.start_flushes();
+        }
         self.file.submit()?;
         if let Some(data) = &mut self.data {
             data.submit()?;
@@ -677,34 +737,9 @@ impl IoQueue for Qcow2Queue {
     }
 
     fn reap(&mut self, out: &mut Vec<Completion>) {
-        self.take_flushed();
-        out.append(&mut self.answered);
-        // Deferred parts sent here may complete at once (inline, on tmpfs),
-        // which makes no child's notify_fd readable, so the owner would
-        // sleep on them: reap again until none are sent.
-        loop {
-            let start = out.len();
-            self.file.reap(out);
-            if let Some(data) = &mut self.data {
-                data.reap(out);
-            }
-            if let Some(backing) = &mut self.backing {
-                backing.reap(out);
-            }
-            self.settle_parts(out, start);
-            let sent = self.send_deferred() | self.retry_blocked() | self.resume();
-            out.append(&mut self.answered);
-            // Linking an allocation or routing a held-back request may have
-            // done blocking I/O on a child, which keeps the completions
-            // that arrived meanwhile: reap again for them too.
-            let stashed = self.children().any(ChildQueue::has_stash);
-            if !sent && !stashed {
-                return;
-            }
-            if let Err(e) = self.submit() {
-                log::error!("qcow2: submitting deferred requests failed: {e}");
-            }
-        }
+        let before = out.len();
+        self.collect(out);
+        self.in_flight -= (out.len() - before) as u32;
     }
 
     fn wait(&mut self) -> io::Result<()> {

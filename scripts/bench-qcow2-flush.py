@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""qcow2 writes that allocate and must be durable: a `writethrough=on`
+export of a fresh (empty) 64 GiB qcow2 image, 4k random writes over the
+whole disk, so that nearly every write allocates a cluster and is answered
+only once its data and metadata are flushed. vsd against
+qemu-storage-daemon (same export options) and an earlier vsd build
+(--baseline), in one run, interleaved, medians; the image on tmpfs (a flush
+costs nearly nothing) and on the machine's disk (`--disk-dir`, where it
+costs an fsync). Daemon on CPU 0, vsd-bench on CPU 1, 1 queue.
+
+Usage: scripts/bench-qcow2-flush.py [--seconds 5] [--reps 3] [--iodepths 1,16]
+       [--baseline VSD] [--disk-dir /var/tmp] [--target-dir DIR]
+Prints a Markdown table for BENCHMARKS.md.
+"""
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402
+from benchlib import QSD, serve_and_bench  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--iodepths", default="1,16")
+    parser.add_argument("--baseline", metavar="VSD", help="an earlier vsd binary, measured as 'base'")
+    parser.add_argument("--disk-dir", default="/var/tmp", help="a directory on a real disk")
+    parser.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR"))
+    opts = parser.parse_args()
+    if opts.target_dir:
+        benchlib.VSD = os.path.join(opts.target_dir, "release", "vsd")
+        benchlib.BENCH = os.path.join(opts.target_dir, "release", "vsd-bench")
+    programs = {"vsd": benchlib.VSD, "qsd": QSD}
+    if opts.baseline:
+        programs["base"] = opts.baseline
+    depths = [int(d) for d in opts.iodepths.split(",")]
+    places = {"tmpfs": "/dev/shm", "disk": opts.disk_dir}
+
+    results = {}
+    for place, parent in places.items():
+        workdir = tempfile.mkdtemp(prefix="vsd-q2flush-", dir=parent)
+        try:
+            image = os.path.join(workdir, "disk.qcow2")
+            for rep in range(opts.reps):
+                for depth in depths:
+                    for name, program in programs.items():
+                        if os.path.exists(image):
+                            os.unlink(image)
+                        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", image, "64G"], check=True)
+                        blockdevs = [f"driver=file,node-name=file0,filename={image},aio=io_uring",
+                                     "driver=qcow2,node-name=disk0,file=file0"]
+                        bench = ["--rw", "randwrite", "--bs", "4k", "--iodepth", str(depth)]
+                        row = serve_and_bench(program, blockdevs, bench, opts.seconds, workdir,
+                                              export_opts=",writethrough=on")
+                        results.setdefault((place, depth, name), []).append(row["iops"])
+                        print(f"rep {rep} {place} iodepth {depth} {name}: {row['iops']:.0f} IOPS", file=sys.stderr)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    names = list(programs)
+    print("| image on | iodepth | " + " | ".join(names) + " | vsd / qsd |" + (" vsd / base |" if "base" in names else ""))
+    print("|---" * (len(names) + 3 + ("base" in names)) + "|")
+    for place in places:
+        for depth in depths:
+            med = {n: statistics.median(results[(place, depth, n)]) for n in names}
+            cells = " | ".join(f"{med[n]:.0f}" for n in names)
+            line = f"| {place} | {depth} | {cells} | {med['vsd'] / med['qsd']:.2f}x |"
+            if "base" in names:
+                line += f" {med['vsd'] / med['base']:.2f}x |"
+            print(line)
+
+
+if __name__ == "__main__":
+    main()
