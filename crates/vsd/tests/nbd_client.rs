@@ -256,12 +256,14 @@ fn qcow2_with_slow_writes(dir: &Scratch, export_opts: &str) -> (Nbdkit, Daemon) 
     (kit, Daemon::vsd(dir, &["--blockdev".into(), node, "--export".into(), export]))
 }
 
-/// Submits `first` and eight reads of the data at once; returns the order
-/// they completed in (0 is `first`).
-fn beside_reads(queue: &mut vsd_bench::Queue, first: BatchOp<'_>) -> Vec<usize> {
-    let mut batch = vec![first];
-    batch.extend((0..8).map(|i| BatchOp::Read(i * 64 * 1024, 4096)));
-    queue.run_batch(&batch).unwrap()
+/// Submits `op` with eight reads of the data at once, first or `last`;
+/// returns the order they completed in, `op` numbered 8.
+fn beside_reads(queue: &mut vsd_bench::Queue, op: BatchOp<'_>, last: bool) -> Vec<usize> {
+    let mut batch: Vec<_> = (0..8).map(|i| BatchOp::Read(i * 64 * 1024, 4096)).collect();
+    batch.insert(if last { 8 } else { 0 }, op);
+    let order = queue.run_batch(&batch).unwrap();
+    let number = |i: usize| if last { i } else { (i + 8) % 9 };
+    order.into_iter().map(number).collect()
 }
 
 /// Stops vsd and checks the image: consistent, the first MiB intact.
@@ -283,14 +285,14 @@ fn a_qcow2_flush_does_not_hold_up_the_queue_s_other_requests() {
     let mut queue = client.take_queue(0).unwrap();
     queue.write_at(8 * MIB, &pattern(3, 4096)).unwrap();
     // The flush writes a refcount block and an L2 table: two slow writes.
-    let order = beside_reads(&mut queue, BatchOp::Flush);
-    assert_eq!(order.last(), Some(&0), "the reads complete while the flush writes the metadata: {order:?}");
+    let order = beside_reads(&mut queue, BatchOp::Flush, false);
+    assert_eq!(order.last(), Some(&8), "the reads complete while the flush writes the metadata: {order:?}");
     drop((queue, client));
     stop_and_check(&dir, vsd);
 }
 
-/// With `writethrough=on`, an allocating write is written, linked and
-/// flushed beside the queue's other requests, and answered once durable.
+/// With `writethrough=on`, an allocating write among other requests is
+/// written, linked and flushed beside them, and answered once durable.
 #[test]
 fn a_writethrough_allocation_does_not_hold_up_the_queue_s_other_requests() {
     let dir = Scratch::new("nbdc-qcow2-writethrough");
@@ -298,8 +300,8 @@ fn a_writethrough_allocation_does_not_hold_up_the_queue_s_other_requests() {
     let mut client = vsd.connect(ClientOptions::default());
     let mut queue = client.take_queue(0).unwrap();
     let data = pattern(4, 4096);
-    let order = beside_reads(&mut queue, BatchOp::Write(8 * MIB, &data));
-    assert_eq!(order.last(), Some(&0), "the reads complete while the write allocates and flushes: {order:?}");
+    let order = beside_reads(&mut queue, BatchOp::Write(8 * MIB, &data), true);
+    assert_eq!(order.last(), Some(&8), "the reads complete while the write allocates and flushes: {order:?}");
     drop((queue, client));
     stop_and_check(&dir, vsd);
     let image = dir.path("disk.qcow2");

@@ -596,8 +596,14 @@ impl Qcow2Queue {
         }
         self.preload(offset, len, patient)?;
         // Clusters to allocate: their contents go down asynchronously (a
-        // durable write's flush follows once they are linked).
-        let started = self.with_io(|image, io| image.start_write(io, offset, len, &mut copy_from(iov)));
+        // durable write's flush follows once they are linked), unless the
+        // write is durable and alone on its queue: then nothing waits
+        // behind it, and the metadata path below does it in one blocking
+        // step, without a round trip through the ring.
+        let started = match durable && self.in_flight <= 1 {
+            true => Ok(None),
+            false => self.with_io(|image, io| image.start_write(io, offset, len, &mut copy_from(iov))),
+        };
         if let Some(allocations) = started.map_err(refused)? {
             self.parents[tag as usize].flush_after = durable;
             for allocation in allocations {
@@ -605,9 +611,9 @@ impl Qcow2Queue {
             }
             return Ok(None);
         }
-        // Owned and new clusters mixed, subclusters to fill, or a durable
-        // write on clusters whose allocation awaits a flush: the metadata
-        // path, all at once.
+        // Owned and new clusters mixed, subclusters to fill, a durable
+        // write on clusters whose allocation awaits a flush, or one alone:
+        // the metadata path, all at once.
         self.sync(|image, io| {
             image.write(io, offset, len, &mut copy_from(iov))?;
             if durable { image.flush(io) } else { Ok(()) }
