@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 import time
 
-from benchlib import QSD, VSD, serve_and_bench
+from benchlib import QSD, VSD, serve_and_bench, wait_started
 from qemu.qmp.legacy import QEMUMonitorProtocol
 
 
@@ -43,8 +43,7 @@ def throughput(program, blockdevs, work):
              "--pidfile", pidfile]
     daemon = subprocess.Popen(args)
     try:
-        while not os.path.exists(pidfile):
-            time.sleep(0.01)
+        wait_started(daemon, pidfile, "vsd")
         qmp = QEMUMonitorProtocol(qmp_sock)
         qmp.connect()
         start = time.monotonic()

@@ -17,9 +17,8 @@ import os
 import statistics
 import subprocess
 import tempfile
-import time
 
-from benchlib import BENCH, QSD, TICK_US, VSD, cpu_ticks
+from benchlib import BENCH, QSD, TICK_US, VSD, cpu_ticks, wait_started
 
 # Program, options of every export, arguments before them.
 PEERS = {"vsd": (VSD, "", []), "vsd poll-us=0": (VSD, ",poll-us=0", []),
@@ -59,11 +58,7 @@ def run(peer, backend, n, seconds, work):
     args += ["--pidfile", pidfile]
     daemon = subprocess.Popen(args)
     try:
-        deadline = time.time() + 30
-        while not os.path.exists(pidfile):
-            if daemon.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"{peer} did not start")
-            time.sleep(0.01)
+        wait_started(daemon, pidfile, peer)
         before = cpu_ticks(daemon.pid)
         clients = [subprocess.Popen(
             ["taskset", "-c", "1", BENCH, "--socket", sock, "--rw", "randread", "--bs", "4k", "--iodepth", "8",

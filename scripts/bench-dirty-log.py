@@ -18,7 +18,7 @@ import statistics
 import subprocess
 import time
 
-from benchlib import ROOT, TICK_US, VSD, cpu_ticks
+from benchlib import ROOT, TICK_US, VSD, cpu_ticks, wait_started
 from qemu.qmp import ConnectError
 from qemu.qmp.legacy import QEMUMonitorProtocol
 
@@ -57,8 +57,7 @@ def one_run(work, logging, runtime):
         "--chardev", f"socket,id=m,path={vsd_qmp},server=on,wait=off", "--monitor", "chardev=m",
         "--pidfile", pidfile])
     try:
-        while not os.path.exists(pidfile):
-            time.sleep(0.01)
+        wait_started(daemon, pidfile, "vsd")
         control = connect(vsd_qmp)
         ticks, done = cpu_ticks(daemon.pid), requests(control)
         guest = subprocess.Popen(

@@ -26,7 +26,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
-from benchlib import QSD, serve_and_bench  # noqa: E402
+from benchlib import serve_and_bench  # noqa: E402
 
 
 def blockdevs(image, cache):
@@ -46,12 +46,8 @@ def main():
     parser.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR"))
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
-    if opts.target_dir:
-        benchlib.VSD = os.path.join(opts.target_dir, "release", "vsd")
-        benchlib.BENCH = os.path.join(opts.target_dir, "release", "vsd-bench")
-    programs = {"vsd": benchlib.VSD, "qsd": QSD}
-    if opts.baseline:
-        programs["base"] = opts.baseline
+    benchlib.use_build(opts.target_dir)
+    programs = benchlib.daemons(opts.baseline)
     caches = {"cold (l2-cache-size=1M)": str(1 << 20)}
     if opts.warm:
         caches["warm (default cache)"] = None

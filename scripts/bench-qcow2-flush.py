@@ -23,7 +23,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
-from benchlib import QSD, serve_and_bench  # noqa: E402
+from benchlib import serve_and_bench  # noqa: E402
 
 
 def main():
@@ -35,12 +35,8 @@ def main():
     parser.add_argument("--disk-dir", default="/var/tmp", help="a directory on a real disk")
     parser.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR"))
     opts = parser.parse_args()
-    if opts.target_dir:
-        benchlib.VSD = os.path.join(opts.target_dir, "release", "vsd")
-        benchlib.BENCH = os.path.join(opts.target_dir, "release", "vsd-bench")
-    programs = {"vsd": benchlib.VSD, "qsd": QSD}
-    if opts.baseline:
-        programs["base"] = opts.baseline
+    benchlib.use_build(opts.target_dir)
+    programs = benchlib.daemons(opts.baseline)
     depths = [int(d) for d in opts.iodepths.split(",")]
     places = {"tmpfs": "/dev/shm", "disk": opts.disk_dir}
 

@@ -75,9 +75,7 @@ def main():
     opts = parser.parse_args()
     if opts.report:
         return report_file(opts.report)
-    if opts.target_dir:
-        benchlib.VSD = os.path.join(opts.target_dir, "release", "vsd")
-        benchlib.BENCH = os.path.join(opts.target_dir, "release", "vsd-bench")
+    benchlib.use_build(opts.target_dir)
     programs = {"vsd": benchlib.VSD, "qsd": QSD, "base": opts.baseline}
     cases = ALL_CASES
     if opts.cases is not None:

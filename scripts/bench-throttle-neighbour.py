@@ -16,9 +16,8 @@ import os
 import statistics
 import subprocess
 import tempfile
-import time
 
-from benchlib import BENCH, QSD, VSD
+from benchlib import BENCH, QSD, VSD, wait_started
 
 # Program, and options of the I/O thread.
 PEERS = {"vsd": (VSD, ""), "vsd poll-max-ns=0": (VSD, ",poll-max-ns=0"), "qsd": (QSD, "")}
@@ -41,11 +40,7 @@ def run(peer, both, limit, seconds, work):
                  f"addr.path={socks[name]},writable=on,iothread=io0"]
     daemon = subprocess.Popen([*args, "--pidfile", pidfile])
     try:
-        deadline = time.time() + 30
-        while not os.path.exists(pidfile):
-            if daemon.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"{program} did not start")
-            time.sleep(0.01)
+        wait_started(daemon, pidfile, program)
         names = ["a", "b"] if both else ["a"]
         clients = {name: subprocess.Popen(
             ["taskset", "-c", "1", BENCH, "--socket", socks[name], "--rw", "randread", "--bs", "4k",

@@ -17,6 +17,34 @@ QSD = "qemu-storage-daemon"
 TICK_US = 1e6 / os.sysconf("SC_CLK_TCK")
 
 
+def use_build(target_dir):
+    """Takes vsd and vsd-bench from `target_dir`/release (a cargo target
+    directory), if one is given."""
+    global VSD, BENCH
+    if target_dir:
+        VSD = os.path.join(target_dir, "release", "vsd")
+        BENCH = os.path.join(target_dir, "release", "vsd-bench")
+
+
+def daemons(baseline=None):
+    """The daemons a comparison runs, by name: vsd, qemu-storage-daemon, and
+    an earlier vsd binary as "base" if one is given."""
+    programs = {"vsd": VSD, "qsd": QSD}
+    if baseline:
+        programs["base"] = baseline
+    return programs
+
+
+def wait_started(daemon, pidfile, name, timeout=30):
+    """Waits until `daemon` (a Popen) has written `pidfile`; fails if it
+    exits first or takes over `timeout` seconds."""
+    deadline = time.time() + timeout
+    while not os.path.exists(pidfile):
+        if daemon.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"{name} did not start")
+        time.sleep(0.01)
+
+
 def cpu_ticks(pid):
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -86,11 +114,7 @@ def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk
              "--pidfile", pidfile, *monitor]
     daemon = subprocess.Popen(args)
     try:
-        deadline = time.time() + 10
-        while not os.path.exists(pidfile):
-            if daemon.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"{program} did not start")
-            time.sleep(0.01)
+        wait_started(daemon, pidfile, program, timeout=10)
         run_qmp(qmp_sock, qmp)
         before, threads_before = cpu_ticks(daemon.pid), thread_ticks(daemon.pid)
         out = subprocess.run(
@@ -135,11 +159,7 @@ def callgrind_worker(vsd, bench, work, name, blockdevs, bench_args, seconds, exp
              f"poll-us=0{export_opts}", "--pidfile", pidfile, *monitor]
     daemon = subprocess.Popen(args, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 60
-        while not os.path.exists(pidfile):
-            if daemon.poll() is not None or time.time() > deadline:
-                raise RuntimeError("vsd under valgrind did not start")
-            time.sleep(0.1)
+        wait_started(daemon, pidfile, "vsd under valgrind", timeout=60)
         run_qmp(qmp_sock, qmp)
         drive = [bench, "--socket", sock, *bench_args, "--ramp-seconds", "0", "--json", "--seconds"]
         if warmup > 0:
