@@ -5,10 +5,14 @@
 //! are filled here. A write into clusters the image does not own yet gets
 //! them allocated ([`Image::start_write`]) and their new contents sent to
 //! the data child asynchronously too; each is linked into its table when
-//! its write completes. The rest of what changes metadata (write-zeroes,
-//! discard, writethrough allocations, writes mixing owned and new
-//! clusters) runs synchronously through the image's metadata path and is
-//! answered at once.
+//! its write completes; a durable write's flush follows. The rest of what
+//! changes metadata (write-zeroes, discard, writes mixing owned and new
+//! clusters, a durable write alone on the queue) runs synchronously through
+//! the image's metadata path and is answered at once.
+//!
+//! A flush with metadata to write goes to the node's flusher (see
+//! `flusher`) while other requests are in flight here, and is done in
+//! place otherwise.
 //!
 //! A request that would change the metadata of a cluster whose allocation
 //! is in flight (on any queue) is held back and routed again once an
