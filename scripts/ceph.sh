@@ -63,7 +63,12 @@ osd_crush_chooseleaf_type = 0
 mon_mgr_mkfs_grace = 31536000
 # Proposals every 50 ms rather than 1 s: the cluster is ready in seconds.
 paxos_propose_interval = 0.05
+# A test cluster on a host disk of any fullness: by default the monitor
+# shuts itself down below 5 % free, and every client then waits.
 mon_data_avail_warn = 1
+mon_data_avail_crit = 0
+# Clients give up on a monitor that does not answer in 30 s, not 300.
+client_mount_timeout = 30
 $store
 
 # Daemons only: clients would share (and fight over) one socket per name.
@@ -83,7 +88,8 @@ osd_data = $dir/osd
 CONF
 }
 
-running() { [ -f "$dir/run/osd.0.pid" ] && kill -0 "$(cat "$dir/run/osd.0.pid")" 2>/dev/null; }
+alive() { [ -f "$dir/run/$1.pid" ] && kill -0 "$(cat "$dir/run/$1.pid")" 2>/dev/null; }
+running() { alive mon.a && alive osd.0; }
 
 start() {
     local auth=none store=memstore
@@ -94,10 +100,12 @@ start() {
         *) die "unknown flag $flag" ;;
         esac
     done
-    if running; then
+    if running && writable; then
         echo "$conf"
         return
     fi
+    # Whatever is left of a cluster that stopped answering goes.
+    stop
     command -v ceph-mon >/dev/null || die "Ceph is not installed (scripts/setup.sh --ceph installs it)"
     rm -rf "$dir"
     mkdir -p "$dir/run" "$dir/log" "$dir/mon" "$dir/osd"
@@ -132,13 +140,15 @@ start() {
 
 # Placement group states are the manager's to report, and there is none:
 # the pool is ready when an object can be written and read back.
+writable() {
+    echo ready | timeout 5 rados -c "$conf" -p rbd put vsd-ready - 2>/dev/null &&
+        timeout 5 rados -c "$conf" -p rbd rm vsd-ready 2>/dev/null
+}
+
 wait_for_clean() {
     local deadline=$((SECONDS + 60))
     while [ $SECONDS -lt $deadline ]; do
-        if echo ready | timeout 5 rados -c "$conf" -p rbd put vsd-ready - 2>/dev/null &&
-            timeout 5 rados -c "$conf" -p rbd rm vsd-ready 2>/dev/null; then
-            return
-        fi
+        writable && return
         sleep 0.2
     done
     die "the pool did not become writable in 60 s (logs in $dir/log)"

@@ -279,7 +279,7 @@ fn a_wrong_pool_image_or_monitor_is_one_clear_error() {
         let export = format!("type=vhost-user-blk,id=e0,node-name=d0,addr.type=unix,addr.path={}", socket.display());
         let stderr =
             vsd_fails(&["--blockdev", &node, "--blockdev", "driver=raw,node-name=d0,file=r0", "--export", &export]);
-        assert!(stderr.contains(expected), "{node}: {stderr}");
+        assert!(stderr.contains(expected), "{node}: {stderr}{}", ceph().report());
         assert!(!Path::new(&socket).exists());
     }
 }

@@ -402,8 +402,24 @@ impl Cluster {
     /// Runs the `rbd` tool, which must succeed; its standard output.
     pub fn rbd(&self, args: &[&str]) -> String {
         let out = self.tool("rbd", args);
-        assert!(out.status.success(), "rbd {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "rbd {args:?}: {}{}", String::from_utf8_lossy(&out.stderr), self.report());
         String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// Whether each daemon runs, and the end of its log: for the message
+    /// of a test that the cluster failed.
+    pub fn report(&self) -> String {
+        let mut report = String::new();
+        for daemon in ["mon.a", "osd.0"] {
+            let pid = std::fs::read_to_string(self.file(&format!("run/{daemon}.pid"))).unwrap_or_default();
+            // SAFETY: signal 0 only asks whether the process is there.
+            let alive = pid.trim().parse().is_ok_and(|pid: i32| unsafe { libc::kill(pid, 0) } == 0);
+            let log = std::fs::read_to_string(self.file(&format!("log/{daemon}.log"))).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(20).collect();
+            report += &format!("\n--- {daemon} (running: {alive}), its log's end ---\n");
+            report += &tail.into_iter().rev().collect::<Vec<_>>().join("\n");
+        }
+        report
     }
 
     /// A new image of `size` bytes in pool `rbd`.
@@ -443,7 +459,7 @@ impl RbdImage {
     /// The image's bytes, through `rbd export`.
     pub fn export(&self) -> Vec<u8> {
         let out = self.cluster.tool("rbd", &["export", "--no-progress", &self.name, "-"]);
-        assert!(out.status.success(), "rbd export: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "rbd export: {}{}", String::from_utf8_lossy(&out.stderr), self.cluster.report());
         out.stdout
     }
 }
