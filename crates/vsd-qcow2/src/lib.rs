@@ -22,7 +22,8 @@
 //! under the metadata mutex for no I/O ([`Image::finish_load`]). Everything that
 //! changes metadata runs under one mutex, through [`SyncIo`], except the
 //! data of a new cluster: [`Image::start_write`] allocates clusters and
-//! fills their new contents, the caller writes them asynchronously, and
+//! says which old bytes they keep, the caller reads those and writes the
+//! new contents asynchronously, and
 //! [`Image::finish_allocation`] links each into its table once written, so
 //! that allocating writes overlap on the device like any others. Changed
 //! refcounts and table entries stay in memory until a
@@ -60,7 +61,9 @@ pub mod refcount;
 use std::io;
 
 pub use bitmap::StoredBitmap;
-pub use image::{Allocation, Busy, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable, Options, TableLoad};
+pub use image::{
+    Allocation, Busy, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable, OldBytes, Options, Origin, TableLoad,
+};
 
 /// Metadata found corrupt while the image is in use (a table pointing at
 /// metadata, refcounts that lie): the request fails with EIO, and the

@@ -255,6 +255,58 @@ fn blkdebug_under_qcow2_allocation_errors_leave_a_consistent_image() {
     }
 }
 
+/// An overlay's write into part of a cluster copies the rest up from the
+/// backing file; a read error there fails the write with EIO and gives
+/// the new cluster back: the cluster still reads as the backing file's,
+/// the same write succeeds once the error is gone, and QEMU finds the
+/// image consistent with no cluster leaked.
+#[test]
+fn a_failed_copy_up_read_fails_the_write_and_leaks_nothing() {
+    let dir = Scratch::new("faults-copy-up");
+    let (base, overlay) = (dir.path("base.raw"), dir.path("overlay.qcow2"));
+    std::fs::write(&base, vec![0x11u8; 4 * MIB as usize]).unwrap();
+    let (base_name, overlay_name) = (base.to_str().unwrap(), overlay.to_str().unwrap());
+    let out = run("qemu-img", &["create", "-q", "-f", "qcow2", "-F", "raw", "-b", base_name, overlay_name]);
+    assert!(out.status.success(), "qemu-img create: {out:?}");
+    let cluster = MIB;
+    let args = [
+        format!("driver=file,node-name=base-file,filename={},read-only=on", base.display()),
+        format!("driver=blkdebug,node-name=base,image=base-file,read-only=on{}", sector_rule("read", cluster)),
+        format!("driver=file,node-name=overlay-file,filename={}", overlay.display()),
+        "driver=qcow2,node-name=overlay,file=overlay-file,backing=base".to_string(),
+    ];
+    let mut argv: Vec<String> = args.into_iter().flat_map(|a| ["--blockdev".to_string(), a]).collect();
+    argv.extend([
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=exp0,node-name=overlay,addr.type=unix,addr.path={},writable=on",
+            dir.path("s.sock").display()
+        ),
+    ]);
+    let daemon = Daemon::vsd(&dir, &argv);
+    let mut client = daemon.connect(client_options());
+    let mut q = client.take_queue(0).unwrap();
+    let data = vec![FILL; 4096];
+    let at = cluster + 8192;
+    let errno = request_errno(q.write_at(at, &data), "a write whose copy-up read fails");
+    assert_eq!(errno, libc::EIO);
+    let mut back = vec![0u8; 64 * 1024];
+    q.read_at(cluster, &mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 0x11), "the cluster still reads as the backing file's");
+    q.write_at(at, &data).unwrap();
+    q.flush().unwrap();
+    q.read_at(cluster, &mut back).unwrap();
+    assert!(
+        back[8192..12288].iter().all(|&b| b == FILL) && back[..8192].iter().chain(&back[12288..]).all(|&b| b == 0x11)
+    );
+    drop(q);
+    drop(client);
+    assert_eq!(daemon.stop().code(), Some(0));
+    assert_eq!(assert_no_corruption(&overlay), 0, "the cluster given back is not leaked");
+    assert_qemu_reads(&overlay, at, 4096, FILL);
+    assert_qemu_reads(&overlay, cluster, 8192, 0x11);
+}
+
 /// A once-rule failing requests of `iotype` that touch the sector at byte
 /// `offset`.
 fn sector_rule(iotype: &str, offset: u64) -> String {

@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::io::{Read, Write};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -308,6 +309,66 @@ fn a_writethrough_allocation_does_not_hold_up_the_queue_s_other_requests() {
     let raw = dir.path("disk.raw");
     ok("qemu-img", &["convert", "-O", "raw", image.to_str().unwrap(), raw.to_str().unwrap()]);
     assert!(std::fs::read(&raw).unwrap()[8 * MIB as usize..][..4096] == data[..], "the write is in the image");
+}
+
+/// An overlay's write into part of a cluster copies the rest up from its
+/// backing file, here on nbdkit with its requests paused: reads sent
+/// after the write complete while the copy-up waits, and the write once
+/// the backing file answers again.
+#[test]
+fn a_copy_up_waiting_for_its_backing_file_does_not_hold_up_the_queue_s_other_requests() {
+    let dir = Scratch::new("nbdc-copy-up");
+    let (base, overlay) = (dir.path("base.raw"), dir.path("overlay.qcow2"));
+    std::fs::write(&base, vec![0x11u8; 16 * MIB as usize]).unwrap();
+    let overlay_name = overlay.to_str().unwrap();
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", "-F", "raw", "-b", base.to_str().unwrap(), overlay_name]);
+    ok("qemu-io", &["-f", "qcow2", "-c", "write -P 0x5a 0 1M", overlay_name]);
+    let (socket, control) = (dir.path("kit.sock"), dir.path("pause.sock"));
+    let pause = format!("pause pause-control={}", control.display());
+    let _kit = Nbdkit::serving(&socket, &[&pause], &["file", &format!("file={}", base.display())]);
+    let backing = format!("driver=nbd,node-name=b0,server.type=unix,server.path={},export=", socket.display());
+    let node = format!("driver=qcow2,node-name=d0,file.driver=file,file.filename={overlay_name},backing=b0");
+    let vhost = dir.path("vhost.sock");
+    let export =
+        format!("type=vhost-user-blk,id=v0,node-name=d0,addr.type=unix,addr.path={},writable=on", vhost.display());
+    let args = ["--blockdev".into(), backing, "--blockdev".into(), node, "--export".into(), export];
+    let vsd = Daemon::vsd(&dir, &args);
+    let mut client = vsd.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+
+    // The filter answers each command with its capital once in effect.
+    let mut control = std::os::unix::net::UnixStream::connect(&control).unwrap();
+    let mut command = |c: u8| {
+        control.write_all(&[c]).unwrap();
+        let mut answer = [0];
+        control.read_exact(&mut answer).unwrap();
+        assert_eq!(answer[0], c.to_ascii_uppercase());
+    };
+    command(b'p');
+    let data = pattern(5, 4096);
+    let batch = std::thread::spawn(move || {
+        let order = beside_reads(&mut queue, BatchOp::Write(8 * MIB + 8192, &data), false);
+        (order, queue)
+    });
+    // Long enough for the reads of the local file to be back; not a
+    // deadline: with the copy-up blocking the queue they never would be.
+    std::thread::sleep(Duration::from_secs(1));
+    command(b'r');
+    let (order, mut queue) = batch.join().unwrap();
+    assert_eq!(order.last(), Some(&8), "the reads complete while the copy-up waits: {order:?}");
+    queue.flush().unwrap();
+    drop((queue, client));
+    assert!(vsd.stop().success());
+    ok("qemu-img", &["check", "-q", overlay_name]);
+    let qemu_io = ["read -P 0x11 8M 8k", "read -P 0x11 8204k 52k", "read -P 0x5a 0 1M"];
+    for cmd in qemu_io {
+        let out = run("qemu-io", &["-f", "qcow2", "-c", cmd, overlay_name]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && !text.contains("verification failed"), "{cmd}: {text}");
+    }
+    let raw = dir.path("overlay.raw");
+    ok("qemu-img", &["convert", "-O", "raw", overlay_name, raw.to_str().unwrap()]);
+    assert!(std::fs::read(&raw).unwrap()[8 * MIB as usize + 8192..][..4096] == pattern(5, 4096)[..]);
 }
 
 /// With `reconnect-delay`, a request sent while the server is down waits

@@ -9,12 +9,14 @@
 //! everything the file ever held (it reads as zeroes already), only the
 //! guest's bytes are written, straight from the request's buffers: a
 //! fresh image filled by small random writes writes each once, not a
-//! whole cluster around each. The
-//! synchronous path ([`Image::write`]) does it all under the metadata
-//! mutex. [`Image::start_write`] lets the caller write the new contents
-//! asynchronously, as a data request among the others, so that allocating
-//! writes (a fresh image being filled) keep the device's queue full rather
-//! than going one at a time.
+//! whole cluster around each. The synchronous path ([`Image::write`])
+//! does it all under the metadata mutex. [`Image::start_write`] only
+//! takes the clusters and says where their old bytes are
+//! ([`Allocation::kept`]): the caller reads those and writes the new
+//! contents asynchronously, as data requests among the others, with the
+//! mutex free, so that allocating writes (a fresh image being filled, an
+//! overlay copying up from its backing file) keep the device's queue full
+//! rather than going one at a time.
 //!
 //! While an allocation is in flight its table entry is unchanged: reads
 //! see what the cluster held before, which is what the new contents hold
@@ -23,7 +25,8 @@
 //! part of it, write-zeroes, discard) fails with [`Busy`] and is retried
 //! once an allocation finishes ([`Image::wake_after`]): otherwise two
 //! allocations of one cluster would race, and one write would be lost
-//! with its cluster leaked.
+//! with its cluster leaked. For the same reason the old bytes stay where
+//! [`Allocation::kept`] says until the allocation is finished.
 
 use std::io;
 use std::sync::Arc;
@@ -50,6 +53,46 @@ impl Busy {
     }
 }
 
+/// Where some of a cluster's old bytes are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    /// In the data file, from this offset.
+    Data(u64),
+    /// Below this image (the backing file's bytes, zeroes past its end),
+    /// from this guest offset.
+    Below(u64),
+    /// A compressed cluster in the image file: all of the cluster's bytes.
+    Compressed {
+        /// Where its compressed bytes start.
+        host: u64,
+        /// How many there are.
+        len: u64,
+    },
+}
+
+impl Origin {
+    /// Where the bytes `n` further on are, if they follow these.
+    fn advanced(self, n: u64) -> Option<Origin> {
+        match self {
+            Origin::Data(host) => Some(Origin::Data(host + n)),
+            Origin::Below(guest) => Some(Origin::Below(guest + n)),
+            Origin::Compressed { .. } => None,
+        }
+    }
+}
+
+/// Bytes `at..at + len` of a new cluster's contents, to be read from
+/// `source` (the contents start as zeroes: zero subclusters need nothing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OldBytes {
+    /// Where they go in the contents.
+    pub at: u64,
+    /// How many there are.
+    pub len: u64,
+    /// Where they are read from.
+    pub source: Origin,
+}
+
 /// A new host cluster for a guest cluster, with its contents, not linked
 /// into the L2 table yet.
 pub struct Allocation {
@@ -66,7 +109,12 @@ pub struct Allocation {
     pub host: u64,
     /// The cluster's new contents, to write at `host`; `None` when only
     /// the request's own bytes need writing ([`Allocation::request_bytes`]).
+    /// They start as zeroes: the caller reads [`Allocation::kept`] into
+    /// them, then puts the request's bytes in
+    /// ([`Allocation::put_request_bytes`]).
     pub contents: Option<AlignedBuf>,
+    /// The cluster's old bytes that the new contents keep.
+    pub kept: Vec<OldBytes>,
     /// The request's bytes in the cluster: from `within`, `len` of them.
     within: u64,
     len: u64,
@@ -78,32 +126,38 @@ impl Allocation {
     pub fn request_bytes(&self) -> (u64, u64, u64) {
         (self.cluster + self.within, self.host + self.within, self.len)
     }
+
+    /// Copies the request's bytes into the contents, over the old ones:
+    /// `fill(0, ..)` supplies the first of them. Nothing to do without
+    /// contents.
+    pub fn put_request_bytes(&mut self, fill: Fill) {
+        if let Some(contents) = &mut self.contents {
+            fill(0, &mut contents[self.within as usize..(self.within + self.len) as usize]);
+        }
+    }
 }
 
 impl Image {
     /// Starts a write into clusters that all need a new allocation: each
-    /// gets its host cluster and contents, and is marked in flight. The
-    /// caller writes every allocation's [`Allocation::contents`] at its
-    /// [`Allocation::host`] in the data file (or, without contents, the
-    /// request's [`Allocation::request_bytes`]), then hands each to
-    /// [`Image::finish_allocation`] (which it must, written or not: until
-    /// then the cluster stays in flight).
+    /// gets its host cluster, and is marked in flight. For every
+    /// allocation the caller reads its [`Allocation::kept`] bytes into its
+    /// contents and puts the request's bytes in
+    /// ([`Allocation::put_request_bytes`]), writes the
+    /// [`Allocation::contents`] at [`Allocation::host`] in the data file
+    /// (or, without contents, the request's [`Allocation::request_bytes`]),
+    /// then hands it to [`Image::finish_allocation`] (which it must,
+    /// written or not: until then the cluster stays in flight). No data is
+    /// read or written under the metadata mutex.
     ///
     /// `Ok(None)`: some cluster is owned already (or the request is
     /// partial in a way only [`Image::write`] handles): use that instead.
     /// Fails with [`Busy`] if a cluster of the range is in flight.
-    pub fn start_write(
-        &self,
-        io: &mut ImageIo,
-        offset: u64,
-        len: u64,
-        fill: Fill,
-    ) -> io::Result<Option<Vec<Allocation>>> {
+    pub fn start_write(&self, io: &mut ImageIo, offset: u64, len: u64) -> io::Result<Option<Vec<Allocation>>> {
         self.check_writable()?;
         let mut meta = self.lock();
         self.check_idle(&meta, offset, len)?;
         self.prepare_change(&mut meta, io)?;
-        let result = self.allocate_all(&mut meta, io, offset, len, fill);
+        let result = self.allocate_all(&mut meta, io, offset, len);
         if let Ok(Some(allocations)) = &result {
             meta.allocating.extend(allocations.iter().map(|a| a.cluster));
         }
@@ -117,7 +171,6 @@ impl Image {
         io: &mut ImageIo,
         offset: u64,
         len: u64,
-        fill: Fill,
     ) -> io::Result<Option<Vec<Allocation>>> {
         let mut found = Vec::new();
         self.for_each_cluster(offset, len, |image, cluster, within, n| {
@@ -130,10 +183,7 @@ impl Image {
         }
         let mut allocations = Vec::with_capacity(found.len());
         for (cluster, within, n, table, index, old) in found {
-            let base = cluster + within - offset;
-            match self
-                .allocate(meta, io, (cluster, within, n), (table, index, old), &mut |at, buf| fill(base + at, buf))
-            {
+            match self.allocate(meta, io, (cluster, within, n), (table, index, old)) {
                 Ok(a) => allocations.push(a),
                 Err(e) => {
                     for a in allocations {
@@ -196,46 +246,72 @@ impl Image {
     }
 
     /// A host cluster for guest `cluster` (found at `index` of `table`,
-    /// mapped by `old`), with its new contents: `fill` supplies bytes
-    /// `within..within + n`, the rest is what the cluster reads as now.
-    /// Without contents (see [`Allocation::contents`]) `fill` is not called.
+    /// mapped by `old`) that bytes `within..within + n` are to be written
+    /// into, and what its contents keep of the old ones.
     pub(super) fn allocate(
         &self,
         meta: &mut Meta,
         io: &mut ImageIo,
         (cluster, within, n): (u64, u64, u64),
         (table, index, old): (u64, usize, L2Entry),
-        fill: Fill,
     ) -> io::Result<Allocation> {
         let aligned = within.is_multiple_of(ALIGN as u64) && n.is_multiple_of(ALIGN as u64);
-        let contents = if aligned && !self.layout.data_file && self.zero_around(&old, within, n) {
-            None
-        } else {
-            // Read what is there before allocating, so a damaged source
-            // fails the write without leaking a cluster.
-            let mut contents = AlignedBuf::zeroed(self.cluster_size() as usize);
-            self.read_cluster(io, &old, cluster, &mut contents, (within, n))?;
-            Some(contents)
-        };
+        let keeps_old = !(aligned && !self.layout.data_file && self.zero_around(&old, within, n));
         let fresh_from = meta.fresh_from();
         let host = if self.layout.data_file { cluster } else { meta.alloc(io.meta, 1)? };
-        let contents = match contents {
-            None if host >= fresh_from => None,
-            // Reused file space may hold old bytes: write the zeroes too.
-            None => Some(AlignedBuf::zeroed(self.cluster_size() as usize)),
-            some => some,
-        };
-        let contents = contents.map(|mut buf| {
-            fill(0, &mut buf[within as usize..(within + n) as usize]);
-            buf
-        });
+        // Reused file space may hold old bytes: then the zeroes are written too.
+        let contents = (keeps_old || host < fresh_from).then(|| AlignedBuf::zeroed(self.cluster_size() as usize));
+        let kept = if keeps_old { self.old_bytes(&old, cluster, (within, n)) } else { Vec::new() };
         let touched = self.touched(within, n);
         let (alloc, zero) = match old.compressed {
             Some(_) => (self.all_subclusters(), 0),
             None => (old.alloc | touched, old.zero & !touched),
         };
         let new = L2Entry { host: Some(host), copied: true, compressed: None, alloc, zero };
-        Ok(Allocation { cluster, table, index, old, new, host, contents, within, len: n })
+        Ok(Allocation { cluster, table, index, old, new, host, contents, kept, within, len: n })
+    }
+
+    /// Where the bytes of a cluster mapped by `e` are, but for zeroes and
+    /// the subclusters wholly inside `skip` (about to be overwritten).
+    fn old_bytes(&self, e: &L2Entry, cluster: u64, skip: (u64, u64)) -> Vec<OldBytes> {
+        if let Some((host, len)) = e.compressed {
+            return vec![OldBytes { at: 0, len: self.cluster_size(), source: Origin::Compressed { host, len } }];
+        }
+        let scb = self.layout.subcluster_bits();
+        let scs = 1u64 << scb;
+        let mut parts: Vec<OldBytes> = Vec::new();
+        for sc in 0..self.layout.subclusters() {
+            let at = u64::from(sc) << scb;
+            if at >= skip.0 && at + scs <= skip.0 + skip.1 {
+                continue;
+            }
+            let source = match e.subcluster(sc, scb) {
+                Subcluster::Data(host) => Origin::Data(host),
+                Subcluster::Unallocated if self.has_backing => Origin::Below(cluster + at),
+                _ => continue,
+            };
+            match parts.last_mut() {
+                Some(last) if last.at + last.len == at && last.source.advanced(last.len) == Some(source) => {
+                    last.len += scs
+                }
+                _ => parts.push(OldBytes { at, len: scs, source }),
+            }
+        }
+        parts
+    }
+
+    /// Reads an allocation's old bytes into its contents, synchronously.
+    pub(super) fn read_old_bytes(&self, io: &mut ImageIo, a: &mut Allocation) -> io::Result<()> {
+        let Some(contents) = &mut a.contents else { return Ok(()) };
+        for part in &a.kept {
+            let buf = &mut contents[part.at as usize..(part.at + part.len) as usize];
+            match part.source {
+                Origin::Data(host) => io.data().read_at(buf, host)?,
+                Origin::Below(guest) => io.read_below(buf, guest)?,
+                Origin::Compressed { host, len } => self.read_compressed(io.meta, host, len, buf)?,
+            }
+        }
+        Ok(())
     }
 
     /// Whether a cluster mapped by `old` reads as zeroes outside bytes
@@ -313,7 +389,9 @@ mod tests {
     }
 
     /// Writes an allocation's contents, or the request bytes `byte` fills.
-    fn write_out(file: &mut MemFile, a: &Allocation, byte: u8) {
+    fn write_out(file: &mut MemFile, a: &mut Allocation, byte: u8) {
+        assert!(a.kept.is_empty(), "nothing to read on a fresh image");
+        a.put_request_bytes(&mut |_, buf| buf.fill(byte));
         match &a.contents {
             Some(contents) => file.write_at(contents, a.host).unwrap(),
             None => file.write_at(&vec![byte; a.request_bytes().2 as usize], a.request_bytes().1).unwrap(),
@@ -335,21 +413,21 @@ mod tests {
         let (image, mut file) = fresh_image("inflight");
         let data = |_, buf: &mut [u8]| buf.fill(0xa5);
         // Not 4 KiB aligned: the whole cluster is written.
-        let mut started =
-            image.start_write(&mut io(&mut file), 8 * KIB + 512, 4 * KIB, &mut { data }).unwrap().unwrap();
+        let mut started = image.start_write(&mut io(&mut file), 8 * KIB + 512, 4 * KIB).unwrap().unwrap();
         assert_eq!(started.len(), 1);
-        let a = started.pop().unwrap();
+        let mut a = started.pop().unwrap();
+        a.put_request_bytes(&mut { data });
         let contents = a.contents.as_ref().expect("a whole cluster");
         assert_eq!(&contents[8 * 1024 + 512..12 * 1024 + 512], &[0xa5; 4096][..], "the write's bytes");
         assert!(contents[..8704].iter().chain(&contents[12800..]).all(|&b| b == 0), "zeroes around");
 
         // Every change to the cluster waits; another cluster does not.
         let busy = |r: io::Result<()>| r.is_err_and(|e| Busy::is(&e));
-        assert!(busy(image.start_write(&mut io(&mut file), 0, 4 * KIB, &mut { data }).map(drop)));
+        assert!(busy(image.start_write(&mut io(&mut file), 0, 4 * KIB).map(drop)));
         assert!(busy(image.write(&mut io(&mut file), 60 * KIB, 8 * KIB, &mut { data })), "straddling into it");
         assert!(busy(image.write_zeroes(&mut io(&mut file), 0, 4 * KIB, true, false)));
         assert!(busy(image.discard(&mut io(&mut file), 0, 64 * KIB)));
-        let other = image.start_write(&mut io(&mut file), 64 * KIB, 4 * KIB, &mut { data }).unwrap().unwrap();
+        let other = image.start_write(&mut io(&mut file), 64 * KIB, 4 * KIB).unwrap().unwrap();
 
         // Reads see the old contents until the allocation is linked; the
         // waiting requests are woken then, and only then.
@@ -358,7 +436,7 @@ mod tests {
         let waker = Waker::from(count.clone());
         image.wake_after(image.allocations_finished(), &waker);
         assert_eq!(count.0.load(Ordering::SeqCst), 0);
-        write_out(&mut file, &a, 0xa5);
+        write_out(&mut file, &mut a, 0xa5);
         let host = a.host;
         image.finish_allocation(&mut file, a, true).unwrap();
         assert_eq!(count.0.load(Ordering::SeqCst), 1, "woken once the allocation finished");
@@ -380,12 +458,11 @@ mod tests {
     #[test]
     fn a_fresh_cluster_gets_only_the_request_bytes() {
         let (image, mut file) = fresh_image("fresh");
-        let data = |_, buf: &mut [u8]| buf.fill(0x3c);
-        let a = image.start_write(&mut io(&mut file), 128 * KIB + 8 * KIB, 4 * KIB, &mut { data }).unwrap().unwrap();
-        let a = a.into_iter().next().unwrap();
+        let a = image.start_write(&mut io(&mut file), 128 * KIB + 8 * KIB, 4 * KIB).unwrap().unwrap();
+        let mut a = a.into_iter().next().unwrap();
         assert!(a.contents.is_none(), "no contents to write");
         assert_eq!(a.request_bytes(), (136 * KIB, a.host + 8 * KIB, 4 * KIB));
-        write_out(&mut file, &a, 0x3c);
+        write_out(&mut file, &mut a, 0x3c);
         image.finish_allocation(&mut file, a, true).unwrap();
         let got = read(&image, &mut file, 128 * KIB, 64 * 1024);
         assert!(
@@ -417,21 +494,61 @@ mod tests {
         let len = file.bytes.len() as u64;
         let image = Image::open(&mut file, len, Options { writable: true, ..Options::default() }).unwrap();
         let data = |_, buf: &mut [u8]| buf.fill(0x3c);
-        let a = image.start_write(&mut io(&mut file), MIB, 4 * KIB, &mut { data }).unwrap().unwrap().remove(0);
+        let mut a = image.start_write(&mut io(&mut file), MIB, 4 * KIB).unwrap().unwrap().remove(0);
         assert!(a.host + 64 * KIB <= len, "the freed cluster is reused");
+        a.put_request_bytes(&mut { data });
         let contents = a.contents.as_ref().expect("the whole cluster, zeroes included");
         assert!(contents[4096..].iter().all(|&b| b == 0) && contents[..4096].iter().all(|&b| b == 0x3c));
-        write_out(&mut file, &a, 0x3c);
+        write_out(&mut file, &mut a, 0x3c);
         image.finish_allocation(&mut file, a, true).unwrap();
         let got = read(&image, &mut file, MIB, 64 * 1024);
         assert!(got[4096..].iter().all(|&b| b == 0), "no old bytes show through");
+    }
+
+    /// In an overlay with subclusters, a write keeps the backing file's
+    /// bytes around it: `kept` names them (the subclusters it covers
+    /// left out, adjacent ones in one read), and reading them in, then
+    /// the request's bytes, gives the cluster's new contents.
+    #[test]
+    fn a_copy_up_keeps_the_backing_bytes_around_the_write() {
+        let dir = std::env::temp_dir();
+        let base = dir.join(format!("vsd-qcow2-kept-base-{}.raw", std::process::id()));
+        let overlay = dir.join(format!("vsd-qcow2-kept-{}.qcow2", std::process::id()));
+        let backing: Vec<u8> = (0..4 * MIB).map(|i| (i / 512) as u8).collect();
+        std::fs::write(&base, &backing).unwrap();
+        let created = std::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-o", "extended_l2=on,cluster_size=64k", "-b"])
+            .args([&base, &overlay])
+            .status()
+            .unwrap();
+        assert!(created.success());
+        let mut file = MemFile::new(std::fs::read(&overlay).unwrap(), 64 << 20);
+        std::fs::remove_file(&overlay).unwrap();
+        std::fs::remove_file(&base).unwrap();
+        let len = file.bytes.len() as u64;
+        let image = Image::open(&mut file, len, Options { writable: true, ..Options::default() }).unwrap();
+
+        // 4 KiB at 72 KiB: subclusters 4 and 5 (of 2 KiB) of cluster 1 are
+        // the write's; 0-3 and 6-31 come from below.
+        let mut a = image.start_write(&mut io(&mut file), 72 * KIB, 4 * KIB).unwrap().unwrap().remove(0);
+        let below = |at: u64, len: u64| OldBytes { at, len, source: Origin::Below(64 * KIB + at) };
+        assert_eq!(a.kept, [below(0, 8 * KIB), below(12 * KIB, 52 * KIB)]);
+        let mut backing_io = MemFile::new(backing.clone(), 4 * MIB);
+        let mut io = ImageIo { meta: &mut file, data: None, backing: Some(&mut backing_io) };
+        image.read_old_bytes(&mut io, &mut a).unwrap();
+        a.put_request_bytes(&mut |_, buf| buf.fill(0xee));
+        let contents = a.contents.as_ref().expect("a cluster with old bytes");
+        let mut expected = backing[64 * KIB as usize..128 * KIB as usize].to_vec();
+        expected[8 * KIB as usize..12 * KIB as usize].fill(0xee);
+        assert!(contents[..] == expected[..]);
+        image.finish_allocation(&mut file, a, false).unwrap();
     }
 
     #[test]
     fn an_allocation_whose_write_failed_leaves_the_cluster_unallocated_and_free() {
         let (image, mut file) = fresh_image("failed");
         let data = |_, buf: &mut [u8]| buf.fill(0x5a);
-        let a = image.start_write(&mut io(&mut file), 0, 64 * KIB, &mut { data }).unwrap().unwrap().remove(0);
+        let a = image.start_write(&mut io(&mut file), 0, 64 * KIB).unwrap().unwrap().remove(0);
         image.finish_allocation(&mut file, a, false).unwrap();
         assert_eq!(map(&image, &mut file, 0), Mapping::Unallocated);
         // A cluster allocated after it puts it inside the file, where

@@ -170,16 +170,8 @@ impl Image {
                 Ok(())
             }
             _ => {
-                let a = self.allocate(meta, io, (cluster, within, n), (table.offset, index, old), fill)?;
-                let written = match &a.contents {
-                    Some(contents) => io.data().write_at(contents, a.host),
-                    None => {
-                        let mut bytes = AlignedBuf::zeroed(n as usize);
-                        fill(0, &mut bytes);
-                        io.data().write_at(&bytes, a.request_bytes().1)
-                    }
-                };
-                if let Err(e) = written {
+                let mut a = self.allocate(meta, io, (cluster, within, n), (table.offset, index, old))?;
+                if let Err(e) = self.fill_and_write(io, &mut a, fill) {
                     self.give_back(meta, &a);
                     return Err(e);
                 }
@@ -221,34 +213,20 @@ impl Image {
         Ok(())
     }
 
-    /// What a cluster reads as, into `buf`, except the subclusters wholly
-    /// inside `skip` (they are about to be overwritten).
-    pub(super) fn read_cluster(
-        &self,
-        io: &mut ImageIo,
-        e: &L2Entry,
-        cluster: u64,
-        buf: &mut [u8],
-        skip: (u64, u64),
-    ) -> io::Result<()> {
-        if let Some((host, len)) = e.compressed {
-            return self.read_compressed(io.meta, host, len, buf);
-        }
-        let scb = self.layout.subcluster_bits();
-        let scs = 1u64 << scb;
-        for sc in 0..self.layout.subclusters() {
-            let start = u64::from(sc) << scb;
-            if start >= skip.0 && start + scs <= skip.0 + skip.1 {
-                continue;
-            }
-            let part = &mut buf[start as usize..(start + scs) as usize];
-            match e.subcluster(sc, scb) {
-                Subcluster::Data(host) => io.data().read_at(part, host)?,
-                Subcluster::Unallocated => io.read_below(part, cluster + start)?,
-                Subcluster::Zero | Subcluster::Compressed => part.fill(0),
+    /// An allocation's new contents (old bytes read, the request's put
+    /// in), written at its host cluster.
+    fn fill_and_write(&self, io: &mut ImageIo, a: &mut super::Allocation, fill: Fill) -> io::Result<()> {
+        self.read_old_bytes(io, a)?;
+        a.put_request_bytes(fill);
+        match &a.contents {
+            Some(contents) => io.data().write_at(contents, a.host),
+            None => {
+                let (_, host, n) = a.request_bytes();
+                let mut bytes = AlignedBuf::zeroed(n as usize);
+                fill(0, &mut bytes);
+                io.data().write_at(&bytes, host)
             }
         }
-        Ok(())
     }
 
     /// Drops the references an entry held, after the table stopped naming

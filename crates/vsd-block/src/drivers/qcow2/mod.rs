@@ -2,6 +2,7 @@
 //! backing chain and external data file opened from the header as QEMU
 //! does (inheriting the node's cache options), or given as nodes.
 
+mod copyup;
 mod flusher;
 mod health;
 mod loads;

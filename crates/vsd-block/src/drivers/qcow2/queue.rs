@@ -3,9 +3,10 @@
 //! Reads and in-place writes are split by [`Image::map`] into extents and
 //! sent to the child queues asynchronously; zero and unallocated extents
 //! are filled here. A write into clusters the image does not own yet gets
-//! them allocated ([`Image::start_write`]) and their new contents sent to
-//! the data child asynchronously too; each is linked into its table when
-//! its write completes; a durable write's flush follows. The rest of what
+//! them allocated ([`Image::start_write`]); the old bytes their new
+//! contents keep are read (see `copyup`) and the new contents written,
+//! all as child requests too; each is linked into its table when its
+//! write completes; a durable write's flush follows. The rest of what
 //! changes metadata (write-zeroes, discard, writes mixing owned and new
 //! clusters, a durable write alone on the queue) runs synchronously through
 //! the image's metadata path and is answered at once.
@@ -40,8 +41,9 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_engine::{Completion, IoOp, IoQueue, IoVecs};
 use vsd_qcow2::buf::AlignedBuf;
-use vsd_qcow2::{Allocation, Busy, CorruptMetadata, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable};
+use vsd_qcow2::{Allocation, Busy, CorruptMetadata, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable, Origin};
 
+use super::copyup::CopyUps;
 use super::flusher::{Answers, Flusher, Request};
 use super::health::Health;
 use super::loads::{self, Loads, Waiting};
@@ -71,22 +73,30 @@ struct Parent {
 /// A guest request that is one child request, all of it.
 struct Whole(Target, IoOp);
 
+/// What a part's completion does besides settling its parent.
+enum Then {
+    Nothing,
+    /// Links the allocation whose contents the part wrote.
+    Link(Allocation),
+    /// Counts one read of a copy-up's old bytes (its slot in `copy_ups`).
+    CopiedIn(usize),
+}
+
 /// A child request that found no free tag; sent from `reap`.
 struct Deferred {
     parent: u32,
     target: Target,
     op: IoOp,
     iov: Vec<libc::iovec>,
-    allocation: Option<Allocation>,
+    then: Then,
 }
 
 /// A child request carrying part of a guest request.
 struct Part {
     parent: u32,
-    /// The slice of the parent's buffers it covers (or the allocation's).
+    /// The slice of the parent's buffers it covers (or an allocation's).
     iov: Vec<libc::iovec>,
-    /// The allocation whose contents it writes, linked when it completes.
-    allocation: Option<Allocation>,
+    then: Then,
 }
 
 /// A guest request held back by an allocation in flight: routed again
@@ -152,6 +162,10 @@ pub(crate) struct Qcow2Queue {
     blocked: Vec<Blocked>,
     /// Reads of table slices, and the requests waiting for them.
     loads: Loads,
+    copy_ups: CopyUps,
+    /// A copy-up's write was sent while completions were settled: it
+    /// needs a submit.
+    written_up: bool,
     /// Wakes this queue for `blocked`.
     unblocked: Arc<WakeFd>,
     waker: Waker,
@@ -194,12 +208,14 @@ impl Qcow2Queue {
             epoll,
             depth: u32::from(depth),
             parents: vec![Parent::default(); usize::from(depth)],
-            parts: (0..parts).map(|_| Part { parent: 0, iov: Vec::new(), allocation: None }).collect(),
+            parts: (0..parts).map(|_| Part { parent: 0, iov: Vec::new(), then: Then::Nothing }).collect(),
             free: (u32::from(depth)..u32::from(depth) + u32::from(parts)).rev().collect(),
             deferred: VecDeque::new(),
             answered: Vec::with_capacity(usize::from(depth)),
             blocked: Vec::new(),
             loads: Loads::new(),
+            copy_ups: CopyUps::default(),
+            written_up: false,
             waker,
             unblocked,
             compressed: None,
@@ -259,13 +275,78 @@ impl Qcow2Queue {
     /// the parent's, are narrowed to the parent's bytes from `pos` on.
     fn issue(&mut self, parent: u32, target: Target, op: IoOp, pos: u64) {
         let (iov, len) = buffers(&op);
-        self.send_part(parent, target, op, iov.range(pos, len), None);
+        self.send_part(parent, target, op, iov.range(pos, len), Then::Nothing);
+    }
+
+    /// Reads the old bytes an allocation of guest request `parent` (at
+    /// `offset`, in buffers `iov`) keeps into its contents, then writes
+    /// them (see `copyup`); with none to read, writes at once.
+    fn copy_up(&mut self, parent: u32, offset: u64, iov: IoVecs, mut allocation: Allocation) {
+        let mut reads = Vec::with_capacity(allocation.kept.len());
+        let contents = allocation.contents.as_mut().map_or(std::ptr::null_mut(), |c| c.as_mut_ptr());
+        for kept in std::mem::take(&mut allocation.kept) {
+            let (target, from, len) = match kept.source {
+                Origin::Data(host) => (Target::Data, host, kept.len),
+                Origin::Below(guest) => {
+                    // Past the backing file's end the contents stay zeroes.
+                    let below = self.backing.as_ref().map_or(0, |b| b.end().saturating_sub(guest).min(kept.len));
+                    (Target::Backing, guest, below)
+                }
+                Origin::Compressed { host, len } => {
+                    let buf = allocation.contents.as_mut().expect("a copy-up has contents");
+                    if let Err(e) = self.image.read_compressed(&mut self.file, host, len, buf) {
+                        let errno = self.failure(e);
+                        self.fail(parent, errno);
+                        self.abandon(allocation);
+                        return;
+                    }
+                    continue;
+                }
+            };
+            if len > 0 {
+                // SAFETY: `at + len` lies within the cluster-sized contents.
+                let base = unsafe { contents.add(kept.at as usize) };
+                reads.push((target, from, libc::iovec { iov_base: base.cast(), iov_len: len as usize }));
+            }
+        }
+        if reads.is_empty() {
+            return self.write_allocation(parent, offset, iov, allocation);
+        }
+        // Moving the allocation keeps its contents' heap buffer in place.
+        let slot = self.copy_ups.insert(parent, offset, iov, allocation, reads.len() as u32);
+        for (target, from, buf) in reads {
+            let op = IoOp::Read { offset: from, len: buf.iov_len as u64, iov: IoVecs::default() };
+            self.send_part(parent, target, op, std::iter::once(buf), Then::CopiedIn(slot));
+        }
+    }
+
+    /// One read of copy-up `slot` is back: once all are, the request's
+    /// bytes go in and the contents are written, or, if one failed (the
+    /// request fails with it), the cluster is given back.
+    fn copied_in(&mut self, slot: usize, errno: i32) {
+        let Some(copy) = self.copy_ups.read_done(slot, errno) else { return };
+        if copy.failed {
+            self.abandon(copy.allocation);
+        } else {
+            self.write_allocation(copy.parent, copy.offset, copy.iov, copy.allocation);
+            self.written_up = true;
+        }
+    }
+
+    /// Gives back an allocation never written.
+    fn abandon(&mut self, allocation: Allocation) {
+        if let Err(e) = self.image.finish_allocation(&mut self.file, allocation, false) {
+            log::error!("qcow2: giving back a cluster whose write failed: {e}");
+        }
     }
 
     /// Sends what an allocation of guest request `parent` (at `offset`, in
     /// buffers `iov`) writes to the data child: the cluster's new
     /// contents, or the request's own bytes in it.
-    fn issue_allocation(&mut self, parent: u32, offset: u64, iov: IoVecs, allocation: Allocation) {
+    fn write_allocation(&mut self, parent: u32, offset: u64, iov: IoVecs, mut allocation: Allocation) {
+        let base = allocation.request_bytes().0 - offset;
+        let mut copy = copy_from(iov);
+        allocation.put_request_bytes(&mut |at, buf| copy(base + at, buf));
         let (op, slice) = match &allocation.contents {
             Some(contents) => {
                 let whole = libc::iovec { iov_base: contents.as_ptr().cast_mut().cast(), iov_len: contents.len() };
@@ -278,29 +359,22 @@ impl Qcow2Queue {
             }
         };
         // Moving the allocation keeps its contents' heap buffer in place.
-        self.send_part(parent, Target::Data, op, slice.into_iter(), Some(allocation));
+        self.send_part(parent, Target::Data, op, slice.into_iter(), Then::Link(allocation));
     }
 
     /// Sends `op` with buffers `iov` to a child as a part of `parent`, or
-    /// defers it while no part tag is free; `allocation` is linked when
-    /// it completes.
-    fn send_part(
-        &mut self,
-        parent: u32,
-        target: Target,
-        op: IoOp,
-        iov: impl Iterator<Item = libc::iovec>,
-        allocation: Option<Allocation>,
-    ) {
+    /// defers it while no part tag is free; `then` is done when it
+    /// completes.
+    fn send_part(&mut self, parent: u32, target: Target, op: IoOp, iov: impl Iterator<Item = libc::iovec>, then: Then) {
         self.parents[parent as usize].remaining += 1;
         let Some(tag) = self.free.pop() else {
-            self.deferred.push_back(Deferred { parent, target, op, iov: iov.collect(), allocation });
+            self.deferred.push_back(Deferred { parent, target, op, iov: iov.collect(), then });
             return;
         };
         let part = self.claim(tag, parent);
         part.iov.clear();
         part.iov.extend(iov);
-        part.allocation = allocation;
+        part.then = then;
         self.push_part(tag, target, op);
     }
 
@@ -314,7 +388,7 @@ impl Qcow2Queue {
             // Moving the Vec (and the allocation) keeps their heap buffers
             // where they are.
             part.iov = d.iov;
-            part.allocation = d.allocation;
+            part.then = d.then;
             self.push_part(tag, d.target, d.op);
             sent = true;
         }
@@ -371,13 +445,19 @@ impl Qcow2Queue {
 
     fn settle_part(&mut self, c: Completion) -> Option<Completion> {
         let part = &mut self.parts[(c.tag - self.depth) as usize];
-        let (parent, allocation) = (part.parent, part.allocation.take());
+        let (parent, then) = (part.parent, std::mem::replace(&mut part.then, Then::Nothing));
         self.free.push(c.tag);
         let mut errno = c.errno;
-        if let Some(allocation) = allocation
-            && let Err(e) = self.image.finish_allocation(&mut self.file, allocation, errno == 0)
-        {
-            errno = errno_of(&e);
+        match then {
+            Then::Nothing => {}
+            Then::Link(allocation) => {
+                if let Err(e) = self.image.finish_allocation(&mut self.file, allocation, errno == 0) {
+                    errno = errno_of(&e);
+                }
+            }
+            // Before the read settles its parent: the write it may send
+            // keeps the parent open.
+            Then::CopiedIn(slot) => self.copied_in(slot, errno),
         }
         self.settle(parent, errno)
     }
@@ -606,12 +686,12 @@ impl Qcow2Queue {
         // step, without a round trip through the ring.
         let started = match durable && self.in_flight <= 1 {
             true => Ok(None),
-            false => self.with_io(|image, io| image.start_write(io, offset, len, &mut copy_from(iov))),
+            false => self.with_io(|image, io| image.start_write(io, offset, len)),
         };
         if let Some(allocations) = started.map_err(refused)? {
             self.parents[tag as usize].flush_after = durable;
             for allocation in allocations {
-                self.issue_allocation(tag, offset, iov, allocation);
+                self.copy_up(tag, offset, iov, allocation);
             }
             return Ok(None);
         }
@@ -641,7 +721,8 @@ impl Qcow2Queue {
                 backing.reap(out);
             }
             self.settle_parts(out, start);
-            let sent = self.send_deferred() | self.retry_blocked() | self.resume();
+            let sent =
+                self.send_deferred() | self.retry_blocked() | self.resume() | std::mem::take(&mut self.written_up);
             out.append(&mut self.answered);
             // Linking an allocation or routing a held-back request may have
             // done blocking I/O on a child, which keeps the completions
@@ -850,8 +931,9 @@ fn with_iov(op: IoOp, iov: IoVecs) -> IoOp {
 /// Copies bytes of a write request's buffers, from the given position on.
 fn copy_from(iov: IoVecs) -> impl FnMut(u64, &mut [u8]) {
     // SAFETY: a request's buffers stay valid until it completes, which is
-    // after routing made every copy of them it needs (the new contents of
-    // its allocations, or its synchronous write).
+    // after every copy made of them (into the new contents of its
+    // allocations, once their old bytes are in, or by its synchronous
+    // write).
     move |at, buf| unsafe { iov.copy_out(at, buf) }
 }
 
