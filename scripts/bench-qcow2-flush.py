@@ -2,13 +2,17 @@
 """qcow2 writes that allocate and must be durable: a `writethrough=on`
 export of a fresh (empty) 64 GiB qcow2 image, 4k random writes over the
 whole disk, so that nearly every write allocates a cluster and is answered
-only once its data and metadata are flushed. vsd against
+only once its data and metadata are flushed. With --overlay the image is
+an overlay over a raw backing file of the same size (sparse), so that
+every write also copies the rest of its 64 KiB cluster up from the backing
+file; --cache writeback measures without writethrough. vsd against
 qemu-storage-daemon (same export options) and an earlier vsd build
 (--baseline), in one run, interleaved, medians; the image on tmpfs (a flush
 costs nearly nothing) and on the machine's disk (`--disk-dir`, where it
 costs an fsync). Daemon on CPU 0, vsd-bench on CPU 1, 1 queue.
 
 Usage: scripts/bench-qcow2-flush.py [--seconds 5] [--reps 3] [--iodepths 1,16]
+       [--overlay] [--cache writethrough|writeback]
        [--baseline VSD] [--disk-dir /var/tmp] [--target-dir DIR]
 Prints a Markdown table for BENCHMARKS.md.
 """
@@ -31,6 +35,8 @@ def main():
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--iodepths", default="1,16")
+    parser.add_argument("--overlay", action="store_true", help="over a raw backing file: every write copies up")
+    parser.add_argument("--cache", choices=["writethrough", "writeback"], default="writethrough")
     parser.add_argument("--baseline", metavar="VSD", help="an earlier vsd binary, measured as 'base'")
     parser.add_argument("--disk-dir", default="/var/tmp", help="a directory on a real disk")
     parser.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR"))
@@ -39,23 +45,29 @@ def main():
     programs = benchlib.daemons(opts.baseline)
     depths = [int(d) for d in opts.iodepths.split(",")]
     places = {"tmpfs": "/dev/shm", "disk": opts.disk_dir}
+    export_opts = ",writethrough=on" if opts.cache == "writethrough" else ""
 
     results = {}
     for place, parent in places.items():
         workdir = tempfile.mkdtemp(prefix="vsd-q2flush-", dir=parent)
         try:
             image = os.path.join(workdir, "disk.qcow2")
+            create = ["qemu-img", "create", "-q", "-f", "qcow2", image, "64G"]
+            if opts.overlay:
+                base = os.path.join(workdir, "base.raw")
+                subprocess.run(["truncate", "-s", "64G", base], check=True)
+                create[5:5] = ["-F", "raw", "-b", base]
             for rep in range(opts.reps):
                 for depth in depths:
                     for name, program in programs.items():
                         if os.path.exists(image):
                             os.unlink(image)
-                        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", image, "64G"], check=True)
+                        subprocess.run(create, check=True)
                         blockdevs = [f"driver=file,node-name=file0,filename={image},aio=io_uring",
                                      "driver=qcow2,node-name=disk0,file=file0"]
                         bench = ["--rw", "randwrite", "--bs", "4k", "--iodepth", str(depth)]
                         row = serve_and_bench(program, blockdevs, bench, opts.seconds, workdir,
-                                              export_opts=",writethrough=on")
+                                              export_opts=export_opts)
                         results.setdefault((place, depth, name), []).append(row["iops"])
                         print(f"rep {rep} {place} iodepth {depth} {name}: {row['iops']:.0f} IOPS", file=sys.stderr)
         finally:

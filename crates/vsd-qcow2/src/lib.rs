@@ -62,7 +62,8 @@ use std::io;
 
 pub use bitmap::StoredBitmap;
 pub use image::{
-    Allocation, Busy, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable, OldBytes, Options, Origin, TableLoad,
+    Allocation, Busy, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable, OldBytes, Options, Origin, Piece,
+    TableLoad,
 };
 
 /// Metadata found corrupt while the image is in use (a table pointing at

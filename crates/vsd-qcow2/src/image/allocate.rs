@@ -29,6 +29,7 @@
 //! [`Allocation::kept`] says until the allocation is finished.
 
 use std::io;
+use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::task::Waker;
@@ -93,7 +94,23 @@ pub struct OldBytes {
     pub source: Origin,
 }
 
-/// A new host cluster for a guest cluster, with its contents, not linked
+/// A part of a write, as [`Image::start_write`] plans it.
+pub enum Piece {
+    /// Bytes the image owns already, written where they are.
+    InPlace {
+        /// The first, counted from the request's start.
+        pos: u64,
+        /// Where it goes in the data file.
+        host: u64,
+        /// How many there are.
+        len: u64,
+    },
+    /// A cluster, or subclusters of one, being allocated.
+    Allocate(Allocation),
+}
+
+/// A new host cluster for a guest cluster, or subclusters of a cluster
+/// this image owns being allocated, with the new contents; not linked
 /// into the L2 table yet.
 pub struct Allocation {
     /// The guest cluster (byte offset).
@@ -107,8 +124,15 @@ pub struct Allocation {
     /// Where the cluster is in the data file (the image file unless the
     /// image has an external data file).
     pub host: u64,
-    /// The cluster's new contents, to write at `host`; `None` when only
-    /// the request's own bytes need writing ([`Allocation::request_bytes`]).
+    /// Whether `host` is new: the cluster holds a reference to give back
+    /// if unused, and the old entry's to drop once linked.
+    fresh: bool,
+    /// The bytes of the contents to write (at the same offset from
+    /// `host`): the whole cluster, or the subclusters being allocated.
+    span: Range<u64>,
+    /// The cluster's new contents, to write at `host`
+    /// ([`Allocation::to_write`]); `None` when only the request's own
+    /// bytes need writing ([`Allocation::request_bytes`]).
     /// They start as zeroes: the caller reads [`Allocation::kept`] into
     /// them, then puts the request's bytes in
     /// ([`Allocation::put_request_bytes`]).
@@ -127,6 +151,12 @@ impl Allocation {
         (self.cluster + self.within, self.host + self.within, self.len)
     }
 
+    /// What of the contents is to be written, and where in the data file.
+    pub fn to_write(&self) -> Option<(&[u8], u64)> {
+        let contents = self.contents.as_ref()?;
+        Some((&contents[self.span.start as usize..self.span.end as usize], self.host + self.span.start))
+    }
+
     /// Copies the request's bytes into the contents, over the old ones:
     /// `fill(0, ..)` supplies the first of them. Nothing to do without
     /// contents.
@@ -138,62 +168,129 @@ impl Allocation {
 }
 
 impl Image {
-    /// Starts a write into clusters that all need a new allocation: each
-    /// gets its host cluster, and is marked in flight. For every
-    /// allocation the caller reads its [`Allocation::kept`] bytes into its
-    /// contents and puts the request's bytes in
-    /// ([`Allocation::put_request_bytes`]), writes the
-    /// [`Allocation::contents`] at [`Allocation::host`] in the data file
-    /// (or, without contents, the request's [`Allocation::request_bytes`]),
-    /// then hands it to [`Image::finish_allocation`] (which it must,
-    /// written or not: until then the cluster stays in flight). No data is
-    /// read or written under the metadata mutex.
+    /// Starts a write: its bytes in clusters this image owns go in place
+    /// ([`Piece::InPlace`]); each other cluster gets a host cluster (or
+    /// its touched subclusters get allocated) and is marked in flight
+    /// ([`Piece::Allocate`]). For every allocation the caller reads its
+    /// [`Allocation::kept`] bytes into its contents, puts the request's
+    /// bytes in ([`Allocation::put_request_bytes`]), writes
+    /// [`Allocation::to_write`] (or, without contents, the request's
+    /// [`Allocation::request_bytes`]), then hands it to
+    /// [`Image::finish_allocation`] (which it must, written or not: until
+    /// then the cluster stays in flight). No data is read or written under
+    /// the metadata mutex.
     ///
-    /// `Ok(None)`: some cluster is owned already (or the request is
-    /// partial in a way only [`Image::write`] handles): use that instead.
     /// Fails with [`Busy`] if a cluster of the range is in flight.
-    pub fn start_write(&self, io: &mut ImageIo, offset: u64, len: u64) -> io::Result<Option<Vec<Allocation>>> {
+    pub fn start_write(&self, io: &mut ImageIo, offset: u64, len: u64) -> io::Result<Vec<Piece>> {
         self.check_writable()?;
         let mut meta = self.lock();
         self.check_idle(&meta, offset, len)?;
         self.prepare_change(&mut meta, io)?;
-        let result = self.allocate_all(&mut meta, io, offset, len);
-        if let Ok(Some(allocations)) = &result {
-            meta.allocating.extend(allocations.iter().map(|a| a.cluster));
+        let result = self.plan_write(&mut meta, io, offset, len);
+        if let Ok(pieces) = &result {
+            for piece in pieces {
+                if let Piece::Allocate(a) = piece {
+                    meta.allocating.insert(a.cluster);
+                }
+            }
         }
         self.note_dirty(&meta);
         result
     }
 
-    fn allocate_all(
-        &self,
-        meta: &mut Meta,
-        io: &mut ImageIo,
-        offset: u64,
-        len: u64,
-    ) -> io::Result<Option<Vec<Allocation>>> {
+    fn plan_write(&self, meta: &mut Meta, io: &mut ImageIo, offset: u64, len: u64) -> io::Result<Vec<Piece>> {
         let mut found = Vec::new();
         self.for_each_cluster(offset, len, |image, cluster, within, n| {
             let (table, index, old) = image.entry_for_write(meta, io, cluster)?;
             found.push((cluster, within, n, table.offset, index, old));
             Ok(())
         })?;
-        if found.iter().any(|&(.., old)| old.host.is_some() && old.copied) {
-            return Ok(None);
-        }
-        let mut allocations = Vec::with_capacity(found.len());
+        let mut pieces = Vec::with_capacity(found.len());
         for (cluster, within, n, table, index, old) in found {
-            match self.allocate(meta, io, (cluster, within, n), (table, index, old)) {
-                Ok(a) => allocations.push(a),
+            match self.plan_cluster(meta, io, (cluster, within, n), (table, index, old)) {
+                Ok(Piece::InPlace { host, len, .. }) => {
+                    pieces.push(Piece::InPlace { pos: cluster + within - offset, host, len })
+                }
+                Ok(piece) => pieces.push(piece),
                 Err(e) => {
-                    for a in allocations {
-                        self.give_back(meta, &a);
+                    for piece in pieces {
+                        if let Piece::Allocate(a) = piece {
+                            self.give_back(meta, &a);
+                        }
                     }
                     return Err(e);
                 }
             }
         }
-        Ok(Some(allocations))
+        Ok(pieces)
+    }
+
+    /// How bytes `within..within + n` of guest `cluster` (found at `index`
+    /// of `table`, mapped by `old`) are written; an in-place piece's `pos`
+    /// is left to the caller.
+    fn plan_cluster(
+        &self,
+        meta: &mut Meta,
+        io: &mut ImageIo,
+        (cluster, within, n): (u64, u64, u64),
+        (table, index, old): (u64, usize, L2Entry),
+    ) -> io::Result<Piece> {
+        let Some(host) = old.host.filter(|_| old.copied) else {
+            return self.allocate(meta, io, (cluster, within, n), (table, index, old)).map(Piece::Allocate);
+        };
+        if self.write_hits_metadata(host, self.cluster_size()) {
+            let what = format!("guest cluster {cluster:#x} maps onto metadata at {host:#x}");
+            return Err(crate::CorruptMetadata(what).into());
+        }
+        let touched = self.touched(within, n);
+        if old.alloc & touched == touched {
+            return Ok(Piece::InPlace { pos: 0, host: host + within, len: n });
+        }
+        Ok(Piece::Allocate(self.allocate_subclusters((cluster, within, n), (table, index, old), host)))
+    }
+
+    /// Allocates the subclusters of an owned cluster (at `host`) that bytes
+    /// `within..within + n` touch: each is written whole, with zeroes or
+    /// the bytes below around the request's, but for an allocated one at
+    /// either end, where only the request's bytes are written.
+    fn allocate_subclusters(
+        &self,
+        (cluster, within, n): (u64, u64, u64),
+        (table, index, old): (u64, usize, L2Entry),
+        host: u64,
+    ) -> Allocation {
+        let scb = self.layout.subcluster_bits();
+        let scs = 1u64 << scb;
+        let (first, last) = (within >> scb, (within + n - 1) >> scb);
+        let state = |sc: u64| old.subcluster(sc as u32, scb);
+        let data = |sc| matches!(state(sc), Subcluster::Data(_));
+        let start = if data(first) { within } else { first << scb };
+        let end = if data(last) { within + n } else { (last + 1) << scb };
+        let mut kept = Vec::new();
+        for sc in if first == last { vec![first] } else { vec![first, last] } {
+            let at = sc << scb;
+            let partial = at < within || at + scs > within + n;
+            if partial && state(sc) == Subcluster::Unallocated && self.has_backing {
+                kept.push(OldBytes { at, len: scs, source: Origin::Below(cluster + at) });
+            }
+        }
+        let touched = self.touched(within, n);
+        let new = L2Entry { alloc: old.alloc | touched, zero: old.zero & !touched, ..old };
+        let contents = Some(AlignedBuf::zeroed(self.cluster_size() as usize));
+        Allocation {
+            cluster,
+            table,
+            index,
+            old,
+            new,
+            host,
+            fresh: false,
+            span: start..end,
+            contents,
+            kept,
+            within,
+            len: n,
+        }
     }
 
     /// Ends an allocation from [`Image::start_write`]: links it into its
@@ -268,7 +365,8 @@ impl Image {
             None => (old.alloc | touched, old.zero & !touched),
         };
         let new = L2Entry { host: Some(host), copied: true, compressed: None, alloc, zero };
-        Ok(Allocation { cluster, table, index, old, new, host, contents, kept, within, len: n })
+        let span = 0..self.cluster_size();
+        Ok(Allocation { cluster, table, index, old, new, host, fresh: true, span, contents, kept, within, len: n })
     }
 
     /// Where the bytes of a cluster mapped by `e` are, but for zeroes and
@@ -339,13 +437,15 @@ impl Image {
         let slice = self.slice_of(a.index);
         let table: Arc<_> = self.load_l2(meta, io, a.table, slice..slice + 1)?;
         self.set_l2(meta, &table, a.index, &a.new)?;
-        self.release(meta, &a.old);
+        if a.fresh {
+            self.release(meta, &a.old);
+        }
         Ok(())
     }
 
     /// Returns an allocation's cluster unused.
     pub(super) fn give_back(&self, meta: &mut Meta, a: &Allocation) {
-        if !self.layout.data_file {
+        if a.fresh && !self.layout.data_file {
             meta.decref(a.host >> self.header.cluster_bits, false);
         }
     }
@@ -388,6 +488,15 @@ mod tests {
         image.map(&mut Default::default(), file, offset, 512).unwrap().mapping
     }
 
+    /// The allocations of a write that has no bytes in place.
+    fn allocations(pieces: Vec<Piece>) -> Vec<Allocation> {
+        let allocation = |piece| match piece {
+            Piece::Allocate(a) => a,
+            Piece::InPlace { .. } => panic!("a piece in place"),
+        };
+        pieces.into_iter().map(allocation).collect()
+    }
+
     /// Writes an allocation's contents, or the request bytes `byte` fills.
     fn write_out(file: &mut MemFile, a: &mut Allocation, byte: u8) {
         assert!(a.kept.is_empty(), "nothing to read on a fresh image");
@@ -413,7 +522,7 @@ mod tests {
         let (image, mut file) = fresh_image("inflight");
         let data = |_, buf: &mut [u8]| buf.fill(0xa5);
         // Not 4 KiB aligned: the whole cluster is written.
-        let mut started = image.start_write(&mut io(&mut file), 8 * KIB + 512, 4 * KIB).unwrap().unwrap();
+        let mut started = allocations(image.start_write(&mut io(&mut file), 8 * KIB + 512, 4 * KIB).unwrap());
         assert_eq!(started.len(), 1);
         let mut a = started.pop().unwrap();
         a.put_request_bytes(&mut { data });
@@ -427,7 +536,7 @@ mod tests {
         assert!(busy(image.write(&mut io(&mut file), 60 * KIB, 8 * KIB, &mut { data })), "straddling into it");
         assert!(busy(image.write_zeroes(&mut io(&mut file), 0, 4 * KIB, true, false)));
         assert!(busy(image.discard(&mut io(&mut file), 0, 64 * KIB)));
-        let other = image.start_write(&mut io(&mut file), 64 * KIB, 4 * KIB).unwrap().unwrap();
+        let other = allocations(image.start_write(&mut io(&mut file), 64 * KIB, 4 * KIB).unwrap());
 
         // Reads see the old contents until the allocation is linked; the
         // waiting requests are woken then, and only then.
@@ -458,7 +567,7 @@ mod tests {
     #[test]
     fn a_fresh_cluster_gets_only_the_request_bytes() {
         let (image, mut file) = fresh_image("fresh");
-        let a = image.start_write(&mut io(&mut file), 128 * KIB + 8 * KIB, 4 * KIB).unwrap().unwrap();
+        let a = allocations(image.start_write(&mut io(&mut file), 128 * KIB + 8 * KIB, 4 * KIB).unwrap());
         let mut a = a.into_iter().next().unwrap();
         assert!(a.contents.is_none(), "no contents to write");
         assert_eq!(a.request_bytes(), (136 * KIB, a.host + 8 * KIB, 4 * KIB));
@@ -494,7 +603,7 @@ mod tests {
         let len = file.bytes.len() as u64;
         let image = Image::open(&mut file, len, Options { writable: true, ..Options::default() }).unwrap();
         let data = |_, buf: &mut [u8]| buf.fill(0x3c);
-        let mut a = image.start_write(&mut io(&mut file), MIB, 4 * KIB).unwrap().unwrap().remove(0);
+        let mut a = allocations(image.start_write(&mut io(&mut file), MIB, 4 * KIB).unwrap()).remove(0);
         assert!(a.host + 64 * KIB <= len, "the freed cluster is reused");
         a.put_request_bytes(&mut { data });
         let contents = a.contents.as_ref().expect("the whole cluster, zeroes included");
@@ -530,7 +639,7 @@ mod tests {
 
         // 4 KiB at 72 KiB: subclusters 4 and 5 (of 2 KiB) of cluster 1 are
         // the write's; 0-3 and 6-31 come from below.
-        let mut a = image.start_write(&mut io(&mut file), 72 * KIB, 4 * KIB).unwrap().unwrap().remove(0);
+        let mut a = allocations(image.start_write(&mut io(&mut file), 72 * KIB, 4 * KIB).unwrap()).remove(0);
         let below = |at: u64, len: u64| OldBytes { at, len, source: Origin::Below(64 * KIB + at) };
         assert_eq!(a.kept, [below(0, 8 * KIB), below(12 * KIB, 52 * KIB)]);
         let mut backing_io = MemFile::new(backing.clone(), 4 * MIB);
@@ -544,11 +653,54 @@ mod tests {
         image.finish_allocation(&mut file, a, false).unwrap();
     }
 
+    /// In a cluster the image owns, with subclusters, a write allocates
+    /// the subclusters it touches: an allocated one at either end gets
+    /// only the request's bytes, an unallocated one is written whole, with
+    /// zeroes around them.
+    #[test]
+    fn a_write_allocates_the_subclusters_it_touches_in_an_owned_cluster() {
+        let path = std::env::temp_dir().join(format!("vsd-qcow2-subclusters-{}.qcow2", std::process::id()));
+        let created = std::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-o", "extended_l2=on,cluster_size=64k"])
+            .args([path.as_os_str(), "4M".as_ref()])
+            .status()
+            .unwrap();
+        assert!(created.success());
+        let mut file = MemFile::new(std::fs::read(&path).unwrap(), 64 << 20);
+        std::fs::remove_file(&path).unwrap();
+        let len = file.bytes.len() as u64;
+        let image = Image::open(&mut file, len, Options { writable: true, ..Options::default() }).unwrap();
+        // Subclusters of 2 KiB: 4 and 5 get data.
+        image.write(&mut io(&mut file), 8 * KIB, 4 * KIB, &mut |_, buf| buf.fill(0xaa)).unwrap();
+
+        // 9-13 KiB: the end of allocated subcluster 4, all of 5, the start
+        // of unallocated subcluster 6.
+        let mut pieces = image.start_write(&mut io(&mut file), 9 * KIB, 4 * KIB).unwrap();
+        let Some(Piece::Allocate(mut a)) = pieces.pop() else { panic!("subclusters to allocate") };
+        assert!(pieces.is_empty() && a.kept.is_empty());
+        a.put_request_bytes(&mut |_, buf| buf.fill(0xbb));
+        let host = a.host;
+        let (bytes, at) = a.to_write().unwrap();
+        assert_eq!((at, bytes.len() as u64), (host + 9 * KIB, 5 * KIB), "from the request's first byte to sc 6's end");
+        let bytes = bytes.to_vec();
+        file.write_at(&bytes, at).unwrap();
+        image.finish_allocation(&mut file, a, true).unwrap();
+
+        let got = read(&image, &mut file, 8 * KIB, 6 * 1024);
+        assert!(got[..1024].iter().all(|&b| b == 0xaa), "subcluster 4 keeps its first KiB");
+        assert!(got[1024..5 * 1024].iter().all(|&b| b == 0xbb));
+        assert!(got[5 * 1024..].iter().all(|&b| b == 0), "the rest of subcluster 6 reads as zeroes");
+        assert_eq!(map(&image, &mut file, 14 * KIB), Mapping::Unallocated, "subcluster 7 is untouched");
+        // Wholly in allocated subclusters: in place.
+        let pieces = image.start_write(&mut io(&mut file), 10 * KIB, 2 * KIB).unwrap();
+        assert!(matches!(pieces[..], [Piece::InPlace { pos: 0, len: 2048, .. }]));
+    }
+
     #[test]
     fn an_allocation_whose_write_failed_leaves_the_cluster_unallocated_and_free() {
         let (image, mut file) = fresh_image("failed");
         let data = |_, buf: &mut [u8]| buf.fill(0x5a);
-        let a = image.start_write(&mut io(&mut file), 0, 64 * KIB).unwrap().unwrap().remove(0);
+        let a = allocations(image.start_write(&mut io(&mut file), 0, 64 * KIB).unwrap()).remove(0);
         image.finish_allocation(&mut file, a, false).unwrap();
         assert_eq!(map(&image, &mut file, 0), Mapping::Unallocated);
         // A cluster allocated after it puts it inside the file, where

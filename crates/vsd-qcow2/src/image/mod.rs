@@ -28,7 +28,7 @@ use crate::buf::AlignedBuf;
 use crate::entry::{self, EntryError, L2Entry, Layout, Subcluster};
 use crate::header::{BitmapsExtension, Compression, Header};
 
-pub use allocate::{Allocation, Busy, OldBytes, Origin};
+pub use allocate::{Allocation, Busy, OldBytes, Origin, Piece};
 
 /// How the image is used, from the `--blockdev` options.
 #[derive(Clone, Debug, Default)]

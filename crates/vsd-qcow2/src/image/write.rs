@@ -1,8 +1,9 @@
 //! Requests that change metadata: allocating writes (with copy-on-write
 //! from the backing file, compressed clusters and snapshot-shared
-//! clusters), write-zeroes and discard. All run under the metadata mutex,
-//! and all fail with [`super::Busy`] if a cluster they touch has an
-//! allocation in flight (see `allocate.rs`).
+//! clusters), write-zeroes and discard. A write holds the metadata mutex
+//! to plan and to link, not across its data I/O; write-zeroes and discard
+//! change only metadata, under it. All fail with [`super::Busy`] if a
+//! cluster they touch has an allocation in flight (see `allocate.rs`).
 
 use std::collections::BTreeSet;
 use std::io;
@@ -10,9 +11,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use super::cache::L2Table;
-use super::{Image, ImageIo, Meta};
+use super::{Allocation, Image, ImageIo, Meta, Piece};
 use crate::buf::AlignedBuf;
-use crate::entry::{self, COPIED, L2Entry, Subcluster};
+use crate::entry::{self, COPIED, L2Entry};
 
 /// Copies the request's bytes from offset `at` (relative to the range
 /// given) into a buffer.
@@ -28,19 +29,33 @@ impl Image {
         if self.opts.writable { Ok(()) } else { Err(io::Error::from_raw_os_error(libc::EROFS)) }
     }
 
-    /// Writes `len` guest bytes at `offset`, allocating clusters as needed.
-    /// `fill` supplies the bytes. For ranges that [`Image::map`] reports as
-    /// in-place data, writing to the host directly is cheaper.
+    /// Writes `len` guest bytes at `offset`, allocating clusters as needed,
+    /// in blocking steps: the metadata mutex is held to plan the write
+    /// ([`Image::start_write`]) and to link what it allocated, not while
+    /// data is read or written. `fill` supplies the bytes. For ranges that
+    /// [`Image::map`] reports as in-place data, writing to the host
+    /// directly is cheaper.
     pub fn write(&self, io: &mut ImageIo, offset: u64, len: u64, fill: Fill) -> io::Result<()> {
-        self.check_writable()?;
-        let mut meta = self.lock();
-        self.check_idle(&meta, offset, len)?;
-        self.prepare_change(&mut meta, io)?;
-        let result = self.for_each_cluster(offset, len, |image, cluster, within, n| {
-            let base = cluster + within - offset;
-            image.write_in_cluster(&mut meta, io, cluster, within, n, &mut |at, buf| fill(base + at, buf))
-        });
-        self.note_dirty(&meta);
+        let mut result = Ok(());
+        for piece in self.start_write(io, offset, len)? {
+            match piece {
+                Piece::InPlace { pos, host, len } if result.is_ok() => {
+                    let mut bytes = AlignedBuf::zeroed(len as usize);
+                    fill(pos, &mut bytes);
+                    result = io.data().write_at(&bytes, host);
+                }
+                Piece::InPlace { .. } => {}
+                Piece::Allocate(mut a) => {
+                    let base = a.request_bytes().0 - offset;
+                    let written = result.is_ok() && {
+                        result = self.fill_and_write(io, &mut a, &mut |at, buf| fill(base + at, buf));
+                        result.is_ok()
+                    };
+                    let linked = self.finish_allocation(io.meta, a, written);
+                    result = result.and(linked);
+                }
+            }
+        }
         result
     }
 
@@ -144,82 +159,13 @@ impl Image {
         if self.layout.extended { u32::MAX } else { 1 }
     }
 
-    fn write_in_cluster(
-        &self,
-        meta: &mut Meta,
-        io: &mut ImageIo,
-        cluster: u64,
-        within: u64,
-        n: u64,
-        fill: Fill,
-    ) -> io::Result<()> {
-        let (table, index, old) = self.entry_for_write(meta, io, cluster)?;
-        let touched = self.touched(within, n);
-        match old.host {
-            Some(host) if old.copied && self.write_hits_metadata(host, self.cluster_size()) => {
-                let what = format!("guest cluster {cluster:#x} maps onto metadata at {host:#x}");
-                Err(crate::CorruptMetadata(what).into())
-            }
-            Some(host) if old.copied => {
-                self.write_subclusters(io, &old, cluster, within, n, fill)?;
-                let new = L2Entry { alloc: old.alloc | touched, zero: old.zero & !touched, ..old };
-                if new != old {
-                    self.set_l2(meta, &table, index, &new)?;
-                }
-                debug_assert_eq!(new.host, Some(host));
-                Ok(())
-            }
-            _ => {
-                let mut a = self.allocate(meta, io, (cluster, within, n), (table.offset, index, old))?;
-                if let Err(e) = self.fill_and_write(io, &mut a, fill) {
-                    self.give_back(meta, &a);
-                    return Err(e);
-                }
-                self.link(meta, io.meta, &a)
-            }
-        }
-    }
-
-    /// Writes into a cluster this image owns: allocated subclusters in
-    /// place, the others whole, with their old contents around the data.
-    fn write_subclusters(
-        &self,
-        io: &mut ImageIo,
-        old: &L2Entry,
-        cluster: u64,
-        within: u64,
-        n: u64,
-        fill: Fill,
-    ) -> io::Result<()> {
-        let scb = self.layout.subcluster_bits();
-        let scs = 1u64 << scb;
-        let host = old.host.expect("owned clusters have a host offset");
-        for sc in (within >> scb)..=((within + n - 1) >> scb) {
-            let start = sc << scb;
-            let (lo, hi) = (within.max(start), (within + n).min(start + scs));
-            if let Subcluster::Data(at) = old.subcluster(sc as u32, scb) {
-                let mut buf = AlignedBuf::zeroed((hi - lo) as usize);
-                fill(lo - within, &mut buf);
-                io.data().write_at(&buf, at + (lo - start))?;
-                continue;
-            }
-            let mut buf = AlignedBuf::zeroed(scs as usize);
-            if (lo, hi) != (start, start + scs) && old.subcluster(sc as u32, scb) == Subcluster::Unallocated {
-                io.read_below(&mut buf, cluster + start)?;
-            }
-            fill(lo - within, &mut buf[(lo - start) as usize..(hi - start) as usize]);
-            io.data().write_at(&buf, host + start)?;
-        }
-        Ok(())
-    }
-
     /// An allocation's new contents (old bytes read, the request's put
     /// in), written at its host cluster.
-    fn fill_and_write(&self, io: &mut ImageIo, a: &mut super::Allocation, fill: Fill) -> io::Result<()> {
+    fn fill_and_write(&self, io: &mut ImageIo, a: &mut Allocation, fill: Fill) -> io::Result<()> {
         self.read_old_bytes(io, a)?;
         a.put_request_bytes(fill);
-        match &a.contents {
-            Some(contents) => io.data().write_at(contents, a.host),
+        match a.to_write() {
+            Some((bytes, host)) => io.data().write_at(bytes, host),
             None => {
                 let (_, host, n) = a.request_bytes();
                 let mut bytes = AlignedBuf::zeroed(n as usize);
@@ -262,9 +208,13 @@ impl Image {
             L2Entry { zero: touched, ..L2Entry::UNALLOCATED }
         } else if old.compressed.is_some() {
             // Part of a compressed cluster: decompress it into a cluster of
-            // its own, zeroes included.
-            drop(table);
-            return self.write_in_cluster(meta, io, cluster, within, n, &mut |_, buf| buf.fill(0));
+            // its own, zeroes included (under the mutex: rare enough).
+            let mut a = self.allocate(meta, io, (cluster, within, n), (table.offset, index, old))?;
+            if let Err(e) = self.fill_and_write(io, &mut a, &mut |_, buf| buf.fill(0)) {
+                self.give_back(meta, &a);
+                return Err(e);
+            }
+            return self.link(meta, io.meta, &a);
         } else {
             // Keep the allocation (or the other subclusters' state).
             L2Entry { alloc: old.alloc & !touched, zero: old.zero | touched, ..old }

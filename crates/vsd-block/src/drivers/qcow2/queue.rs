@@ -6,10 +6,11 @@
 //! them allocated ([`Image::start_write`]); the old bytes their new
 //! contents keep are read (see `copyup`) and the new contents written,
 //! all as child requests too; each is linked into its table when its
-//! write completes; a durable write's flush follows. The rest of what
-//! changes metadata (write-zeroes, discard, writes mixing owned and new
-//! clusters, a durable write alone on the queue) runs synchronously through
-//! the image's metadata path and is answered at once.
+//! write completes; the bytes it has in clusters the image owns go in
+//! place beside them; a durable write's flush follows. The rest of what
+//! changes metadata (write-zeroes, discard, a durable write alone on the
+//! queue) runs synchronously through the image's metadata path and is
+//! answered at once.
 //!
 //! A flush with metadata to write goes to the node's flusher (see
 //! `flusher`) while other requests are in flight here, and is done in
@@ -41,7 +42,9 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_engine::{Completion, IoOp, IoQueue, IoVecs};
 use vsd_qcow2::buf::AlignedBuf;
-use vsd_qcow2::{Allocation, Busy, CorruptMetadata, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable, Origin};
+use vsd_qcow2::{
+    Allocation, Busy, CorruptMetadata, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable, Origin, Piece,
+};
 
 use super::copyup::CopyUps;
 use super::flusher::{Answers, Flusher, Request};
@@ -347,11 +350,11 @@ impl Qcow2Queue {
         let base = allocation.request_bytes().0 - offset;
         let mut copy = copy_from(iov);
         allocation.put_request_bytes(&mut |at, buf| copy(base + at, buf));
-        let (op, slice) = match &allocation.contents {
-            Some(contents) => {
-                let whole = libc::iovec { iov_base: contents.as_ptr().cast_mut().cast(), iov_len: contents.len() };
-                let len = contents.len() as u64;
-                (IoOp::Write { offset: allocation.host, len, iov: IoVecs::default(), durable: false }, vec![whole])
+        let (op, slice) = match allocation.to_write() {
+            Some((bytes, host)) => {
+                let whole = libc::iovec { iov_base: bytes.as_ptr().cast_mut().cast(), iov_len: bytes.len() };
+                let len = bytes.len() as u64;
+                (IoOp::Write { offset: host, len, iov: IoVecs::default(), durable: false }, vec![whole])
             }
             None => {
                 let (guest, host, len) = allocation.request_bytes();
@@ -679,29 +682,29 @@ impl Qcow2Queue {
             return Ok(None);
         }
         self.preload(offset, len, patient)?;
-        // Clusters to allocate: their contents go down asynchronously (a
-        // durable write's flush follows once they are linked), unless the
-        // write is durable and alone on its queue: then nothing waits
-        // behind it, and the metadata path below does it in one blocking
-        // step, without a round trip through the ring.
-        let started = match durable && self.in_flight <= 1 {
-            true => Ok(None),
-            false => self.with_io(|image, io| image.start_write(io, offset, len)),
-        };
-        if let Some(allocations) = started.map_err(refused)? {
-            self.parents[tag as usize].flush_after = durable;
-            for allocation in allocations {
-                self.copy_up(tag, offset, iov, allocation);
-            }
-            return Ok(None);
+        // Clusters to allocate: their old bytes are read and their contents
+        // written asynchronously, the rest in place (a durable write's
+        // flush follows once every piece is done), unless the write is
+        // durable and alone on its queue: then nothing waits behind it,
+        // and the blocking metadata path does it without round trips
+        // through the ring.
+        if durable && self.in_flight <= 1 {
+            return self.sync(|image, io| {
+                image.write(io, offset, len, &mut copy_from(iov))?;
+                image.flush(io)
+            });
         }
-        // Owned and new clusters mixed, subclusters to fill, a durable
-        // write on clusters whose allocation awaits a flush, or one alone:
-        // the metadata path, all at once.
-        self.sync(|image, io| {
-            image.write(io, offset, len, &mut copy_from(iov))?;
-            if durable { image.flush(io) } else { Ok(()) }
-        })
+        let pieces = self.with_io(|image, io| image.start_write(io, offset, len)).map_err(refused)?;
+        self.parents[tag as usize].flush_after = durable;
+        for piece in pieces {
+            match piece {
+                Piece::InPlace { pos, host, len } => {
+                    self.issue(tag, Target::Data, IoOp::Write { offset: host, len, iov, durable: false }, pos)
+                }
+                Piece::Allocate(allocation) => self.copy_up(tag, offset, iov, allocation),
+            }
+        }
+        Ok(None)
     }
 
     /// [`IoQueue::reap`]'s work: the guest requests done, into `out`.
