@@ -77,6 +77,9 @@ struct Parent {
 struct Whole(Target, IoOp);
 
 /// What a part's completion does besides settling its parent.
+// Parts are slots made once per queue: an allocation kept inline costs
+// their memory, not a heap allocation per allocating write.
+#[allow(clippy::large_enum_variant)]
 enum Then {
     Nothing,
     /// Links the allocation whose contents the part wrote.
