@@ -3,16 +3,19 @@
 export of a fresh (empty) 64 GiB qcow2 image, 4k random writes over the
 whole disk, so that nearly every write allocates a cluster and is answered
 only once its data and metadata are flushed. With --overlay the image is
-an overlay over a raw backing file of the same size (sparse), so that
-every write also copies the rest of its 64 KiB cluster up from the backing
-file; --cache writeback measures without writethrough. vsd against
+an overlay over a raw backing file of the same size, filled with data, so
+that every write also copies the rest of its 64 KiB cluster up from the
+backing file; --cache writeback measures without writethrough; --direct
+opens the files with cache.direct=on (the disk only: tmpfs has no
+O_DIRECT), so that what the copy-ups read comes from the disk. vsd against
 qemu-storage-daemon (same export options) and an earlier vsd build
 (--baseline), in one run, interleaved, medians; the image on tmpfs (a flush
 costs nearly nothing) and on the machine's disk (`--disk-dir`, where it
 costs an fsync). Daemon on CPU 0, vsd-bench on CPU 1, 1 queue.
 
 Usage: scripts/bench-qcow2-flush.py [--seconds 5] [--reps 3] [--iodepths 1,16]
-       [--overlay] [--cache writethrough|writeback]
+       [--size 64G] [--overlay] [--cache writethrough|writeback] [--direct]
+       [--places tmpfs,disk]
        [--baseline VSD] [--disk-dir /var/tmp] [--target-dir DIR]
 Prints a Markdown table for BENCHMARKS.md.
 """
@@ -30,13 +33,25 @@ import benchlib  # noqa: E402
 from benchlib import serve_and_bench  # noqa: E402
 
 
+def fill(path, size):
+    """Writes `size` (qemu-img's spelling) bytes of data to a new file."""
+    total = int(size[:-1]) << {"K": 10, "M": 20, "G": 30}[size[-1].upper()]
+    chunk = b"\x5a" * (1 << 20)
+    with open(path, "wb") as f:
+        for _ in range(total // len(chunk)):
+            f.write(chunk)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--iodepths", default="1,16")
+    parser.add_argument("--size", default="64G", help="the disk's size (qemu-img's spelling)")
     parser.add_argument("--overlay", action="store_true", help="over a raw backing file: every write copies up")
     parser.add_argument("--cache", choices=["writethrough", "writeback"], default="writethrough")
+    parser.add_argument("--direct", action="store_true", help="cache.direct=on")
+    parser.add_argument("--places", default="tmpfs,disk")
     parser.add_argument("--baseline", metavar="VSD", help="an earlier vsd binary, measured as 'base'")
     parser.add_argument("--disk-dir", default="/var/tmp", help="a directory on a real disk")
     parser.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR"))
@@ -44,7 +59,8 @@ def main():
     benchlib.use_build(opts.target_dir)
     programs = benchlib.daemons(opts.baseline)
     depths = [int(d) for d in opts.iodepths.split(",")]
-    places = {"tmpfs": "/dev/shm", "disk": opts.disk_dir}
+    places = {p: {"tmpfs": "/dev/shm", "disk": opts.disk_dir}[p] for p in opts.places.split(",")}
+    file_opts = ",aio=io_uring" + (",cache.direct=on" if opts.direct else "")
     export_opts = ",writethrough=on" if opts.cache == "writethrough" else ""
 
     results = {}
@@ -52,19 +68,21 @@ def main():
         workdir = tempfile.mkdtemp(prefix="vsd-q2flush-", dir=parent)
         try:
             image = os.path.join(workdir, "disk.qcow2")
-            create = ["qemu-img", "create", "-q", "-f", "qcow2", image, "64G"]
+            create = ["qemu-img", "create", "-q", "-f", "qcow2", image, opts.size]
+            blockdevs = [f"driver=file,node-name=file0,filename={image}{file_opts}",
+                         "driver=qcow2,node-name=disk0,file=file0"]
             if opts.overlay:
                 base = os.path.join(workdir, "base.raw")
-                subprocess.run(["truncate", "-s", "64G", base], check=True)
+                fill(base, opts.size)
                 create[5:5] = ["-F", "raw", "-b", base]
+                blockdevs[1:1] = [f"driver=file,node-name=base0,filename={base},read-only=on{file_opts}"]
+                blockdevs[-1] += ",backing=base0"
             for rep in range(opts.reps):
                 for depth in depths:
                     for name, program in programs.items():
                         if os.path.exists(image):
                             os.unlink(image)
                         subprocess.run(create, check=True)
-                        blockdevs = [f"driver=file,node-name=file0,filename={image},aio=io_uring",
-                                     "driver=qcow2,node-name=disk0,file=file0"]
                         bench = ["--rw", "randwrite", "--bs", "4k", "--iodepth", str(depth)]
                         row = serve_and_bench(program, blockdevs, bench, opts.seconds, workdir,
                                               export_opts=export_opts)

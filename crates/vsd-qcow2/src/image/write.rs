@@ -290,7 +290,10 @@ impl Image {
             None => Arc::new(L2Table::empty(meta.alloc(io.meta, 1)?, cs as usize, self.slice_bytes)),
         };
         meta.metadata.insert(table.offset / cs);
-        io.meta.write_at(&table.bytes(0..table.len()).ok_or_else(super::unloaded_slice)?, table.offset)?;
+        // All of it is written by the next flush, before the L1 entry.
+        let chunk = self.chunk_of(0..8).len();
+        let dirty = &mut meta.dirty_l2.entry(table.offset).or_insert_with(|| (table.clone(), BTreeSet::new())).1;
+        dirty.extend((0..table.len()).step_by(chunk));
         self.l2.insert(table.clone());
         self.set_l1(meta, l1_index, table.offset | COPIED);
         if let Ok(Some((old_offset, _))) = entry::l1(l1_entry, cs) {
