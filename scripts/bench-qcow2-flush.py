@@ -86,18 +86,22 @@ def main():
                         bench = ["--rw", "randwrite", "--bs", "4k", "--iodepth", str(depth)]
                         row = serve_and_bench(program, blockdevs, bench, opts.seconds, workdir,
                                               export_opts=export_opts)
-                        results.setdefault((place, depth, name), []).append(row["iops"])
-                        print(f"rep {rep} {place} iodepth {depth} {name}: {row['iops']:.0f} IOPS", file=sys.stderr)
+                        results.setdefault((place, depth, name), []).append(row)
+                        print(f"rep {rep} {place} iodepth {depth} {name}: {row['iops']:.0f} IOPS, "
+                              f"{row['cpu_us_per_io']:.1f} CPU us/IO", file=sys.stderr)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
 
     names = list(programs)
-    print("| image on | iodepth | " + " | ".join(names) + " | vsd / qsd |" + (" vsd / base |" if "base" in names else ""))
+    print("| image on | iodepth | " + " | ".join(f"{n} IOPS (CPU µs/I/O)" for n in names) + " | vsd / qsd |"
+          + (" vsd / base |" if "base" in names else ""))
     print("|---" * (len(names) + 3 + ("base" in names)) + "|")
     for place in places:
         for depth in depths:
-            med = {n: statistics.median(results[(place, depth, n)]) for n in names}
-            cells = " | ".join(f"{med[n]:.0f}" for n in names)
+            rows = {n: results[(place, depth, n)] for n in names}
+            med = {n: statistics.median(r["iops"] for r in rows[n]) for n in names}
+            cpu = {n: statistics.median(r["cpu_us_per_io"] for r in rows[n]) for n in names}
+            cells = " | ".join(f"{med[n]:.0f} ({cpu[n]:.1f})" for n in names)
             line = f"| {place} | {depth} | {cells} | {med['vsd'] / med['qsd']:.2f}x |"
             if "base" in names:
                 line += f" {med['vsd'] / med['base']:.2f}x |"

@@ -586,10 +586,12 @@ impl BlockNode for Qcow2Node {
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
         // Child tags below `depth` carry guest requests sent whole, under
         // their own tags. Requests split at cluster boundaries need tags
-        // for their parts; beyond these, parts wait in line. (The child
-        // queue keeps one more tag for blocking requests, and the file's
-        // has tags for table reads.)
-        let parts = depth.max(8).min((u16::MAX - 1 - loads::LOADS).saturating_sub(depth));
+        // for their parts, and a copy-up two (the old bytes before and
+        // after the request's); beyond these, parts wait in line. (The
+        // child queue keeps one more tag for blocking requests, and the
+        // file's has tags for table reads.)
+        let parts = (2 * u32::from(depth)).max(8).min(u32::from((u16::MAX - 1 - loads::LOADS).saturating_sub(depth)));
+        let parts = parts as u16;
         if parts == 0 {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
