@@ -7,7 +7,10 @@ an overlay over a raw backing file of the same size, filled with data, so
 that every write also copies the rest of its 64 KiB cluster up from the
 backing file; --cache writeback measures without writethrough; --direct
 opens the files with cache.direct=on (the disk only: tmpfs has no
-O_DIRECT), so that what the copy-ups read comes from the disk. vsd against
+O_DIRECT), so that what the copy-ups read comes from the disk;
+--backing-delay-ms serves the backing file over NBD from nbdkit (its
+pattern plugin: data everywhere, nothing stored), each read delayed (a
+base image on a slow or distant store). vsd against
 qemu-storage-daemon (same export options) and an earlier vsd build
 (--baseline), in one run, interleaved, medians; the image on tmpfs (a flush
 costs nearly nothing) and on the machine's disk (`--disk-dir`, where it
@@ -15,7 +18,7 @@ costs an fsync). Daemon on CPU 0, vsd-bench on CPU 1, 1 queue.
 
 Usage: scripts/bench-qcow2-flush.py [--seconds 5] [--reps 3] [--iodepths 1,16]
        [--size 64G] [--overlay] [--cache writethrough|writeback] [--direct]
-       [--places tmpfs,disk]
+       [--places tmpfs,disk] [--backing-delay-ms MS]
        [--baseline VSD] [--disk-dir /var/tmp] [--target-dir DIR]
 Prints a Markdown table for BENCHMARKS.md.
 """
@@ -27,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
@@ -42,6 +46,23 @@ def fill(path, size):
             f.write(chunk)
 
 
+def backing_node(base, workdir, opts, file_opts, servers):
+    """The backing node `base0`: file `base`, or, with a delay, an NBD
+    node on nbdkit serving its pattern plugin's data (no zeroes, nothing
+    stored), each read delayed (the server is added to `servers`)."""
+    if opts.backing_delay_ms is None:
+        return f"driver=file,node-name=base0,filename={base},read-only=on{file_opts}"
+    sock = os.path.join(workdir, "kit.sock")
+    servers.append(subprocess.Popen(["nbdkit", "-f", "-r", "-U", sock, "--filter=delay", "pattern",
+                                     f"size={opts.size}", f"delay-read={opts.backing_delay_ms}ms"]))
+    deadline = time.time() + 10
+    while not os.path.exists(sock):
+        if time.time() > deadline:
+            sys.exit("nbdkit did not start")
+        time.sleep(0.05)
+    return f"driver=nbd,node-name=base0,server.type=unix,server.path={sock},export=,read-only=on"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=int, default=5)
@@ -52,6 +73,7 @@ def main():
     parser.add_argument("--cache", choices=["writethrough", "writeback"], default="writethrough")
     parser.add_argument("--direct", action="store_true", help="cache.direct=on")
     parser.add_argument("--places", default="tmpfs,disk")
+    parser.add_argument("--backing-delay-ms", type=int, help="the backing file on nbdkit, reads this slow")
     parser.add_argument("--baseline", metavar="VSD", help="an earlier vsd binary, measured as 'base'")
     parser.add_argument("--disk-dir", default="/var/tmp", help="a directory on a real disk")
     parser.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR"))
@@ -64,6 +86,7 @@ def main():
     export_opts = ",writethrough=on" if opts.cache == "writethrough" else ""
 
     results = {}
+    servers = []
     for place, parent in places.items():
         workdir = tempfile.mkdtemp(prefix="vsd-q2flush-", dir=parent)
         try:
@@ -73,9 +96,11 @@ def main():
                          "driver=qcow2,node-name=disk0,file=file0"]
             if opts.overlay:
                 base = os.path.join(workdir, "base.raw")
-                fill(base, opts.size)
-                create[5:5] = ["-F", "raw", "-b", base]
-                blockdevs[1:1] = [f"driver=file,node-name=base0,filename={base},read-only=on{file_opts}"]
+                if opts.backing_delay_ms is None:
+                    fill(base, opts.size)
+                # The backing node is given (`backing=base0`): the header's name is not opened.
+                create[5:5] = ["-u", "-F", "raw", "-b", base]
+                blockdevs[1:1] = [backing_node(base, workdir, opts, file_opts, servers)]
                 blockdevs[-1] += ",backing=base0"
             for rep in range(opts.reps):
                 for depth in depths:
@@ -90,6 +115,10 @@ def main():
                         print(f"rep {rep} {place} iodepth {depth} {name}: {row['iops']:.0f} IOPS, "
                               f"{row['cpu_us_per_io']:.1f} CPU us/IO", file=sys.stderr)
         finally:
+            for server in servers:
+                server.kill()
+                server.wait()
+            servers.clear()
             shutil.rmtree(workdir, ignore_errors=True)
 
     names = list(programs)

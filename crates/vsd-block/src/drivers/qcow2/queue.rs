@@ -289,7 +289,6 @@ impl Qcow2Queue {
     /// them (see `copyup`); with none to read, writes at once.
     fn copy_up(&mut self, parent: u32, offset: u64, iov: IoVecs, mut allocation: Allocation) {
         let mut reads = Vec::with_capacity(allocation.kept.len());
-        let contents = allocation.contents.as_mut().map_or(std::ptr::null_mut(), |c| c.as_mut_ptr());
         for kept in std::mem::take(&mut allocation.kept) {
             let (target, from, len) = match kept.source {
                 Origin::Data(host) => (Target::Data, host, kept.len),
@@ -310,18 +309,19 @@ impl Qcow2Queue {
                 }
             };
             if len > 0 {
-                // SAFETY: `at + len` lies within the cluster-sized contents.
-                let base = unsafe { contents.add(kept.at as usize) };
-                reads.push((target, from, libc::iovec { iov_base: base.cast(), iov_len: len as usize }));
+                reads.push((target, from, kept.at, len));
             }
         }
-        if reads.is_empty() {
+        let Some(contents) = allocation.contents.as_mut().filter(|_| !reads.is_empty()) else {
             return self.write_allocation(parent, offset, iov, allocation);
-        }
+        };
+        let base = contents.as_mut_ptr();
         // Moving the allocation keeps its contents' heap buffer in place.
         let slot = self.copy_ups.insert(parent, offset, iov, allocation, reads.len() as u32);
-        for (target, from, buf) in reads {
-            let op = IoOp::Read { offset: from, len: buf.iov_len as u64, iov: IoVecs::default() };
+        for (target, from, at, len) in reads {
+            // SAFETY: `at + len` lies within the cluster-sized contents.
+            let buf = libc::iovec { iov_base: unsafe { base.add(at as usize) }.cast(), iov_len: len as usize };
+            let op = IoOp::Read { offset: from, len, iov: IoVecs::default() };
             self.send_part(parent, target, op, std::iter::once(buf), Then::CopiedIn(slot));
         }
     }
