@@ -17,6 +17,8 @@ pub mod field {
     pub const SIZE: u64 = 24;
     /// `l1_size` (u32): entries in the active L1 table.
     pub const L1_SIZE: u64 = 36;
+    /// `l1_table_offset` (u64): where the active L1 table is.
+    pub const L1_TABLE_OFFSET: u64 = 40;
     /// `incompatible_features` (u64).
     pub const INCOMPATIBLE: u64 = 72;
     /// `autoclear_features` (u64).

@@ -575,6 +575,10 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// Growing a qcow2 image, within its L1 table's clusters and past them (the
+/// table moves: with 512-byte clusters one L1 cluster spans 2 MiB); QEMU
+/// then finds both images consistent and reads what vsd wrote before and
+/// after.
 #[test]
 fn block_resize_grows_a_qcow2_image_that_qemu_img_then_reads() {
     let dir = Scratch::new("qmp-resize-qcow2");
@@ -586,11 +590,19 @@ fn block_resize_grows_a_qcow2_image_that_qemu_img_then_reads() {
     }
     let socket = dir.path("q.sock");
     let mut extra = common::qcow2_export(&image, &socket, ",writable=on");
+    let small_socket = dir.path("small.sock");
+    let l1_offset = |path: &Path| u64::from_be_bytes(std::fs::read(path).unwrap()[40..48].try_into().unwrap());
+    let small_l1 = l1_offset(&small);
     extra.extend([
         "--blockdev".into(),
         format!("driver=file,node-name=sf,filename={}", small.display()),
         "--blockdev".into(),
         "driver=qcow2,node-name=small,file=sf".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=e1,node-name=small,addr.type=unix,addr.path={},writable=on",
+            small_socket.display()
+        ),
     ]);
     let (daemon, qmp_sock) = daemon_with_monitor(&dir, extra);
     let mut qmp = QmpClient::connect(&qmp_sock).unwrap();
@@ -616,8 +628,22 @@ fn block_resize_grows_a_qcow2_image_that_qemu_img_then_reads() {
         qmp.execute("block_resize", json!({ "node-name": node, "size": size })).unwrap_err().to_string()
     };
     assert!(refuse(&mut qmp, "q0", 32 * MIB).contains("shrinking"));
-    assert!(refuse(&mut qmp, "small", 4 * MIB).contains("L1 table"), "512-byte clusters: one L1 cluster spans 2 MiB");
-    qmp.execute("block_resize", json!({ "node-name": "small", "size": 2 * MIB })).unwrap();
+
+    // The small image: its L1 table moves to grow past 2 MiB, and again
+    // past 4 MiB, with data written before, between and after.
+    let small_writes =
+        [(MIB - 4096, pattern(13, 4096)), (3 * MIB, pattern(14, 4096)), (8 * MIB - 4096, pattern(15, 4096))];
+    for (size, (offset, data)) in [0, 4 * MIB, 8 * MIB].into_iter().zip(&small_writes) {
+        if size > 0 {
+            qmp.execute("block_resize", json!({ "node-name": "small", "size": size })).unwrap();
+        }
+        let mut client = vsd_bench::Client::connect(&small_socket, ClientOptions::default()).unwrap();
+        let mut queue = client.take_queue(0).unwrap();
+        queue.write_at(*offset, data).unwrap();
+        queue.flush().unwrap();
+    }
+    let too_far = refuse(&mut qmp, "small", 32 * MIB);
+    assert!(too_far.contains("reopen it to grow further"), "room for 16 times the size at open: {too_far}");
     assert_eq!(daemon.stop().code(), Some(0));
 
     assert_eq!(virtual_size(&image), 3 * 1024 * MIB);
@@ -626,7 +652,18 @@ fn block_resize_grows_a_qcow2_image_that_qemu_img_then_reads() {
         let report = String::from_utf8_lossy(&check.stdout);
         assert!(check.status.success() && report.contains("No errors were found"), "{}: {report}", path.display());
     }
-    assert_eq!(virtual_size(&small), 2 * MIB);
+    assert_eq!(virtual_size(&small), 8 * MIB);
+    assert_ne!(l1_offset(&small), small_l1, "the small image's L1 table moved");
+    let small_raw = dir.path("small.raw");
+    let out = common::run("qemu-img", &["convert", "-O", "raw", small.to_str().unwrap(), small_raw.to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+    let small_bytes = std::fs::read(&small_raw).unwrap();
+    for (offset, data) in &small_writes {
+        assert!(
+            small_bytes[*offset as usize..][..data.len()] == data[..],
+            "qemu-img reads {offset:#x} of the small image"
+        );
+    }
     let converted = dir.path("converted.raw");
     let out = common::run("qemu-img", &["convert", "-O", "raw", image.to_str().unwrap(), converted.to_str().unwrap()]);
     assert!(out.status.success(), "{out:?}");

@@ -638,6 +638,23 @@ impl Image {
 }
 
 impl Meta {
+    /// A header field of `N` bytes at `at`, as on disk.
+    fn header_field<const N: usize>(&self, at: u64) -> [u8; N] {
+        let at = at as usize;
+        self.header_chunk[at..at + N].try_into().unwrap_or([0; N])
+    }
+
+    /// Where the active L1 table is (it moves when the disk grows past its
+    /// clusters).
+    fn l1_offset(&self) -> u64 {
+        u64::from_be_bytes(self.header_field(crate::header::field::L1_TABLE_OFFSET))
+    }
+
+    /// The active L1 table's entries on disk.
+    fn l1_size(&self) -> u64 {
+        u64::from(u32::from_be_bytes(self.header_field(crate::header::field::L1_SIZE)))
+    }
+
     fn set_dirty_bit(&mut self, io: &mut dyn SyncIo, on: bool) -> io::Result<()> {
         self.set_incompatible_bit(io, crate::header::incompatible::DIRTY, on)?;
         self.dirty_bit = on;

@@ -22,6 +22,17 @@ const MAX_SNAPSHOTS: u32 = 65536;
 /// Default L2 cache: 32 MiB of tables at most.
 const DEFAULT_L2_CACHE_BYTES: u64 = 32 << 20;
 
+/// The most L1 entries QEMU accepts (a 32 MiB table).
+pub(super) const MAX_L1_ENTRIES: u64 = (32 << 20) / 8;
+
+/// How many L1 entries an open image keeps in memory: those of the
+/// table's clusters, and, when writable, enough for 16 times its size.
+fn l1_capacity(header: &Header, writable: bool) -> u64 {
+    let in_clusters = (u64::from(header.l1_size) * 8).next_multiple_of(header.cluster_size()) / 8;
+    let grown = if writable { header.l1_entries_for(header.size.saturating_mul(16)).min(MAX_L1_ENTRIES) } else { 0 };
+    in_clusters.max(grown)
+}
+
 /// Bytes of an L2 table loaded and cached at once unless
 /// `l2-cache-entry-size` says otherwise, as QEMU loads them; also the unit
 /// changed tables are written back in (`Image::chunk_of`), so that a
@@ -147,9 +158,10 @@ impl Image {
             // At least two whole tables.
             l2: L2Cache::new((cache_bytes / slice) as usize, 2 * (cs / slice) as usize),
             slice_bytes: slice as usize,
-            // The table's clusters hold more entries than l1_size: keep
-            // room for them (zero) so that growing needs no new table.
-            l1: (0..(u64::from(header.l1_size) * 8).next_multiple_of(cs) / 8)
+            // Room (zero) for the entries the table's clusters hold past
+            // l1_size, and for a disk grown to 16 times its size, so that
+            // growing never moves the entries in memory.
+            l1: (0..l1_capacity(&header, opts.writable))
                 .map(|i| AtomicU64::new(l1_raw.get(i as usize).copied().unwrap_or(0)))
                 .collect(),
             size: AtomicU64::new(header.size),

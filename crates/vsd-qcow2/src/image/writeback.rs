@@ -80,6 +80,18 @@ impl Image {
         Ok(())
     }
 
+    /// Writes every changed chunk in flush order with the metadata mutex
+    /// held (`meta`), for a change that must let no other writer in
+    /// between (moving the L1 table); the caller holds
+    /// [`Image::writeback`]. Decrements stay queued.
+    pub(super) fn write_back_held(&self, meta: &mut Meta, file: &mut dyn SyncIo) -> io::Result<()> {
+        let batch = self.copy_dirty(meta)?;
+        self.write_batch(file, &batch)?;
+        self.forget_written(meta, &batch);
+        self.tables_written();
+        Ok(())
+    }
+
     /// Copies of the chunks changed in memory.
     fn copy_dirty(&self, meta: &Meta) -> io::Result<Batch> {
         let mut l2 = Vec::new();
@@ -92,7 +104,7 @@ impl Image {
         }
         let l1 = meta.dirty_l1.iter().map(|&start| Copy {
             key: start,
-            at: self.header.l1_offset + start as u64,
+            at: meta.l1_offset() + start as u64,
             bytes: self.l1_chunk(start),
         });
         Ok(Batch { refcounts: meta.refcounts.copy_dirty(), l2, l1: l1.collect(), decrements: meta.decrements.len() })
