@@ -48,8 +48,12 @@ fn exercise(file: &mut MemFile, writable: bool, pick: u64) {
     let _ = image.write(&mut io, at, n, &mut |_, buf: &mut [u8]| buf.fill(0x5a));
     let _ = image.write_zeroes(&mut io, at / 2, n, pick & 1 == 0, pick & 4 != 0);
     let _ = image.discard(&mut io, at / 3, n);
-    // Up to 4 times the size: small clusters move the L1 table.
-    let _ = image.grow(&mut io, size.saturating_mul(1 + (pick >> 8) % 4));
+    // Half the size, or up to 4 times it (small clusters move the L1 table).
+    let new_size = match (pick >> 8) % 4 {
+        0 => (size / 2).max(512) & !511,
+        n => size.saturating_mul(n),
+    };
+    let _ = image.resize(&mut io, new_size);
     let _ = image.flush(&mut io);
     let _ = image.store_bitmaps(&mut io, &bitmaps);
     let _ = image.close(&mut io);

@@ -234,7 +234,7 @@ fn bitmaps_stored_after_the_disk_grew() {
     qemu_io(&img, &["write -q 0 64k"]);
     let (image, mut file) = open(&img, true, true).unwrap();
     let mut a = image.load_bitmaps(&mut io(&mut file)).unwrap().remove(0);
-    image.grow(&mut io(&mut file), GROWN).unwrap();
+    image.resize(&mut io(&mut file), GROWN).unwrap();
     let err = image.load_bitmaps(&mut io(&mut file)).unwrap_err().to_string();
     assert!(err.contains("needs 2"), "{err}");
     assert!(image.store_bitmaps(&mut io(&mut file), std::slice::from_ref(&a)).is_err(), "a is too short");

@@ -576,9 +576,9 @@ fn free_port() -> u16 {
 }
 
 /// Growing a qcow2 image, within its L1 table's clusters and past them (the
-/// table moves: with 512-byte clusters one L1 cluster spans 2 MiB); QEMU
-/// then finds both images consistent and reads what vsd wrote before and
-/// after.
+/// table moves: with 512-byte clusters one L1 cluster spans 2 MiB), and
+/// shrinking one; QEMU then finds both images consistent and reads what
+/// vsd wrote.
 #[test]
 fn block_resize_grows_a_qcow2_image_that_qemu_img_then_reads() {
     let dir = Scratch::new("qmp-resize-qcow2");
@@ -608,16 +608,23 @@ fn block_resize_grows_a_qcow2_image_that_qemu_img_then_reads() {
     let mut qmp = QmpClient::connect(&qmp_sock).unwrap();
 
     let before = pattern(11, 64 * 1024);
+    let kept = pattern(10, 64 * 1024);
     let after = pattern(12, 64 * 1024);
     let mut client = vsd_bench::Client::connect(&socket, ClientOptions::default()).unwrap();
     let mut queue = client.take_queue(0).unwrap();
     queue.write_at(64 * MIB - 64 * 1024, &before).unwrap();
+    queue.write_at(16 * MIB, &kept).unwrap();
     drop((queue, client));
     qmp.execute("block_resize", json!({ "node-name": "q0", "size": 3 * 1024 * MIB })).unwrap();
     let mut client = vsd_bench::Client::connect(&socket, ClientOptions::default()).unwrap();
     assert_eq!(client.capacity().unwrap(), 3 * 1024 * MIB);
     let mut queue = client.take_queue(0).unwrap();
     queue.write_at(3 * 1024 * MIB - 64 * 1024, &after).unwrap();
+    for (offset, data) in [(64 * MIB - 64 * 1024, &before), (3 * 1024 * MIB - 64 * 1024, &after)] {
+        let mut back = vec![0; data.len()];
+        queue.read_at(offset, &mut back).unwrap();
+        assert!(&back == data, "{offset:#x} reads back after growing");
+    }
     let mut fresh = vec![0xff; 4096];
     queue.read_at(MIB * 1024, &mut fresh).unwrap();
     assert!(fresh.iter().all(|&b| b == 0), "the new space reads as zeroes");
@@ -627,7 +634,17 @@ fn block_resize_grows_a_qcow2_image_that_qemu_img_then_reads() {
     let refuse = |qmp: &mut QmpClient, node: &str, size: u64| {
         qmp.execute("block_resize", json!({ "node-name": node, "size": size })).unwrap_err().to_string()
     };
-    assert!(refuse(&mut qmp, "q0", 32 * MIB).contains("shrinking"));
+
+    // Shrinking drops everything past the new end, as QEMU does.
+    qmp.execute("block_resize", json!({ "node-name": "q0", "size": 32 * MIB })).unwrap();
+    let mut client = vsd_bench::Client::connect(&socket, ClientOptions::default()).unwrap();
+    assert_eq!(client.capacity().unwrap(), 32 * MIB);
+    let mut queue = client.take_queue(0).unwrap();
+    let mut back = vec![0; kept.len()];
+    queue.read_at(16 * MIB, &mut back).unwrap();
+    assert!(back == kept, "what lies before the new end stays");
+    assert!(queue.read_at(32 * MIB, &mut back).is_err(), "past the new end");
+    drop((queue, client));
 
     // The small image: its L1 table moves to grow past 2 MiB, and again
     // past 4 MiB, with data written before, between and after.
@@ -646,7 +663,7 @@ fn block_resize_grows_a_qcow2_image_that_qemu_img_then_reads() {
     assert!(too_far.contains("reopen it to grow further"), "room for 16 times the size at open: {too_far}");
     assert_eq!(daemon.stop().code(), Some(0));
 
-    assert_eq!(virtual_size(&image), 3 * 1024 * MIB);
+    assert_eq!(virtual_size(&image), 32 * MIB);
     for path in [&image, &small] {
         let check = common::run("qemu-img", &["check", path.to_str().unwrap()]);
         let report = String::from_utf8_lossy(&check.stdout);
@@ -668,11 +685,10 @@ fn block_resize_grows_a_qcow2_image_that_qemu_img_then_reads() {
     let out = common::run("qemu-img", &["convert", "-O", "raw", image.to_str().unwrap(), converted.to_str().unwrap()]);
     assert!(out.status.success(), "{out:?}");
     let file = std::fs::File::open(&converted).unwrap();
-    for (offset, data) in [(64 * MIB - 64 * 1024, &before), (3 * 1024 * MIB - 64 * 1024, &after)] {
-        let mut back = vec![0; data.len()];
-        std::os::unix::fs::FileExt::read_exact_at(&file, &mut back, offset).unwrap();
-        assert!(&back == data, "qemu-img reads what vsd wrote at {offset:#x}");
-    }
+    let mut back = vec![0; kept.len()];
+    std::os::unix::fs::FileExt::read_exact_at(&file, &mut back, 16 * MIB).unwrap();
+    assert!(back == kept, "qemu-img reads what vsd wrote before the new end");
+    assert_eq!(file.metadata().unwrap().len(), 32 * MIB);
 }
 
 /// The virtual size `qemu-img info` reports.

@@ -1,4 +1,4 @@
-//! Growing the virtual disk (QMP `block_resize`).
+//! Growing and shrinking the virtual disk (QMP `block_resize`).
 //!
 //! The active L1 table fills whole clusters on disk, whatever its `l1_size`,
 //! so a disk can grow until those clusters are full (4 TiB with 64 KiB
@@ -11,6 +11,11 @@
 //! write leaves the old size and table intact (and the new clusters
 //! leaked, no more). The entries in memory never move: an open image keeps
 //! room for a disk 16 times its size (see `open`).
+//!
+//! Shrinking is QEMU's: every cluster past the new end is unmapped and
+//! freed, the L2 tables wholly past it too, all of it made durable before
+//! the header announces the new size. The file keeps its length (QEMU
+//! truncates a free tail), and the L1 table its length and place.
 
 use std::io;
 use std::sync::atomic::Ordering;
@@ -18,23 +23,29 @@ use std::sync::atomic::Ordering;
 use super::{Image, ImageIo, Meta};
 use crate::SyncIo;
 use crate::buf::AlignedBuf;
+use crate::entry::L2Entry;
 use crate::header::field;
 
 impl Image {
-    /// Grows the virtual disk to `size` bytes; the new space reads as zeroes
-    /// (or as the backing file, as QEMU reads it).
-    pub fn grow(&self, io: &mut ImageIo, size: u64) -> io::Result<()> {
-        let unsupported = |why: String| io::Error::new(io::ErrorKind::Unsupported, why);
+    /// Changes the virtual disk's size to `size` bytes: new space reads
+    /// as zeroes (or as the backing file, as QEMU reads it); what lies past
+    /// a smaller size is gone.
+    pub fn resize(&self, io: &mut ImageIo, size: u64) -> io::Result<()> {
+        let unsupported = |why: &str| io::Error::new(io::ErrorKind::Unsupported, why.to_string());
         if !self.writable() {
             return Err(io::Error::new(io::ErrorKind::PermissionDenied, "the image is read-only"));
         }
-        let old = self.size();
-        if size < old {
-            return Err(unsupported(format!("shrinking a qcow2 image ({old} to {size} bytes) is not supported")));
-        }
         if self.layout.data_file {
-            return Err(unsupported("growing an image with an external data file is not supported yet".into()));
+            return Err(unsupported("resizing an image with an external data file is not supported yet"));
         }
+        if self.header.nb_snapshots > 0 && self.header.version < 3 {
+            return Err(unsupported("Can't resize a v2 image which has snapshots"));
+        }
+        if size < self.size() { self.shrink(io, size) } else { self.grow(io, size) }
+    }
+
+    fn grow(&self, io: &mut ImageIo, size: u64) -> io::Result<()> {
+        let unsupported = |why: String| io::Error::new(io::ErrorKind::Unsupported, why);
         let entries = self.header.l1_entries_for(size);
         if entries > self.l1.len() as u64 {
             return Err(unsupported(format!(
@@ -73,6 +84,49 @@ impl Image {
         if moved.is_some() && old_offset != 0 {
             self.free_clusters(&mut meta, old_offset, (old_entries * 8).div_ceil(self.cluster_size()));
         }
+        self.note_dirty(&meta);
+        self.size.store(size, Ordering::Release);
+        Ok(())
+    }
+
+    fn shrink(&self, io: &mut ImageIo, size: u64) -> io::Result<()> {
+        let (cs, old) = (self.cluster_size(), self.size());
+        let start = size.next_multiple_of(cs);
+        self.flush(io)?;
+        let _writeback = self.writeback();
+        let mut meta = self.lock();
+        if start < old {
+            self.check_idle(&meta, start, old - start).map_err(|_| {
+                io::Error::new(io::ErrorKind::ResourceBusy, "clusters past the new end are being allocated: try again")
+            })?;
+        }
+        let span = cs << self.l2_bits();
+        let mut cluster = start;
+        while cluster < old {
+            let l1_entry = self.l1[(cluster / span) as usize].load(Ordering::Acquire);
+            if l1_entry == 0 {
+                cluster = (cluster / span + 1) * span;
+                continue;
+            }
+            let (table, index, entry) = self.entry_for_write(&mut meta, io, cluster)?;
+            if entry != L2Entry::UNALLOCATED {
+                self.set_l2(&mut meta, &table, index, &L2Entry::UNALLOCATED)?;
+                self.release(&mut meta, &entry);
+            }
+            cluster += cs;
+        }
+        for index in self.header.l1_entries_for(size)..self.header.l1_entries_for(old) {
+            let l1_entry = self.l1[index as usize].load(Ordering::Acquire);
+            if let Ok(Some((table, _))) = crate::entry::l1(l1_entry, cs) {
+                self.set_l1(&mut meta, index as usize, 0);
+                meta.dirty_l2.remove(&table);
+                self.l2.remove(table);
+                meta.decref(table / cs, false);
+            }
+        }
+        self.write_back_held(&mut meta, io.meta)?;
+        let (l1_size, l1_offset) = (u32::try_from(meta.l1_size()).unwrap_or(u32::MAX), meta.l1_offset());
+        self.write_size_fields(&mut meta, io.meta, size, l1_size, l1_offset)?;
         self.note_dirty(&meta);
         self.size.store(size, Ordering::Release);
         Ok(())
@@ -205,7 +259,7 @@ mod tests {
         image.flush(&mut io(&mut file)).unwrap();
         let before = file.file.bytes[..512].to_vec();
 
-        assert!(image.grow(&mut io(&mut file), 4 * MIB).is_err());
+        assert!(image.resize(&mut io(&mut file), 4 * MIB).is_err());
         assert_eq!(image.size(), MIB);
         assert_eq!(file.file.bytes[..512], before[..], "the header is as it was");
         let report = qemu_img_check("failed", &file.file.bytes);
@@ -215,7 +269,7 @@ mod tests {
         assert!(matches!(extent.mapping, Mapping::Data { .. }));
 
         file.header_fails = false;
-        image.grow(&mut io(&mut file), 4 * MIB).unwrap();
+        image.resize(&mut io(&mut file), 4 * MIB).unwrap();
         image.write(&mut io(&mut file), 4 * MIB - 4096, 4096, &mut |_, buf| buf.fill(0x43)).unwrap();
         image.close(&mut io(&mut file)).unwrap();
         let report = qemu_img_check("grown", &file.file.bytes);

@@ -551,7 +551,7 @@ impl BlockNode for Qcow2Node {
     }
 
     fn resize(&self, size: u64) -> io::Result<()> {
-        self.with_io(|image, io| image.grow(io, size))
+        self.with_io(|image, io| image.resize(io, size))
     }
 
     /// Clusters as the image maps them: zero clusters are holes, and
