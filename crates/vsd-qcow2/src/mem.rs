@@ -23,14 +23,22 @@ impl MemFile {
     /// defaults, made by qemu-img; `name` keeps tests running at once apart.
     #[cfg(test)]
     pub(crate) fn made_by_qemu_img(name: &str, size: &str) -> Self {
+        Self::made_by_qemu_img_with(name, &[], size)
+    }
+
+    /// [`MemFile::made_by_qemu_img`] with more `qemu-img create` arguments
+    /// (`-o` options, a backing file).
+    #[cfg(test)]
+    pub(crate) fn made_by_qemu_img_with(name: &str, args: &[&str], size: &str) -> Self {
         let path = std::env::temp_dir().join(format!("vsd-qcow2-{name}-{}.qcow2", std::process::id()));
         let status = std::process::Command::new("qemu-img")
             .args(["create", "-q", "-f", "qcow2"])
+            .args(args)
             .arg(&path)
             .arg(size)
             .status()
             .expect("qemu-img runs");
-        assert!(status.success(), "qemu-img create {size}");
+        assert!(status.success(), "qemu-img create {args:?} {size}");
         let bytes = std::fs::read(&path).unwrap();
         std::fs::remove_file(&path).unwrap();
         Self::new(bytes, 64 << 20)

@@ -622,17 +622,10 @@ mod tests {
     fn a_copy_up_keeps_the_backing_bytes_around_the_write() {
         let dir = std::env::temp_dir();
         let base = dir.join(format!("vsd-qcow2-kept-base-{}.raw", std::process::id()));
-        let overlay = dir.join(format!("vsd-qcow2-kept-{}.qcow2", std::process::id()));
         let backing: Vec<u8> = (0..4 * MIB).map(|i| (i / 512) as u8).collect();
         std::fs::write(&base, &backing).unwrap();
-        let created = std::process::Command::new("qemu-img")
-            .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-o", "extended_l2=on,cluster_size=64k", "-b"])
-            .args([&base, &overlay])
-            .status()
-            .unwrap();
-        assert!(created.success());
-        let mut file = MemFile::new(std::fs::read(&overlay).unwrap(), 64 << 20);
-        std::fs::remove_file(&overlay).unwrap();
+        let args = ["-F", "raw", "-o", "extended_l2=on,cluster_size=64k", "-b", base.to_str().unwrap()];
+        let mut file = MemFile::made_by_qemu_img_with("kept", &args, "4M");
         std::fs::remove_file(&base).unwrap();
         let len = file.bytes.len() as u64;
         let image = Image::open(&mut file, len, Options { writable: true, ..Options::default() }).unwrap();
@@ -659,15 +652,7 @@ mod tests {
     /// zeroes around them.
     #[test]
     fn a_write_allocates_the_subclusters_it_touches_in_an_owned_cluster() {
-        let path = std::env::temp_dir().join(format!("vsd-qcow2-subclusters-{}.qcow2", std::process::id()));
-        let created = std::process::Command::new("qemu-img")
-            .args(["create", "-q", "-f", "qcow2", "-o", "extended_l2=on,cluster_size=64k"])
-            .args([path.as_os_str(), "4M".as_ref()])
-            .status()
-            .unwrap();
-        assert!(created.success());
-        let mut file = MemFile::new(std::fs::read(&path).unwrap(), 64 << 20);
-        std::fs::remove_file(&path).unwrap();
+        let mut file = MemFile::made_by_qemu_img_with("subclusters", &["-o", "extended_l2=on,cluster_size=64k"], "4M");
         let len = file.bytes.len() as u64;
         let image = Image::open(&mut file, len, Options { writable: true, ..Options::default() }).unwrap();
         // Subclusters of 2 KiB: 4 and 5 get data.

@@ -243,15 +243,7 @@ mod tests {
     /// next try succeeds.
     #[test]
     fn a_failed_header_write_leaves_the_old_table_in_use() {
-        let path = std::env::temp_dir().join(format!("vsd-qcow2-resize-{}.qcow2", std::process::id()));
-        let created = std::process::Command::new("qemu-img")
-            .args(["create", "-q", "-f", "qcow2", "-o", "cluster_size=512"])
-            .args([path.as_os_str(), "1M".as_ref()])
-            .status()
-            .unwrap();
-        assert!(created.success());
-        let file = MemFile::new(std::fs::read(&path).unwrap(), 64 << 20);
-        std::fs::remove_file(&path).unwrap();
+        let file = MemFile::made_by_qemu_img_with("resize", &["-o", "cluster_size=512"], "1M");
         let mut file = HeaderFails { file, header_fails: true };
         let len = file.file.bytes.len() as u64;
         let image = Image::open(&mut file, len, Options { writable: true, ..Options::default() }).unwrap();
