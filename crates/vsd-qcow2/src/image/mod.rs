@@ -351,19 +351,31 @@ impl Image {
         index * if self.layout.extended { 16 } else { 8 } / self.slice_bytes
     }
 
-    /// The table slice the cache lacks among those mapping the first and
-    /// the last cluster of a guest range: a request that changes metadata
-    /// loads them ahead ([`Image::start_load`]) rather than under the
-    /// metadata mutex. Slices between them (ranges over 32 MiB, with 64 KiB
-    /// clusters) are loaded as the request goes.
-    pub fn missing_table(&self, offset: u64, len: u64) -> Option<MissingTable> {
-        [offset, offset + len.max(1) - 1].into_iter().find_map(|at| {
+    /// The first table slice the cache lacks among those mapping a guest
+    /// range, and the guest offset it maps from: a request that changes
+    /// metadata loads them ahead ([`Image::start_load`]) rather than under
+    /// the metadata mutex. Ranges without a table are skipped.
+    pub fn missing_table(&self, offset: u64, len: u64) -> Option<(u64, MissingTable)> {
+        let cs = self.cluster_size();
+        let entry_bytes = if self.layout.extended { 16 } else { 8 };
+        let slice_span = (self.slice_bytes / entry_bytes) as u64 * cs;
+        let table_span = cs << self.l2_bits;
+        let end = offset.saturating_add(len.max(1));
+        let mut at = offset;
+        while at < end {
             let entry = self.l1.get(self.l1_index(at))?.load(Ordering::Acquire);
-            let (l2_offset, _) = entry::l1(entry, self.cluster_size()).ok()??;
+            let Ok(Some((l2_offset, _))) = entry::l1(entry, cs) else {
+                // No table here (or a bad entry, which the metadata path reports).
+                at = (at / table_span + 1) * table_span;
+                continue;
+            };
             let slice = self.slice_of(self.l2_index(at));
-            let cached = self.l2.get(l2_offset).is_some_and(|t| t.is_loaded(slice));
-            (!cached).then_some(MissingTable { offset: l2_offset, slice })
-        })
+            if !self.l2.get(l2_offset).is_some_and(|t| t.is_loaded(slice)) {
+                return Some((at, MissingTable { offset: l2_offset, slice }));
+            }
+            at = (at / slice_span + 1) * slice_span;
+        }
+        None
     }
 
     /// Prepares `load` for the slice `missing` names; the caller then reads
@@ -741,6 +753,31 @@ mod tests {
         let extent = image.map(&mut memo, &mut file.clone(), 32 * MIB, 4096).unwrap();
         assert!(matches!(extent.mapping, Mapping::Data { in_place: true, .. }), "{extent:?}");
         assert!(image.map_cached(&mut memo, 32 * MIB, 4096).is_ok());
+    }
+
+    /// Over a range of several slices, each missing one is named in turn,
+    /// with the guest offset it maps from; ranges without a table count
+    /// as cached.
+    #[test]
+    fn every_missing_slice_of_a_range_is_named_in_turn() {
+        let (image, file) = cold_image("slices-in-turn");
+        let range = (0, 100 * MIB);
+        let (at, first) = image.missing_table(range.0, range.1).unwrap();
+        assert_eq!(at, 0);
+        let mut load = TableLoad::new(&image);
+        image.start_load(&mut load, first);
+        read_into(&file, &mut load);
+        // SAFETY: read_into filled the whole buffer.
+        assert!(unsafe { image.finish_load(&mut load) });
+        let (at, second) = image.missing_table(range.0, range.1).unwrap();
+        assert_eq!((at, second.offset), (32 * MIB, first.offset), "the table's second slice, not only its ends");
+        image.start_load(&mut load, second);
+        read_into(&file, &mut load);
+        // SAFETY: as above.
+        assert!(unsafe { image.finish_load(&mut load) });
+        let (at, _) = image.missing_table(range.0, range.1).unwrap();
+        assert_eq!(at, 64 * MIB, "the third slice");
+        assert_eq!(image.missing_table(512 * MIB, 256 * MIB), None, "no table maps 512 MiB on");
     }
 
     #[test]

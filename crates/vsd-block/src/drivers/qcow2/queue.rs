@@ -508,9 +508,10 @@ impl Qcow2Queue {
                 self.blocked.push(Blocked { tag, op, seen });
             }
             Err(Refused::Missing(missing, at)) => {
-                // Waits count only while the request makes no progress.
-                let waits = if at == from { waits } else { 0 };
-                let waiting = Waiting { tag, op, from: at, waits };
+                // Waits count only while the request makes progress; a
+                // slice it had loaded, evicted again, is none.
+                let (from, waits) = if at > from { (at, 0) } else { (from, waits) };
+                let waiting = Waiting { tag, op, from, waits };
                 if let Some((number, read)) = self.loads.wait(&self.image, missing, waiting) {
                     let tag = self.depth + self.parts.len() as u32 + number;
                     // SAFETY: the read's buffers live in `self.loads` until
@@ -611,7 +612,9 @@ impl Qcow2Queue {
     /// metadata path finds them cached.
     fn preload(&self, offset: u64, len: u64, patient: bool) -> Result<(), Refused> {
         match self.image.missing_table(offset, len) {
-            Some(missing) if patient => Err(Refused::Missing(missing, 0)),
+            // Where the slice maps from, so that each slice in turn counts
+            // as progress.
+            Some((at, missing)) if patient => Err(Refused::Missing(missing, at - offset)),
             _ => Ok(()),
         }
     }
