@@ -351,29 +351,42 @@ impl Image {
         index * if self.layout.extended { 16 } else { 8 } / self.slice_bytes
     }
 
-    /// The first table slice the cache lacks among those mapping a guest
-    /// range, and the guest offset it maps from: a request that changes
-    /// metadata loads them ahead ([`Image::start_load`]) rather than under
-    /// the metadata mutex. Ranges without a table are skipped.
+    /// The first table slice the cache lacks among those a change to a
+    /// guest range needs, and how many of them were found cached before it
+    /// (a request's progress through them): the slices mapping the range,
+    /// and all of a table shared with a snapshot, which the change copies.
+    /// A request that changes metadata loads them ahead
+    /// ([`Image::start_load`]) rather than under the metadata mutex.
+    /// Ranges without a table need none.
     pub fn missing_table(&self, offset: u64, len: u64) -> Option<(u64, MissingTable)> {
         let cs = self.cluster_size();
         let entry_bytes = if self.layout.extended { 16 } else { 8 };
         let slice_span = (self.slice_bytes / entry_bytes) as u64 * cs;
         let table_span = cs << self.l2_bits;
         let end = offset.saturating_add(len.max(1));
-        let mut at = offset;
+        let (mut at, mut cached) = (offset, 0);
         while at < end {
             let entry = self.l1.get(self.l1_index(at))?.load(Ordering::Acquire);
-            let Ok(Some((l2_offset, _))) = entry::l1(entry, cs) else {
+            let Ok(Some((l2_offset, copied))) = entry::l1(entry, cs) else {
                 // No table here (or a bad entry, which the metadata path reports).
                 at = (at / table_span + 1) * table_span;
                 continue;
             };
-            let slice = self.slice_of(self.l2_index(at));
-            if !self.l2.get(l2_offset).is_some_and(|t| t.is_loaded(slice)) {
-                return Some((at, MissingTable { offset: l2_offset, slice }));
+            let (slices, next) = match copied {
+                true => {
+                    let slice = self.slice_of(self.l2_index(at));
+                    (slice..slice + 1, (at / slice_span + 1) * slice_span)
+                }
+                false => (self.all_slices(), (at / table_span + 1) * table_span),
+            };
+            let table = self.l2.get(l2_offset);
+            for slice in slices {
+                if !table.as_ref().is_some_and(|t| t.is_loaded(slice)) {
+                    return Some((cached, MissingTable { offset: l2_offset, slice }));
+                }
+                cached += 1;
             }
-            at = (at / slice_span + 1) * slice_span;
+            at = next;
         }
         None
     }
@@ -755,29 +768,55 @@ mod tests {
         assert!(image.map_cached(&mut memo, 32 * MIB, 4096).is_ok());
     }
 
+    /// Loads the slice `missing` names, as a queue does.
+    fn load(image: &Image, file: &MemFile, missing: MissingTable) {
+        let mut load = TableLoad::new(image);
+        image.start_load(&mut load, missing);
+        read_into(file, &mut load);
+        // SAFETY: read_into filled the whole buffer.
+        assert!(unsafe { image.finish_load(&mut load) });
+    }
+
     /// Over a range of several slices, each missing one is named in turn,
-    /// with the guest offset it maps from; ranges without a table count
-    /// as cached.
+    /// with how many were cached before it; ranges without a table need
+    /// none.
     #[test]
     fn every_missing_slice_of_a_range_is_named_in_turn() {
         let (image, file) = cold_image("slices-in-turn");
         let range = (0, 100 * MIB);
-        let (at, first) = image.missing_table(range.0, range.1).unwrap();
-        assert_eq!(at, 0);
-        let mut load = TableLoad::new(&image);
-        image.start_load(&mut load, first);
-        read_into(&file, &mut load);
-        // SAFETY: read_into filled the whole buffer.
-        assert!(unsafe { image.finish_load(&mut load) });
-        let (at, second) = image.missing_table(range.0, range.1).unwrap();
-        assert_eq!((at, second.offset), (32 * MIB, first.offset), "the table's second slice, not only its ends");
-        image.start_load(&mut load, second);
-        read_into(&file, &mut load);
-        // SAFETY: as above.
-        assert!(unsafe { image.finish_load(&mut load) });
-        let (at, _) = image.missing_table(range.0, range.1).unwrap();
-        assert_eq!(at, 64 * MIB, "the third slice");
+        let (cached, first) = image.missing_table(range.0, range.1).unwrap();
+        assert_eq!((cached, first.slice), (0, 0));
+        load(&image, &file, first);
+        let (cached, second) = image.missing_table(range.0, range.1).unwrap();
+        assert_eq!((cached, second.offset, second.slice), (1, first.offset, 1), "not only the range's ends");
+        load(&image, &file, second);
+        assert_eq!(image.missing_table(range.0, range.1).map(|(cached, m)| (cached, m.slice)), Some((2, 2)));
         assert_eq!(image.missing_table(512 * MIB, 256 * MIB), None, "no table maps 512 MiB on");
+    }
+
+    /// A change to a table shared with a snapshot copies all of it: every
+    /// slice is needed, whatever the range.
+    #[test]
+    fn a_change_to_a_table_shared_with_a_snapshot_needs_all_its_slices() {
+        let path = std::env::temp_dir().join(format!("vsd-qcow2-shared-table-{}.qcow2", std::process::id()));
+        let name = path.to_str().unwrap();
+        for args in [
+            &["qemu-img", "create", "-q", "-f", "qcow2", name, "1G"][..],
+            &["qemu-io", "-c", "write -q 0 4k", name],
+            &["qemu-img", "snapshot", "-c", "s1", name],
+        ] {
+            assert!(std::process::Command::new(args[0]).args(&args[1..]).status().unwrap().success(), "{args:?}");
+        }
+        let file = MemFile::new(std::fs::read(&path).unwrap(), 64 << 20);
+        std::fs::remove_file(&path).unwrap();
+        let image = Image::open(&mut file.clone(), file.bytes.len() as u64, Options::default()).unwrap();
+        let slices = image.all_slices().len() as u64;
+        for expected in 0..slices {
+            let (cached, missing) = image.missing_table(0, 4096).unwrap();
+            assert_eq!((cached, missing.slice as u64), (expected, expected));
+            load(&image, &file, missing);
+        }
+        assert_eq!(image.missing_table(0, 4096), None);
     }
 
     #[test]

@@ -612,9 +612,8 @@ impl Qcow2Queue {
     /// metadata path finds them cached.
     fn preload(&self, offset: u64, len: u64, patient: bool) -> Result<(), Refused> {
         match self.image.missing_table(offset, len) {
-            // Where the slice maps from, so that each slice in turn counts
-            // as progress.
-            Some((at, missing)) if patient => Err(Refused::Missing(missing, at - offset)),
+            // The slices found cached are its progress.
+            Some((cached, missing)) if patient => Err(Refused::Missing(missing, cached)),
             _ => Ok(()),
         }
     }
@@ -895,8 +894,9 @@ enum Refused {
     /// The metadata it needs is corrupt (this says how): it fails, and
     /// the image is marked corrupt.
     Corrupt(String),
-    /// It needs this L2 table, which the cache lacks; it was routed as far
-    /// as this many bytes.
+    /// It needs this L2 table slice, which the cache lacks; its progress:
+    /// for a read, the bytes routed so far (it resumes there); for a change
+    /// of metadata, the slices it needs found cached (it starts again).
     Missing(MissingTable, u64),
 }
 
