@@ -267,7 +267,8 @@ impl Image {
         let start = if data(first) { within } else { first << scb };
         let end = if data(last) { within + n } else { (last + 1) << scb };
         let mut kept = Vec::new();
-        for sc in if first == last { vec![first] } else { vec![first, last] } {
+        // Only the subclusters at the ends can be partly the request's.
+        for sc in [Some(first), (last != first).then_some(last)].into_iter().flatten() {
             let at = sc << scb;
             let partial = at < within || at + scs > within + n;
             if partial && state(sc) == Subcluster::Unallocated && self.has_backing {

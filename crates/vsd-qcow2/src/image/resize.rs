@@ -45,14 +45,16 @@ impl Image {
     }
 
     fn grow(&self, io: &mut ImageIo, size: u64) -> io::Result<()> {
-        let unsupported = |why: String| io::Error::new(io::ErrorKind::Unsupported, why);
         let entries = self.header.l1_entries_for(size);
         if entries > self.l1.len() as u64 {
-            return Err(unsupported(format!(
-                "growing to {size} bytes needs {entries} L1 entries, more than the image keeps room for while \
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!(
+                    "growing to {size} bytes needs {entries} L1 entries, more than the image keeps room for while \
                  open ({}, for 16 times its size when opened): reopen it to grow further",
-                self.l1.len()
-            )));
+                    self.l1.len()
+                ),
+            ));
         }
         // Everything pending first: the header write below must not make
         // durable a size whose tables are not.
