@@ -23,7 +23,7 @@ use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vsd_block::dirty::DirtyRecorder;
@@ -119,21 +119,28 @@ struct Transmission<W: Wire> {
 
 /// Serves a connection that negotiated `agreement`, over `tls` if the
 /// client started it; `early` holds bytes the client sent right after the
-/// handshake (decrypted).
+/// handshake (decrypted). `client_gone` is set once the client is, before
+/// the connection's own requests are finished.
 pub(crate) fn serve(
     stream: Stream,
     tls: Option<rustls::ServerConnection>,
     agreement: Agreement<Arc<Export>>,
     early: &[u8],
+    client_gone: &AtomicBool,
 ) -> io::Result<()> {
     stream.set_nonblocking()?;
     match tls {
-        None => serve_on(stream, agreement, early),
-        Some(tls) => serve_on(TlsStream::new(tls, stream), agreement, early),
+        None => serve_on(stream, agreement, early, client_gone),
+        Some(tls) => serve_on(TlsStream::new(tls, stream), agreement, early, client_gone),
     }
 }
 
-fn serve_on<W: Wire>(stream: W, agreement: Agreement<Arc<Export>>, early: &[u8]) -> io::Result<()> {
+fn serve_on<W: Wire>(
+    stream: W,
+    agreement: Agreement<Arc<Export>>,
+    early: &[u8],
+    client_gone: &AtomicBool,
+) -> io::Result<()> {
     let export = agreement.export;
     let limits = Limits {
         size: agreement.info.size,
@@ -152,6 +159,7 @@ fn serve_on<W: Wire>(stream: W, agreement: Agreement<Arc<Export>>, early: &[u8])
             .and_then(|mut t| {
                 let served = t.run();
                 t.stream.close();
+                client_gone.store(true, Ordering::Release);
                 served
             });
     // Its requests are done (dropping the queue waited for them).

@@ -96,6 +96,10 @@ struct Conn {
     stream: Stream,
     /// The export chosen, once the handshake is over.
     export: Option<Arc<Export>>,
+    /// Set once the client is gone (it disconnected, or the connection
+    /// failed), while the thread may still be finishing its requests: it
+    /// no longer keeps a safe `block-export-del` from going ahead.
+    client_gone: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -311,7 +315,7 @@ impl NbdExport {
 
     /// Whether a client is connected to it.
     pub fn has_client(&self) -> bool {
-        lock(&self.server.conns).live.values().any(|c| self.serves(c))
+        lock(&self.server.conns).live.values().any(|c| self.serves(c) && !c.client_gone.load(Ordering::Acquire))
     }
 
     fn serves(&self, conn: &Conn) -> bool {
@@ -529,22 +533,25 @@ fn start_connection(shared: &Arc<Shared>, stream: Stream) {
     let id = conns.next_id;
     conns.next_id += 1;
     let serving = shared.clone();
-    let thread = std::thread::Builder::new().name(format!("vsd-nbd-{id}")).spawn(move || serve(&serving, id, stream));
+    let client_gone = Arc::new(AtomicBool::new(false));
+    let gone = client_gone.clone();
+    let thread =
+        std::thread::Builder::new().name(format!("vsd-nbd-{id}")).spawn(move || serve(&serving, id, stream, &gone));
     match thread {
         Ok(thread) => {
-            conns.live.insert(id, Conn { stream: control, export: None, thread: Some(thread) });
+            conns.live.insert(id, Conn { stream: control, export: None, client_gone, thread: Some(thread) });
         }
         Err(e) => log::warn!("NBD server: cannot start a thread for a client: {e}"),
     }
 }
 
 /// A connection's whole life, on its own thread.
-fn serve(shared: &Arc<Shared>, id: u64, stream: Stream) {
+fn serve(shared: &Arc<Shared>, id: u64, stream: Stream, client_gone: &AtomicBool) {
     match handshake(shared, &stream) {
         Ok(Handshake { agreement, early, tls }) => {
             if shared.join(id, &agreement.export) {
                 let name = agreement.export.config.id.clone();
-                if let Err(e) = conn::serve(stream, tls, agreement, &early) {
+                if let Err(e) = conn::serve(stream, tls, agreement, &early, client_gone) {
                     log::info!("NBD export '{name}': connection closed: {e}");
                 }
             }
