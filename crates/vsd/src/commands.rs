@@ -1,6 +1,7 @@
 //! QMP commands, with QEMU's names, argument shapes and error wording.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -65,6 +66,10 @@ const COMMANDS: &[&str] = &[
     "qom-set",
     "quit",
 ];
+
+/// How long a safe `block-export-del` waits for a front-end that has hung
+/// up to be let go before it calls the export still in use.
+const CLIENT_GONE_GRACE: Duration = Duration::from_millis(500);
 
 impl Dispatch for Daemon {
     fn execute(&self, command: &str, arguments: Map<String, Value>) -> Reply {
@@ -333,20 +338,30 @@ impl Daemon {
     }
 
     fn block_export_del(&self, args: ExportDel) -> Reply {
-        let state = self.state();
-        if state.stopping.contains_key(&args.id) {
-            return Err(QmpError::generic(format!("Export '{}' is already shutting down", args.id)));
-        }
-        let export = state
-            .exports
-            .get(&args.id)
-            .ok_or_else(|| QmpError::generic(format!("Export '{}' is not found", args.id)))?;
-        if args.mode == RemoveMode::Safe && export.has_client() {
-            return Err(QmpError::generic(format!(
-                "export '{}' still in use (use mode='hard' to disconnect the front-end)",
-                args.id
-            )));
-        }
+        // A front-end that has just hung up is let go by the export's own
+        // thread, a moment later: a safe deletion gives it that moment.
+        let deadline = Instant::now() + CLIENT_GONE_GRACE;
+        let state = loop {
+            let state = self.state();
+            if state.stopping.contains_key(&args.id) {
+                return Err(QmpError::generic(format!("Export '{}' is already shutting down", args.id)));
+            }
+            let export = state
+                .exports
+                .get(&args.id)
+                .ok_or_else(|| QmpError::generic(format!("Export '{}' is not found", args.id)))?;
+            if args.mode == RemoveMode::Hard || !export.has_client() {
+                break state;
+            }
+            if Instant::now() >= deadline {
+                return Err(QmpError::generic(format!(
+                    "export '{}' still in use (use mode='hard' to disconnect the front-end)",
+                    args.id
+                )));
+            }
+            drop(state);
+            std::thread::sleep(Duration::from_millis(10));
+        };
         drop(self.delete_export(state, &args.id));
         self.events.emit("BLOCK_EXPORT_DELETED", json!({ "id": args.id }));
         Ok(json!({}))
