@@ -121,6 +121,8 @@ pub struct PoolQueue {
     in_flight: usize,
     /// Of those, the ones handed to the pool.
     pooled: usize,
+    /// Requests handed to the pool since the queue was made.
+    handed_off: u64,
     depth: usize,
     /// Completed on this thread, not reaped yet.
     ready: Vec<Completion>,
@@ -140,10 +142,17 @@ impl PoolQueue {
             batch: Vec::with_capacity(depth),
             in_flight: 0,
             pooled: 0,
+            handed_off: 0,
             depth,
             ready: Vec::with_capacity(depth),
             inline,
         })
+    }
+
+    /// How many requests this queue has handed to the pool's threads; the
+    /// others completed on the caller's thread, within their submit.
+    pub fn handed_off(&self) -> u64 {
+        self.handed_off
     }
 
     /// Completes on this thread the batch's requests that need not block;
@@ -174,6 +183,7 @@ impl IoQueue for PoolQueue {
         }
         if !self.batch.is_empty() {
             self.pooled += self.batch.len();
+            self.handed_off += self.batch.len() as u64;
             self.pool.enqueue(&mut self.batch);
         }
         Ok(())
