@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
 """Two settings of a vsd export, A/B interleaved in one run: the same
 export with option string A and with B (e.g. `trace=on` vs `trace=off`,
-`poll-us=50` vs `poll-us=0`), daemon pinned to CPU 0 and vsd-bench to CPU 1;
-medians of --reps runs and the median of the paired A/B ratios.
+`poll-us=50` vs `poll-us=0`), or through a filter node on one side
+(`--a-filter throttle`: a throttle node whose group has no limits),
+daemon pinned to CPU 0 and vsd-bench to CPU 1; medians of --reps runs and
+the median of the paired A/B ratios.
 
-usage: scripts/bench-ab.py --a OPTS --b OPTS [--seconds 3] [--reps 10]
+usage: scripts/bench-ab.py [--a OPTS] [--b OPTS] [--a-filter throttle]
+                           [--b-filter throttle] [--seconds 3] [--reps 10]
                            [--iodepths 1,32] [--out ROWS.jsonl]
 """
 import argparse
@@ -22,11 +25,20 @@ BACKENDS = {
                   "/dev/shm"),
 }
 
+# What a side adds over the back-end: (--object values, --blockdev values,
+# the node exported).
+FILTERS = {
+    "none": ([], [], "disk0"),
+    "throttle": (["throttle-group,id=tg0"], ["driver=throttle,node-name=thr0,throttle-group=tg0,file=disk0"], "thr0"),
+}
+
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--a", required=True, help="export options of A, e.g. trace=on")
-    parser.add_argument("--b", required=True, help="export options of B, e.g. trace=off")
+    parser.add_argument("--a", default="", help="export options of A, e.g. trace=on")
+    parser.add_argument("--b", default="", help="export options of B, e.g. trace=off")
+    parser.add_argument("--a-filter", choices=FILTERS, default="none", help="a filter node A exports")
+    parser.add_argument("--b-filter", choices=FILTERS, default="none", help="a filter node B exports")
     parser.add_argument("--seconds", type=float, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--iodepths", default="1,32")
@@ -51,10 +63,14 @@ def main():
                         order = ("a", "b") if rep % 2 == 0 else ("b", "a")
                         for side in order:
                             opts = getattr(args, side)
-                            res = serve_and_bench(VSD, devs, ["--rw", "randread", "--iodepth", str(depth)],
-                                                  args.seconds, work, export_opts="," + opts)
+                            filt = getattr(args, f"{side}_filter")
+                            objects, filters, node = FILTERS[filt]
+                            res = serve_and_bench(VSD, devs + filters, ["--rw", "randread", "--iodepth", str(depth)],
+                                                  args.seconds, work, node=node,
+                                                  export_opts="," + opts if opts else "",
+                                                  extra_args=[a for o in objects for a in ("--object", o)])
                             row = {"backend": backend, "rw": "randread", "iodepth": depth, "side": side,
-                                   "options": opts, "rep": rep, **res}
+                                   "options": opts, "filter": filt, "rep": rep, **res}
                             rows.append(row)
                             print(json.dumps(row), flush=True)
             finally:
@@ -64,7 +80,8 @@ def main():
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     print()
-    print(f"A = {args.a}, B = {args.b}; 4k randread, medians of {args.reps}")
+    side = lambda opts, filt: " ".join(x for x in (opts, f"through {filt}" if filt != "none" else "") if x) or "default"
+    print(f"A = {side(args.a, args.a_filter)}, B = {side(args.b, args.b_filter)}; 4k randread, medians of {args.reps}")
     print("| back-end | iodepth | A IOPS | B IOPS | A/B (median of pairs) | A p50 µs | B p50 µs "
           "| A CPU µs/IO | B CPU µs/IO |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -36,8 +36,10 @@
 //! leaves at worst leaked clusters, never a table pointing at an
 //! unreferenced cluster; what was flushed survives.
 //!
-//! Clusters freed by discard are not reused until the image is reopened: a
-//! write in flight on another queue may still target them.
+//! Clusters freed while the image is open (discard, copy-on-write, tables
+//! that moved) are handed out again once no request that may still use
+//! them is in flight: each queue tells the image which epoch its oldest
+//! request started in ([`EpochPin`]).
 //!
 //! Persistent dirty bitmaps ([`bitmap`]) are kept in memory by the block
 //! driver, not here: the image loads them at open, marks them in use, and
@@ -62,8 +64,8 @@ use std::io;
 
 pub use bitmap::StoredBitmap;
 pub use image::{
-    Allocation, Busy, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable, OldBytes, Options, Origin, Piece,
-    TableLoad,
+    Allocation, Busy, EpochPin, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable, OldBytes, Options, Origin,
+    Piece, TableLoad,
 };
 
 /// Metadata found corrupt while the image is in use (a table pointing at

@@ -9,6 +9,7 @@ mod overlap;
 mod rebuild;
 mod refcounts;
 mod resize;
+mod reuse;
 mod write;
 mod writeback;
 
@@ -22,6 +23,8 @@ use std::task::Waker;
 use cache::{L2Cache, L2Table};
 use overlap::MetadataMap;
 use refcounts::Refcounts;
+pub use reuse::EpochPin;
+use reuse::{Epochs, Quarantine};
 
 use crate::SyncIo;
 use crate::buf::AlignedBuf;
@@ -164,6 +167,8 @@ pub struct Image {
     /// and data writes never land there.
     metadata: Arc<MetadataMap>,
     meta: Mutex<Meta>,
+    /// What keeps freed clusters from reuse while requests may use them.
+    epochs: Arc<Epochs>,
     /// Held by whoever writes metadata chunks (see `writeback`), before
     /// `meta`.
     writeback: Mutex<()>,
@@ -243,6 +248,10 @@ struct Meta {
     allocating: HashSet<u64>,
     /// Requests waiting for an allocation to finish, woken when one does.
     waiters: Vec<Waker>,
+    /// The image's epochs, to tag freed clusters with (see `reuse`).
+    epochs: Arc<Epochs>,
+    /// Freed clusters not to hand out yet.
+    quarantine: Quarantine,
     /// The bitmap directory the header names, if the bitmaps are consistent.
     bitmaps: Option<BitmapsExtension>,
 }
@@ -277,6 +286,15 @@ impl Image {
 
     fn l2_bits(&self) -> u32 {
         self.l2_bits
+    }
+
+    /// What a queue of `depth` requests tells the image about its requests
+    /// in flight: each [`EpochPin::enter`]s before its first lookup and
+    /// [`EpochPin::leave`]s once done, and the queue [`EpochPin::settle`]s
+    /// after each reap, so that a cluster freed meanwhile is not handed out
+    /// again under a request that may have mapped it.
+    pub fn pin(&self, depth: u16) -> EpochPin {
+        self.epochs.pin(depth)
     }
 
     fn lock(&self) -> MutexGuard<'_, Meta> {

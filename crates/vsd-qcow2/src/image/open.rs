@@ -10,6 +10,7 @@ use super::cache::L2Cache;
 use super::overlap::MetadataMap;
 use super::rebuild::rebuild;
 use super::refcounts::Refcounts;
+use super::reuse::{Epochs, Quarantine};
 use super::{Image, Meta, Options};
 use crate::buf::AlignedBuf;
 use crate::entry::{self, Layout};
@@ -122,6 +123,7 @@ impl Image {
         };
         let refcount_cache_bytes = opts.refcount_cache_bytes.unwrap_or((cache_bytes / 4).max(4 * cs));
         let metadata = Arc::new(MetadataMap::new(metadata));
+        let epochs = Arc::new(Epochs::default());
         let mut meta = Meta {
             refcounts: Refcounts::new(
                 rt_raw,
@@ -139,6 +141,8 @@ impl Image {
             decrements: Vec::new(),
             allocating: HashSet::new(),
             waiters: Vec::new(),
+            epochs: epochs.clone(),
+            quarantine: Quarantine::default(),
             bitmaps: if opts.writable { kept_bitmaps } else { header.bitmaps },
         };
         if header.has_bitmaps && header.bitmaps.is_none() {
@@ -172,6 +176,7 @@ impl Image {
             header,
             metadata,
             meta: Mutex::new(meta),
+            epochs,
             writeback: Mutex::default(),
             dirty: Default::default(),
             lazy,

@@ -27,8 +27,8 @@ pub(super) struct Refcounts {
     blocks: HashMap<u64, AlignedBuf>,
     width: Width,
     cluster_bits: u32,
-    /// Allocation scans from here; it never moves back, so clusters freed
-    /// while the image is open are not reused (see the crate docs).
+    /// Allocation scans from here; it moves back to clusters freed while
+    /// the image is open once they leave quarantine (see `reuse`).
     hint: u64,
     /// Clusters up to here may hold something: the file's initial length,
     /// then past every cluster handed out since. Clusters from here on
@@ -186,6 +186,7 @@ impl Meta {
     /// Allocates `n` contiguous clusters with refcount 1; returns the first
     /// one's byte offset.
     pub(super) fn alloc(&mut self, io: &mut dyn SyncIo, n: u64) -> io::Result<u64> {
+        self.reuse_freed();
         // Each round that adds metadata grows the covered area; an image
         // needing more rounds than this has refcounts that lie.
         for _ in 0..ALLOC_ROUNDS {
@@ -206,6 +207,17 @@ impl Meta {
         )))
     }
 
+    /// Lets allocation take again the freed clusters no request in flight
+    /// may still use.
+    fn reuse_freed(&mut self) {
+        if self.quarantine.is_empty() {
+            return;
+        }
+        if let Some(lowest) = self.quarantine.release(self.epochs.oldest_in_use()) {
+            self.refcounts.hint = self.refcounts.hint.min(lowest);
+        }
+    }
+
     /// The first cluster (byte offset) that may never have been written:
     /// every cluster from there on reads as zeroes until allocated.
     pub(super) fn fresh_from(&self) -> u64 {
@@ -219,7 +231,7 @@ impl Meta {
         while cluster < start + n {
             // A metadata cluster with refcount 0 is corruption: never
             // hand it out.
-            if rc.get(io, cluster)? != 0 || self.metadata.contains(cluster) {
+            if rc.get(io, cluster)? != 0 || self.metadata.contains(cluster) || self.quarantine.holds(cluster) {
                 start = cluster + 1;
             }
             cluster += 1;
@@ -345,6 +357,10 @@ impl Meta {
         }
         self.refcounts.set(io, cluster, count - 1)?;
         if count == 1 {
+            // Requests that start from now on cannot reach it; those in
+            // flight may, until they are done.
+            self.quarantine.hold(self.epochs.current(), cluster);
+            self.epochs.advance();
             self.metadata.remove(cluster);
             if discard {
                 let cs = self.refcounts.cluster_size();

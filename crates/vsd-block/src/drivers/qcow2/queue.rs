@@ -43,7 +43,7 @@ use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_engine::{Completion, IoOp, IoQueue, IoVecs};
 use vsd_qcow2::buf::AlignedBuf;
 use vsd_qcow2::{
-    Allocation, Busy, CorruptMetadata, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable, Origin, Piece,
+    Allocation, Busy, CorruptMetadata, EpochPin, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable, Origin, Piece,
 };
 
 use super::copyup::CopyUps;
@@ -147,6 +147,9 @@ pub(crate) struct Qcow2Queue {
     flushes_out: u32,
     /// Guest requests pushed and not reaped yet.
     in_flight: u32,
+    /// The epochs they started in: clusters freed meanwhile are not
+    /// handed out again while they may still use them.
+    pin: EpochPin,
     /// Guest flushes with metadata to write, routed since the last submit.
     flushes_due: Vec<u32>,
     file: ChildQueue,
@@ -200,6 +203,7 @@ impl Qcow2Queue {
             epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, 0))?;
         }
         let waker = Waker::from(unblocked.clone());
+        let pin = image.pin(depth);
         Ok(Self {
             image,
             health,
@@ -207,6 +211,7 @@ impl Qcow2Queue {
             flushed: Arc::new(Answers::new(waker.clone())),
             flushes_out: 0,
             in_flight: 0,
+            pin,
             flushes_due: Vec::new(),
             file,
             data,
@@ -818,6 +823,7 @@ unsafe impl Send for Qcow2Queue {}
 impl IoQueue for Qcow2Queue {
     unsafe fn push(&mut self, tag: u32, op: IoOp) {
         self.in_flight += 1;
+        self.pin.enter(tag);
         self.start(tag, op);
     }
 
@@ -839,6 +845,12 @@ impl IoQueue for Qcow2Queue {
         let before = out.len();
         self.collect(out);
         self.in_flight -= (out.len() - before) as u32;
+        if out.len() > before {
+            for done in &out[before..] {
+                self.pin.leave(done.tag);
+            }
+            self.pin.settle();
+        }
     }
 
     fn wait(&mut self) -> io::Result<()> {
