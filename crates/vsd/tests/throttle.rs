@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use common::{Daemon, Scratch, monitor};
 use serde_json::{Value, json};
+use vsd_bench::{Client, ClientOptions};
 use vsd_control::client::QmpClient;
 
 fn answer(qmp: &mut QmpClient, command: &str, args: Value) -> Value {
@@ -124,6 +125,22 @@ fn bench(socket: &Path, rw: &str, bs: &str, iodepth: u32, seconds: f64) -> (f64,
 fn holds(measured: f64, limit: f64, seconds: f64) -> bool {
     let burst = limit / 10.0 / seconds;
     measured <= 1.05 * limit + burst && measured >= 0.8 * limit
+}
+
+/// The throttle filter's child is opened uncounted, so the filter itself
+/// records what it passes down in the child's dirty bitmaps.
+#[test]
+fn writes_through_a_throttle_reach_its_child_s_dirty_bitmaps() {
+    let dir = Scratch::new("throttle-bitmap");
+    let (_daemon, mut qmp) = throttled(&dir, "limits.iops-total=100000", 1, &[]);
+    qmp.execute("block-dirty-bitmap-add", json!({"node": "n0", "name": "b", "granularity": 65536})).unwrap();
+    let mut client = Client::connect(&dir.path("e0.sock"), ClientOptions::default()).unwrap();
+    let mut queue = client.take_queue(0).unwrap();
+    queue.write_at(0, &[0x5a; 4096]).unwrap();
+    queue.write_zeroes(1 << 20, 128 << 10, false).unwrap();
+    let nodes = qmp.execute("query-named-block-nodes", json!({})).unwrap();
+    let child = nodes.as_array().unwrap().iter().find(|n| n["node-name"] == "n0").unwrap();
+    assert_eq!(child["dirty-bitmaps"][0]["count"], json!(3 * 65536), "{child}");
 }
 
 #[test]

@@ -8,6 +8,12 @@
 //! descriptor: an epoll set of the timer, the turn and the child queue's
 //! own descriptor. Flushes are not limited. A group without
 //! limits costs one load per request.
+//!
+//! The child is sent exactly the requests the filter is, already counted
+//! where they entered the graph (by the export, or by the node above), so
+//! it is opened uncounted, as an export opens its node: the filter
+//! records the writes in the child's dirty bitmaps (and runs their
+//! copy-before-write) itself.
 
 use std::collections::VecDeque;
 use std::io;
@@ -19,6 +25,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::timerfd::TimerFd;
 use vsd_engine::{Completion, IoOp, IoQueue};
 
+use crate::dirty::DirtyRecorder;
 use crate::options::OptionMap;
 use crate::throttle::{Direction, Member, Refusal, ThrottleGroup};
 use crate::{Allocation, BlockGraph, BlockNode, GraphError};
@@ -85,7 +92,9 @@ impl BlockNode for ThrottleNode {
     }
 
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
-        Ok(Box::new(ThrottleQueue::new(self.child.open_queue(depth)?, self.group.clone(), depth)?))
+        let inner = self.child.open_uncounted_queue(depth)?;
+        let dirty = DirtyRecorder::for_node(&*self.child);
+        Ok(Box::new(ThrottleQueue::new(inner, dirty, self.group.clone(), depth)?))
     }
 }
 
@@ -106,6 +115,8 @@ const TOKEN_TURN: u64 = 2;
 
 struct ThrottleQueue {
     inner: Box<dyn IoQueue>,
+    /// The child's bitmaps, which its uncounted queue does not record.
+    dirty: DirtyRecorder,
     group: Arc<ThrottleGroup>,
     /// The queue among the group's members.
     member: Arc<Member>,
@@ -122,7 +133,7 @@ struct ThrottleQueue {
 }
 
 impl ThrottleQueue {
-    fn new(inner: Box<dyn IoQueue>, group: Arc<ThrottleGroup>, depth: u16) -> io::Result<Self> {
+    fn new(inner: Box<dyn IoQueue>, dirty: DirtyRecorder, group: Arc<ThrottleGroup>, depth: u16) -> io::Result<Self> {
         let epoll = Epoll::new()?;
         let timer = TimerFd::new()?;
         let member = Member::new()?;
@@ -132,11 +143,12 @@ impl ThrottleQueue {
             epoll.ctl(ControlOperation::Add, fd.as_raw_fd(), EpollEvent::new(EventSet::IN, TOKEN_CHILD))?;
         }
         let waiting = [0, 1].map(|_| VecDeque::with_capacity(usize::from(depth)));
-        Ok(Self { inner, group, member, waiting, forwarded: 0, timer, armed: None, epoll })
+        Ok(Self { inner, dirty, group, member, waiting, forwarded: 0, timer, armed: None, epoll })
     }
 
     fn forward(&mut self, tag: u32, op: IoOp) {
         self.forwarded += 1;
+        self.dirty.record(&op);
         // SAFETY: the owner's guarantee for `op`, given at push, holds until
         // its completion is reaped, which is after it reaches the child.
         unsafe { self.inner.push(tag, op) }
@@ -215,7 +227,10 @@ impl ThrottleQueue {
 
 impl IoQueue for ThrottleQueue {
     unsafe fn push(&mut self, tag: u32, op: IoOp) {
-        let Some((direction, bytes)) = direction(&op).filter(|_| self.group.limited()) else {
+        if !self.group.limited() {
+            return self.forward(tag, op);
+        }
+        let Some((direction, bytes)) = direction(&op) else {
             return self.forward(tag, op);
         };
         let lane = direction as usize;
