@@ -39,6 +39,30 @@ pub(super) struct Refcounts {
     /// Blocks kept in memory at most; blocks with unwritten changes are
     /// never dropped.
     capacity: usize,
+    /// Advanced whenever block chunks are written to the file: a block read
+    /// without the metadata mutex ([`BlockLoad`]) is current only if this
+    /// did not change meanwhile.
+    written: u64,
+}
+
+/// Refcount blocks the cache lacks, read without the metadata mutex and
+/// put in the cache under it ([`Refcounts::insert_loaded`]).
+pub(super) struct BlockLoad {
+    /// (block index, where it is in the file).
+    blocks: Vec<(u64, u64)>,
+    written: u64,
+    cluster_size: u64,
+}
+
+impl BlockLoad {
+    /// Reads its blocks (without the metadata mutex).
+    pub(super) fn read(&self, io: &mut dyn SyncIo) -> io::Result<Vec<(u64, AlignedBuf)>> {
+        let read = |&(index, offset): &(u64, u64)| {
+            let mut buf = AlignedBuf::zeroed(self.cluster_size as usize);
+            io.read_at(&mut buf, offset).map(|()| (index, buf))
+        };
+        self.blocks.iter().map(read).collect()
+    }
 }
 
 impl Refcounts {
@@ -61,6 +85,7 @@ impl Refcounts {
             file_end,
             dirty: BTreeSet::new(),
             capacity: capacity.max(2),
+            written: 0,
         }
     }
 
@@ -84,17 +109,47 @@ impl Refcounts {
             return Ok(None);
         };
         if !self.blocks.contains_key(&index) {
-            if self.blocks.len() >= self.capacity {
-                let clean = self.blocks.keys().copied().find(|&i| !self.block_dirty(i));
-                if let Some(victim) = clean {
-                    self.blocks.remove(&victim);
-                }
-            }
             let mut buf = AlignedBuf::zeroed(self.cluster_size() as usize);
             io.read_at(&mut buf, offset)?;
-            self.blocks.insert(index, buf);
+            self.cache(index, buf);
         }
         Ok(self.blocks.get_mut(&index))
+    }
+
+    /// Keeps block `index`, dropping a clean one if the cache is full.
+    fn cache(&mut self, index: u64, block: AlignedBuf) {
+        if self.blocks.len() >= self.capacity {
+            let clean = self.blocks.keys().copied().find(|&i| !self.block_dirty(i));
+            if let Some(victim) = clean {
+                self.blocks.remove(&victim);
+            }
+        }
+        self.blocks.insert(index, block);
+    }
+
+    /// The blocks that hold the refcounts of `clusters` and the cache lacks.
+    pub(super) fn missing(&self, clusters: impl Iterator<Item = u64>) -> BlockLoad {
+        let per_block = self.per_block();
+        let indexes: BTreeSet<u64> = clusters.map(|c| c / per_block).collect();
+        let blocks = indexes
+            .into_iter()
+            .filter(|index| !self.blocks.contains_key(index))
+            .filter_map(|index| Some((index, *self.table.get(index as usize).filter(|&&o| o != 0)?)))
+            .collect();
+        BlockLoad { blocks, written: self.written, cluster_size: self.cluster_size() }
+    }
+
+    /// Caches the blocks `load` read, unless blocks were written since it
+    /// was made (what it read may be stale) or the cache has them already.
+    pub(super) fn insert_loaded(&mut self, load: &BlockLoad, blocks: Vec<(u64, AlignedBuf)>) {
+        if load.written != self.written {
+            return;
+        }
+        for (index, block) in blocks {
+            if !self.blocks.contains_key(&index) {
+                self.cache(index, block);
+            }
+        }
     }
 
     /// The refcount of `cluster` (0 where no block covers it).
@@ -122,6 +177,7 @@ impl Refcounts {
             io.write_at(&block[start..start + chunk], self.table[index as usize] + start as u64)?;
         }
         self.dirty.clear();
+        self.written += 1;
         Ok(())
     }
 
@@ -139,6 +195,7 @@ impl Refcounts {
     /// Marks clean the chunks written from `copies` that still hold what
     /// was written.
     pub(super) fn forget_written(&mut self, copies: &[RefcountCopy]) {
+        self.written += 1;
         for Copy { key: (index, start), bytes, .. } in copies {
             if self.blocks[index][*start..*start + bytes.len()] == bytes[..] {
                 self.dirty.remove(&(*index, *start));

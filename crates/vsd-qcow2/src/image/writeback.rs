@@ -10,6 +10,7 @@ use std::io;
 use std::sync::{Arc, MutexGuard, PoisonError};
 
 use super::cache::L2Table;
+use super::refcounts::BlockLoad;
 use super::{Image, ImageIo, Meta, unloaded_slice};
 use crate::SyncIo;
 use crate::buf::AlignedBuf;
@@ -34,6 +35,8 @@ struct Batch {
     /// The decrements queued before the copies were taken: the tables that
     /// stopped naming their clusters are among the copies.
     decrements: usize,
+    /// The refcount blocks those decrements need and the cache lacks.
+    blocks: BlockLoad,
 }
 
 impl Image {
@@ -58,15 +61,19 @@ impl Image {
 
     /// [`Image::flush`] of the image file; the caller holds
     /// [`Image::writeback`]. The metadata mutex is taken three times, for
-    /// no I/O but the loads of refcount blocks that decrements may need.
+    /// no I/O: the refcount blocks the decrements need are read before.
     pub(super) fn write_back(&self, io: &mut ImageIo) -> io::Result<()> {
         if !self.metadata_dirty() {
             return io.meta.flush();
         }
         let batch = self.copy_dirty(&self.lock())?;
         self.write_batch(io.meta, &batch)?;
+        let blocks = batch.blocks.read(io.meta)?;
         let freed = {
             let mut meta = self.lock();
+            // Before this flush's own writes count as a change of blocks:
+            // they were of cached blocks, not of these.
+            meta.refcounts.insert_loaded(&batch.blocks, blocks);
             self.forget_written(&mut meta, &batch);
             self.tables_written();
             meta.apply_decrements(io.meta, batch.decrements)?;
@@ -107,7 +114,9 @@ impl Image {
             at: meta.l1_offset() + start as u64,
             bytes: self.l1_chunk(start),
         });
-        Ok(Batch { refcounts: meta.refcounts.copy_dirty(), l2, l1: l1.collect(), decrements: meta.decrements.len() })
+        let decrements = meta.decrements.len();
+        let blocks = meta.refcounts.missing(meta.decrements.iter().map(|&(cluster, _)| cluster));
+        Ok(Batch { refcounts: meta.refcounts.copy_dirty(), l2, l1: l1.collect(), decrements, blocks })
     }
 
     /// Writes a batch in the order [`Image::flush`] names, each step
@@ -182,23 +191,36 @@ mod tests {
         }
     }
 
-    /// The shared file, whose first flush says so and waits for a go.
+    /// The shared file, whose first flush (or read, with `on_read`) says
+    /// so and waits for a go.
     struct Paused {
         file: Shared,
         pause: Option<(Sender<()>, Receiver<()>)>,
+        on_read: bool,
+    }
+
+    impl Paused {
+        fn pause(&mut self) {
+            if let Some((paused, go)) = self.pause.take() {
+                paused.send(()).unwrap();
+                go.recv().unwrap();
+            }
+        }
     }
 
     impl SyncIo for Paused {
         fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+            if self.on_read {
+                self.pause();
+            }
             self.file.read_at(buf, offset)
         }
         fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
             self.file.write_at(buf, offset)
         }
         fn flush(&mut self) -> io::Result<()> {
-            if let Some((paused, go)) = self.pause.take() {
-                paused.send(()).unwrap();
-                go.recv().unwrap();
+            if !self.on_read {
+                self.pause();
             }
             Ok(())
         }
@@ -224,7 +246,9 @@ mod tests {
     /// What `qemu-img check` says of an image's bytes: its exit code (0
     /// clean, 3 leaked clusters only, 2 corruption) and its report.
     fn qemu_img_check(bytes: &[u8]) -> (i32, String) {
-        let path = std::env::temp_dir().join(format!("vsd-qcow2-writeback-{}.qcow2", std::process::id()));
+        static CHECKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = CHECKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("vsd-qcow2-writeback-{}-{n}.qcow2", std::process::id()));
         std::fs::write(&path, bytes).unwrap();
         let out = std::process::Command::new("qemu-img").arg("check").arg(&path).output().unwrap();
         std::fs::remove_file(&path).unwrap();
@@ -242,7 +266,8 @@ mod tests {
         let (paused_tx, paused) = channel();
         let (go, go_rx) = channel();
         let flusher = {
-            let (image, mut file) = (image.clone(), Paused { file: file.clone(), pause: Some((paused_tx, go_rx)) });
+            let pause = Some((paused_tx, go_rx));
+            let (image, mut file) = (image.clone(), Paused { file: file.clone(), pause, on_read: false });
             std::thread::spawn(move || image.flush(&mut io(&mut file)).unwrap())
         };
         paused.recv_timeout(Duration::from_secs(10)).expect("the flush reaches its barrier");
@@ -291,5 +316,44 @@ mod tests {
             copy.read_at(&mut buf, host).unwrap();
             assert_eq!(buf, [byte; 512], "guest offset {offset:#x}");
         }
+    }
+
+    /// A flush whose decrements fall in a refcount block the cache lacks
+    /// reads it without the metadata mutex: requests allocate meanwhile.
+    #[test]
+    fn a_flush_reads_the_refcount_blocks_of_its_decrements_without_the_metadata_mutex() {
+        let bytes = MemFile::made_by_qemu_img("decrements", "4M").bytes;
+        let (image, file) = open(&bytes);
+        let (image, file) = (Arc::new(image), Shared(Arc::new(Mutex::new(file))));
+        write(&image, &mut file.clone(), 0, 0x11);
+        image.flush(&mut io(&mut file.clone())).unwrap();
+        image.lock().refcounts.drop_clean();
+        image.discard(&mut io(&mut file.clone()), 0, 64 * KIB).unwrap();
+
+        let (paused_tx, paused) = channel();
+        let (go, go_rx) = channel();
+        let flusher = {
+            let pause = Some((paused_tx, go_rx));
+            let (image, mut file) = (image.clone(), Paused { file: file.clone(), pause, on_read: true });
+            std::thread::spawn(move || image.flush(&mut io(&mut file)).unwrap())
+        };
+        paused.recv_timeout(Duration::from_secs(10)).expect("the flush reads the refcount block");
+        let (done_tx, done) = channel();
+        {
+            let (image, mut file) = (image.clone(), file.clone());
+            std::thread::spawn(move || {
+                write(&image, &mut file, 128 * KIB, 0x22);
+                done_tx.send(()).unwrap();
+            });
+        }
+        done.recv_timeout(Duration::from_secs(10)).expect("the metadata mutex is free during the block's read");
+        go.send(()).unwrap();
+        flusher.join().unwrap();
+        image.flush(&mut io(&mut file.clone())).unwrap();
+        let after = file.0.lock().unwrap().bytes.clone();
+        let (status, report) = qemu_img_check(&after);
+        assert_eq!(status, 0, "{report}");
+        let (reopened, mut copy) = open(&after);
+        assert_eq!(reopened.map(&mut Default::default(), &mut copy, 0, 512).unwrap().mapping, Mapping::Zero);
     }
 }
