@@ -64,8 +64,8 @@ use std::io;
 
 pub use bitmap::StoredBitmap;
 pub use image::{
-    Allocation, Busy, EpochPin, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable, OldBytes, Options, Origin,
-    Piece, TableLoad,
+    Allocation, Busy, EpochPin, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable, NeedsLoad, OldBytes, Options,
+    Origin, Piece, TableLoad,
 };
 
 /// Metadata found corrupt while the image is in use (a table pointing at

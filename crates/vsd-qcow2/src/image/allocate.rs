@@ -182,11 +182,25 @@ impl Image {
     ///
     /// Fails with [`Busy`] if a cluster of the range is in flight.
     pub fn start_write(&self, io: &mut ImageIo, offset: u64, len: u64) -> io::Result<Vec<Piece>> {
+        self.begin_write(io, offset, len, true)
+    }
+
+    /// [`Image::start_write`] that reads no refcount block under the
+    /// metadata mutex: an allocation that would scan one the cache lacks
+    /// fails with [`NeedsLoad`](crate::NeedsLoad), having changed nothing; load it and try
+    /// again.
+    pub fn try_start_write(&self, io: &mut ImageIo, offset: u64, len: u64) -> io::Result<Vec<Piece>> {
+        self.begin_write(io, offset, len, false)
+    }
+
+    fn begin_write(&self, io: &mut ImageIo, offset: u64, len: u64, may_load: bool) -> io::Result<Vec<Piece>> {
         self.check_writable()?;
         let mut meta = self.lock();
         self.check_idle(&meta, offset, len)?;
         self.prepare_change(&mut meta, io)?;
+        meta.refcounts.may_load = may_load;
         let result = self.plan_write(&mut meta, io, offset, len);
+        meta.refcounts.may_load = true;
         if let Ok(pieces) = &result {
             for piece in pieces {
                 if let Piece::Allocate(a) = piece {

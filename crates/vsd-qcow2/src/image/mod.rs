@@ -22,6 +22,7 @@ use std::task::Waker;
 
 use cache::{L2Cache, L2Table};
 use overlap::MetadataMap;
+pub use refcounts::NeedsLoad;
 use refcounts::Refcounts;
 pub use reuse::EpochPin;
 use reuse::{Epochs, Quarantine};
@@ -184,23 +185,27 @@ pub struct Image {
     tables_written: AtomicU64,
 }
 
-/// A slice of an L2 table the cache lacks, read without blocking: the
-/// caller reads [`TableLoad::buffer`] from [`TableLoad::at`] in the image
-/// file however it likes (asynchronously, beside other requests), then
-/// hands it to [`Image::finish_load`]. The read lands in the memory the
-/// cached table keeps: no copy, no zeroing.
+/// A slice of an L2 table or a refcount block the cache lacks, read
+/// without blocking: the caller reads [`TableLoad::buffer`] from
+/// [`TableLoad::at`] in the image file however it likes (asynchronously,
+/// beside other requests), then hands it to [`Image::finish_load`]. A
+/// slice's read lands in the memory the cached table keeps: no copy, no
+/// zeroing.
 pub struct TableLoad {
     missing: MissingTable,
     at: u64,
     epoch: u64,
     words: Box<[MaybeUninit<u64>]>,
+    /// A refcount block's memory, made when one is loaded (rarely: one
+    /// covers gigabytes).
+    block: Option<AlignedBuf>,
 }
 
 impl TableLoad {
-    /// A load of table slices of `image`.
+    /// A load of table slices and refcount blocks of `image`.
     pub fn new(image: &Image) -> Self {
         let words = Box::new_uninit_slice(image.slice_bytes / 8);
-        Self { missing: MissingTable { offset: 0, slice: 0 }, at: 0, epoch: 0, words }
+        Self { missing: MissingTable::slice(0, 0), at: 0, epoch: 0, words, block: None }
     }
 
     /// Whether it loads what `missing` names.
@@ -216,16 +221,37 @@ impl TableLoad {
     /// Where to read it to, and how many bytes. The memory is
     /// uninitialised until the read fills it.
     pub fn buffer(&mut self) -> (*mut u8, usize) {
-        (self.words.as_mut_ptr().cast(), self.words.len() * 8)
+        match (self.missing.what, &mut self.block) {
+            (Missing::RefcountBlock(_), Some(block)) => (block.as_mut_ptr(), block.len()),
+            _ => (self.words.as_mut_ptr().cast(), self.words.len() * 8),
+        }
     }
 }
 
-/// A slice of the L2 table at `offset` of the image file is needed and not
-/// cached: load it ([`Image::start_load`]) and map again.
+/// A table the cache lacks is needed: a slice of the L2 table at `offset`
+/// of the image file, or the refcount block there. Load it
+/// ([`Image::start_load`]) and try again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MissingTable {
     offset: u64,
-    slice: usize,
+    what: Missing,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Missing {
+    L2Slice(usize),
+    /// By its index in the refcount table.
+    RefcountBlock(u64),
+}
+
+impl MissingTable {
+    fn slice(offset: u64, slice: usize) -> Self {
+        Self { offset, what: Missing::L2Slice(slice) }
+    }
+
+    pub(super) fn refcount_block(offset: u64, index: u64) -> Self {
+        Self { offset, what: Missing::RefcountBlock(index) }
+    }
 }
 
 /// Everything allocation changes, behind the metadata mutex.
@@ -310,8 +336,11 @@ impl Image {
     pub fn map(&self, memo: &mut MapMemo, io: &mut dyn SyncIo, offset: u64, len: u64) -> io::Result<Extent> {
         match self.map_cached(memo, offset, len) {
             Ok(extent) => Ok(extent),
-            Err(missing) => {
-                let table = self.load_l2(&mut self.lock(), io, missing.offset, missing.slice..missing.slice + 1)?;
+            Err(MissingTable { offset: table, what }) => {
+                let Missing::L2Slice(slice) = what else {
+                    return Err(io::Error::from_raw_os_error(libc::EIO));
+                };
+                let table = self.load_l2(&mut self.lock(), io, table, slice..slice + 1)?;
                 self.check_l2(&table);
                 self.walk(&table, offset, self.table_end(offset, len))
                     .ok_or_else(|| io::Error::from_raw_os_error(libc::EIO))
@@ -351,7 +380,7 @@ impl Image {
             Ok(None) => return Ok(Extent { mapping: Mapping::Unallocated, len: limit - offset }),
             Err(e) => return Ok(self.invalid(e, offset, limit)),
         };
-        let missing = || MissingTable { offset: l2_offset, slice: self.slice_of(self.l2_index(offset)) };
+        let missing = || MissingTable::slice(l2_offset, self.slice_of(self.l2_index(offset)));
         if let Some(table) = self.memoised(memo, l1_index) {
             self.l2.touch(table);
             return self.walk(table, offset, limit).ok_or_else(missing);
@@ -400,7 +429,7 @@ impl Image {
             let table = self.l2.get(l2_offset);
             for slice in slices {
                 if !table.as_ref().is_some_and(|t| t.is_loaded(slice)) {
-                    return Some((cached, MissingTable { offset: l2_offset, slice }));
+                    return Some((cached, MissingTable::slice(l2_offset, slice)));
                 }
                 cached += 1;
             }
@@ -409,12 +438,23 @@ impl Image {
         None
     }
 
-    /// Prepares `load` for the slice `missing` names; the caller then reads
-    /// it into [`TableLoad::buffer`].
+    /// Prepares `load` for the table `missing` names; the caller then
+    /// reads it into [`TableLoad::buffer`].
     pub fn start_load(&self, load: &mut TableLoad, missing: MissingTable) {
         load.missing = missing;
-        load.at = missing.offset + (missing.slice * self.slice_bytes) as u64;
-        load.epoch = self.tables_written.load(Ordering::Acquire);
+        match missing.what {
+            Missing::L2Slice(slice) => {
+                load.at = missing.offset + (slice * self.slice_bytes) as u64;
+                load.epoch = self.tables_written.load(Ordering::Acquire);
+            }
+            Missing::RefcountBlock(_) => {
+                load.at = missing.offset;
+                load.epoch = self.lock().refcounts.written();
+                let cs = self.cluster_size() as usize;
+                load.block =
+                    Some(load.block.take().filter(|b| b.len() == cs).unwrap_or_else(|| AlignedBuf::zeroed(cs)));
+            }
+        }
     }
 
     /// Puts the slice `load` read into the cache, unless the cache or the
@@ -427,7 +467,14 @@ impl Image {
     /// A read has filled the whole of [`TableLoad::buffer`] since
     /// [`Image::start_load`].
     pub unsafe fn finish_load(&self, load: &mut TableLoad) -> bool {
-        let MissingTable { offset, slice } = load.missing;
+        let MissingTable { offset, what } = load.missing;
+        let slice = match what {
+            Missing::L2Slice(slice) => slice,
+            Missing::RefcountBlock(index) => {
+                let Some(block) = load.block.take() else { return false };
+                return self.lock().refcounts.insert_block(index, block, load.epoch);
+            }
+        };
         let meta = self.lock();
         let table = self.cached_table(&meta, offset);
         if table.is_loaded(slice) {
@@ -803,12 +850,19 @@ mod tests {
         let (image, file) = cold_image("slices-in-turn");
         let range = (0, 100 * MIB);
         let (cached, first) = image.missing_table(range.0, range.1).unwrap();
-        assert_eq!((cached, first.slice), (0, 0));
+        assert_eq!((cached, first.what), (0, Missing::L2Slice(0)));
         load(&image, &file, first);
         let (cached, second) = image.missing_table(range.0, range.1).unwrap();
-        assert_eq!((cached, second.offset, second.slice), (1, first.offset, 1), "not only the range's ends");
+        assert_eq!(
+            (cached, second.offset, second.what),
+            (1, first.offset, Missing::L2Slice(1)),
+            "not only the range's ends"
+        );
         load(&image, &file, second);
-        assert_eq!(image.missing_table(range.0, range.1).map(|(cached, m)| (cached, m.slice)), Some((2, 2)));
+        assert_eq!(
+            image.missing_table(range.0, range.1).map(|(cached, m)| (cached, m.what)),
+            Some((2, Missing::L2Slice(2)))
+        );
         assert_eq!(image.missing_table(512 * MIB, 256 * MIB), None, "no table maps 512 MiB on");
     }
 
@@ -831,7 +885,7 @@ mod tests {
         let slices = image.all_slices().len() as u64;
         for expected in 0..slices {
             let (cached, missing) = image.missing_table(0, 4096).unwrap();
-            assert_eq!((cached, missing.slice as u64), (expected, expected));
+            assert_eq!((cached, missing.what), (expected, Missing::L2Slice(expected as usize)));
             load(&image, &file, missing);
         }
         assert_eq!(image.missing_table(0, 4096), None);
@@ -860,6 +914,37 @@ mod tests {
         for at in [0, 33 * MIB] {
             let extent = image.map_cached(&mut memo, at, 4096).unwrap();
             assert!(matches!(extent.mapping, Mapping::Data { in_place: true, .. }), "{at:#x}: {extent:?}");
+        }
+    }
+
+    /// An allocation that would scan a refcount block the cache lacks
+    /// names it, having changed nothing, and goes through once it is loaded
+    /// like a slice; the blocking path reads it itself.
+    #[test]
+    fn an_allocation_names_the_refcount_block_it_lacks() {
+        let (image, file) = cold_image("block-miss");
+        let mut io_file = file.clone();
+        fn io(file: &mut MemFile) -> ImageIo<'_> {
+            ImageIo { meta: file, data: None, backing: None }
+        }
+        let (_, slice) = image.missing_table(64 * MIB, 4096).unwrap();
+        load(&image, &file, slice);
+        let Err(e) = image.try_start_write(&mut io(&mut io_file), 64 * MIB, 4096) else {
+            panic!("the refcount block was cached after the open");
+        };
+        let block = NeedsLoad::of(&e).expect("the refcount block is named");
+        assert!(matches!(block.what, Missing::RefcountBlock(0)), "{block:?}");
+        let Err(again) = image.try_start_write(&mut io(&mut io_file), 64 * MIB, 4096) else {
+            panic!("the block was loaded by the failed attempt");
+        };
+        assert_eq!(NeedsLoad::of(&again), Some(block), "nothing changed, nothing held in flight");
+        load(&image, &file, block);
+        let pieces = image.try_start_write(&mut io(&mut io_file), 64 * MIB, 4096).unwrap();
+        assert!(matches!(pieces[..], [Piece::Allocate(_)]));
+        for piece in pieces {
+            if let Piece::Allocate(a) = piece {
+                image.finish_allocation(&mut io_file, a, false).unwrap();
+            }
         }
     }
 }

@@ -12,8 +12,8 @@
 use std::collections::{BTreeSet, HashMap};
 use std::io;
 
-use super::Meta;
 use super::writeback::{Copy, RefcountCopy};
+use super::{Meta, MissingTable};
 use crate::SyncIo;
 use crate::buf::AlignedBuf;
 use crate::header::field;
@@ -43,6 +43,24 @@ pub(super) struct Refcounts {
     /// without the metadata mutex ([`BlockLoad`]) is current only if this
     /// did not change meanwhile.
     written: u64,
+    /// Whether a block the cache lacks may be read here, under the
+    /// metadata mutex; if not, [`NeedsLoad`] names it.
+    pub(super) may_load: bool,
+}
+
+/// An allocation would scan a refcount block the cache lacks: load it
+/// ([`Image::start_load`]) and try again.
+///
+/// [`Image::start_load`]: super::Image::start_load
+#[derive(Debug, thiserror::Error)]
+#[error("a refcount block an allocation scans is not cached")]
+pub struct NeedsLoad(MissingTable);
+
+impl NeedsLoad {
+    /// The block `e` names, if it is this error.
+    pub fn of(e: &io::Error) -> Option<MissingTable> {
+        e.get_ref()?.downcast_ref::<NeedsLoad>().map(|needs| needs.0)
+    }
 }
 
 /// Refcount blocks the cache lacks, read without the metadata mutex and
@@ -86,6 +104,7 @@ impl Refcounts {
             dirty: BTreeSet::new(),
             capacity: capacity.max(2),
             written: 0,
+            may_load: true,
         }
     }
 
@@ -109,6 +128,9 @@ impl Refcounts {
             return Ok(None);
         };
         if !self.blocks.contains_key(&index) {
+            if !self.may_load {
+                return Err(io::Error::other(NeedsLoad(MissingTable::refcount_block(offset, index))));
+            }
             let mut buf = AlignedBuf::zeroed(self.cluster_size() as usize);
             io.read_at(&mut buf, offset)?;
             self.cache(index, buf);
@@ -125,6 +147,25 @@ impl Refcounts {
             }
         }
         self.blocks.insert(index, block);
+    }
+
+    /// How many times block chunks were written so far (see `written`).
+    pub(super) fn written(&self) -> u64 {
+        self.written
+    }
+
+    /// Caches block `index`, read from the file since [`Refcounts::written`]
+    /// said `epoch`, unless blocks were written meanwhile (what was read may
+    /// be stale). Whether the block is cached now.
+    pub(super) fn insert_block(&mut self, index: u64, block: AlignedBuf, epoch: u64) -> bool {
+        if self.blocks.contains_key(&index) {
+            return true;
+        }
+        if epoch != self.written {
+            return false;
+        }
+        self.cache(index, block);
+        true
     }
 
     /// The blocks that hold the refcounts of `clusters` and the cache lacks.

@@ -1,7 +1,7 @@
-//! A queue's reads of L2 table slices the cache lacks, and the guest
-//! requests waiting for them: a request waits for its slice while the
-//! queue serves the others, requests needing the same slice share one
-//! read, and a few reads are in flight at once.
+//! A queue's reads of L2 table slices (and refcount blocks) the cache
+//! lacks, and the guest requests waiting for them: a request waits for its
+//! slice while the queue serves the others, requests needing the same
+//! slice share one read, and a few reads are in flight at once.
 
 use std::collections::VecDeque;
 
@@ -107,7 +107,7 @@ impl Loads {
             self.resumable.append(&mut load.waiting);
             Vec::new()
         } else {
-            log::error!("qcow2: reading the L2 table slice at {:#x} failed: errno {errno}", table.at());
+            log::error!("qcow2: reading the metadata table at {:#x} failed: errno {errno}", table.at());
             std::mem::take(&mut load.waiting)
         };
         self.free.push(number);

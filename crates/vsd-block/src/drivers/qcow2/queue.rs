@@ -25,7 +25,8 @@
 //! while the slice is read like any other child request (see `loads`);
 //! the others go on meanwhile, and the request is routed again (from where
 //! it stopped) once the slice is in. Requests that change metadata load the
-//! slices they need the same way before they take the metadata mutex.
+//! slices they need the same way before they take the metadata mutex, and
+//! so does an allocating write the refcount block its allocation scans.
 //!
 //! A guest request that maps onto one child request, all of it (the common
 //! case: a read or write within a cluster), goes down under the guest's own
@@ -43,7 +44,8 @@ use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_engine::{Completion, IoOp, IoQueue, IoVecs};
 use vsd_qcow2::buf::AlignedBuf;
 use vsd_qcow2::{
-    Allocation, Busy, CorruptMetadata, EpochPin, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable, Origin, Piece,
+    Allocation, Busy, CorruptMetadata, EpochPin, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable, NeedsLoad,
+    Origin, Piece,
 };
 
 use super::copyup::CopyUps;
@@ -704,7 +706,14 @@ impl Qcow2Queue {
                 image.flush(io)
             });
         }
-        let pieces = self.with_io(|image, io| image.start_write(io, offset, len)).map_err(refused)?;
+        // A refcount block the allocation scans is loaded like a slice,
+        // unless the request has waited enough.
+        let pieces = self
+            .with_io(|image, io| match patient {
+                true => image.try_start_write(io, offset, len),
+                false => image.start_write(io, offset, len),
+            })
+            .map_err(refused)?;
         self.parents[tag as usize].flush_after = durable;
         for piece in pieces {
             match piece {
@@ -906,9 +915,10 @@ enum Refused {
     /// The metadata it needs is corrupt (this says how): it fails, and
     /// the image is marked corrupt.
     Corrupt(String),
-    /// It needs this L2 table slice, which the cache lacks; its progress:
-    /// for a read, the bytes routed so far (it resumes there); for a change
-    /// of metadata, the slices it needs found cached (it starts again).
+    /// It needs this L2 table slice or refcount block, which the cache
+    /// lacks; its progress: for a read, the bytes routed so far (it resumes
+    /// there); for a change of metadata, the slices it needs found cached
+    /// (it starts again; none for a refcount block).
     Missing(MissingTable, u64),
 }
 
@@ -919,6 +929,9 @@ fn errno_of(e: &io::Error) -> i32 {
 fn refused(e: io::Error) -> Refused {
     if Busy::is(&e) {
         return Refused::Busy;
+    }
+    if let Some(missing) = NeedsLoad::of(&e) {
+        return Refused::Missing(missing, 0);
     }
     match CorruptMetadata::of(&e) {
         Some(what) => Refused::Corrupt(what.to_string()),
