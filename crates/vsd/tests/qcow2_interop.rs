@@ -874,9 +874,10 @@ fn discard_keeps_a_raw_external_data_file_raw() {
     assert_compare_identical(&dir, "d.raw", "qcow2 view vs its raw data file d.raw after a discard through vsd");
 }
 
-/// Clusters a discard freed are allocated again while the image stays
-/// open, as QEMU does: rewriting a discarded area elsewhere does not grow
-/// the file, QEMU finds no leak, and every byte reads back as written.
+/// Clusters a discard freed are punched out of the file, then allocated
+/// again while the image stays open, as QEMU does: rewriting a discarded
+/// area elsewhere does not grow the file, QEMU finds no leak, and every
+/// byte reads back as written.
 #[test]
 fn discarded_clusters_are_allocated_again_while_the_image_is_open() {
     let dir = Scratch::new("q2-reuse");
@@ -888,8 +889,12 @@ fn discarded_clusters_are_allocated_again_while_the_image_is_open() {
     queue.write_at(0, &first).unwrap();
     queue.flush().unwrap();
     let grown = std::fs::metadata(dir.path(IMG)).unwrap().len();
+    let allocated = || std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(dir.path(IMG)).unwrap()) * 512;
+    let before = allocated();
     queue.discard(0, 16 * MIB).unwrap();
     queue.flush().unwrap();
+    // pass-discard-request (on by default): the freed clusters are holes.
+    assert!(allocated() + 15 * MIB <= before, "the file kept {} of {before} bytes", allocated());
     let second = pattern(2, 16 * MIB as usize);
     queue.write_at(32 * MIB, &second).unwrap();
     queue.flush().unwrap();

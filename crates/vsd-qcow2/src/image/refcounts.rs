@@ -456,14 +456,15 @@ impl Meta {
         self.refcounts.set(io, cluster, count - 1)?;
         if count == 1 {
             // Requests that start from now on cannot reach it; those in
-            // flight may, until they are done.
-            self.quarantine.hold(self.epochs.current(), cluster);
+            // flight may, until they are done. A discard is sent once the
+            // metadata mutex is dropped (see `writeback`).
+            let epoch = self.epochs.current();
+            match discard {
+                true => self.quarantine.hold_for_discard(epoch, cluster),
+                false => self.quarantine.hold(epoch, cluster),
+            }
             self.epochs.advance();
             self.metadata.remove(cluster);
-            if discard {
-                let cs = self.refcounts.cluster_size();
-                let _ = io.discard(cluster * cs, cs);
-            }
         }
         Ok(())
     }

@@ -131,11 +131,17 @@ impl EpochPin {
     }
 }
 
-/// Clusters freed while requests that may still use them are in flight.
+/// Clusters freed while requests that may still use them are in flight,
+/// and freed clusters whose discard in the file is still to come.
 #[derive(Default)]
 pub(super) struct Quarantine {
     /// (epoch freed in, cluster), in the order freed.
     held: VecDeque<(u64, u64)>,
+    /// Freed, to be discarded before they wait like the others.
+    to_discard: Vec<u64>,
+    /// The latest epoch one of those was freed in.
+    to_discard_epoch: u64,
+    /// Every cluster of `held` and `to_discard`.
     clusters: HashSet<u64>,
 }
 
@@ -144,6 +150,37 @@ impl Quarantine {
         if self.clusters.insert(cluster) {
             self.held.push_back((epoch, cluster));
         }
+    }
+
+    /// Holds `cluster`, freed in `epoch`, until it is discarded
+    /// ([`Quarantine::discarded`]).
+    pub(super) fn hold_for_discard(&mut self, epoch: u64, cluster: u64) {
+        if self.clusters.insert(cluster) {
+            self.to_discard.push(cluster);
+            self.to_discard_epoch = self.to_discard_epoch.max(epoch);
+        }
+    }
+
+    /// The clusters to discard now, in runs (first, count), and the latest
+    /// epoch one of them was freed in.
+    pub(super) fn take_discards(&mut self) -> (Vec<(u64, u64)>, u64) {
+        let mut clusters = std::mem::take(&mut self.to_discard);
+        clusters.sort_unstable();
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for cluster in clusters {
+            match runs.last_mut() {
+                Some((first, count)) if *first + *count == cluster => *count += 1,
+                _ => runs.push((cluster, 1)),
+            }
+        }
+        (runs, self.to_discard_epoch)
+    }
+
+    /// The clusters of `runs` are discarded: they wait like the others,
+    /// as freed in `epoch`.
+    pub(super) fn discarded(&mut self, epoch: u64, runs: &[(u64, u64)]) {
+        let clusters = runs.iter().flat_map(|&(first, count)| first..first + count);
+        self.held.extend(clusters.map(|cluster| (epoch, cluster)));
     }
 
     pub(super) fn holds(&self, cluster: u64) -> bool {
@@ -219,5 +256,22 @@ mod tests {
         assert!(!q.holds(40) && q.holds(7));
         assert_eq!(q.release(IDLE), Some(7));
         assert!(q.is_empty());
+    }
+
+    #[test]
+    fn clusters_to_discard_are_held_until_discarded_then_wait_like_the_others() {
+        let mut q = Quarantine::default();
+        for (epoch, cluster) in [(5, 9), (6, 4), (6, 5), (7, 6), (7, 12)] {
+            q.hold_for_discard(epoch, cluster);
+        }
+        assert!(q.holds(5) && q.holds(12));
+        assert_eq!(q.release(IDLE), None, "not before their discard");
+        let (runs, epoch) = q.take_discards();
+        assert_eq!((&runs[..], epoch), (&[(4, 3), (9, 1), (12, 1)][..], 7));
+        assert!(q.holds(4), "held while the discard runs");
+        q.discarded(7, &runs);
+        assert_eq!(q.release(7), None);
+        assert_eq!(q.release(8), Some(4));
+        assert!(!q.holds(12) && q.is_empty());
     }
 }

@@ -77,11 +77,19 @@ impl Image {
             self.forget_written(&mut meta, &batch);
             self.tables_written();
             meta.apply_decrements(io.meta, batch.decrements)?;
-            meta.refcounts.copy_dirty()
+            (meta.refcounts.copy_dirty(), meta.quarantine.take_discards())
         };
+        let (freed, (discards, freed_in)) = freed;
         // Decrements need no barrier: one lost to a crash is a leak.
         write_copies(io.meta, &freed)?;
+        // No table names these clusters any more, durably; they are not
+        // handed out again before their discard is done.
+        let cs = self.cluster_size();
+        for &(first, count) in &discards {
+            let _ = io.meta.discard(first * cs, count * cs);
+        }
         let mut meta = self.lock();
+        meta.quarantine.discarded(freed_in, &discards);
         meta.refcounts.forget_written(&freed);
         self.note_dirty(&meta);
         Ok(())
