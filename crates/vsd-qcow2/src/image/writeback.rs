@@ -199,12 +199,19 @@ mod tests {
         }
     }
 
-    /// The shared file, whose first flush (or read, with `on_read`) says
-    /// so and waits for a go.
+    /// The shared file, whose first call of kind `at` says so and waits
+    /// for a go.
     struct Paused {
         file: Shared,
         pause: Option<(Sender<()>, Receiver<()>)>,
-        on_read: bool,
+        at: Call,
+    }
+
+    #[derive(PartialEq)]
+    enum Call {
+        Flush,
+        Read,
+        Discard,
     }
 
     impl Paused {
@@ -218,7 +225,7 @@ mod tests {
 
     impl SyncIo for Paused {
         fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-            if self.on_read {
+            if self.at == Call::Read {
                 self.pause();
             }
             self.file.read_at(buf, offset)
@@ -227,12 +234,15 @@ mod tests {
             self.file.write_at(buf, offset)
         }
         fn flush(&mut self) -> io::Result<()> {
-            if !self.on_read {
+            if self.at == Call::Flush {
                 self.pause();
             }
             Ok(())
         }
         fn discard(&mut self, _: u64, _: u64) -> io::Result<()> {
+            if self.at == Call::Discard {
+                self.pause();
+            }
             Ok(())
         }
     }
@@ -247,7 +257,7 @@ mod tests {
 
     fn open(bytes: &[u8]) -> (Image, MemFile) {
         let mut file = MemFile::new(bytes.to_vec(), 64 << 20);
-        let opts = Options { writable: true, ..Options::default() };
+        let opts = Options { writable: true, pass_discard: true, ..Options::default() };
         (Image::open(&mut file, bytes.len() as u64, opts).unwrap(), file)
     }
 
@@ -275,7 +285,7 @@ mod tests {
         let (go, go_rx) = channel();
         let flusher = {
             let pause = Some((paused_tx, go_rx));
-            let (image, mut file) = (image.clone(), Paused { file: file.clone(), pause, on_read: false });
+            let (image, mut file) = (image.clone(), Paused { file: file.clone(), pause, at: Call::Flush });
             std::thread::spawn(move || image.flush(&mut io(&mut file)).unwrap())
         };
         paused.recv_timeout(Duration::from_secs(10)).expect("the flush reaches its barrier");
@@ -330,7 +340,21 @@ mod tests {
     /// reads it without the metadata mutex: requests allocate meanwhile.
     #[test]
     fn a_flush_reads_the_refcount_blocks_of_its_decrements_without_the_metadata_mutex() {
-        let bytes = MemFile::made_by_qemu_img("decrements", "4M").bytes;
+        decrements_meanwhile("decrement-read", Call::Read, "the flush reads the refcount block");
+    }
+
+    /// A flush discards the clusters its decrements free without the
+    /// metadata mutex: requests allocate meanwhile.
+    #[test]
+    fn a_flush_discards_what_it_frees_without_the_metadata_mutex() {
+        decrements_meanwhile("decrement-discard", Call::Discard, "the flush discards the freed cluster");
+    }
+
+    /// A flush with a decrement to apply (on an image named `name`), paused
+    /// at its first call of kind `at` (`what` it does then), while another
+    /// thread allocates.
+    fn decrements_meanwhile(name: &str, at: Call, what: &str) {
+        let bytes = MemFile::made_by_qemu_img(name, "4M").bytes;
         let (image, file) = open(&bytes);
         let (image, file) = (Arc::new(image), Shared(Arc::new(Mutex::new(file))));
         write(&image, &mut file.clone(), 0, 0x11);
@@ -342,10 +366,10 @@ mod tests {
         let (go, go_rx) = channel();
         let flusher = {
             let pause = Some((paused_tx, go_rx));
-            let (image, mut file) = (image.clone(), Paused { file: file.clone(), pause, on_read: true });
+            let (image, mut file) = (image.clone(), Paused { file: file.clone(), pause, at });
             std::thread::spawn(move || image.flush(&mut io(&mut file)).unwrap())
         };
-        paused.recv_timeout(Duration::from_secs(10)).expect("the flush reads the refcount block");
+        paused.recv_timeout(Duration::from_secs(10)).expect(what);
         let (done_tx, done) = channel();
         {
             let (image, mut file) = (image.clone(), file.clone());
@@ -354,7 +378,7 @@ mod tests {
                 done_tx.send(()).unwrap();
             });
         }
-        done.recv_timeout(Duration::from_secs(10)).expect("the metadata mutex is free during the block's read");
+        done.recv_timeout(Duration::from_secs(10)).expect("the metadata mutex is free meanwhile");
         go.send(()).unwrap();
         flusher.join().unwrap();
         image.flush(&mut io(&mut file.clone())).unwrap();
