@@ -14,7 +14,6 @@
 //! per reap, not per request, as the export's workers do.
 
 use std::io;
-use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -282,27 +281,5 @@ impl IoQueue for AccountedQueue {
         }
     }
 
-    fn wait(&mut self) -> io::Result<()> {
-        self.inner.wait()
-    }
-
-    fn notify_fd(&self) -> Option<BorrowedFd<'_>> {
-        self.inner.notify_fd()
-    }
-
-    fn rearm(&mut self) {
-        self.inner.rearm()
-    }
-
-    fn max_batch(&self) -> usize {
-        self.inner.max_batch()
-    }
-
-    fn held(&self) -> usize {
-        self.inner.held()
-    }
-
-    fn kernel_entries(&self) -> u64 {
-        self.inner.kernel_entries()
-    }
+    vsd_engine::forward_to_inner!(inner: wait, notify_fd, rearm, max_batch, held, kernel_entries);
 }

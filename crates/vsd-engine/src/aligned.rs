@@ -32,7 +32,7 @@ use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::FileTypeExt;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -658,21 +658,7 @@ impl IoQueue for AlignedQueue {
         self.inner.wait()
     }
 
-    fn notify_fd(&self) -> Option<BorrowedFd<'_>> {
-        self.inner.notify_fd()
-    }
-
-    fn rearm(&mut self) {
-        self.inner.rearm()
-    }
-
-    fn max_batch(&self) -> usize {
-        self.inner.max_batch()
-    }
-
-    fn kernel_entries(&self) -> u64 {
-        self.inner.kernel_entries()
-    }
+    crate::forward_to_inner!(inner: notify_fd, rearm, max_batch, kernel_entries);
 }
 
 impl Drop for AlignedQueue {
@@ -830,7 +816,7 @@ mod tests {
             Ok(())
         }
 
-        fn notify_fd(&self) -> Option<BorrowedFd<'_>> {
+        fn notify_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
             Some(crate::borrow_fd(&self.notify))
         }
     }

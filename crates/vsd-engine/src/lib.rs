@@ -276,6 +276,46 @@ pub trait IoQueue: Send {
     }
 }
 
+/// Implements, inside an `impl IoQueue` of a queue that wraps another in
+/// its field `$inner`, the methods it passes on unchanged:
+/// `forward_to_inner!(inner: notify_fd, rearm, max_batch, held, kernel_entries);`
+#[macro_export]
+macro_rules! forward_to_inner {
+    ($inner:ident: $($method:ident),+ $(,)?) => {
+        $($crate::forward_to_inner!(@ $inner $method);)+
+    };
+    (@ $inner:ident wait) => {
+        fn wait(&mut self) -> ::std::io::Result<()> {
+            self.$inner.wait()
+        }
+    };
+    (@ $inner:ident notify_fd) => {
+        fn notify_fd(&self) -> Option<::std::os::fd::BorrowedFd<'_>> {
+            self.$inner.notify_fd()
+        }
+    };
+    (@ $inner:ident rearm) => {
+        fn rearm(&mut self) {
+            self.$inner.rearm()
+        }
+    };
+    (@ $inner:ident max_batch) => {
+        fn max_batch(&self) -> usize {
+            self.$inner.max_batch()
+        }
+    };
+    (@ $inner:ident held) => {
+        fn held(&self) -> usize {
+            self.$inner.held()
+        }
+    };
+    (@ $inner:ident kernel_entries) => {
+        fn kernel_entries(&self) -> u64 {
+            self.$inner.kernel_entries()
+        }
+    };
+}
+
 /// Waits for every request `queue` has in flight and reaps it, as an
 /// engine does before it drops: the kernel or the engine's threads may
 /// still write into their buffers, which the owner frees next.

@@ -11,7 +11,6 @@ mod rbd;
 mod throttle;
 
 use std::io;
-use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
 use vsd_engine::{Completion, IoOp, IoQueue};
@@ -113,25 +112,7 @@ impl<F: Filter> IoQueue for FilteredQueue<F> {
         if self.answered.is_empty() { self.inner.wait() } else { Ok(()) }
     }
 
-    fn notify_fd(&self) -> Option<BorrowedFd<'_>> {
-        self.inner.notify_fd()
-    }
-
-    fn rearm(&mut self) {
-        self.inner.rearm()
-    }
-
-    fn max_batch(&self) -> usize {
-        self.inner.max_batch()
-    }
-
-    fn held(&self) -> usize {
-        self.inner.held()
-    }
-
-    fn kernel_entries(&self) -> u64 {
-        self.inner.kernel_entries()
-    }
+    vsd_engine::forward_to_inner!(inner: notify_fd, rearm, max_batch, held, kernel_entries);
 }
 
 /// `op` moved by `delta` bytes.

@@ -289,17 +289,11 @@ impl IoQueue for ThrottleQueue {
         self.consume_wakeups();
     }
 
-    fn max_batch(&self) -> usize {
-        self.inner.max_batch()
-    }
-
     fn held(&self) -> usize {
         self.waiting.iter().map(VecDeque::len).sum::<usize>() + self.inner.held()
     }
 
-    fn kernel_entries(&self) -> u64 {
-        self.inner.kernel_entries()
-    }
+    vsd_engine::forward_to_inner!(inner: max_batch, kernel_entries);
 }
 
 impl Drop for ThrottleQueue {
