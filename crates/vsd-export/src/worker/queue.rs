@@ -25,6 +25,8 @@ use vsd_virtio::request::{self, Action, status};
 use vsd_virtio::ring::RingError;
 
 mod complete;
+#[cfg(test)]
+mod tests;
 
 use super::calls::CallBatch;
 use super::slots::{Slot, Slots};
