@@ -93,15 +93,23 @@ impl EpochPin {
     #[inline]
     pub fn enter(&mut self, tag: u32) {
         if self.count == [0, 0] {
-            self.since[self.current] = self.epochs.current();
-            self.oldest.store(self.since[self.current], Ordering::Relaxed);
-            // Published before the request looks anything up.
-            fence(Ordering::SeqCst);
+            self.busy();
         }
+        let current = self.current & 1;
         if let Some(bucket) = self.bucket_of.get_mut(tag as usize) {
-            *bucket = self.current as u8;
-            self.count[self.current] += 1;
+            *bucket = current as u8;
+            self.count[current] += 1;
         }
+    }
+
+    /// The queue had nothing in flight: from now on it pins the epoch.
+    #[cold]
+    fn busy(&mut self) {
+        let epoch = self.epochs.current();
+        self.since[self.current & 1] = epoch;
+        self.oldest.store(epoch, Ordering::Relaxed);
+        // Published before the request looks anything up.
+        fence(Ordering::SeqCst);
     }
 
     /// Request `tag` is done: none of its I/O is in flight any more.
