@@ -8,8 +8,8 @@ what a throttle node costs when its group has no limit.
    run, interleaved; daemon pinned to CPU 0, vsd-bench to CPU 1. Reported:
    what the client got as a share of the limit (medians of --reps).
 2. vsd's instructions per request (callgrind, repeatable) of 4k random
-   reads on null-co at iodepth 1, straight and through a throttle node
-   whose group has no limit.
+   reads on null-co at iodepth 1 and 32, straight and through a throttle
+   node whose group has no limit.
 
 usage: scripts/bench-throttle.py [--seconds 5] [--reps 3] [--iops 5000] [--mib 50]
 """
@@ -51,12 +51,14 @@ def main():
                         rows.append(row)
                         print(json.dumps(row), flush=True)
         counts = {}
-        for name, blockdevs, extra in (("straight", [NULL.replace("n0", "disk0")], ()),
-                                       ("unlimited throttle", THROTTLED, group({}))):
-            per_io, ios, _ = callgrind_worker(VSD, BENCH, work, name.replace(" ", "-"), blockdevs,
-                                              ["--rw", "randread", "--iodepth", "1"], 5, extra_args=extra)
-            counts[name] = per_io
-            print(json.dumps({"callgrind": name, "instructions_per_io": per_io, "ios": ios}), flush=True)
+        for depth in (1, 32):
+            for name, blockdevs, extra in (("straight", [NULL.replace("n0", "disk0")], ()),
+                                           ("unlimited throttle", THROTTLED, group({}))):
+                per_io, ios, _ = callgrind_worker(VSD, BENCH, work, name.replace(" ", "-"), blockdevs,
+                                                  ["--rw", "randread", "--iodepth", str(depth)], 5, extra_args=extra)
+                counts[(name, depth)] = per_io
+                print(json.dumps({"callgrind": name, "iodepth": depth, "instructions_per_io": per_io, "ios": ios}),
+                      flush=True)
     print()
     print(f"Share of the limit the client got (medians of {args.reps}, {args.seconds:g} s runs, the first"
           " tenth of a second's burst included)")
@@ -70,10 +72,10 @@ def main():
             print(f"| {limit} {shown} | {bs} | {depth} | {med(case('vsd'), 'share'):.3f} | {med(case('qsd'), 'share'):.3f} "
                   f"| {med(case('vsd'), 'cpu_us_per_io'):.2f} | {med(case('qsd'), 'cpu_us_per_io'):.2f} |")
     print()
-    print("| vsd, null-co, randread qd1 | instructions per request (worker thread) |")
-    print("|---|---|")
-    for name, per_io in counts.items():
-        print(f"| {name} | {per_io:.0f} |")
+    print("| vsd, null-co, randread | iodepth | instructions per request (worker thread) |")
+    print("|---|---|---|")
+    for (name, depth), per_io in counts.items():
+        print(f"| {name} | {depth} | {per_io:.0f} |")
 
 
 if __name__ == "__main__":
