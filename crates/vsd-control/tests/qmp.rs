@@ -209,6 +209,54 @@ fn events_do_not_split_replies() {
     emitter.join().unwrap();
 }
 
+/// A client that does not read holds up no one: events are emitted at
+/// once and reach the client that reads; the other gets every one of them,
+/// in order, once it reads, as long as they fit in what the monitor keeps
+/// for it.
+#[test]
+fn a_client_that_does_not_read_holds_up_no_one() {
+    const EVENTS: usize = 400;
+    let (server, events) = server("slow-reader");
+    let mut slow = RawClient::negotiated(&server);
+    let mut reader = RawClient::negotiated(&server);
+    // 4 KiB each: 1.6 MB in all, several times what a socket buffers.
+    let padding = "p".repeat(4096);
+    let emitter = thread::spawn(move || {
+        for n in 0..EVENTS {
+            events.emit("TICK", json!({"n": n, "padding": padding}));
+        }
+    });
+    for n in 0..EVENTS {
+        assert_eq!(reader.receive()["data"]["n"], json!(n), "the reading client");
+    }
+    emitter.join().unwrap();
+    for n in 0..EVENTS {
+        assert_eq!(slow.receive()["data"]["n"], json!(n), "the client that read late");
+    }
+    assert_eq!(slow.command(r#"{"execute": "nothing"}"#), json!({"return": {}}));
+}
+
+/// Past 4 MiB waiting, a client that does not read is disconnected; the
+/// others go on.
+#[test]
+fn a_client_that_stops_reading_for_good_is_disconnected() {
+    let (server, events) = server("stopped-reader");
+    let mut stopped = RawClient::negotiated(&server);
+    let mut reader = RawClient::negotiated(&server);
+    let padding = "p".repeat(64 * 1024);
+    // 6 MiB: more than the monitor keeps plus what the socket buffers.
+    for n in 0..96 {
+        events.emit("TICK", json!({"n": n, "padding": padding}));
+        assert_eq!(reader.receive()["data"]["n"], json!(n));
+    }
+    let mut lines = 0;
+    while stopped.try_receive().is_some() {
+        lines += 1;
+    }
+    assert!(lines < 96, "all {lines} events reached a client that did not read");
+    assert_eq!(reader.command(r#"{"execute": "nothing"}"#), json!({"return": {}}));
+}
+
 #[test]
 fn clients_are_served_at_the_same_time() {
     let (server, _) = server("two");

@@ -8,6 +8,8 @@
 //!
 //! A connection starts in capabilities negotiation mode, where only
 //! `qmp_capabilities` is accepted; the monitor answers that one itself.
+//! Each connection has a thread that reads and runs commands, and one that
+//! writes what its `Output` queues, so that no emitter waits for a client.
 
 mod events;
 #[cfg(feature = "fuzzing")]

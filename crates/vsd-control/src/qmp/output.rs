@@ -1,57 +1,137 @@
-//! A connection's writing half.
+//! A connection's writing half: replies and events go into one queue, in
+//! order, whole lines only, and the connection's own writer thread sends
+//! them. Whoever emits an event never waits for a client's socket; a client
+//! that stops reading holds only its own writer, and once more than
+//! [`MAX_QUEUED`] bytes wait for it, it is disconnected.
 
+use std::collections::VecDeque;
 use std::io::{self, Write};
 use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread;
 
 use serde_json::Value;
 
-/// Where a connection's messages and events go, one whole line at a time so
-/// that an event never splits a message.
+/// The most bytes that may wait for one client: QEMU's monitor keeps all it
+/// owes a client; vsd keeps this much, which is thousands of events.
+pub(crate) const MAX_QUEUED: usize = 4 << 20;
+
 pub(crate) struct Output {
     state: Mutex<State>,
+    /// Wakes the writer: a line is queued, or the connection ends.
+    queued: Condvar,
+    /// For ending the connection from any thread (the writer may be blocked
+    /// in a write, the reader in a read).
+    socket: UnixStream,
 }
 
 struct State {
-    stream: UnixStream,
+    lines: VecDeque<String>,
+    /// Bytes in `lines`.
+    bytes: usize,
     /// Capabilities negotiation is complete: events flow.
     negotiated: bool,
+    /// Nothing more is queued: the client is done sending; what waits is
+    /// still written.
+    finishing: bool,
+    /// Nothing more is sent: a write failed, too much waited, or the
+    /// connection failed.
+    closed: bool,
 }
 
 impl Output {
-    pub(crate) fn new(stream: UnixStream) -> Self {
-        Self { state: Mutex::new(State { stream, negotiated: false }) }
+    /// The writing half of `stream`, with its writer thread started.
+    pub(crate) fn start(stream: UnixStream, name: String) -> io::Result<Arc<Self>> {
+        let state = State { lines: VecDeque::new(), bytes: 0, negotiated: false, finishing: false, closed: false };
+        let output = Arc::new(Self { state: Mutex::new(state), queued: Condvar::new(), socket: stream.try_clone()? });
+        let writer = output.clone();
+        thread::Builder::new().name(name).spawn(move || writer.write_all(stream))?;
+        Ok(output)
     }
 
-    /// Sends a message from the session, `negotiated` being the session's
+    /// Queues a message from the session, `negotiated` being the session's
     /// state after it. Both change together so that events start right
     /// after the reply to `qmp_capabilities`: a client can neither miss one
     /// emitted after it read that reply nor see one before.
     pub(crate) fn send(&self, message: &Value, negotiated: bool) -> io::Result<()> {
         let mut state = self.lock();
-        state.write_line(&format!("{message}\n"))?;
+        self.queue(&mut state, format!("{message}\n"))?;
         state.negotiated = negotiated;
         Ok(())
     }
 
-    /// Sends a serialized event, newline included, if negotiation is complete.
+    /// Queues a serialized event, newline included, if negotiation is
+    /// complete.
     pub(crate) fn send_event(&self, line: &str) -> io::Result<()> {
         let mut state = self.lock();
-        if state.negotiated { state.write_line(line) } else { Ok(()) }
+        if state.negotiated { self.queue(&mut state, line.to_owned()) } else { Ok(()) }
+    }
+
+    /// The client is done sending: what waits is written, then the
+    /// connection ends.
+    pub(crate) fn finish(&self) {
+        self.lock().finishing = true;
+        self.queued.notify_one();
+    }
+
+    /// Ends the connection now: the writer stops, what waited is dropped.
+    pub(crate) fn close(&self) {
+        let mut state = self.lock();
+        self.end(&mut state);
+    }
+
+    fn queue(&self, state: &mut State, line: String) -> io::Result<()> {
+        if state.closed || state.finishing {
+            return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the QMP connection is closed"));
+        }
+        if state.bytes + line.len() > MAX_QUEUED {
+            log::warn!("QMP: a client left {} bytes unread: disconnected", state.bytes);
+            self.end(state);
+            return Err(io::Error::new(io::ErrorKind::WouldBlock, "the QMP client stopped reading"));
+        }
+        state.bytes += line.len();
+        state.lines.push_back(line);
+        self.queued.notify_one();
+        Ok(())
+    }
+
+    fn end(&self, state: &mut State) {
+        state.closed = true;
+        state.lines.clear();
+        state.bytes = 0;
+        // Frees the writer from a write and the reader from a read.
+        let _ = self.socket.shutdown(Shutdown::Both);
+        self.queued.notify_one();
+    }
+
+    /// The writer thread: sends the queued lines in order until the
+    /// connection ends.
+    fn write_all(&self, mut stream: UnixStream) {
+        loop {
+            let line = {
+                let mut state = self.lock();
+                while state.lines.is_empty() && !state.closed && !state.finishing {
+                    state = self.queued.wait(state).unwrap_or_else(PoisonError::into_inner);
+                }
+                match state.lines.pop_front() {
+                    Some(line) if !state.closed => line,
+                    _ => return self.end(&mut state),
+                }
+            };
+            let written = stream.write_all(line.as_bytes());
+            let mut state = self.lock();
+            state.bytes = state.bytes.saturating_sub(line.len());
+            if written.is_err() {
+                // Part of a line may have gone, which the client could not
+                // parse past.
+                self.end(&mut state);
+                return;
+            }
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
-impl State {
-    /// A failed write may leave part of a line behind, which the client
-    /// could not parse past: the connection is shut down.
-    fn write_line(&mut self, line: &str) -> io::Result<()> {
-        self.stream.write_all(line.as_bytes()).inspect_err(|_| {
-            let _ = self.stream.shutdown(Shutdown::Both);
-        })
     }
 }

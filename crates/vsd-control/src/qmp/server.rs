@@ -6,7 +6,6 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread;
-use std::time::Duration;
 
 use serde_json::{Value, json};
 use vsd_sys::ListenError;
@@ -16,10 +15,6 @@ use super::session::{Session, reply};
 use super::stream::JsonStreamer;
 use super::{Dispatch, Events, QmpError};
 use crate::listener::AcceptLoop;
-
-/// How long a client may leave its socket full before it is disconnected:
-/// events must not stall the daemon behind a client that stopped reading.
-const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The most read from a client at once.
 pub(crate) const READ_SIZE: usize = 16 * 1024;
@@ -42,9 +37,9 @@ impl QmpServer {
         let accept = AcceptLoop::spawn("vsd-qmp", listener, move |stream| {
             connections += 1;
             let (dispatch, events) = (dispatch.clone(), events.clone());
-            let spawned = thread::Builder::new()
-                .name(format!("vsd-qmp-{connections}"))
-                .spawn(move || run_connection(stream, dispatch, events));
+            let name = format!("vsd-qmp-{connections}");
+            let spawned =
+                thread::Builder::new().name(name.clone()).spawn(move || run_connection(stream, dispatch, events, name));
             if let Err(e) = spawned {
                 log::error!("QMP: cannot serve a connection: {e}");
             }
@@ -85,19 +80,28 @@ fn bind(path: &Path) -> io::Result<UnixListener> {
     })
 }
 
-fn run_connection(stream: UnixStream, dispatch: Arc<dyn Dispatch>, events: Events) {
-    match serve(stream, dispatch, events) {
-        Ok(()) => log::debug!("QMP: client disconnected"),
-        Err(e) => log::debug!("QMP: connection closed: {e}"),
+fn run_connection(stream: UnixStream, dispatch: Arc<dyn Dispatch>, events: Events, name: String) {
+    let output = match stream.try_clone().and_then(|writer| Output::start(writer, format!("{name}-out"))) {
+        Ok(output) => output,
+        Err(e) => return log::error!("QMP: cannot serve a connection: {e}"),
+    };
+    match serve(stream, &output, dispatch, events) {
+        Ok(()) => {
+            log::debug!("QMP: client done");
+            output.finish();
+        }
+        Err(e) => {
+            log::debug!("QMP: connection closed: {e}");
+            output.close();
+        }
     }
 }
 
-/// Serves one client until it disconnects.
-fn serve(mut stream: UnixStream, dispatch: Arc<dyn Dispatch>, events: Events) -> io::Result<()> {
-    stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
-    let output = Arc::new(Output::new(stream.try_clone()?));
+/// Serves one client until it disconnects, its replies and events going
+/// out through `output`.
+fn serve(mut stream: UnixStream, output: &Arc<Output>, dispatch: Arc<dyn Dispatch>, events: Events) -> io::Result<()> {
     output.send(&greeting(), false)?;
-    events.listen(&output);
+    events.listen(output);
     let mut inbound = Inbound::new(dispatch, JsonStreamer::default());
     let mut chunk = [0; READ_SIZE];
     loop {

@@ -78,6 +78,15 @@ impl RawClient {
         serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"))
     }
 
+    /// Reads one whole line if the server sends one before closing.
+    pub fn try_receive(&mut self) -> Option<Value> {
+        let mut line = String::new();
+        match self.reader.read_line(&mut line) {
+            Ok(_) if line.ends_with('\n') => Some(serde_json::from_str(&line).expect("one JSON value")),
+            _ => None,
+        }
+    }
+
     /// Sends `input` as a line and reads the reply.
     pub fn command(&mut self, input: &str) -> Value {
         self.send(format!("{input}\n"));
