@@ -21,10 +21,11 @@ cephx="env VSD_CEPH_DIR=/tmp/vsd-ceph-cephx scripts/ceph.sh"
 $cephx running || stop_ceph="$stop_ceph; $cephx stop"
 trap 'rm -f "$log"; eval "$stop_ceph"' EXIT
 status=0
-cargo test --workspace --locked 2>&1 | tee "$log" || status=$?
+# Every test binary runs, whichever fails: one run shows every failure.
+cargo test --workspace --locked --no-fail-fast 2>&1 | tee "$log" || status=$?
 # The guest, libblkio, control, hostile-front-end and throttle tests again,
 # every export on one shared I/O thread (tests/common: VSD_TEST_IOTHREAD).
-VSD_TEST_IOTHREAD=1 cargo test --locked -p vsd --test libblkio --test guest --test guest_reconnect \
+VSD_TEST_IOTHREAD=1 cargo test --locked --no-fail-fast -p vsd --test libblkio --test guest --test guest_reconnect \
     --test control --test hostile --test faults --test throttle 2>&1 | tee -a "$log" || status=$?
 # cargo prints one result line per test binary, the last often a doc-test
 # run with nothing in it: close with the total.
