@@ -208,12 +208,13 @@ impl BeforeWrite for Hook {
 /// Removes the hook and lets the writers go however the job ends.
 struct Installed {
     bitmaps: Arc<DirtyBitmaps>,
+    hook: Arc<dyn BeforeWrite>,
     clusters: Arc<Clusters>,
 }
 
 impl Drop for Installed {
     fn drop(&mut self) {
-        self.bitmaps.set_hook(None);
+        self.bitmaps.remove_hook(&self.hook);
         self.clusters.release();
     }
 }
@@ -465,8 +466,9 @@ impl JobBody for Backup {
         job.set_total(total);
         self.taken = taken;
         self.clusters = Some(clusters.clone());
-        bitmaps.set_hook(Some(Arc::new(Hook(clusters.clone()))));
-        self.installed = Some(Installed { bitmaps, clusters });
+        let hook: Arc<dyn BeforeWrite> = Arc::new(Hook(clusters.clone()));
+        bitmaps.add_hook(hook.clone());
+        self.installed = Some(Installed { bitmaps, hook, clusters });
         Ok(())
     }
 

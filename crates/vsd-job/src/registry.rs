@@ -5,7 +5,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::{Emit, Job, JobBody, JobSpec, Status};
 
-/// The daemon's jobs: ids unique, each node used by one live job at most.
+/// The daemon's jobs: ids unique, each node used by one live job at most,
+/// but for the source of several backups.
 pub struct Jobs {
     emit: Emit,
     /// Newest first, as QEMU lists them; dismissed jobs are pruned.
@@ -39,7 +40,14 @@ impl Jobs {
     /// The job using `node`, if any (until it is dismissed), and the
     /// node's place in its [`JobSpec::nodes`].
     pub fn user_of(&self, node: &str) -> Option<(Arc<Job>, usize)> {
-        self.list().iter().find_map(|job| Some((job.clone(), job.nodes().iter().position(|n| n == node)?)))
+        self.users_of(node).into_iter().next()
+    }
+
+    /// Every job using `node` (several backups may share their source),
+    /// each with the node's place in its [`JobSpec::nodes`].
+    pub fn users_of(&self, node: &str) -> Vec<(Arc<Job>, usize)> {
+        let place = |job: &Arc<Job>| job.nodes().iter().position(|n| n == node);
+        self.list().iter().filter_map(|job| Some((job.clone(), place(job)?))).collect()
     }
 
     /// Starts `body` as a job, unless its id is taken (QEMU's words).

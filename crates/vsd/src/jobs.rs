@@ -114,6 +114,9 @@ fn well_formed(id: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || "-._".contains(c))
 }
 
+/// A backup's source's place in its [`JobSpec::nodes`] (the target's is 0).
+const SOURCE: usize = 1;
+
 /// What a node used by a job says when something else wants it.
 pub(crate) fn busy(node: &str, job: &Job) -> String {
     format!("Node '{node}' is busy: block device is in use by block job: {}", job.kind())
@@ -143,10 +146,14 @@ impl Daemon {
         if target.read_only() {
             return Err(generic(format!("Node '{}' is read-only", target.name())));
         }
-        for name in [target.name(), source.name()] {
-            if let Some((job, _)) = self.jobs.user_of(name) {
-                return Err(generic(busy(name, &job)));
-            }
+        if let Some((job, _)) = self.jobs.user_of(target.name()) {
+            return Err(generic(busy(target.name(), &job)));
+        }
+        // Backups may share their source, as in QEMU (each stacks its own
+        // copy-before-write filter there); other jobs may not.
+        let other_use = |(job, place): &(Arc<Job>, usize)| job.kind() != "backup" || *place != SOURCE;
+        if let Some((job, _)) = self.jobs.users_of(source.name()).into_iter().find(other_use) {
+            return Err(generic(busy(source.name(), &job)));
         }
         let id = args.job_id.unwrap_or_default();
         if !well_formed(&id) {

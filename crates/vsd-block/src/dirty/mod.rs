@@ -117,14 +117,15 @@ pub struct Persisted {
     pub words: Vec<u64>,
 }
 
-/// The bitmaps of one node, and the hook its writes wait for, if any.
+/// The bitmaps of one node, and the hooks its writes wait for (one per
+/// backup of the node, as QEMU stacks a copy-before-write filter per backup).
 #[derive(Default)]
 pub struct DirtyBitmaps {
     /// Bumped after every change of what recorders act on.
     generation: AtomicU64,
     /// Newest first, as QEMU lists them.
     bitmaps: Mutex<Vec<Arc<Bitmap>>>,
-    hook: Mutex<Option<Arc<dyn BeforeWrite>>>,
+    hooks: Mutex<Vec<Arc<dyn BeforeWrite>>>,
 }
 
 impl DirtyBitmaps {
@@ -246,18 +247,24 @@ impl DirtyBitmaps {
         self.changed();
     }
 
-    /// Makes every write wait for `hook` first (`None`: no more). Writes
-    /// already past their recorder are not waited for: the caller decides
-    /// whether they count.
-    pub fn set_hook(&self, hook: Option<Arc<dyn BeforeWrite>>) {
-        *self.hook.lock().unwrap_or_else(PoisonError::into_inner) = hook;
+    /// Makes every write wait for `hook` first, after the hooks added
+    /// before it. Writes already past their recorder are not waited for:
+    /// the caller decides whether they count.
+    pub fn add_hook(&self, hook: Arc<dyn BeforeWrite>) {
+        self.hooks.lock().unwrap_or_else(PoisonError::into_inner).push(hook);
+        self.changed();
+    }
+
+    /// Writes no longer wait for `hook`.
+    pub fn remove_hook(&self, hook: &Arc<dyn BeforeWrite>) {
+        self.hooks.lock().unwrap_or_else(PoisonError::into_inner).retain(|h| !Arc::ptr_eq(h, hook));
         self.changed();
     }
 
     /// A recorder for one writer of the node.
     pub fn recorder(self: &Arc<Self>) -> DirtyRecorder {
         // No generation is u64::MAX: the first write looks the bitmaps up.
-        DirtyRecorder { bitmaps: self.clone(), seen: u64::MAX, targets: Vec::new(), hook: None }
+        DirtyRecorder { bitmaps: self.clone(), seen: u64::MAX, targets: Vec::new(), hooks: Vec::new() }
     }
 }
 
@@ -276,7 +283,7 @@ pub struct DirtyRecorder {
     seen: u64,
     /// The words of the enabled bitmaps, with their granularity's shift.
     targets: Vec<(Arc<Words>, u32)>,
-    hook: Option<Arc<dyn BeforeWrite>>,
+    hooks: Vec<Arc<dyn BeforeWrite>>,
 }
 
 impl DirtyRecorder {
@@ -300,7 +307,7 @@ impl DirtyRecorder {
         if self.bitmaps.generation.load(Ordering::SeqCst) != self.seen {
             self.refresh();
         }
-        if let Some(hook) = &self.hook {
+        for hook in &self.hooks {
             hook.before_write(offset, len);
         }
         loop {
@@ -320,7 +327,7 @@ impl DirtyRecorder {
         // Never in the middle of a batch of changes: all or none of them.
         let _batch = CHANGES.read().unwrap_or_else(PoisonError::into_inner);
         self.seen = self.bitmaps.generation.load(Ordering::SeqCst);
-        self.hook = self.bitmaps.hook.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        self.hooks.clone_from(&self.bitmaps.hooks.lock().unwrap_or_else(PoisonError::into_inner));
         self.targets.clear();
         for bitmap in self.bitmaps.list().iter() {
             let state = bitmap.state();
@@ -459,7 +466,7 @@ mod tests {
     }
 
     #[test]
-    fn a_hook_sees_every_write_before_it_goes() {
+    fn hooks_see_every_write_before_it_goes_while_installed() {
         struct Log(Mutex<Vec<(u64, u64)>>);
         impl BeforeWrite for Log {
             fn before_write(&self, offset: u64, len: u64) {
@@ -468,14 +475,17 @@ mod tests {
         }
         let set = Arc::new(DirtyBitmaps::default());
         let mut recorder = set.recorder();
-        let log = Arc::new(Log(Mutex::default()));
-        set.set_hook(Some(log.clone()));
+        let (first, second) = (Arc::new(Log(Mutex::default())), Arc::new(Log(Mutex::default())));
+        let hook: Arc<dyn BeforeWrite> = first.clone();
+        set.add_hook(hook.clone());
         recorder.record(&write(4096, 512));
+        set.add_hook(second.clone());
         recorder.record(&IoOp::Discard { offset: 0, len: 8192 });
         recorder.record(&IoOp::Flush);
-        set.set_hook(None);
+        set.remove_hook(&hook);
         recorder.record(&write(0, 512));
-        assert_eq!(*log.0.lock().unwrap(), [(4096, 512), (0, 8192)]);
+        assert_eq!(*first.0.lock().unwrap(), [(4096, 512), (0, 8192)]);
+        assert_eq!(*second.0.lock().unwrap(), [(0, 8192), (0, 512)], "the second hook, until the end");
     }
 
     #[test]
