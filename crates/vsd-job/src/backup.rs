@@ -42,9 +42,8 @@ const RETRY_DELAY: Duration = Duration::from_millis(100);
 pub enum Sync {
     /// Everything.
     Full,
-    /// What the top node holds. vsd's nodes say what reads as data or as
-    /// a hole, not which layer holds it: only nodes without a backing
-    /// child are taken, for which it is everything, as in QEMU.
+    /// What the top node holds itself (its allocation depth is 1), not
+    /// what it reads from its backing chain: the clusters with any of it.
     Top,
     /// Nothing in the background: only the old data of what is written
     /// while the job runs, until it is cancelled (fleecing).
@@ -440,6 +439,23 @@ impl Run<'_> {
     }
 }
 
+/// By cluster: whether `node` holds any of it itself, rather than its
+/// backing chain (allocation depth 1).
+fn top_clusters(node: &dyn BlockNode) -> std::io::Result<Vec<bool>> {
+    let size = node.size();
+    let mut held = vec![false; size.div_ceil(CLUSTER) as usize];
+    let mut at = 0;
+    while at < size {
+        let (depth, n) = node.allocation_depth(at, size - at)?;
+        let n = n.clamp(1, size - at);
+        if depth == 1 {
+            held[(at / CLUSTER) as usize..=((at + n - 1) / CLUSTER) as usize].fill(true);
+        }
+        at += n;
+    }
+    Ok(held)
+}
+
 impl JobBody for Backup {
     /// The point in time: the bitmap split and the hook installed, on the
     /// command's thread (with a transaction's other actions).
@@ -454,11 +470,16 @@ impl JobBody for Backup {
                 let set = set.coarsen(CLUSTER);
                 Box::new(move |index| set.is_dirty(index))
             }
+            (_, Sync::Top) => {
+                let top =
+                    top_clusters(&**source).map_err(|e| format!("Cannot read the allocation of the source: {e}"))?;
+                Box::new(move |index| top.get(index as usize).is_some_and(|&held| held))
+            }
             _ => Box::new(|_| true),
         };
         let clusters = Arc::new(Clusters::new(source.size(), belongs, job.clone()));
         let total = match self.spec.sync {
-            Sync::Bitmap => {
+            Sync::Bitmap | Sync::Top => {
                 (0..clusters.count()).filter(|&i| !clusters.is_done(i)).map(|i| clusters.bytes(i, 1).1).sum()
             }
             _ => source.size(),

@@ -140,9 +140,6 @@ impl Daemon {
         if args.compress {
             return Err(generic("Compression is not supported for this drive "));
         }
-        if sync == Sync::Top && source.children().iter().any(|(role, _)| *role == "backing") {
-            return Err(generic("sync 'top' of a node with a backing file is not supported by vsd"));
-        }
         if target.read_only() {
             return Err(generic(format!("Node '{}' is read-only", target.name())));
         }

@@ -323,6 +323,57 @@ fn two_backups_of_one_disk_each_hold_their_own_point_in_time() {
     assert_eq!(mismatches(&dir.path("disk.img"), now), None, "the disk has every write");
 }
 
+/// `sync=top` of an overlay copies the clusters the overlay holds itself,
+/// whole (backing bytes included), and nothing of its backing file: the
+/// target ends byte for byte as qemu-storage-daemon leaves it.
+#[test]
+fn sync_top_of_an_overlay_copies_what_qemu_copies() {
+    let size = 8 * MIB;
+    let run_backup = |program: fn(&Scratch, &[String]) -> Daemon, name: &str| {
+        let dir = Scratch::new(name);
+        let (base, top) = (dir.path("base.qcow2"), dir.path("top.qcow2"));
+        let img = |args: &[&str]| assert!(run("qemu-img", args).status.success(), "qemu-img {args:?}");
+        img(&["create", "-q", "-f", "qcow2", base.to_str().unwrap(), "8M"]);
+        img(&["create", "-q", "-f", "qcow2", "-b", "base.qcow2", "-F", "qcow2", top.to_str().unwrap()]);
+        let io = |image: &Path, commands: &[&str]| {
+            let mut args = vec!["-f", "qcow2"];
+            commands.iter().for_each(|c| args.extend(["-c", c]));
+            args.push(image.to_str().unwrap());
+            assert!(run("qemu-io", &args).status.success(), "qemu-io {args:?}");
+        };
+        io(&base, &["write -q -P 0x11 0 8M"]);
+        io(&top, &["write -q -P 0x22 1052672 4096", "write -q -P 0x33 5M 128K", "write -q -z 7M 64K"]);
+        let target = dir.image("tgt.img", size);
+        let socket = dir.path("qmp.sock");
+        let mut args: Vec<String> = [
+            format!("driver=file,node-name=topf,filename={}", top.display()),
+            "driver=qcow2,node-name=top,file=topf".into(),
+            format!("driver=file,node-name=tgt,filename={}", target.display()),
+        ]
+        .into_iter()
+        .flat_map(|b| ["--blockdev".to_string(), b])
+        .collect();
+        args.extend(monitor(&socket));
+        let daemon = program(&dir, &args);
+        let mut qmp = Qmp::connect(&socket);
+        qmp.ok("blockdev-backup", json!({"job-id": "t", "device": "top", "target": "tgt", "sync": "top"}));
+        let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "t"}));
+        drop(daemon);
+        (done, std::fs::read(&target).unwrap())
+    };
+    let (vsd, qsd) = (run_backup(Daemon::vsd, "backup-top-vsd"), run_backup(Daemon::qsd, "backup-top-qsd"));
+    assert_eq!(vsd.0, qsd.0, "BLOCK_JOB_COMPLETED");
+    let expect = |at: u64| match at {
+        _ if (MIB + 4096..MIB + 8192).contains(&at) => 0x22,
+        _ if (MIB..MIB + CLUSTER).contains(&at) => 0x11,
+        _ if (5 * MIB..5 * MIB + 128 * KIB).contains(&at) => 0x33,
+        _ => 0,
+    };
+    let wrong = (0..size).find(|&at| vsd.1[at as usize] != expect(at));
+    assert_eq!(wrong, None, "vsd's target");
+    assert!(vsd.1 == qsd.1, "vsd's and qemu-storage-daemon's targets differ");
+}
+
 /// The `dirty-bitmaps` entry of bitmap `name` on node `node`.
 fn bitmap(qmp: &mut Qmp, node: &str, name: &str) -> Value {
     let nodes = qmp.ok("query-named-block-nodes", json!({}));
