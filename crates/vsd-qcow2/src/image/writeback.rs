@@ -273,6 +273,31 @@ mod tests {
         (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
+    /// Flushes `image` on a thread of its own, paused at its first call of
+    /// kind `at`, while this thread writes a cluster at `offset`: the write
+    /// must get the metadata mutex meanwhile.
+    fn write_during_flush(image: &Arc<Image>, file: &Shared, at: Call, offset: u64) {
+        let (paused_tx, paused) = channel();
+        let (go, go_rx) = channel();
+        let flusher = {
+            let pause = Some((paused_tx, go_rx));
+            let (image, mut file) = (image.clone(), Paused { file: file.clone(), pause, at });
+            std::thread::spawn(move || image.flush(&mut io(&mut file)).unwrap())
+        };
+        paused.recv_timeout(Duration::from_secs(10)).expect("the flush reaches the call");
+        let (done_tx, done) = channel();
+        {
+            let (image, mut file) = (image.clone(), file.clone());
+            std::thread::spawn(move || {
+                write(&image, &mut file, offset, 0x22);
+                done_tx.send(()).unwrap();
+            });
+        }
+        done.recv_timeout(Duration::from_secs(10)).expect("the metadata mutex is free meanwhile");
+        go.send(()).unwrap();
+        flusher.join().unwrap();
+    }
+
     #[test]
     fn a_flush_writes_without_the_metadata_mutex_and_keeps_what_changed_meanwhile() {
         let bytes = MemFile::made_by_qemu_img("writeback", "4M").bytes;
@@ -281,28 +306,9 @@ mod tests {
         write(&image, &mut file.clone(), 0, 0x11);
 
         // A flush stops at its first barrier, refcounts written, tables not.
-        let (paused_tx, paused) = channel();
-        let (go, go_rx) = channel();
-        let flusher = {
-            let pause = Some((paused_tx, go_rx));
-            let (image, mut file) = (image.clone(), Paused { file: file.clone(), pause, at: Call::Flush });
-            std::thread::spawn(move || image.flush(&mut io(&mut file)).unwrap())
-        };
-        paused.recv_timeout(Duration::from_secs(10)).expect("the flush reaches its barrier");
-
         // Meanwhile another request allocates and links a cluster whose
         // table and refcount chunks are the ones being written.
-        let (done_tx, done) = channel();
-        {
-            let (image, mut file) = (image.clone(), file.clone());
-            std::thread::spawn(move || {
-                write(&image, &mut file, 64 * KIB, 0x22);
-                done_tx.send(()).unwrap();
-            });
-        }
-        done.recv_timeout(Duration::from_secs(10)).expect("the metadata mutex is free during the flush's I/O");
-        go.send(()).unwrap();
-        flusher.join().unwrap();
+        write_during_flush(&image, &file, Call::Flush, 64 * KIB);
 
         // The flush wrote what was there when it began: the first cluster is
         // durable and the image consistent; the second stays to be flushed.
@@ -340,20 +346,19 @@ mod tests {
     /// reads it without the metadata mutex: requests allocate meanwhile.
     #[test]
     fn a_flush_reads_the_refcount_blocks_of_its_decrements_without_the_metadata_mutex() {
-        decrements_meanwhile("decrement-read", Call::Read, "the flush reads the refcount block");
+        decrements_meanwhile("decrement-read", Call::Read);
     }
 
     /// A flush discards the clusters its decrements free without the
     /// metadata mutex: requests allocate meanwhile.
     #[test]
     fn a_flush_discards_what_it_frees_without_the_metadata_mutex() {
-        decrements_meanwhile("decrement-discard", Call::Discard, "the flush discards the freed cluster");
+        decrements_meanwhile("decrement-discard", Call::Discard);
     }
 
     /// A flush with a decrement to apply (on an image named `name`), paused
-    /// at its first call of kind `at` (`what` it does then), while another
-    /// thread allocates.
-    fn decrements_meanwhile(name: &str, at: Call, what: &str) {
+    /// at its first call of kind `at`, while another thread allocates.
+    fn decrements_meanwhile(name: &str, at: Call) {
         let bytes = MemFile::made_by_qemu_img(name, "4M").bytes;
         let (image, file) = open(&bytes);
         let (image, file) = (Arc::new(image), Shared(Arc::new(Mutex::new(file))));
@@ -362,25 +367,7 @@ mod tests {
         image.lock().refcounts.drop_clean();
         image.discard(&mut io(&mut file.clone()), 0, 64 * KIB).unwrap();
 
-        let (paused_tx, paused) = channel();
-        let (go, go_rx) = channel();
-        let flusher = {
-            let pause = Some((paused_tx, go_rx));
-            let (image, mut file) = (image.clone(), Paused { file: file.clone(), pause, at });
-            std::thread::spawn(move || image.flush(&mut io(&mut file)).unwrap())
-        };
-        paused.recv_timeout(Duration::from_secs(10)).expect(what);
-        let (done_tx, done) = channel();
-        {
-            let (image, mut file) = (image.clone(), file.clone());
-            std::thread::spawn(move || {
-                write(&image, &mut file, 128 * KIB, 0x22);
-                done_tx.send(()).unwrap();
-            });
-        }
-        done.recv_timeout(Duration::from_secs(10)).expect("the metadata mutex is free meanwhile");
-        go.send(()).unwrap();
-        flusher.join().unwrap();
+        write_during_flush(&image, &file, at, 128 * KIB);
         image.flush(&mut io(&mut file.clone())).unwrap();
         let after = file.0.lock().unwrap().bytes.clone();
         let (status, report) = qemu_img_check(&after);
