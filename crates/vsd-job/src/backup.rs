@@ -552,6 +552,7 @@ mod tests {
             auto_dismiss: true,
             speed: 0,
             nodes: Vec::new(),
+            group: None,
         };
         Job::new(spec, Arc::new(|_: &str, _| {}))
     }

@@ -17,6 +17,7 @@
 #![deny(missing_docs)]
 
 pub mod backup;
+mod group;
 mod registry;
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -25,6 +26,7 @@ use std::time::Instant;
 
 use serde_json::{Value, json};
 
+pub use group::Group;
 pub use registry::Jobs;
 
 /// Sends a QMP event: its name and data.
@@ -169,6 +171,8 @@ pub struct JobSpec {
     pub speed: u64,
     /// The nodes it uses, which no other job may use meanwhile.
     pub nodes: Vec<String>,
+    /// The jobs it succeeds or fails with (`completion-mode=grouped`).
+    pub group: Option<Arc<Group>>,
 }
 
 /// One job.
@@ -332,13 +336,26 @@ impl Job {
         ))
     }
 
-    /// `job-cancel`: the job aborts at its next pause point.
+    /// `job-cancel`: the job aborts at its next pause point (and, in a
+    /// group, the others with it).
     pub fn cancel(&self) -> Result<(), String> {
         let mut state = self.verb(Verb::Cancel)?;
         state.cancelled = true;
         state.pause_requested = false;
         self.wake.notify_all();
+        drop(state);
+        if let Some(group) = &self.spec.group {
+            group.poke();
+        }
         Ok(())
+    }
+
+    /// Cancelled whatever its status: its group failed, or the daemon stops.
+    fn force_cancel(&self) {
+        let mut state = self.state();
+        state.cancelled = true;
+        state.pause_requested = false;
+        self.wake.notify_all();
     }
 
     /// `job-pause`: the job pauses at its next pause point.
@@ -376,11 +393,19 @@ impl Job {
         self.verb(Verb::Complete).map(drop)
     }
 
-    /// `job-finalize`: a pending job commits.
+    /// `job-finalize`: a pending job commits (with its whole group).
     pub fn finalize(&self) -> Result<(), String> {
         self.verb(Verb::Finalize)?.finalize_requested = true;
         self.wake.notify_all();
+        if let Some(group) = &self.spec.group {
+            group.finalize_all();
+        }
         Ok(())
+    }
+
+    fn finalize_for_group(&self) {
+        self.state().finalize_requested = true;
+        self.wake.notify_all();
     }
 
     /// `job-dismiss`: a concluded job goes.
@@ -478,6 +503,9 @@ impl Job {
         // Before anyone sees the job gone: what it holds goes first.
         drop(body);
         self.conclude();
+        if let Some(group) = &self.spec.group {
+            group.concluded();
+        }
     }
 
     /// Says the job runs, before its thread starts (QEMU says so before
@@ -488,21 +516,40 @@ impl Job {
     }
 
     /// From the body's result to `pending` (waiting for a finalize unless
-    /// automatic) or `aborting`; returns whether the job succeeded.
+    /// automatic) or `aborting`; returns whether the job succeeded. In a
+    /// group, the job waits for the others first, and fails with them.
     fn settle(&self, result: Result<(), String>) -> bool {
+        let group = self.spec.group.as_deref();
         let mut state = self.state();
         if result.is_ok() && !state.cancelled {
             self.set_status(&mut state, Status::Waiting);
-            self.set_status(&mut state, Status::Pending);
-            if !self.spec.auto_finalize {
-                (self.emit)("BLOCK_JOB_PENDING", json!({ "type": self.spec.kind, "id": self.spec.id }));
+            let succeeded = match group {
+                None => {
+                    self.to_pending(&mut state);
+                    true
+                }
+                Some(group) => {
+                    drop(state);
+                    let succeeded = group.wait_for_others(self);
+                    state = self.state();
+                    succeeded
+                }
+            };
+            if succeeded && !self.spec.auto_finalize {
                 while !state.finalize_requested && !state.cancelled {
                     state = self.wake.wait(state).unwrap_or_else(PoisonError::into_inner);
                 }
             }
-            if !state.cancelled {
+            if succeeded && !state.cancelled {
                 return true;
             }
+            // Failed with its group, or cancelled while pending.
+            state.cancelled = true;
+        }
+        if let Some(group) = group {
+            drop(state);
+            group.fail(self);
+            state = self.state();
         }
         state.error = Some(match (state.cancelled, result) {
             (true, _) | (false, Ok(())) => CANCELLED.into(),
@@ -510,6 +557,19 @@ impl Job {
         });
         self.set_status(&mut state, Status::Aborting);
         false
+    }
+
+    /// Waiting → pending, announced if a `job-finalize` must follow.
+    fn to_pending(&self, state: &mut State) {
+        self.set_status(state, Status::Pending);
+        if !self.spec.auto_finalize {
+            (self.emit)("BLOCK_JOB_PENDING", json!({ "type": self.spec.kind, "id": self.spec.id }));
+        }
+    }
+
+    /// Made pending by its group, once every member's work is done.
+    fn become_pending(&self) {
+        self.to_pending(&mut self.state());
     }
 
     fn conclude(&self) {
@@ -545,11 +605,9 @@ impl Job {
     /// Cancels the job whatever its status (the daemon stops) and waits
     /// for its thread.
     fn end(&self) {
-        {
-            let mut state = self.state();
-            state.cancelled = true;
-            state.pause_requested = false;
-            self.wake.notify_all();
+        self.force_cancel();
+        if let Some(group) = &self.spec.group {
+            group.poke();
         }
         let thread = self.thread.lock().unwrap_or_else(PoisonError::into_inner).take();
         if let Some(thread) = thread

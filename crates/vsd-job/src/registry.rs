@@ -74,6 +74,9 @@ impl Jobs {
                 format!("Cannot start job '{}': {e}", job.id())
             })?;
         *job.thread.lock().unwrap_or_else(PoisonError::into_inner) = Some(thread);
+        if let Some(group) = &job.spec.group {
+            group.join(job.clone());
+        }
         list.insert(0, job.clone());
         Ok(job)
     }

@@ -46,6 +46,7 @@ fn spec(id: &str, auto: bool) -> JobSpec {
         auto_dismiss: auto,
         speed: 0,
         nodes: vec![format!("{id}-target"), format!("{id}-source")],
+        group: None,
     }
 }
 
@@ -182,4 +183,82 @@ fn errors_follow_the_policy() {
     wait_for(&job, Status::Null);
     assert_eq!(strerror(libc::EIO), "Input/output error");
     assert_eq!(events(&log).iter().filter(|e| *e == "BLOCK_JOB_ERROR").count(), 4);
+}
+
+/// A registry whose events are logged as `id:status` or `id:EVENT`.
+fn registry_by_id() -> (Jobs, Arc<Mutex<Vec<String>>>) {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let sink = log.clone();
+    let emit: Emit = Arc::new(move |name: &str, data: Value| {
+        let id = data.get("id").or_else(|| data.get("device")).and_then(Value::as_str).unwrap_or_default();
+        let what = data.get("status").and_then(Value::as_str).unwrap_or(name);
+        sink.lock().unwrap().push(format!("{id}:{what}"));
+    });
+    (Jobs::new(emit), log)
+}
+
+fn grouped(id: &str, group: &Arc<Group>) -> JobSpec {
+    JobSpec { group: Some(group.clone()), ..spec(id, true) }
+}
+
+/// Grouped jobs wait for each other, then become pending together and
+/// conclude newest first, as QEMU's job transactions do.
+#[test]
+fn grouped_jobs_finish_together() {
+    let (jobs, log) = registry_by_id();
+    let group = Group::new();
+    let (send_a, receive_a) = channel();
+    let (send_b, receive_b) = channel();
+    let a = jobs.start(grouped("a", &group), Box::new(Scripted(receive_a))).unwrap();
+    let b = jobs.start(grouped("b", &group), Box::new(Scripted(receive_b))).unwrap();
+    group.seal();
+    send_a.send(Ok(())).unwrap();
+    wait_for(&a, Status::Waiting);
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(a.status(), Status::Waiting, "a waits for b");
+    send_b.send(Ok(())).unwrap();
+    wait_for(&a, Status::Null);
+    wait_for(&b, Status::Null);
+    let want = [
+        "a:created",
+        "a:running",
+        "b:created",
+        "b:running",
+        "a:waiting",
+        "b:waiting",
+        "b:pending",
+        "a:pending",
+        "b:BLOCK_JOB_COMPLETED",
+        "b:concluded",
+        "b:null",
+        "a:BLOCK_JOB_COMPLETED",
+        "a:concluded",
+        "a:null",
+    ];
+    assert_eq!(events(&log), want);
+}
+
+/// A grouped job that fails cancels the others, running or waiting.
+#[test]
+fn a_failed_member_cancels_its_group() {
+    let (jobs, log) = registry_by_id();
+    let group = Group::new();
+    let (send_a, receive_a) = channel();
+    let (send_b, receive_b) = channel();
+    let a = jobs.start(grouped("a", &group), Box::new(Scripted(receive_a))).unwrap();
+    let b = jobs.start(grouped("b", &group), Box::new(Scripted(receive_b))).unwrap();
+    let c = jobs.start(grouped("c", &group), Box::new(Scripted(channel().1))).unwrap();
+    group.seal();
+    send_a.send(Ok(())).unwrap();
+    wait_for(&a, Status::Waiting);
+    send_b.send(Err("Input/output error".into())).unwrap();
+    for job in [&a, &b, &c] {
+        wait_for(job, Status::Null);
+    }
+    let ends: Vec<String> = events(&log).into_iter().filter(|e| e.contains("BLOCK_JOB")).collect();
+    let mut ends = ends;
+    ends.sort();
+    assert_eq!(ends, ["a:BLOCK_JOB_CANCELLED", "b:BLOCK_JOB_COMPLETED", "c:BLOCK_JOB_CANCELLED"]);
+    assert_eq!(b.info().error.as_deref(), Some("Input/output error"));
+    assert_eq!(a.info().error.as_deref(), Some(CANCELLED));
 }

@@ -87,14 +87,17 @@ impl Dispatch for Daemon {
             "query-blockstats" => self.query_blockstats(parse(args)?),
             "block-latency-histogram-set" => self.latency_histogram_set(parse(args)?),
             "block_resize" => self.block_resize(parse(args)?),
-            "block-dirty-bitmap-add" => self.transaction(vec![Action::AddBitmap(parse(args)?)]),
-            "block-dirty-bitmap-remove" => self.transaction(vec![Action::RemoveBitmap(parse(args)?)]),
-            "block-dirty-bitmap-clear" => self.transaction(vec![Action::ClearBitmap(parse(args)?)]),
-            "block-dirty-bitmap-enable" => self.transaction(vec![Action::EnableBitmap(parse(args)?)]),
-            "block-dirty-bitmap-disable" => self.transaction(vec![Action::DisableBitmap(parse(args)?)]),
-            "block-dirty-bitmap-merge" => self.transaction(vec![Action::MergeBitmaps(parse(args)?)]),
-            "transaction" => self.transaction(parse::<Transaction>(args)?.actions()?),
-            "blockdev-backup" => self.transaction(vec![Action::Backup(parse(args)?)]),
+            "block-dirty-bitmap-add" => self.transaction(vec![Action::AddBitmap(parse(args)?)], None),
+            "block-dirty-bitmap-remove" => self.transaction(vec![Action::RemoveBitmap(parse(args)?)], None),
+            "block-dirty-bitmap-clear" => self.transaction(vec![Action::ClearBitmap(parse(args)?)], None),
+            "block-dirty-bitmap-enable" => self.transaction(vec![Action::EnableBitmap(parse(args)?)], None),
+            "block-dirty-bitmap-disable" => self.transaction(vec![Action::DisableBitmap(parse(args)?)], None),
+            "block-dirty-bitmap-merge" => self.transaction(vec![Action::MergeBitmaps(parse(args)?)], None),
+            "transaction" => {
+                let (actions, group) = parse::<Transaction>(args)?.parts()?;
+                self.transaction(actions, group)
+            }
+            "blockdev-backup" => self.transaction(vec![Action::Backup(parse(args)?)], None),
             "blockdev-snapshot" => self.blockdev_snapshot(&parse(args)?),
             "blockdev-create" => self.blockdev_create(parse(args)?),
             "query-jobs" => no_arguments(&args).map(|()| self.query_jobs()),

@@ -131,8 +131,15 @@ impl Daemon {
             }
             Options::Qcow2(o) => self.qcow2_creation(o)?,
         };
-        let spec =
-            JobSpec { id: args.job_id, kind: "create", auto_finalize: true, auto_dismiss: false, speed: 0, nodes };
+        let spec = JobSpec {
+            id: args.job_id,
+            kind: "create",
+            auto_finalize: true,
+            auto_dismiss: false,
+            speed: 0,
+            nodes,
+            group: None,
+        };
         self.jobs.start(spec, Box::new(Create(Some(creation)))).map_err(generic)?;
         Ok(json!({}))
     }

@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use vsd_block::BlockNode;
 use vsd_control::qmp::{ErrorClass, QmpError};
 use vsd_job::backup::{Backup, BackupSpec, BitmapMode, Sync};
-use vsd_job::{ErrorPolicy, Job, JobInfo, JobSpec, Verb};
+use vsd_job::{ErrorPolicy, Group, Job, JobInfo, JobSpec, Verb};
 
 use crate::daemon::{Daemon, State};
 
@@ -124,7 +124,7 @@ pub(crate) fn busy(node: &str, job: &Job) -> String {
 
 impl Daemon {
     /// Starts a backup job (an action of [`Daemon::transaction`]).
-    pub(crate) fn blockdev_backup(&self, args: BackupArgs) -> Result<Arc<Job>, QmpError> {
+    pub(crate) fn blockdev_backup(&self, args: BackupArgs, group: Option<Arc<Group>>) -> Result<Arc<Job>, QmpError> {
         let state = self.state();
         let (source, target) = (node(&state, &args.device)?, node(&state, &args.target)?);
         if source.name() == target.name() {
@@ -175,6 +175,7 @@ impl Daemon {
             speed,
             // The target first: `blockdev-del` words the two differently.
             nodes: vec![target.name().to_string(), source.name().to_string()],
+            group,
         };
         let backup = Backup::new(BackupSpec {
             source,

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use vsd_control::qmp::QmpError;
-use vsd_job::Job;
+use vsd_job::{Group, Job};
 
 use crate::bitmaps::{self, BitmapAdd, BitmapMerge, BitmapName, Change, remove_from_image};
 use crate::daemon::Daemon;
@@ -81,40 +81,55 @@ pub(crate) struct Transaction {
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 struct Properties {
-    /// `individual` (QEMU's default): each job completes on its own.
+    /// `individual` (QEMU's default): each job completes on its own;
+    /// `grouped`: the jobs succeed or fail together.
     #[serde(default)]
     completion_mode: Option<String>,
 }
 
 impl Transaction {
-    /// The actions, each checked as QEMU's QAPI visitor would.
-    pub(crate) fn actions(self) -> Result<Vec<Action>, QmpError> {
-        match self.properties.completion_mode.as_deref() {
-            None | Some("individual") => {}
-            Some("grouped") => {
-                return Err(QmpError::generic("completion-mode 'grouped' is not supported by vsd (use 'individual')"));
-            }
+    /// The actions, each checked as QEMU's QAPI visitor would, and the
+    /// group their jobs form if the completion mode is `grouped`.
+    pub(crate) fn parts(self) -> Result<(Vec<Action>, Option<Arc<Group>>), QmpError> {
+        let group = match self.properties.completion_mode.as_deref() {
+            None | Some("individual") => None,
+            Some("grouped") => Some(Group::new()),
             Some(other) => {
                 return Err(QmpError::generic(format!("Parameter 'completion-mode' does not accept value '{other}'")));
             }
-        }
-        self.actions
+        };
+        let mut kinds = Vec::with_capacity(self.actions.len());
+        let actions = self
+            .actions
             .into_iter()
             .map(|action| {
                 let kind = action.get("type").and_then(Value::as_str).unwrap_or_default().to_string();
-                serde_json::from_value(action).map_err(|e| match e.to_string().starts_with("unknown variant") {
-                    true => QmpError::generic(format!("Parameter 'type' does not accept value '{kind}'")),
-                    false => QmpError::generic(format!("Invalid parameters: {e}")),
-                })
+                let parsed =
+                    serde_json::from_value(action).map_err(|e| match e.to_string().starts_with("unknown variant") {
+                        true => QmpError::generic(format!("Parameter 'type' does not accept value '{kind}'")),
+                        false => QmpError::generic(format!("Invalid parameters: {e}")),
+                    });
+                kinds.push(kind);
+                parsed
             })
-            .collect()
+            .collect::<Result<Vec<Action>, _>>()?;
+        if group.is_some() {
+            // Only jobs can complete as a group (QEMU's words).
+            let single = actions.iter().zip(&kinds).find(|(action, _)| !matches!(action, Action::Backup(_)));
+            if let Some((_, kind)) = single {
+                return Err(QmpError::generic(format!(
+                    "Action '{kind}' does not support transaction property completion-mode = grouped"
+                )));
+            }
+        }
+        Ok((actions, group))
     }
 }
 
 impl Daemon {
     /// Does `actions` in order; if one fails, undoes those done before it,
-    /// last first, and answers its error.
-    pub(crate) fn transaction(&self, actions: Vec<Action>) -> Result<Value, QmpError> {
+    /// last first, and answers its error. The jobs started join `group`.
+    pub(crate) fn transaction(&self, actions: Vec<Action>, group: Option<Arc<Group>>) -> Result<Value, QmpError> {
         let mut snapshots = Vec::new();
         let actions: Vec<Action> = actions
             .into_iter()
@@ -130,7 +145,7 @@ impl Daemon {
         let images = vsd_block::dirty::batch(|| {
             let mut done = Vec::with_capacity(actions.len());
             for action in actions {
-                match self.act(action) {
+                match self.act(action, &group) {
                     Ok(action) => done.push(action),
                     Err(e) => {
                         done.into_iter().rev().for_each(Done::abort);
@@ -144,10 +159,13 @@ impl Daemon {
         for args in &snapshots {
             self.blockdev_snapshot(args)?;
         }
+        if let Some(group) = group {
+            group.seal();
+        }
         Ok(json!({}))
     }
 
-    fn act(&self, action: Action) -> Result<Done, QmpError> {
+    fn act(&self, action: Action, group: &Option<Arc<Group>>) -> Result<Done, QmpError> {
         match action {
             Action::AddBitmap(args) => self.bitmap_add(args).map(Done::Bitmap),
             Action::RemoveBitmap(args) => self.bitmap_remove(args).map(Done::Bitmap),
@@ -155,7 +173,7 @@ impl Daemon {
             Action::EnableBitmap(args) => self.bitmap_change(args, Change::Enable).map(Done::Bitmap),
             Action::DisableBitmap(args) => self.bitmap_change(args, Change::Disable).map(Done::Bitmap),
             Action::MergeBitmaps(args) => self.bitmap_merge(args).map(Done::Bitmap),
-            Action::Backup(args) => self.blockdev_backup(args).map(Done::Job),
+            Action::Backup(args) => self.blockdev_backup(args, group.clone()).map(Done::Job),
             Action::Snapshot(_) => Err(QmpError::generic("blockdev-snapshot is taken after the other actions")),
         }
     }

@@ -148,6 +148,23 @@ fn differential_script() -> Vec<Step> {
         Await("JOB_STATUS_CHANGE", json!({"status": "concluded", "id": "f1"})),
         Command("query-jobs", json!({})),
         Command("job-dismiss", json!({"id": "f1"})),
+        // Grouped: the job done first waits for the other, then both end.
+        Command(
+            "transaction",
+            json!({"actions": [
+                {"type": "blockdev-backup", "data": {"job-id": "g1", "device": src, "target": tgt, "sync": "full"}},
+                {"type": "blockdev-backup", "data": full("g2", src, "tgt3")},
+            ], "properties": {"completion-mode": "grouped"}}),
+        ),
+        Await("JOB_STATUS_CHANGE", json!({"status": "waiting", "id": "g1"})),
+        Command("query-jobs", json!({})),
+        Command("block-job-set-speed", json!({"device": "g2", "speed": 0})),
+        Await("JOB_STATUS_CHANGE", null("g1")),
+        Command(
+            "transaction",
+            json!({"actions": [{"type": "block-dirty-bitmap-add", "data": {"node": src, "name": "g"}}],
+                   "properties": {"completion-mode": "grouped"}}),
+        ),
         Command("blockdev-del", json!({"node-name": tgt})),
     ]
 }
