@@ -1,8 +1,10 @@
 //! A connection's writing half: replies and events go into one queue, in
 //! order, whole lines only, and the connection's own writer thread sends
-//! them. Whoever emits an event never waits for a client's socket; a client
-//! that stops reading holds only its own writer, and once more than
-//! [`MAX_QUEUED`] bytes wait for it, it is disconnected.
+//! them. Whoever emits an event never waits for a client's socket; a reply
+//! is written before the session goes on (a `quit` takes effect once its
+//! reply is out), so only the connection's own threads wait for its
+//! client. Once more than [`MAX_QUEUED`] bytes wait for a client, it is
+//! disconnected.
 
 use std::collections::VecDeque;
 use std::io::{self, Write};
@@ -21,6 +23,8 @@ pub(crate) struct Output {
     state: Mutex<State>,
     /// Wakes the writer: a line is queued, or the connection ends.
     queued: Condvar,
+    /// Wakes a reply's sender: lines were written, or the connection ended.
+    written: Condvar,
     /// For ending the connection from any thread (the writer may be blocked
     /// in a write, the reader in a read).
     socket: UnixStream,
@@ -30,6 +34,9 @@ struct State {
     lines: VecDeque<String>,
     /// Bytes in `lines`.
     bytes: usize,
+    /// Lines queued and lines written so far.
+    queued_lines: u64,
+    written_lines: u64,
     /// Capabilities negotiation is complete: events flow.
     negotiated: bool,
     /// Nothing more is queued: the client is done sending; what waits is
@@ -43,22 +50,40 @@ struct State {
 impl Output {
     /// The writing half of `stream`, with its writer thread started.
     pub(crate) fn start(stream: UnixStream, name: String) -> io::Result<Arc<Self>> {
-        let state = State { lines: VecDeque::new(), bytes: 0, negotiated: false, finishing: false, closed: false };
-        let output = Arc::new(Self { state: Mutex::new(state), queued: Condvar::new(), socket: stream.try_clone()? });
+        let state = State {
+            lines: VecDeque::new(),
+            bytes: 0,
+            queued_lines: 0,
+            written_lines: 0,
+            negotiated: false,
+            finishing: false,
+            closed: false,
+        };
+        let socket = stream.try_clone()?;
+        let output =
+            Arc::new(Self { state: Mutex::new(state), queued: Condvar::new(), written: Condvar::new(), socket });
         let writer = output.clone();
         thread::Builder::new().name(name).spawn(move || writer.write_all(stream))?;
         Ok(output)
     }
 
-    /// Queues a message from the session, `negotiated` being the session's
-    /// state after it. Both change together so that events start right
-    /// after the reply to `qmp_capabilities`: a client can neither miss one
-    /// emitted after it read that reply nor see one before.
+    /// Sends a message from the session, `negotiated` being the session's
+    /// state after it, and returns once it is written. Both change together
+    /// so that events start right after the reply to `qmp_capabilities`: a
+    /// client can neither miss one emitted after it read that reply nor see
+    /// one before.
     pub(crate) fn send(&self, message: &Value, negotiated: bool) -> io::Result<()> {
         let mut state = self.lock();
         self.queue(&mut state, format!("{message}\n"))?;
         state.negotiated = negotiated;
-        Ok(())
+        let line = state.queued_lines;
+        while state.written_lines < line && !state.closed {
+            state = self.written.wait(state).unwrap_or_else(PoisonError::into_inner);
+        }
+        match state.written_lines >= line {
+            true => Ok(()),
+            false => Err(io::Error::new(io::ErrorKind::BrokenPipe, "the QMP connection is closed")),
+        }
     }
 
     /// Queues a serialized event, newline included, if negotiation is
@@ -92,6 +117,7 @@ impl Output {
         }
         state.bytes += line.len();
         state.lines.push_back(line);
+        state.queued_lines += 1;
         self.queued.notify_one();
         Ok(())
     }
@@ -103,6 +129,7 @@ impl Output {
         // Frees the writer from a write and the reader from a read.
         let _ = self.socket.shutdown(Shutdown::Both);
         self.queued.notify_one();
+        self.written.notify_all();
     }
 
     /// The writer thread: sends the queued lines in order until the
@@ -122,6 +149,8 @@ impl Output {
             let written = stream.write_all(line.as_bytes());
             let mut state = self.lock();
             state.bytes = state.bytes.saturating_sub(line.len());
+            state.written_lines += 1;
+            self.written.notify_all();
             if written.is_err() {
                 // Part of a line may have gone, which the client could not
                 // parse past.
