@@ -24,18 +24,18 @@ impl JobBody for Scripted {
     }
 }
 
-/// A registry whose events are collected, and a way to read them.
-fn registry() -> (Jobs, Arc<Mutex<Vec<String>>>) {
+/// A registry whose events are collected as `text` makes them of the
+/// event's name and data, and a way to read them.
+fn registry_logging(text: fn(&str, &Value) -> String) -> (Jobs, Arc<Mutex<Vec<String>>>) {
     let log = Arc::new(Mutex::new(Vec::new()));
     let sink = log.clone();
-    let emit: Emit = Arc::new(move |name: &str, data: Value| {
-        let text = match data.get("status") {
-            Some(status) => status.as_str().unwrap_or_default().to_string(),
-            None => name.to_string(),
-        };
-        sink.lock().unwrap().push(text);
-    });
+    let emit: Emit = Arc::new(move |name: &str, data: Value| sink.lock().unwrap().push(text(name, &data)));
     (Jobs::new(emit), log)
+}
+
+/// A registry whose events are logged as their status, or their name.
+fn registry() -> (Jobs, Arc<Mutex<Vec<String>>>) {
+    registry_logging(|name, data| data.get("status").and_then(Value::as_str).unwrap_or(name).to_string())
 }
 
 fn spec(id: &str, auto: bool) -> JobSpec {
@@ -187,14 +187,11 @@ fn errors_follow_the_policy() {
 
 /// A registry whose events are logged as `id:status` or `id:EVENT`.
 fn registry_by_id() -> (Jobs, Arc<Mutex<Vec<String>>>) {
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let sink = log.clone();
-    let emit: Emit = Arc::new(move |name: &str, data: Value| {
+    registry_logging(|name, data| {
         let id = data.get("id").or_else(|| data.get("device")).and_then(Value::as_str).unwrap_or_default();
         let what = data.get("status").and_then(Value::as_str).unwrap_or(name);
-        sink.lock().unwrap().push(format!("{id}:{what}"));
-    });
-    (Jobs::new(emit), log)
+        format!("{id}:{what}")
+    })
 }
 
 fn grouped(id: &str, group: &Arc<Group>) -> JobSpec {
@@ -255,8 +252,7 @@ fn a_failed_member_cancels_its_group() {
     for job in [&a, &b, &c] {
         wait_for(job, Status::Null);
     }
-    let ends: Vec<String> = events(&log).into_iter().filter(|e| e.contains("BLOCK_JOB")).collect();
-    let mut ends = ends;
+    let mut ends: Vec<String> = events(&log).into_iter().filter(|e| e.contains("BLOCK_JOB")).collect();
     ends.sort();
     assert_eq!(ends, ["a:BLOCK_JOB_CANCELLED", "b:BLOCK_JOB_COMPLETED", "c:BLOCK_JOB_CANCELLED"]);
     assert_eq!(b.info().error.as_deref(), Some("Input/output error"));
