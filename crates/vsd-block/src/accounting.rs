@@ -242,7 +242,7 @@ impl IoQueue for AccountedQueue {
             *request = Pending { kind, bytes, submitted_at: 0 };
             self.unsubmitted.push(tag);
         }
-        self.dirty.record(&op);
+        self.dirty.record(tag, &op);
         // SAFETY: the caller's guarantee, passed on unchanged.
         unsafe { self.inner.push(tag, op) }
     }
@@ -263,6 +263,7 @@ impl IoQueue for AccountedQueue {
         if out.len() == start {
             return;
         }
+        self.dirty.completed(&out[start..]);
         let now = self.clock.now();
         let stats = &self.lease.stats;
         for done in &out[start..] {

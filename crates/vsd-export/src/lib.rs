@@ -170,6 +170,20 @@ impl VhostUserBlkExport {
         self.with_queues_stopped(|| self.device.set_node(node));
     }
 
+    /// Runs `work` with the queues stopped (as [`Self::with_queues_stopped`]);
+    /// if it succeeds, serves `node` from then on (a mirror's switch).
+    pub fn replace_node_after<E>(
+        &self,
+        node: Arc<dyn BlockNode>,
+        work: impl FnOnce() -> Result<(), E>,
+    ) -> Result<(), E> {
+        self.with_queues_stopped(|| {
+            work()?;
+            self.device.set_node(node);
+            Ok(())
+        })
+    }
+
     /// Whether a front-end is connected.
     pub fn has_client(&self) -> bool {
         self.shared.client.lock().is_ok_and(|c| c.is_some())

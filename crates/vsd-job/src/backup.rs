@@ -23,16 +23,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use vsd_block::BlockNode;
 use vsd_block::dirty::{BeforeWrite, BusyGuard, DirtyBitmaps, DirtySet};
-use vsd_block::{Allocation, BlockNode, IoOp, IoQueue, IoVecs};
-use vsd_qcow2::buf::AlignedBuf;
 
+use crate::copy::{Copier, Extents, Failure, MAX_COPY, Pace, top_extents};
 use crate::{ErrorPolicy, Job, JobBody, strerror};
 
 /// Bytes per cluster: the unit of copying and of copy-before-write.
 pub const CLUSTER: u64 = 65536;
 /// Clusters copied at once in the background.
-const RUN: u64 = 16;
+const RUN: u64 = MAX_COPY / CLUSTER;
 /// How long a run that failed under the `ignore` policy waits before it is
 /// tried again.
 const RETRY_DELAY: Duration = Duration::from_millis(100);
@@ -218,125 +218,6 @@ impl Drop for Installed {
     }
 }
 
-/// Why a copy failed.
-enum Failure {
-    /// A request failed with this errno: a read of the source or a write
-    /// of the target.
-    Io { write: bool, errno: i32 },
-    /// The engine itself failed: nothing can be retried.
-    Engine(String),
-}
-
-/// The job thread's queues and buffer. The queues come first: they are
-/// dropped first, waiting for anything in flight in the buffer.
-struct Copier {
-    source_queue: Box<dyn IoQueue>,
-    target_queue: Box<dyn IoQueue>,
-    source: Arc<dyn BlockNode>,
-    buf: AlignedBuf,
-    /// The last extent block status gave, as far as it reaches: asked once
-    /// for the rest of the node, not once per run (a file's SEEK_HOLE
-    /// scans to the next hole: on tmpfs, 0.6 ms per call on 256 MiB).
-    /// It stays true for clusters not yet copied: a write to one waits for
-    /// its copy, and holes are only ever read from those.
-    extent: Option<(Allocation, u64, u64)>,
-}
-
-/// Runs one request to its end on `queue`.
-fn run_one(queue: &mut dyn IoQueue, op: IoOp) -> Result<(), Failure> {
-    let write = !matches!(op, IoOp::Read { .. });
-    // SAFETY: the buffers `op` names are the copier's, which outlives the
-    // queue (dropped first); the request is reaped below before they are
-    // used again.
-    unsafe { queue.push(0, op) };
-    queue.submit().map_err(|e| Failure::Engine(e.to_string()))?;
-    let mut done = Vec::with_capacity(1);
-    loop {
-        queue.reap(&mut done);
-        if let Some(completion) = done.pop() {
-            return match completion.errno {
-                0 => Ok(()),
-                errno => Err(Failure::Io { write, errno }),
-            };
-        }
-        queue.wait().map_err(|e| Failure::Engine(e.to_string()))?;
-    }
-}
-
-impl Copier {
-    fn open(source: &Arc<dyn BlockNode>, target: &Arc<dyn BlockNode>) -> Result<Self, String> {
-        let open = |node: &Arc<dyn BlockNode>| {
-            node.open_queue(4).map_err(|e| format!("Cannot open a queue on node '{}': {e}", node.name()))
-        };
-        Ok(Self {
-            source_queue: open(source)?,
-            target_queue: open(target)?,
-            source: source.clone(),
-            buf: AlignedBuf::zeroed((RUN * CLUSTER) as usize),
-            extent: None,
-        })
-    }
-
-    /// Copies bytes `offset..offset + len` (at most a run): holes of the
-    /// source become zeroes on the target.
-    fn copy(&mut self, offset: u64, len: u64) -> Result<(), Failure> {
-        let end = offset + len;
-        let mut at = offset;
-        while at < end {
-            let (allocation, n) = self.status(at)?;
-            // Pieces that end off a page boundary are copied as data: the
-            // requests stay aligned for O_DIRECT.
-            let mut n = n.clamp(1, end - at);
-            let allocation = if !(at + n).is_multiple_of(4096) && at + n < end {
-                n = ((at + n).next_multiple_of(4096)).min(end) - at;
-                Allocation::Data
-            } else {
-                allocation
-            };
-            match allocation {
-                Allocation::Hole => {
-                    let zero = IoOp::WriteZeroes { offset: at, len: n, may_unmap: true, fast: false };
-                    run_one(&mut *self.target_queue, zero)?;
-                }
-                Allocation::Data => self.copy_data(at, n)?,
-            }
-            at += n;
-        }
-        Ok(())
-    }
-
-    /// How the source reads from `at`, and for how many bytes.
-    fn status(&mut self, at: u64) -> Result<(Allocation, u64), Failure> {
-        match self.extent {
-            Some((allocation, start, end)) if (start..end).contains(&at) => Ok((allocation, end - at)),
-            _ => {
-                let rest = self.source.size().saturating_sub(at).max(1);
-                let (allocation, n) =
-                    self.source.block_status(at, rest).map_err(|e| Failure::Io { write: false, errno: errno(&e) })?;
-                self.extent = Some((allocation, at, at + n.max(1)));
-                Ok((allocation, n.max(1)))
-            }
-        }
-    }
-
-    fn copy_data(&mut self, offset: u64, len: u64) -> Result<(), Failure> {
-        let iov = [libc::iovec { iov_base: self.buf.as_mut_ptr().cast(), iov_len: len as usize }];
-        // SAFETY: `iov` names `len` bytes of the buffer (a run at most),
-        // and both live until the requests below are reaped.
-        let iovecs = unsafe { IoVecs::new(iov.as_ptr(), 1) };
-        run_one(&mut *self.source_queue, IoOp::Read { offset, len, iov: iovecs })?;
-        run_one(&mut *self.target_queue, IoOp::Write { offset, len, iov: iovecs, durable: false })
-    }
-
-    fn flush(&mut self) -> Result<(), Failure> {
-        run_one(&mut *self.target_queue, IoOp::Flush)
-    }
-}
-
-fn errno(e: &std::io::Error) -> i32 {
-    e.raw_os_error().unwrap_or(libc::EIO)
-}
-
 /// The job's own view while it runs.
 struct Run<'a> {
     job: &'a Arc<Job>,
@@ -344,9 +225,7 @@ struct Run<'a> {
     clusters: Arc<Clusters>,
     on_source_error: ErrorPolicy,
     on_target_error: ErrorPolicy,
-    /// When the last background run was copied, and its bytes: the next
-    /// waits for them at the speed limit.
-    last: (Instant, u64),
+    pace: Pace,
 }
 
 impl Run<'_> {
@@ -387,7 +266,7 @@ impl Run<'_> {
     fn background(&mut self, first: u64, count: u64) -> Result<bool, String> {
         match self.copy_clusters(first, count) {
             Ok(()) => {
-                self.last = (Instant::now(), self.clusters.bytes(first, count).1);
+                self.pace.copied(self.clusters.bytes(first, count).1);
                 Ok(true)
             }
             Err(Failure::Io { write, errno }) => {
@@ -395,14 +274,6 @@ impl Run<'_> {
                 if self.job.io_error(policy, write, errno) { Ok(false) } else { Err(strerror(errno)) }
             }
             Err(Failure::Engine(text)) => Err(text),
-        }
-    }
-
-    /// When the next background run may start under the speed limit.
-    fn allowed_at(&self) -> Instant {
-        match self.job.speed() {
-            0 => self.last.0,
-            speed => self.last.0 + Duration::from_secs_f64(self.last.1 as f64 / speed as f64),
         }
     }
 
@@ -419,7 +290,7 @@ impl Run<'_> {
                 self.job.wait(None);
                 continue;
             }
-            let allowed = self.allowed_at();
+            let allowed = self.pace.allowed_at(self.job.speed());
             if Instant::now() < allowed {
                 self.job.wait(Some(allowed));
                 continue;
@@ -440,18 +311,11 @@ impl Run<'_> {
 }
 
 /// By cluster: whether `node` holds any of it itself, rather than its
-/// backing chain (allocation depth 1).
+/// backing chain.
 fn top_clusters(node: &dyn BlockNode) -> std::io::Result<Vec<bool>> {
-    let size = node.size();
-    let mut held = vec![false; size.div_ceil(CLUSTER) as usize];
-    let mut at = 0;
-    while at < size {
-        let (depth, n) = node.allocation_depth(at, size - at)?;
-        let n = n.clamp(1, size - at);
-        if depth == 1 {
-            held[(at / CLUSTER) as usize..=((at + n - 1) / CLUSTER) as usize].fill(true);
-        }
-        at += n;
+    let mut held = vec![false; node.size().div_ceil(CLUSTER) as usize];
+    for (offset, len) in top_extents(node)? {
+        held[(offset / CLUSTER) as usize..=((offset + len - 1) / CLUSTER) as usize].fill(true);
     }
     Ok(held)
 }
@@ -497,14 +361,14 @@ impl JobBody for Backup {
         // Removed however the copying ends.
         let _installed = self.installed.take();
         let clusters = self.clusters.clone().ok_or("the backup was not prepared")?;
-        let copier = Copier::open(&self.spec.source, &self.spec.target)?;
+        let copier = Copier::open(&self.spec.source, &self.spec.target, Extents::Stable)?;
         let mut run = Run {
             job,
             copier,
             clusters,
             on_source_error: self.spec.on_source_error,
             on_target_error: self.spec.on_target_error,
-            last: (Instant::now(), 0),
+            pace: Pace::new(),
         };
         run.copy_all(self.spec.sync != Sync::None)
     }

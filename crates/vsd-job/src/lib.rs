@@ -1,9 +1,10 @@
 //! Long-running block jobs with QEMU's job model: a status machine that
 //! QMP verbs drive, events for every change, and a body that runs on the
-//! job's own thread (the backup job, [`backup`]).
+//! job's own thread (the backup job, [`backup`]; the mirror, [`mirror`]).
 //!
 //! ```text
 //!   created ─▶ running ⇄ paused
+//!                 │ ╰──▶ ready ⇄ standby   (a mirror in sync: job-complete ends it)
 //!                 │ body done
 //!                 ├─ ok ─────▶ waiting ─▶ pending ─[finalize]─▶ commit ─┐
 //!                 └─ error / cancel ───────────▶ aborting ─▶ abort ─────┴▶ concluded ─[dismiss]─▶ null
@@ -17,7 +18,9 @@
 #![deny(missing_docs)]
 
 pub mod backup;
+mod copy;
 mod group;
+pub mod mirror;
 mod registry;
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -137,6 +140,17 @@ pub enum ErrorPolicy {
     Enospc,
 }
 
+/// How a ready job is asked to end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// `job-complete`: its work is finished (a mirror moves the source's
+    /// writers onto the copy).
+    Complete,
+    /// `block-job-cancel` without `force`: it ends well, as it is (a
+    /// mirror leaves a copy of the source at that moment and no switch).
+    Leave,
+}
+
 /// The job's side of a [`JobBody`]: what the body does.
 pub trait JobBody: Send + 'static {
     /// What must happen at the moment the job is made, on the caller's
@@ -191,6 +205,8 @@ struct State {
     pause_requested: bool,
     cancelled: bool,
     finalize_requested: bool,
+    /// How a ready job was asked to end.
+    finish: Option<Finish>,
     /// The body was asked to look for work ([`Job::kick`]).
     kicked: bool,
     speed: u64,
@@ -231,6 +247,10 @@ pub struct JobInfo {
     pub block: bool,
 }
 
+fn is_paused(status: Status) -> bool {
+    matches!(status, Status::Paused | Status::Standby)
+}
+
 /// Whether jobs of type `kind` are block jobs, as QEMU's types are.
 fn is_block_job(kind: &str) -> bool {
     matches!(kind, "backup" | "commit" | "stream" | "mirror")
@@ -255,6 +275,7 @@ impl Job {
             pause_requested: false,
             cancelled: false,
             finalize_requested: false,
+            finish: None,
             kicked: false,
             speed: spec.speed,
             progress: 0,
@@ -358,6 +379,20 @@ impl Job {
         self.wake.notify_all();
     }
 
+    /// `block-job-cancel`: as [`Job::cancel`], but a ready job asked
+    /// without `force` ends well, as it is ([`Finish::Leave`]).
+    pub fn block_cancel(&self, force: bool) -> Result<(), String> {
+        let mut state = self.verb(Verb::Cancel)?;
+        if force || !matches!(state.status, Status::Ready | Status::Standby) {
+            drop(state);
+            return self.cancel();
+        }
+        state.finish = Some(Finish::Leave);
+        state.pause_requested = false;
+        self.wake.notify_all();
+        Ok(())
+    }
+
     /// `job-pause`: the job pauses at its next pause point.
     pub fn pause(&self) -> Result<(), String> {
         let mut state = self.verb(Verb::Pause)?;
@@ -388,9 +423,34 @@ impl Job {
         Ok(())
     }
 
-    /// `job-complete`: only for ready jobs, which a backup never is.
+    /// `job-complete`: a ready job finishes its work.
     pub fn complete(&self) -> Result<(), String> {
-        self.verb(Verb::Complete).map(drop)
+        self.verb(Verb::Complete)?.finish = Some(Finish::Complete);
+        self.wake.notify_all();
+        Ok(())
+    }
+
+    /// How the job was asked to end, once it is ready.
+    pub fn finish_requested(&self) -> Option<Finish> {
+        self.state().finish
+    }
+
+    /// The body's work is in sync and could end: the job is ready (QEMU
+    /// says so with JOB_STATUS_CHANGE, then BLOCK_JOB_READY).
+    pub fn ready(&self) {
+        let mut state = self.state();
+        if state.status != Status::Running {
+            return;
+        }
+        self.set_status(&mut state, Status::Ready);
+        let data = json!({
+            "device": self.spec.id,
+            "len": state.total,
+            "offset": state.progress,
+            "speed": state.speed,
+            "type": self.spec.kind,
+        });
+        (self.emit)("BLOCK_JOB_READY", data);
     }
 
     /// `job-finalize`: a pending job commits (with its whole group).
@@ -430,6 +490,11 @@ impl Job {
         self.state().total = total;
     }
 
+    /// Bytes done so far.
+    pub fn progress(&self) -> u64 {
+        self.state().progress
+    }
+
     /// Counts `bytes` more done.
     pub fn add_progress(&self, bytes: u64) {
         self.state().progress += bytes;
@@ -442,21 +507,24 @@ impl Job {
     }
 
     /// A pause point: pauses or resumes as asked, and returns whether the
-    /// job is paused (its body then does only what cannot wait).
+    /// job is paused (its body then does only what cannot wait). A ready
+    /// job pauses into `standby`, and is ready again when resumed.
     pub fn pause_point(&self) -> bool {
         let mut state = self.state();
         match (state.status, state.pause_requested && !state.cancelled) {
             (Status::Running, true) => self.set_status(&mut state, Status::Paused),
             (Status::Paused, false) => self.set_status(&mut state, Status::Running),
+            (Status::Ready, true) => self.set_status(&mut state, Status::Standby),
+            (Status::Standby, false) => self.set_status(&mut state, Status::Ready),
             _ => {}
         }
-        state.status == Status::Paused
+        is_paused(state.status)
     }
 
     /// Blocks until kicked, a verb changed something, or `until` passed.
     pub fn wait(&self, until: Option<Instant>) {
         let mut state = self.state();
-        let settled = |s: &State| s.pause_requested == (s.status == Status::Paused);
+        let settled = |s: &State| s.pause_requested == is_paused(s.status);
         if !state.kicked && !state.cancelled && settled(&state) {
             state = match until {
                 None => self.wake.wait(state).unwrap_or_else(PoisonError::into_inner),

@@ -474,7 +474,7 @@ impl<W: Wire> Transmission<W> {
     }
 
     fn push(&mut self, index: usize, op: IoOp) {
-        self.dirty.record(&op);
+        self.dirty.record(index as u32, &op);
         // SAFETY: as in `iovecs`: the buffers stay valid until the
         // completion tagged `index` is reaped.
         unsafe { self.queue.push(index as u32, op) };
@@ -507,6 +507,7 @@ impl<W: Wire> Transmission<W> {
             return Ok(false);
         }
         self.queue.reap(&mut self.completions);
+        self.dirty.completed(&self.completions);
         let reaped = !self.completions.is_empty();
         if reaped {
             // Completion time, once per round: requests served inline

@@ -41,6 +41,7 @@ const COMMANDS: &[&str] = &[
     "block-dirty-bitmap-merge",
     "transaction",
     "blockdev-backup",
+    "blockdev-mirror",
     "blockdev-snapshot",
     "blockdev-create",
     "query-jobs",
@@ -98,6 +99,7 @@ impl Dispatch for Daemon {
                 self.transaction(actions, group)
             }
             "blockdev-backup" => self.transaction(vec![Action::Backup(parse(args)?)], None),
+            "blockdev-mirror" => self.blockdev_mirror(parse(args)?),
             "blockdev-snapshot" => self.blockdev_snapshot(&parse(args)?),
             "blockdev-create" => self.blockdev_create(parse(args)?),
             "query-jobs" => no_arguments(&args).map(|()| self.query_jobs()),
@@ -124,6 +126,7 @@ impl Dispatch for Daemon {
                 Some((true, verb @ (Verb::Finalize | Verb::Dismiss))) => {
                     self.block_job_verb(&parse::<JobId>(args)?.id, verb)
                 }
+                Some((true, Verb::Cancel)) => self.block_job_cancel(parse(args)?),
                 Some((true, verb)) => self.block_job_verb(&parse::<BlockJobArgs>(args)?.device, verb),
                 None => {
                     Err(QmpError::new(ErrorClass::CommandNotFound, format!("The command {command} has not been found")))

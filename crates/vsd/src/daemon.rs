@@ -16,7 +16,9 @@ use crate::objects::Objects;
 
 /// Everything the daemon serves.
 pub struct Daemon {
-    state: Mutex<State>,
+    /// Shared with the jobs that change the graph from their own thread
+    /// (a mirror's switch).
+    state: Arc<Mutex<State>>,
     /// Signalled when an export being deleted has stopped.
     export_stopped: Condvar,
     pub(crate) events: Events,
@@ -41,6 +43,11 @@ pub(crate) struct State {
     /// What each export holds of the images below its node (image locks),
     /// by export id, until it has stopped.
     claims: BTreeMap<String, Vec<ClaimGuard>>,
+}
+
+/// Locks the daemon's state (see [`Daemon::state`]).
+pub(crate) fn lock_state(state: &Mutex<State>) -> MutexGuard<'_, State> {
+    state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// What an export holds of the images below its node: it reads, and
@@ -88,14 +95,19 @@ impl Daemon {
         };
         let sink = events.clone();
         let jobs = vsd_job::Jobs::new(Arc::new(move |name: &str, data| sink.emit(name, data)));
-        Self { state: Mutex::new(state), export_stopped: Condvar::new(), events, objects, jobs }
+        Self { state: Arc::new(Mutex::new(state)), export_stopped: Condvar::new(), events, objects, jobs }
     }
 
     /// The state, for one command at a time. A panic while holding it
     /// cannot leave it half-changed in a way later commands could not
     /// handle, so a poisoned lock is taken over.
     pub(crate) fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock_state(&self.state)
+    }
+
+    /// The state's lock, for a job's thread.
+    pub(crate) fn shared_state(&self) -> Arc<Mutex<State>> {
+        self.state.clone()
     }
 
     /// Adds a node (`--blockdev`, `blockdev-add`).

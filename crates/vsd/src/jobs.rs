@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use vsd_block::BlockNode;
 use vsd_control::qmp::{ErrorClass, QmpError};
 use vsd_job::backup::{Backup, BackupSpec, BitmapMode, Sync};
-use vsd_job::{ErrorPolicy, Group, Job, JobInfo, JobSpec, Verb};
+use vsd_job::{ErrorPolicy, Group, Job, JobInfo, JobSpec, Status, Verb};
 
 use crate::daemon::{Daemon, State};
 
@@ -55,7 +55,7 @@ enum BitmapModeArg {
 
 #[derive(Deserialize, Clone, Copy, Default)]
 #[serde(rename_all = "lowercase")]
-enum OnError {
+pub(crate) enum OnError {
     #[default]
     Report,
     Ignore,
@@ -82,14 +82,13 @@ pub(crate) struct JobId {
 }
 
 /// `block-job-*`'s arguments but `-finalize`'s and `-dismiss`' (which
-/// take a [`JobId`]); `force` of `block-job-cancel` changes nothing for a
-/// job that is never ready.
+/// take a [`JobId`]); only `block-job-cancel` looks at `force`.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct BlockJobArgs {
     pub(crate) device: String,
-    #[serde(default, rename = "force")]
-    _force: bool,
+    #[serde(default)]
+    pub(crate) force: bool,
 }
 
 #[derive(Deserialize)]
@@ -99,16 +98,16 @@ pub(crate) struct SetSpeed {
     speed: i64,
 }
 
-fn generic(text: impl Into<String>) -> QmpError {
+pub(crate) fn generic(text: impl Into<String>) -> QmpError {
     QmpError::generic(text)
 }
 
-fn speed(value: i64) -> Result<u64, QmpError> {
+pub(crate) fn speed(value: i64) -> Result<u64, QmpError> {
     u64::try_from(value).map_err(|_| generic("Parameter 'speed' expects a non-negative value"))
 }
 
 /// QEMU's rule for ids: a letter, then letters, digits, `-`, `.`, `_`.
-fn well_formed(id: &str) -> bool {
+pub(crate) fn well_formed(id: &str) -> bool {
     let mut chars = id.chars();
     chars.next().is_some_and(|c| c.is_ascii_alphabetic())
         && chars.all(|c| c.is_ascii_alphanumeric() || "-._".contains(c))
@@ -209,6 +208,12 @@ impl Daemon {
         act(&*self.block_job(id)?, verb)
     }
 
+    /// `block-job-cancel`: a ready job asked without `force` ends well.
+    pub(crate) fn block_job_cancel(&self, args: BlockJobArgs) -> Reply {
+        self.block_job(&args.device)?.block_cancel(args.force).map_err(generic)?;
+        Ok(json!({}))
+    }
+
     pub(crate) fn block_job_set_speed(&self, args: SetSpeed) -> Reply {
         let job = self.block_job(&args.device)?;
         job.set_speed(speed(args.speed)?).map_err(generic)?;
@@ -243,7 +248,7 @@ impl Daemon {
                 "paused": info.paused,
                 "speed": info.speed,
                 "io-status": if info.io_failed { "failed" } else { "ok" },
-                "ready": false,
+                "ready": matches!(info.status, Status::Ready | Status::Standby),
                 "status": info.status.name(),
                 "auto-finalize": info.auto_finalize,
                 "auto-dismiss": info.auto_dismiss,
@@ -273,11 +278,11 @@ fn act(job: &Job, verb: Verb) -> Reply {
 
 /// Whether node `name` is a child of `node`, or further down: writing
 /// it would change the source behind the hook's back.
-fn below(node: &Arc<dyn BlockNode>, name: &str) -> bool {
+pub(crate) fn below(node: &Arc<dyn BlockNode>, name: &str) -> bool {
     node.children().iter().any(|(_, child)| child.name() == name || below(child, name))
 }
 
-fn node(state: &State, name: &str) -> Result<Arc<dyn BlockNode>, QmpError> {
+pub(crate) fn node(state: &State, name: &str) -> Result<Arc<dyn BlockNode>, QmpError> {
     state.graph.get(name).ok_or_else(|| generic(format!("Cannot find device='{name}' nor node-name='{name}'")))
 }
 

@@ -8,6 +8,7 @@ mod commands;
 mod create;
 mod daemon;
 mod jobs;
+mod mirror;
 mod monitor;
 mod objects;
 mod pidfile;
@@ -15,6 +16,7 @@ mod run_as;
 mod snapshot;
 mod stat;
 mod transaction;
+mod writers;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -8,10 +8,11 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 use serde_json::{Value, json};
-use vsd_block::{BlockNode, Claim};
+use vsd_block::BlockNode;
 use vsd_control::qmp::QmpError;
 
-use crate::daemon::{Daemon, Export, State, export_claim};
+use crate::daemon::{Daemon, State};
+use crate::writers::switch_exports;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -32,7 +33,7 @@ impl Daemon {
         let state = &mut *guard;
         let (node, overlay) = self.snapshot_nodes(state, args)?;
         overlay.attach_backing(node).map_err(|e| generic(e.to_string()))?;
-        move_exports(state, &args.node, &overlay)?;
+        switch_exports(state, &args.node, Some(&overlay), None).map_err(generic)?;
         Ok(json!({}))
     }
 
@@ -87,28 +88,10 @@ impl Daemon {
     }
 
     /// Whether an export, another node or a job uses node `name`.
-    fn in_use(&self, state: &State, name: &str) -> bool {
+    pub(crate) fn in_use(&self, state: &State, name: &str) -> bool {
         state.exports.values().any(|e| e.node().name() == name)
             || state.stopping.values().any(|(node, _)| node == name)
             || state.graph.parent(name).is_some()
             || self.jobs.user_of(name).is_some()
     }
-}
-
-/// Every export of node `from` serves `to` instead, holding what it needs
-/// of `to`'s images.
-fn move_exports(state: &mut State, from: &str, to: &Node) -> Result<(), QmpError> {
-    let ids: Vec<String> = state.exports.values().filter(|e| e.node().name() == from).map(|e| e.id().into()).collect();
-    for id in ids {
-        let Some(export) = state.exports.get(&id) else { continue };
-        let held = export_claim(export.writable());
-        let claims = to.claim(Claim { held, unshared: vsd_block::Perms::NONE }).map_err(|e| generic(e.to_string()))?;
-        match export {
-            Export::VhostUserBlk(export) => export.replace_node(to.clone()),
-            Export::Nbd(export) => export.replace_node(to.clone()),
-        }
-        log::info!("export '{id}' serves node '{}' from now on", to.name());
-        state.set_claims(&id, claims);
-    }
-    Ok(())
 }

@@ -245,7 +245,7 @@ impl Words {
         self.words.iter().for_each(|w| w.store(0, Ordering::SeqCst));
     }
 
-    fn count(&self) -> u64 {
+    pub(super) fn count(&self) -> u64 {
         self.words.iter().map(|w| u64::from(w.load(Ordering::Relaxed).count_ones())).sum()
     }
 

@@ -13,19 +13,22 @@
 //! enabled bitmaps and follows changes by a generation number: with no
 //! bitmap, a write costs two loads of a word that rarely changes; with one,
 //! a load more and, unless the range is already dirty, one `fetch_or` per
-//! word the write covers (one for writes within 64 granules).
+//! word the write covers (one for writes within 64 granules). A job's
+//! [`Tracker`] is marked when the write completes instead.
 
 mod bitmap;
 mod set;
+mod tracker;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
-use vsd_engine::IoOp;
+use vsd_engine::{Completion, IoOp};
 
 use bitmap::Words;
 pub use bitmap::{Bitmap, BitmapInfo, BusyGuard};
 pub use set::DirtySet;
+pub use tracker::Tracker;
 
 /// The longest name QEMU stores (`BDRV_BITMAP_MAX_NAME_SIZE`).
 pub const MAX_NAME_LEN: usize = 1023;
@@ -126,6 +129,8 @@ pub struct DirtyBitmaps {
     /// Newest first, as QEMU lists them.
     bitmaps: Mutex<Vec<Arc<Bitmap>>>,
     hooks: Mutex<Vec<Arc<dyn BeforeWrite>>>,
+    /// The words of the jobs' [`Tracker`]s, with their granularity's shift.
+    trackers: Mutex<Vec<(Arc<Words>, u32)>>,
 }
 
 impl DirtyBitmaps {
@@ -261,10 +266,24 @@ impl DirtyBitmaps {
         self.changed();
     }
 
+    /// A tracker of the writes to a node of `size` bytes that complete
+    /// from the moment each writer looks at the bitmaps again (its next
+    /// write): the caller makes sure none is in flight before that.
+    pub fn track(self: &Arc<Self>, size: u64, granularity: u64) -> Tracker {
+        Tracker::new(self.clone(), size, granularity)
+    }
+
     /// A recorder for one writer of the node.
     pub fn recorder(self: &Arc<Self>) -> DirtyRecorder {
         // No generation is u64::MAX: the first write looks the bitmaps up.
-        DirtyRecorder { bitmaps: self.clone(), seen: u64::MAX, targets: Vec::new(), hooks: Vec::new() }
+        DirtyRecorder {
+            bitmaps: self.clone(),
+            seen: u64::MAX,
+            targets: Vec::new(),
+            hooks: Vec::new(),
+            trackers: Vec::new(),
+            in_flight: Vec::new(),
+        }
     }
 }
 
@@ -284,6 +303,11 @@ pub struct DirtyRecorder {
     /// The words of the enabled bitmaps, with their granularity's shift.
     targets: Vec<(Arc<Words>, u32)>,
     hooks: Vec<Arc<dyn BeforeWrite>>,
+    /// The trackers' words, marked as writes complete.
+    trackers: Vec<(Arc<Words>, u32)>,
+    /// While there are trackers: by tag, the range each write in flight
+    /// changes (empty for none).
+    in_flight: Vec<(u64, u64)>,
 }
 
 impl DirtyRecorder {
@@ -293,9 +317,11 @@ impl DirtyRecorder {
         node.dirty_bitmaps().cloned().unwrap_or_default().recorder()
     }
 
-    /// Marks what `op` changes dirty, if it changes anything.
+    /// Marks what `op`, pushed with `tag`, changes dirty, if it changes
+    /// anything; the trackers are marked once it completes
+    /// ([`DirtyRecorder::completed`]).
     #[inline]
-    pub fn record(&mut self, op: &IoOp) {
+    pub fn record(&mut self, tag: u32, op: &IoOp) {
         let (offset, len) = match *op {
             IoOp::Write { offset, len, .. } | IoOp::WriteZeroes { offset, len, .. } | IoOp::Discard { offset, len } => {
                 (offset, len)
@@ -310,6 +336,9 @@ impl DirtyRecorder {
         for hook in &self.hooks {
             hook.before_write(offset, len);
         }
+        if !self.trackers.is_empty() {
+            self.remember(tag, offset, len);
+        }
         loop {
             for (words, shift) in &self.targets {
                 words.set(offset, len, *shift);
@@ -323,11 +352,43 @@ impl DirtyRecorder {
         }
     }
 
+    /// Marks the trackers with the writes among `done`.
+    #[inline]
+    pub fn completed(&mut self, done: &[Completion]) {
+        if !self.in_flight.is_empty() {
+            self.mark_trackers(done);
+        }
+    }
+
+    #[cold]
+    fn remember(&mut self, tag: u32, offset: u64, len: u64) {
+        let index = tag as usize;
+        if index >= self.in_flight.len() {
+            self.in_flight.resize(index + 1, (0, 0));
+        }
+        self.in_flight[index] = (offset, len);
+    }
+
+    #[cold]
+    fn mark_trackers(&mut self, done: &[Completion]) {
+        for completion in done {
+            let Some(range) = self.in_flight.get_mut(completion.tag as usize) else { continue };
+            let (offset, len) = std::mem::take(range);
+            for (words, shift) in &self.trackers {
+                words.set(offset, len, *shift);
+            }
+        }
+    }
+
     fn refresh(&mut self) {
         // Never in the middle of a batch of changes: all or none of them.
         let _batch = CHANGES.read().unwrap_or_else(PoisonError::into_inner);
         self.seen = self.bitmaps.generation.load(Ordering::SeqCst);
         self.hooks.clone_from(&self.bitmaps.hooks.lock().unwrap_or_else(PoisonError::into_inner));
+        self.trackers.clone_from(&self.bitmaps.trackers.lock().unwrap_or_else(PoisonError::into_inner));
+        if self.trackers.is_empty() {
+            self.in_flight = Vec::new();
+        }
         self.targets.clear();
         for bitmap in self.bitmaps.list().iter() {
             let state = bitmap.state();
@@ -369,11 +430,11 @@ mod tests {
     fn writes_mark_whole_granules_and_only_enabled_bitmaps() {
         let set = Arc::new(DirtyBitmaps::default());
         let mut recorder = set.recorder();
-        recorder.record(&write(0, 4096)); // before any bitmap: nowhere
+        recorder.record(0, &write(0, 4096)); // before any bitmap: nowhere
         let a = set.add("a", MIB, options(65536)).unwrap();
         let b = set.add("b", MIB, BitmapOptions { enabled: false, ..options(512) }).unwrap();
-        recorder.record(&write(65536 + 100, 10));
-        recorder.record(&write(3 * 65536 - 1, 2)); // straddles a granule boundary
+        recorder.record(0, &write(65536 + 100, 10));
+        recorder.record(0, &write(3 * 65536 - 1, 2)); // straddles a granule boundary
         assert_eq!(runs(&a), [(65536, 3 * 65536)], "granules 1, 2 and 3");
         assert_eq!(a.info().count, 3 * 65536);
         assert_eq!(b.info().count, 0, "a disabled bitmap records nothing");
@@ -381,11 +442,11 @@ mod tests {
         set.set_enabled(&b, true).unwrap();
         // SAFETY: as in `write`.
         let iov = unsafe { vsd_engine::IoVecs::new(std::ptr::null(), 0) };
-        recorder.record(&IoOp::Read { offset: 0, len: 512, iov });
-        recorder.record(&IoOp::Discard { offset: MIB - 512, len: 512 });
+        recorder.record(0, &IoOp::Read { offset: 0, len: 512, iov });
+        recorder.record(0, &IoOp::Discard { offset: MIB - 512, len: 512 });
         assert_eq!(runs(&b), [(MIB - 512, 512)], "reads are not writes; discards are");
         set.set_enabled(&a, false).unwrap();
-        recorder.record(&write(0, 512));
+        recorder.record(0, &write(0, 512));
         assert_eq!(a.status(0, 512), (false, 512), "a disabled bitmap stops at once, whatever the recorder held");
         assert_eq!(a.status(0, MIB), (false, 65536));
         assert_eq!(a.status(65536, MIB - 65536), (true, 3 * 65536));
@@ -397,10 +458,10 @@ mod tests {
         let set = Arc::new(DirtyBitmaps::default());
         let bitmap = set.add("x", 1000 * 512 + 100, options(512)).unwrap();
         let mut recorder = set.recorder();
-        recorder.record(&write(512 * 60, 512 * 200));
+        recorder.record(0, &write(512 * 60, 512 * 200));
         assert_eq!(runs(&bitmap), [(512 * 60, 512 * 200)]);
-        recorder.record(&write(1000 * 512, 4096)); // the last, partial granule; the rest is outside
-        recorder.record(&write(1 << 40, 512));
+        recorder.record(0, &write(1000 * 512, 4096)); // the last, partial granule; the rest is outside
+        recorder.record(0, &write(1 << 40, 512));
         let last = runs(&bitmap).pop().unwrap();
         assert_eq!(last, (1000 * 512, 100), "runs end at the node's end");
         assert_eq!(bitmap.info().count, 201 * 512, "count is in whole granules");
@@ -411,7 +472,7 @@ mod tests {
         let set = Arc::new(DirtyBitmaps::default());
         let fine = set.add("fine", MIB, options(512)).unwrap();
         let coarse = set.add("coarse", MIB, BitmapOptions { enabled: false, ..options(65536) }).unwrap();
-        set.recorder().record(&write(70000, 1000));
+        set.recorder().record(0, &write(70000, 1000));
         coarse.merge(&fine).unwrap();
         assert_eq!(runs(&coarse), [(65536, 65536)]);
         let other = DirtyBitmaps::default().add("o", 2 * MIB, options(512)).unwrap();
@@ -445,12 +506,12 @@ mod tests {
         let set = Arc::new(DirtyBitmaps::default());
         let bitmap = set.add("s", 4 * MIB, options(4096)).unwrap();
         let mut recorder = set.recorder();
-        recorder.record(&write(0, 4096));
-        recorder.record(&write(MIB + 4096, 4096));
+        recorder.record(0, &write(0, 4096));
+        recorder.record(0, &write(MIB + 4096, 4096));
         let guard = bitmap.take().unwrap();
         let taken = guard.split();
         assert_eq!((bitmap.info().count, taken.count()), (0, 8192), "the bitmap starts clean");
-        recorder.record(&write(2 * MIB, 4096)); // recorded after the split: stays in the bitmap
+        recorder.record(0, &write(2 * MIB, 4096)); // recorded after the split: stays in the bitmap
         let clusters = taken.coarsen(65536);
         assert_eq!((clusters.granularity(), clusters.count()), (65536, 2 * 65536));
         assert_eq!(
@@ -478,14 +539,39 @@ mod tests {
         let (first, second) = (Arc::new(Log(Mutex::default())), Arc::new(Log(Mutex::default())));
         let hook: Arc<dyn BeforeWrite> = first.clone();
         set.add_hook(hook.clone());
-        recorder.record(&write(4096, 512));
+        recorder.record(0, &write(4096, 512));
         set.add_hook(second.clone());
-        recorder.record(&IoOp::Discard { offset: 0, len: 8192 });
-        recorder.record(&IoOp::Flush);
+        recorder.record(0, &IoOp::Discard { offset: 0, len: 8192 });
+        recorder.record(0, &IoOp::Flush);
         set.remove_hook(&hook);
-        recorder.record(&write(0, 512));
+        recorder.record(0, &write(0, 512));
         assert_eq!(*first.0.lock().unwrap(), [(4096, 512), (0, 8192)]);
         assert_eq!(*second.0.lock().unwrap(), [(0, 8192), (0, 512)], "the second hook, until the end");
+    }
+
+    #[test]
+    fn trackers_are_marked_when_writes_complete_and_taken_clean() {
+        let set = Arc::new(DirtyBitmaps::default());
+        let mut recorder = set.recorder();
+        recorder.record(7, &write(0, 4096)); // before the tracker: not tracked
+        let tracker = set.track(MIB, 65536);
+        recorder.record(3, &write(65536 + 10, 100));
+        recorder.record(4, &IoOp::Discard { offset: 5 * 65536, len: 2 * 65536 });
+        assert_eq!(tracker.dirty_bytes(), 0, "nothing until the writes complete");
+        recorder.completed(&[Completion { tag: 7, errno: 0 }, Completion { tag: 3, errno: 0 }]);
+        assert_eq!(tracker.dirty_bytes(), 65536);
+        recorder.completed(&[Completion { tag: 4, errno: libc::EIO }]);
+        assert_eq!(tracker.take(0, 65536), Some((65536, 65536)), "a run, at most the bytes asked");
+        assert_eq!(tracker.take(0, 1), Some((5 * 65536, 65536)), "whole granules");
+        tracker.mark(MIB - 1, 10);
+        assert_eq!(tracker.take(0, MIB), Some((6 * 65536, 65536)));
+        assert_eq!(tracker.take(7 * 65536, MIB), Some((MIB - 65536, 65536)), "clamped to the node");
+        assert_eq!((tracker.take(0, MIB), tracker.dirty_bytes()), (None, 0));
+        let words = tracker.words.clone();
+        drop(tracker);
+        recorder.record(3, &write(0, 4096));
+        recorder.completed(&[Completion { tag: 3, errno: 0 }]);
+        assert_eq!(words.count(), 0, "a tracker gone is marked no more");
     }
 
     #[test]
@@ -496,7 +582,7 @@ mod tests {
         let mut recorder = set.recorder();
         let writer = std::thread::spawn(move || {
             for i in 0..SIZE / 512 {
-                recorder.record(&write(i * 512, 512));
+                recorder.record(0, &write(i * 512, 512));
             }
         });
         let mut checkpoints = vec![previous.clone()];
@@ -520,9 +606,9 @@ mod tests {
         let set = Arc::new(DirtyBitmaps::default());
         let bitmap = set.add("r", MIB, options(4096)).unwrap();
         let mut recorder = set.recorder();
-        recorder.record(&write(MIB - 4096, 4096));
+        recorder.record(0, &write(MIB - 4096, 4096));
         set.resize(2 * MIB);
-        recorder.record(&write(MIB, 4096)); // the recorder still holds the old words
+        recorder.record(0, &write(MIB, 4096)); // the recorder still holds the old words
         assert_eq!(runs(&bitmap), [(MIB - 4096, 8192)]);
         set.resize(MIB - 8192);
         assert_eq!(runs(&bitmap), [], "bits past a smaller size go");
@@ -539,7 +625,7 @@ mod tests {
                 std::thread::spawn(move || {
                     for i in 0..64 * 1024u64 {
                         // Inside the smallest size the node takes below.
-                        recorder.record(&write((i * 2 + w) * 512, 512));
+                        recorder.record(0, &write((i * 2 + w) * 512, 512));
                     }
                 })
             })

@@ -148,7 +148,7 @@ impl ThrottleQueue {
 
     fn forward(&mut self, tag: u32, op: IoOp) {
         self.forwarded += 1;
-        self.dirty.record(&op);
+        self.dirty.record(tag, &op);
         // SAFETY: the owner's guarantee for `op`, given at push, holds until
         // its completion is reaped, which is after it reaches the child.
         unsafe { self.inner.push(tag, op) }
@@ -265,6 +265,7 @@ impl IoQueue for ThrottleQueue {
         }
         let before = out.len();
         self.inner.reap(out);
+        self.dirty.completed(&out[before..]);
         self.forwarded -= out.len() - before;
     }
 

@@ -432,7 +432,7 @@ impl QueueWorker {
         *self.slots.slot_mut(tag) =
             Slot { head, status, used_len: data_len + 1, kind, bytes, stamps, ram: Some(ram.clone()) };
         self.unsubmitted.push(tag);
-        self.dirty.record(&op);
+        self.dirty.record(u32::from(tag), &op);
         // SAFETY: the buffers live in guest memory kept mapped by the slot,
         // and the iovec array is the slot's own; both outlive the request,
         // which completes before the slot is reused or the worker drops.

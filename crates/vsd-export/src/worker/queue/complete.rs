@@ -20,6 +20,7 @@ impl QueueWorker {
         if self.completions.is_empty() {
             return;
         }
+        self.dirty.completed(&self.completions);
         // The used ring is written through the current memory map.
         self.current_ram();
         let completed_at = self.trace.now();

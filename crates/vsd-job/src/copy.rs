@@ -1,0 +1,191 @@
+//! Copying ranges of one node into another on a job's own queues: the
+//! backup's and the mirror's data path. Holes of the source become zeroes
+//! on the target.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vsd_block::{Allocation, BlockNode, IoOp, IoQueue, IoVecs};
+use vsd_qcow2::buf::AlignedBuf;
+
+/// The most bytes one [`Copier::copy`] takes.
+pub(crate) const MAX_COPY: u64 = 1 << 20;
+
+/// How far the source's allocation can be trusted once asked.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Extents {
+    /// Until the range is copied: writes to it wait for the copy (backup).
+    Stable,
+    /// Writers change it at any time (mirror): a hole is asked again each
+    /// time, as a write may have filled it; data read as data is harmless.
+    Changing,
+}
+
+/// Why a copy failed.
+pub(crate) enum Failure {
+    /// A request failed with this errno: a read of the source or a write
+    /// of the target.
+    Io { write: bool, errno: i32 },
+    /// The engine itself failed: nothing can be retried.
+    Engine(String),
+}
+
+/// The job thread's queues and buffer. The queues come first: they are
+/// dropped first, waiting for anything in flight in the buffer.
+pub(crate) struct Copier {
+    source_queue: Box<dyn IoQueue>,
+    target_queue: Box<dyn IoQueue>,
+    source: Arc<dyn BlockNode>,
+    buf: AlignedBuf,
+    /// The last extent block status gave, as far as it reaches: asked once
+    /// for the rest of the node, not once per run (a file's SEEK_HOLE
+    /// scans to the next hole: on tmpfs, 0.6 ms per call on 256 MiB).
+    extent: Option<(Allocation, u64, u64)>,
+    extents: Extents,
+}
+
+/// Runs one request to its end on `queue`.
+pub(crate) fn run_one(queue: &mut dyn IoQueue, op: IoOp) -> Result<(), Failure> {
+    let write = !matches!(op, IoOp::Read { .. });
+    // SAFETY: the buffers `op` names are the copier's, which outlives the
+    // queue (dropped first); the request is reaped below before they are
+    // used again.
+    unsafe { queue.push(0, op) };
+    queue.submit().map_err(|e| Failure::Engine(e.to_string()))?;
+    let mut done = Vec::with_capacity(1);
+    loop {
+        queue.reap(&mut done);
+        if let Some(completion) = done.pop() {
+            return match completion.errno {
+                0 => Ok(()),
+                errno => Err(Failure::Io { write, errno }),
+            };
+        }
+        queue.wait().map_err(|e| Failure::Engine(e.to_string()))?;
+    }
+}
+
+impl Copier {
+    pub(crate) fn open(
+        source: &Arc<dyn BlockNode>,
+        target: &Arc<dyn BlockNode>,
+        extents: Extents,
+    ) -> Result<Self, String> {
+        let open = |node: &Arc<dyn BlockNode>| {
+            node.open_queue(4).map_err(|e| format!("Cannot open a queue on node '{}': {e}", node.name()))
+        };
+        Ok(Self {
+            source_queue: open(source)?,
+            target_queue: open(target)?,
+            source: source.clone(),
+            buf: AlignedBuf::zeroed(MAX_COPY as usize),
+            extent: None,
+            extents,
+        })
+    }
+
+    /// Copies bytes `offset..offset + len` (at most [`MAX_COPY`]).
+    pub(crate) fn copy(&mut self, offset: u64, len: u64) -> Result<(), Failure> {
+        let end = offset + len;
+        let mut at = offset;
+        while at < end {
+            let (allocation, n) = self.status(at)?;
+            // Pieces that end off a page boundary are copied as data: the
+            // requests stay aligned for O_DIRECT.
+            let mut n = n.clamp(1, end - at);
+            let allocation = if !(at + n).is_multiple_of(4096) && at + n < end {
+                n = ((at + n).next_multiple_of(4096)).min(end) - at;
+                Allocation::Data
+            } else {
+                allocation
+            };
+            match allocation {
+                Allocation::Hole => {
+                    let zero = IoOp::WriteZeroes { offset: at, len: n, may_unmap: true, fast: false };
+                    run_one(&mut *self.target_queue, zero)?;
+                }
+                Allocation::Data => self.copy_data(at, n)?,
+            }
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// How the source reads from `at`, and for how many bytes.
+    fn status(&mut self, at: u64) -> Result<(Allocation, u64), Failure> {
+        match self.extent {
+            Some((allocation, start, end))
+                if (start..end).contains(&at)
+                    && (allocation == Allocation::Data || self.extents == Extents::Stable) =>
+            {
+                Ok((allocation, end - at))
+            }
+            _ => {
+                let rest = self.source.size().saturating_sub(at).max(1);
+                let (allocation, n) =
+                    self.source.block_status(at, rest).map_err(|e| Failure::Io { write: false, errno: errno(&e) })?;
+                self.extent = Some((allocation, at, at + n.max(1)));
+                Ok((allocation, n.max(1)))
+            }
+        }
+    }
+
+    fn copy_data(&mut self, offset: u64, len: u64) -> Result<(), Failure> {
+        let iov = [libc::iovec { iov_base: self.buf.as_mut_ptr().cast(), iov_len: len as usize }];
+        // SAFETY: `iov` names `len` bytes of the buffer (a run at most),
+        // and both live until the requests below are reaped.
+        let iovecs = unsafe { IoVecs::new(iov.as_ptr(), 1) };
+        run_one(&mut *self.source_queue, IoOp::Read { offset, len, iov: iovecs })?;
+        run_one(&mut *self.target_queue, IoOp::Write { offset, len, iov: iovecs, durable: false })
+    }
+
+    pub(crate) fn flush(&mut self) -> Result<(), Failure> {
+        run_one(&mut *self.target_queue, IoOp::Flush)
+    }
+}
+
+pub(crate) fn errno(e: &std::io::Error) -> i32 {
+    e.raw_os_error().unwrap_or(libc::EIO)
+}
+
+/// A job's speed limit: each copy waits for the bytes of the one before.
+pub(crate) struct Pace {
+    /// When the last copy was done, and its bytes.
+    last: (Instant, u64),
+}
+
+impl Pace {
+    pub(crate) fn new() -> Self {
+        Self { last: (Instant::now(), 0) }
+    }
+
+    /// A copy of `bytes` is done.
+    pub(crate) fn copied(&mut self, bytes: u64) {
+        self.last = (Instant::now(), bytes);
+    }
+
+    /// When the next copy may start at `speed` bytes per second (0: no limit).
+    pub(crate) fn allowed_at(&self, speed: u64) -> Instant {
+        match speed {
+            0 => self.last.0,
+            speed => self.last.0 + Duration::from_secs_f64(self.last.1 as f64 / speed as f64),
+        }
+    }
+}
+
+/// The ranges `node` holds itself rather than reads from its backing
+/// chain (allocation depth 1): what `sync=top` copies.
+pub(crate) fn top_extents(node: &dyn BlockNode) -> std::io::Result<Vec<(u64, u64)>> {
+    let size = node.size();
+    let mut extents = Vec::new();
+    let mut at = 0;
+    while at < size {
+        let (depth, n) = node.allocation_depth(at, size - at)?;
+        let n = n.clamp(1, size - at);
+        if depth == 1 {
+            extents.push((at, n));
+        }
+        at += n;
+    }
+    Ok(extents)
+}

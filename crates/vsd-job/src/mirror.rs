@@ -1,0 +1,222 @@
+//! The mirror job (`blockdev-mirror`): copies a node onto a target while
+//! the node's writers go on, until the two are in sync (the job is then
+//! ready and keeps them so); `job-complete` then moves the writers onto
+//! the target, and `block-job-cancel` leaves the copy as it is.
+//!
+//! ```text
+//!   writers ─▶ source ─(write completed)─▶ Tracker ─dirty runs─▶ job: source.read ─▶ target.write
+//!   complete: writers stopped ─▶ last dirty runs copied, target flushed ─▶ writers on the target
+//! ```
+//!
+//! The tracker is marked when a write completes: a run the job takes (and
+//! so cleans) and then reads is dirty again if a write to it lands after,
+//! and copied again. Only the end needs the writers stopped, for as long as
+//! the last runs take.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vsd_block::BlockNode;
+use vsd_block::dirty::Tracker;
+
+use crate::copy::{Copier, Extents, Failure, MAX_COPY, Pace, top_extents};
+use crate::{CANCELLED, ErrorPolicy, Finish, Job, JobBody, Status, strerror};
+
+/// How long a job in sync waits before it looks for new writes again.
+const IDLE: Duration = Duration::from_millis(100);
+/// How long a run that failed under the `ignore` or `stop` policy waits
+/// before it is tried again.
+const RETRY_DELAY: Duration = Duration::from_millis(100);
+
+/// What the mirror copies before it follows the writes (QAPI's
+/// `MirrorSyncMode`, as far as mirrors take it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MirrorSync {
+    /// Everything.
+    Full,
+    /// What the source holds itself, not what it reads from its backing
+    /// chain (the target has the same backing).
+    Top,
+    /// Nothing: only what is written from now on.
+    None,
+}
+
+/// The writers of the source (the daemon's exports), which the job stops
+/// at its end.
+pub trait Writers: Send + Sync {
+    /// Runs `work` with no write to the source in flight or starting; if
+    /// it succeeds and `switch_to` is given, the writers write there from
+    /// then on.
+    fn stopped(
+        &self,
+        switch_to: Option<&Arc<dyn BlockNode>>,
+        work: &mut dyn FnMut() -> Result<(), String>,
+    ) -> Result<(), String>;
+}
+
+/// How a mirror is made.
+pub struct MirrorSpec {
+    /// The node copied.
+    pub source: Arc<dyn BlockNode>,
+    /// The node written.
+    pub target: Arc<dyn BlockNode>,
+    /// What is copied first.
+    pub sync: MirrorSync,
+    /// The source's writes, tracked from a moment no write was in flight.
+    pub tracker: Tracker,
+    /// Who writes to the source.
+    pub writers: Arc<dyn Writers>,
+    /// On a read error of the source.
+    pub on_source_error: ErrorPolicy,
+    /// On a write error of the target.
+    pub on_target_error: ErrorPolicy,
+}
+
+/// The mirror job's body.
+pub struct Mirror {
+    spec: MirrorSpec,
+}
+
+impl Mirror {
+    /// A mirror as `spec` says.
+    pub fn new(spec: MirrorSpec) -> Self {
+        Self { spec }
+    }
+}
+
+/// The job's own view while it runs.
+struct Run<'a> {
+    job: &'a Arc<Job>,
+    spec: &'a MirrorSpec,
+    copier: Copier,
+    /// Where the next run is looked for: runs are copied in order, round
+    /// and round.
+    cursor: u64,
+    pace: Pace,
+}
+
+/// What one step of copying found.
+enum Step {
+    Copied,
+    /// A run failed and stays dirty; it is tried again after a while.
+    Retry,
+    /// Nothing dirty: the target holds what the source does.
+    InSync,
+}
+
+impl Run<'_> {
+    /// Copies run `offset..offset + len`, counted as progress; on a
+    /// failure it is dirty again.
+    fn copy(&mut self, offset: u64, len: u64) -> Result<(), Failure> {
+        if let Err(failure) = self.copier.copy(offset, len) {
+            self.spec.tracker.mark(offset, len);
+            return Err(failure);
+        }
+        self.job.add_progress(len);
+        Ok(())
+    }
+
+    /// The next dirty run, looked for from the cursor on, then from the start.
+    fn next_run(&mut self) -> Option<(u64, u64)> {
+        let tracker = &self.spec.tracker;
+        let run = tracker.take(self.cursor, MAX_COPY).or_else(|| tracker.take(0, MAX_COPY))?;
+        self.cursor = run.0 + run.1;
+        Some(run)
+    }
+
+    /// Copies the next dirty run under the error policies.
+    fn step(&mut self) -> Result<Step, String> {
+        let Some((offset, len)) = self.next_run() else { return Ok(Step::InSync) };
+        match self.copy(offset, len) {
+            Ok(()) => {
+                self.pace.copied(len);
+                Ok(Step::Copied)
+            }
+            Err(Failure::Io { write, errno }) => {
+                let policy = if write { self.spec.on_target_error } else { self.spec.on_source_error };
+                if self.job.io_error(policy, write, errno) { Ok(Step::Retry) } else { Err(strerror(errno)) }
+            }
+            Err(Failure::Engine(text)) => Err(text),
+        }
+    }
+
+    /// Copies what is dirty and flushes the target; any error ends it.
+    fn sync(&mut self) -> Result<(), String> {
+        while let Some((offset, len)) = self.next_run() {
+            self.copy(offset, len).map_err(|f| self.describe(f))?;
+        }
+        self.copier.flush().map_err(|f| self.describe(f))
+    }
+
+    fn describe(&self, failure: Failure) -> String {
+        match failure {
+            Failure::Io { write, errno } => {
+                self.job.io_error(ErrorPolicy::Report, write, errno);
+                strerror(errno)
+            }
+            Failure::Engine(text) => text,
+        }
+    }
+
+    /// Follows the writes until asked to end.
+    fn follow(&mut self) -> Result<(), String> {
+        loop {
+            if self.job.cancelled() {
+                return Err(CANCELLED.into());
+            }
+            if self.job.pause_point() {
+                self.job.wait(None);
+                continue;
+            }
+            if let Some(finish) = self.job.finish_requested() {
+                return self.end(finish);
+            }
+            let allowed = self.pace.allowed_at(self.job.speed());
+            if Instant::now() < allowed {
+                self.job.wait(Some(allowed));
+                continue;
+            }
+            let step = self.step()?;
+            self.job.set_total(self.job.progress() + self.spec.tracker.dirty_bytes());
+            match step {
+                Step::Copied => {}
+                Step::Retry => self.job.wait(Some(Instant::now() + RETRY_DELAY)),
+                Step::InSync => {
+                    if self.job.status() == Status::Running {
+                        // In sync means on the target's disk, as QEMU has it.
+                        self.copier.flush().map_err(|f| self.describe(f))?;
+                        self.job.ready();
+                    }
+                    self.job.wait(Some(Instant::now() + IDLE));
+                }
+            }
+        }
+    }
+
+    /// The last runs, with the writers stopped; then they move onto the
+    /// target if the job completes.
+    fn end(&mut self, finish: Finish) -> Result<(), String> {
+        let target = self.spec.target.clone();
+        let switch_to = (finish == Finish::Complete).then_some(&target);
+        let writers = self.spec.writers.clone();
+        writers.stopped(switch_to, &mut || self.sync())
+    }
+}
+
+impl JobBody for Mirror {
+    fn run(&mut self, job: &Arc<Job>) -> Result<(), String> {
+        let spec = &self.spec;
+        match spec.sync {
+            MirrorSync::Full => spec.tracker.mark(0, spec.source.size()),
+            MirrorSync::Top => {
+                let extents =
+                    top_extents(&*spec.source).map_err(|e| format!("Cannot read the allocation of the source: {e}"))?;
+                extents.into_iter().for_each(|(offset, len)| spec.tracker.mark(offset, len));
+            }
+            MirrorSync::None => {}
+        }
+        job.set_total(spec.tracker.dirty_bytes());
+        let copier = Copier::open(&spec.source, &spec.target, Extents::Changing)?;
+        Run { job, spec, copier, cursor: 0, pace: Pace::new() }.follow()
+    }
+}

@@ -1,0 +1,224 @@
+//! Mirrors (`blockdev-mirror`): a disk copied while a vhost-user client
+//! writes on, then the export moved onto the copy with no write lost; a
+//! mirror cancelled once ready leaves a copy and no switch; the mistakes
+//! refused; and the same QMP script answered and notified as
+//! qemu-storage-daemon does.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use common::qmp::Qmp;
+use common::{Daemon, Scratch, monitor};
+use serde_json::{Value, json};
+use vsd_bench::ClientOptions;
+
+const MIB: u64 = 1 << 20;
+const BLOCK: u64 = 4096;
+
+/// A raw disk `disk` of `size` bytes holding 0x11 (over file node `f0`),
+/// served writable over vhost-user, and file nodes `targets` of the same
+/// size; plus `extra` arguments.
+fn served(dir: &Scratch, size: u64, targets: &[&str], extra: &[&str]) -> (Daemon, Qmp) {
+    let image = dir.path("disk.img");
+    std::fs::write(&image, vec![0x11; size as usize]).unwrap();
+    let mut args: Vec<String> = vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=file0,filename={}", image.display()),
+        "--blockdev".into(),
+        "driver=raw,node-name=disk,file=file0".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=v0,node-name=disk,writable=on,addr.type=unix,addr.path={}",
+            dir.path("vhost.sock").display()
+        ),
+    ];
+    for target in targets {
+        let path = dir.image(&format!("{target}.img"), size);
+        args.extend(["--blockdev".into(), format!("driver=file,node-name={target},filename={}", path.display())]);
+    }
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args.extend(monitor(&dir.path("qmp.sock")));
+    let daemon = Daemon::vsd(dir, &args);
+    let qmp = Qmp::connect(&dir.path("qmp.sock"));
+    (daemon, qmp)
+}
+
+/// A client writing 4 KiB blocks round the first `blocks` of the disk
+/// until told to stop; returns what each block it wrote holds last.
+struct Writer {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<HashMap<u64, u8>>,
+}
+
+impl Writer {
+    fn start(daemon: &Daemon, blocks: u64) -> Self {
+        let mut client = daemon.connect(ClientOptions::default());
+        let mut queue = client.take_queue(0).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopping = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let _client = client;
+            let mut last = HashMap::new();
+            let mut n = 0u64;
+            while !stopping.load(Ordering::Relaxed) {
+                // A stride that visits every block, not in order.
+                let block = (n * 7919) % blocks;
+                let byte = (n % 200) as u8 + 0x20;
+                queue.write_at(block * BLOCK, &[byte; BLOCK as usize]).unwrap();
+                last.insert(block, byte);
+                n += 1;
+            }
+            last
+        });
+        Self { stop, thread }
+    }
+
+    fn finish(self) -> HashMap<u64, u8> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().unwrap()
+    }
+}
+
+/// The first byte of `image` that is not what `expect` says, if any.
+fn first_mismatch(image: &std::path::Path, expect: impl Fn(u64) -> u8) -> Option<(u64, u8, u8)> {
+    let data = std::fs::read(image).unwrap();
+    (0..data.len() as u64).map(|at| (at, data[at as usize], expect(at))).find(|(_, got, want)| got != want)
+}
+
+fn node_served(qmp: &mut Qmp) -> Value {
+    qmp.ok("query-block-exports", json!({}))[0]["node-name"].clone()
+}
+
+#[test]
+fn a_mirror_follows_the_writes_and_job_complete_moves_the_export_onto_the_copy() {
+    let dir = Scratch::new("mirror-complete");
+    let size = 32 * MIB;
+    let (daemon, mut qmp) = served(&dir, size, &["tgt"], &[]);
+    let writer = Writer::start(&daemon, size / BLOCK);
+    std::thread::sleep(Duration::from_millis(100));
+    qmp.ok("blockdev-mirror", json!({"job-id": "m", "device": "disk", "target": "tgt", "sync": "full"}));
+    let ready = qmp.await_event("BLOCK_JOB_READY", json!({"device": "m"}));
+    assert_eq!(ready["len"], ready["offset"], "{ready}");
+    assert!(ready["len"].as_u64().unwrap() >= size, "everything copied at least once: {ready}");
+    let jobs = qmp.ok("query-block-jobs", json!({}));
+    assert_eq!((jobs[0]["ready"].clone(), jobs[0]["status"].clone()), (json!(true), json!("ready")), "{jobs}");
+    // Ready, the job keeps following the writes.
+    std::thread::sleep(Duration::from_millis(300));
+    qmp.ok("job-complete", json!({"id": "m"}));
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "m"}));
+    assert!(done.get("error").is_none(), "{done}");
+    assert_eq!(node_served(&mut qmp), json!("tgt"), "the export serves the copy");
+    // Writes after the switch go to the copy alone.
+    std::thread::sleep(Duration::from_millis(200));
+    let last = writer.finish();
+    assert!(last.len() as u64 > size / BLOCK / 4, "the client wrote throughout ({} blocks)", last.len());
+    daemon.stop();
+    let expect = |at: u64| last.get(&(at / BLOCK)).copied().unwrap_or(0x11);
+    assert_eq!(first_mismatch(&dir.path("tgt.img"), expect), None, "the copy holds every write");
+}
+
+#[test]
+fn block_job_cancel_of_a_ready_mirror_leaves_a_copy_and_the_export_where_it_was() {
+    let dir = Scratch::new("mirror-leave");
+    let size = 16 * MIB;
+    let (daemon, mut qmp) = served(&dir, size, &["tgt"], &[]);
+    let writer = Writer::start(&daemon, size / BLOCK);
+    qmp.ok("blockdev-mirror", json!({"job-id": "m", "device": "disk", "target": "tgt", "sync": "full"}));
+    qmp.await_event("BLOCK_JOB_READY", json!({"device": "m"}));
+    qmp.ok("block-job-pause", json!({"device": "m"}));
+    qmp.await_event("JOB_STATUS_CHANGE", json!({"id": "m", "status": "standby"}));
+    qmp.ok("block-job-resume", json!({"device": "m"}));
+    qmp.await_event("JOB_STATUS_CHANGE", json!({"id": "m", "status": "ready"}));
+    let last = writer.finish();
+    qmp.ok("block-job-cancel", json!({"device": "m"}));
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "m"}));
+    assert!(done.get("error").is_none(), "{done}");
+    assert_eq!(node_served(&mut qmp), json!("disk"), "no switch");
+    // A write after the end reaches the disk only.
+    let mut client = daemon.connect(ClientOptions::default());
+    client.take_queue(0).unwrap().write_at(size - BLOCK, &[0x99; BLOCK as usize]).unwrap();
+    drop(client);
+    daemon.stop();
+    let expect = |at: u64| last.get(&(at / BLOCK)).copied().unwrap_or(0x11);
+    assert_eq!(first_mismatch(&dir.path("tgt.img"), expect), None, "the copy is the disk when cancelled");
+    let disk = |at: u64| if at >= size - BLOCK { 0x99 } else { expect(at) };
+    assert_eq!(first_mismatch(&dir.path("disk.img"), disk), None);
+}
+
+#[test]
+fn a_mirror_cancelled_before_it_is_ready_is_cancelled() {
+    let dir = Scratch::new("mirror-cancel");
+    let (_daemon, mut qmp) = served(&dir, 16 * MIB, &["tgt"], &[]);
+    let mirror = json!({"job-id": "m", "device": "disk", "target": "tgt", "sync": "full", "speed": 1});
+    qmp.ok("blockdev-mirror", mirror);
+    let early = qmp.answer("job-complete", json!({"id": "m"}));
+    assert_eq!(early["error"]["desc"], "Job 'm' in state 'running' cannot accept command verb 'complete'");
+    qmp.ok("block-job-cancel", json!({"device": "m"}));
+    let cancelled = qmp.await_event("BLOCK_JOB_CANCELLED", json!({"device": "m"}));
+    assert!(cancelled["offset"].as_u64().unwrap() < 16 * MIB, "{cancelled}");
+    assert_eq!(node_served(&mut qmp), json!("disk"));
+    // The nodes are free again.
+    qmp.ok("blockdev-mirror", json!({"job-id": "m2", "device": "disk", "target": "tgt", "sync": "none"}));
+    qmp.await_event("BLOCK_JOB_READY", json!({"device": "m2"}));
+    qmp.ok("job-cancel", json!({"id": "m2"}));
+    qmp.await_event("BLOCK_JOB_CANCELLED", json!({"device": "m2"}));
+}
+
+#[test]
+fn mistakes_are_refused_and_change_nothing() {
+    let dir = Scratch::new("mirror-refused");
+    let size = 16 * MIB;
+    let small = dir.image("small.img", MIB);
+    let nbd = dir.path("nbd.sock");
+    let extra = [
+        "--blockdev".to_string(),
+        format!("driver=file,node-name=small,filename={}", small.display()),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", nbd.display()),
+        "--export".into(),
+        "type=nbd,id=n0,node-name=t2,name=t2,writable=on".into(),
+    ];
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let (_daemon, mut qmp) = served(&dir, size, &["tgt", "t2", "t3"], &extra);
+    let mirror = |target: &str, more: Value| {
+        let mut args = json!({"job-id": "m", "device": "disk", "target": target, "sync": "full"});
+        args.as_object_mut().unwrap().extend(more.as_object().unwrap().clone());
+        args
+    };
+    let cases = [
+        (mirror("disk", json!({})), "Can't mirror node into itself"),
+        (mirror("nope", json!({})), "Cannot find device='nope' nor node-name='nope'"),
+        (mirror("tgt", json!({"granularity": 256})), "Parameter 'granularity' expects a value in range [512B, 64MB]"),
+        (mirror("tgt", json!({"granularity": 65537})), "Parameter 'granularity' expects a power of 2"),
+        (mirror("tgt", json!({"sync": "incremental"})), "Sync mode 'incremental' not supported"),
+        (mirror("small", json!({})), "Source and target image have different sizes"),
+        (mirror("tgt", json!({"job-id": "1x"})), "Invalid job ID '1x'"),
+        (mirror("tgt", json!({"copy-mode": "write-blocking"})), "vsd mirrors with copy-mode 'background' only"),
+        (
+            mirror("file0", json!({})),
+            "Node 'disk' and node 'file0' are in one backing chain: the mirror would write what it reads",
+        ),
+        (mirror("t2", json!({})), "Node 't2' is busy: an export or another node uses it"),
+    ];
+    for (args, error) in cases {
+        let answer = qmp.answer("blockdev-mirror", args.clone());
+        assert_eq!(answer["error"]["desc"], error, "{args}");
+    }
+    // A writable NBD export of the source could not be stopped at the switch.
+    let refused = qmp.answer("blockdev-mirror", json!({"job-id": "m", "device": "t2", "target": "t3", "sync": "full"}));
+    assert!(
+        refused["error"]["desc"].as_str().unwrap().contains("cannot stop the writes of NBD export 'n0'"),
+        "{refused}"
+    );
+    assert_eq!(qmp.ok("query-block-jobs", json!({})), json!([]), "no job was made");
+    // One job per node.
+    qmp.ok("blockdev-mirror", mirror("tgt", json!({"speed": 1})));
+    let busy = qmp.answer("blockdev-mirror", json!({"job-id": "m2", "device": "disk", "target": "t3", "sync": "full"}));
+    assert_eq!(busy["error"]["desc"], "Node 'disk' is busy: block device is in use by block job: mirror");
+    let del = qmp.answer("blockdev-del", json!({"node-name": "tgt"}));
+    assert!(del.get("error").is_some(), "{del}");
+}
