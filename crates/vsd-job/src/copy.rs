@@ -100,10 +100,7 @@ impl Copier {
                 allocation
             };
             match allocation {
-                Allocation::Hole => {
-                    let zero = IoOp::WriteZeroes { offset: at, len: n, may_unmap: true, fast: false };
-                    run_one(&mut *self.target_queue, zero)?;
-                }
+                Allocation::Hole => self.zero(at, n)?,
                 Allocation::Data => self.copy_data(at, n)?,
             }
             at += n;
@@ -111,8 +108,13 @@ impl Copier {
         Ok(())
     }
 
+    /// Writes zeroes over bytes `offset..offset + len` of the target.
+    pub(crate) fn zero(&mut self, offset: u64, len: u64) -> Result<(), Failure> {
+        run_one(&mut *self.target_queue, IoOp::WriteZeroes { offset, len, may_unmap: true, fast: false })
+    }
+
     /// How the source reads from `at`, and for how many bytes.
-    fn status(&mut self, at: u64) -> Result<(Allocation, u64), Failure> {
+    pub(crate) fn status(&mut self, at: u64) -> Result<(Allocation, u64), Failure> {
         match self.extent {
             Some((allocation, start, end))
                 if (start..end).contains(&at)

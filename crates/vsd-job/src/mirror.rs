@@ -16,8 +16,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vsd_block::BlockNode;
 use vsd_block::dirty::Tracker;
+use vsd_block::{Allocation, BlockNode};
 
 use crate::copy::{Copier, Extents, Failure, MAX_COPY, Pace, top_extents};
 use crate::{CANCELLED, ErrorPolicy, Finish, Job, JobBody, Status, strerror};
@@ -66,6 +66,9 @@ pub struct MirrorSpec {
     pub tracker: Tracker,
     /// Who writes to the source.
     pub writers: Arc<dyn Writers>,
+    /// Bytes copied in one burst under the speed limit (QEMU's `buf-size`:
+    /// what its mirror has in flight at most).
+    pub burst: u64,
     /// On a read error of the source.
     pub on_source_error: ErrorPolicy,
     /// On a write error of the target.
@@ -93,6 +96,8 @@ struct Run<'a> {
     /// and round.
     cursor: u64,
     pace: Pace,
+    /// Bytes copied in the current burst.
+    burst: u64,
 }
 
 /// What one step of copying found.
@@ -129,7 +134,10 @@ impl Run<'_> {
         let Some((offset, len)) = self.next_run() else { return Ok(Step::InSync) };
         match self.copy(offset, len) {
             Ok(()) => {
-                self.pace.copied(len);
+                self.burst += len;
+                if self.burst >= self.spec.burst {
+                    self.pace.copied(std::mem::take(&mut self.burst));
+                }
                 Ok(Step::Copied)
             }
             Err(Failure::Io { write, errno }) => {
@@ -156,6 +164,30 @@ impl Run<'_> {
             }
             Failure::Engine(text) => text,
         }
+    }
+
+    /// `sync=full`'s start, as QEMU's: what reads as zeroes is zeroed on
+    /// the target at once, the rest is dirty. A write to a hole after it
+    /// was looked at is tracked, and copied like any other.
+    fn zero_holes_mark_data(&mut self) -> Result<(), String> {
+        let size = self.spec.source.size();
+        let mut at = 0;
+        while at < size {
+            if self.job.cancelled() {
+                return Err(CANCELLED.into());
+            }
+            let (allocation, n) = self.copier.status(at).map_err(|f| self.describe(f))?;
+            let n = n.min(size - at);
+            match allocation {
+                Allocation::Data => self.spec.tracker.mark(at, n),
+                Allocation::Hole => {
+                    self.copier.zero(at, n).map_err(|f| self.describe(f))?;
+                    self.job.add_progress(n);
+                }
+            }
+            at += n;
+        }
+        Ok(())
     }
 
     /// Follows the writes until asked to end.
@@ -206,8 +238,13 @@ impl Run<'_> {
 impl JobBody for Mirror {
     fn run(&mut self, job: &Arc<Job>) -> Result<(), String> {
         let spec = &self.spec;
+        let copier = Copier::open(&spec.source, &spec.target, Extents::Changing)?;
+        let mut run = Run { job, spec, copier, cursor: 0, pace: Pace::new(), burst: 0 };
         match spec.sync {
-            MirrorSync::Full => spec.tracker.mark(0, spec.source.size()),
+            MirrorSync::Full => {
+                job.set_total(spec.source.size());
+                run.zero_holes_mark_data()?;
+            }
             MirrorSync::Top => {
                 let extents =
                     top_extents(&*spec.source).map_err(|e| format!("Cannot read the allocation of the source: {e}"))?;
@@ -215,8 +252,7 @@ impl JobBody for Mirror {
             }
             MirrorSync::None => {}
         }
-        job.set_total(spec.tracker.dirty_bytes());
-        let copier = Copier::open(&spec.source, &spec.target, Extents::Changing)?;
-        Run { job, spec, copier, cursor: 0, pace: Pace::new() }.follow()
+        job.set_total(job.progress() + spec.tracker.dirty_bytes());
+        run.follow()
     }
 }

@@ -113,8 +113,8 @@ pub(crate) fn well_formed(id: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || "-._".contains(c))
 }
 
-/// A backup's source's place in its [`JobSpec::nodes`] (the target's is 0).
-const SOURCE: usize = 1;
+/// A job's source's place in its [`JobSpec::nodes`] (the target's is 0).
+pub(crate) const SOURCE: usize = 1;
 
 /// What a node used by a job says when something else wants it.
 pub(crate) fn busy(node: &str, job: &Job) -> String {
@@ -253,6 +253,10 @@ impl Daemon {
                 "auto-finalize": info.auto_finalize,
                 "auto-dismiss": info.auto_dismiss,
             });
+            if info.kind == "mirror" {
+                // Only a write-blocking mirror ever is.
+                entry["actively-synced"] = json!(false);
+            }
             if let Some(error) = info.error {
                 entry["error"] = json!(error);
             }

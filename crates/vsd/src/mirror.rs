@@ -11,12 +11,15 @@ use vsd_job::JobSpec;
 use vsd_job::mirror::{Mirror, MirrorSpec, MirrorSync};
 
 use crate::daemon::Daemon;
-use crate::jobs::{OnError, below, busy, generic, node, speed, well_formed};
+use crate::jobs::{OnError, SOURCE, below, busy, generic, node, speed, well_formed};
 use crate::writers::{SourceWriters, switch_exports};
 
 /// Bytes per bit of the mirror's record of writes unless `granularity` is
 /// given (QEMU's for targets without a cluster size).
 const DEFAULT_GRANULARITY: u64 = 65536;
+/// Bytes copied in a burst under the speed limit unless `buf-size` is
+/// given (QEMU's default for its mirror's buffer).
+const DEFAULT_BUF_SIZE: u64 = 16 << 20;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
@@ -63,7 +66,13 @@ impl Daemon {
     pub(crate) fn blockdev_mirror(&self, args: MirrorArgs) -> Result<Value, QmpError> {
         let mut guard = self.state();
         let state = &mut *guard;
-        let (source, target) = (node(state, &args.device)?, node(state, &args.target)?);
+        let source = node(state, &args.device)?;
+        // QEMU's jobs on a node put a filter above it: no longer a root.
+        let job_source = self.jobs.users_of(source.name()).into_iter().any(|(_, place)| place == SOURCE);
+        if state.graph.parent(source.name()).is_some() || job_source {
+            return Err(generic("Need a root block node"));
+        }
+        let target = node(state, &args.target)?;
         if source.name() == target.name() {
             return Err(generic("Can't mirror node into itself"));
         }
@@ -74,9 +83,11 @@ impl Daemon {
         if !granularity.is_power_of_two() {
             return Err(generic("Parameter 'granularity' expects a power of 2"));
         }
-        if args.buf_size.is_some_and(|size| size < 0) {
-            return Err(generic("Parameter 'buf-size' expects a non-negative value"));
-        }
+        let burst = match args.buf_size {
+            Some(size) if size < 0 => return Err(generic("Parameter 'buf-size' expects a non-negative value")),
+            Some(size @ 1..) => size as u64,
+            _ => DEFAULT_BUF_SIZE,
+        };
         let sync = match args.sync {
             SyncArg::Full => MirrorSync::Full,
             // Without a backing chain, the top is all there is (QEMU's rule).
@@ -107,12 +118,6 @@ impl Daemon {
         }
         if target.read_only() {
             return Err(generic(format!("Node '{}' is read-only", target.name())));
-        }
-        if let Some(used) = state.graph.parent(source.name()) {
-            return Err(generic(format!(
-                "vsd mirrors only nodes no other node uses: node '{}' is {used}",
-                source.name()
-            )));
         }
         for name in [source.name(), target.name()] {
             if let Some((job, _)) = self.jobs.user_of(name) {
@@ -156,6 +161,7 @@ impl Daemon {
             sync,
             tracker,
             writers,
+            burst,
             on_source_error: args.on_source_error.into(),
             on_target_error: args.on_target_error.into(),
         });
