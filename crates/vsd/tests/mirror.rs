@@ -340,3 +340,75 @@ fn mirror_commands_answer_and_notify_as_qemu_storage_daemon_does() {
     }
     assert_eq!(vsd.1.len(), qsd.1.len(), "as many events");
 }
+
+/// Another vsd serving `target.img` of `size` bytes writable over NBD as
+/// export `copy`, in `far`.
+fn far_vsd(far: &Scratch, size: u64) -> Daemon {
+    let target = far.image("target.img", size);
+    Daemon::vsd(
+        far,
+        &[
+            "--blockdev".into(),
+            format!("driver=file,node-name=t0,filename={}", target.display()),
+            "--nbd-server".into(),
+            format!("addr.type=unix,addr.path={}", far.path("nbd.sock").display()),
+            "--export".into(),
+            "type=nbd,id=e0,node-name=t0,name=copy,writable=on".into(),
+        ],
+    )
+}
+
+/// A disk moves to another host's vsd: mirrored onto a `driver=nbd` node,
+/// then the export switched onto it; every write, before and after the
+/// switch, is in the far image.
+#[test]
+fn a_running_disk_moves_to_another_vsd_over_nbd() {
+    let dir = Scratch::new("mirror-nbd");
+    let far = Scratch::new("mirror-nbd-far");
+    let size = 16 * MIB;
+    let (daemon, mut qmp) = served(&dir, size, &[], &[]);
+    let remote = far_vsd(&far, size);
+    let server = json!({"type": "unix", "path": far.path("nbd.sock")});
+    qmp.ok("blockdev-add", json!({"driver": "nbd", "node-name": "remote", "server": server, "export": "copy"}));
+    let writer = Writer::start(&daemon, size / BLOCK);
+    qmp.ok("blockdev-mirror", json!({"job-id": "m", "device": "disk", "target": "remote", "sync": "full"}));
+    qmp.await_event("BLOCK_JOB_READY", json!({"device": "m"}));
+    qmp.ok("job-complete", json!({"id": "m"}));
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "m"}));
+    assert!(done.get("error").is_none(), "{done}");
+    assert_eq!(node_served(&mut qmp), json!("remote"));
+    std::thread::sleep(Duration::from_millis(200));
+    let last = writer.finish();
+    daemon.stop();
+    remote.stop();
+    let expect = |at: u64| last.get(&(at / BLOCK)).copied().unwrap_or(0x11);
+    assert_eq!(first_mismatch(&far.path("target.img"), expect), None, "the far image holds every write");
+}
+
+/// The far vsd dies mid-mirror: the job fails as QEMU's does, and the
+/// disk goes on serving its writer without an error.
+#[test]
+fn a_target_that_disappears_fails_the_job_and_never_the_disk() {
+    let dir = Scratch::new("mirror-nbd-gone");
+    let far = Scratch::new("mirror-nbd-gone-far");
+    let size = 16 * MIB;
+    let (daemon, mut qmp) = served(&dir, size, &[], &[]);
+    let remote = far_vsd(&far, size);
+    let server = json!({"type": "unix", "path": far.path("nbd.sock")});
+    qmp.ok("blockdev-add", json!({"driver": "nbd", "node-name": "remote", "server": server, "export": "copy"}));
+    let writer = Writer::start(&daemon, size / BLOCK);
+    let mirror = json!({"job-id": "m", "device": "disk", "target": "remote", "sync": "full", "buf-size": MIB, "speed": MIB});
+    qmp.ok("blockdev-mirror", mirror);
+    std::thread::sleep(Duration::from_millis(300));
+    remote.kill();
+    let error = qmp.await_event("BLOCK_JOB_ERROR", json!({"device": "m"}));
+    assert_eq!((error["operation"].clone(), error["action"].clone()), (json!("write"), json!("report")), "{error}");
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "m"}));
+    assert!(done.get("error").is_some(), "{done}");
+    assert_eq!(node_served(&mut qmp), json!("disk"));
+    std::thread::sleep(Duration::from_millis(200));
+    let last = writer.finish();
+    daemon.stop();
+    let expect = |at: u64| last.get(&(at / BLOCK)).copied().unwrap_or(0x11);
+    assert_eq!(first_mismatch(&dir.path("disk.img"), expect), None, "the disk has every write");
+}
