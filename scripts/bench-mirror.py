@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""What a running mirror costs the guest, and how soon a mirror is in
+sync: vsd and qemu-storage-daemon in the same run, interleaved.
+
+1. Guest-visible writes: 4k random writes at iodepth 16 through a
+   vhost-user-blk export of a raw image on /dev/shm, without a mirror
+   ("off") and while a `blockdev-mirror` (sync=full, no speed limit) to
+   another /dev/shm image runs from the start of the run ("on"): the bulk
+   copy first, then, ready, the copy of every block written. Daemon
+   pinned to CPU 0, vsd-bench to CPU 1.
+2. Time to ready: `blockdev-mirror` to BLOCK_JOB_READY with no guest
+   I/O (the image full of random data), then cancelled.
+
+usage: scripts/bench-mirror.py [--seconds 5] [--reps 3] [--size-mib 1024] [--target-dir DIR]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+
+import benchlib
+from benchlib import QSD, serve_and_bench, use_build, wait_started
+from qemu.qmp.legacy import QEMUMonitorProtocol
+
+
+def nodes(source, target):
+    return [f"driver=file,node-name=f0,filename={source}", "driver=raw,node-name=disk0,file=f0",
+            f"driver=file,node-name=tgt,filename={target}"]
+
+
+def empty(path, size):
+    """A sparse file of `size` bytes, whatever `path` held."""
+    with open(path, "w") as f:
+        f.truncate(size)
+
+
+MIRROR = {"job-id": "m", "device": "disk0", "target": "tgt", "sync": "full"}
+
+
+def time_to_ready(program, blockdevs, work):
+    """Seconds from blockdev-mirror to BLOCK_JOB_READY, guest idle."""
+    qmp_sock, pidfile = os.path.join(work, "tr-qmp.sock"), os.path.join(work, "tr.pid")
+    for path in (qmp_sock, pidfile):
+        if os.path.exists(path):
+            os.unlink(path)
+    args = ["taskset", "-c", "0", program]
+    for blockdev in blockdevs:
+        args += ["--blockdev", blockdev]
+    args += ["--chardev", f"socket,id=m,path={qmp_sock},server=on,wait=off", "--monitor", "chardev=m",
+             "--pidfile", pidfile]
+    daemon = subprocess.Popen(args)
+    try:
+        wait_started(daemon, pidfile, program)
+        qmp = QEMUMonitorProtocol(qmp_sock)
+        qmp.connect()
+        start = time.monotonic()
+        reply = qmp.cmd_raw("blockdev-mirror", MIRROR)
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        while True:
+            event = qmp.pull_event(wait=120.0)
+            if event is None:
+                raise RuntimeError("no BLOCK_JOB_READY within 120 s")
+            if event["event"] == "BLOCK_JOB_READY":
+                return time.monotonic() - start
+            if event["event"] in ("BLOCK_JOB_COMPLETED", "BLOCK_JOB_CANCELLED"):
+                raise RuntimeError(f"the mirror ended before it was ready: {event}")
+    finally:
+        daemon.terminate()
+        daemon.wait()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=5)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--target-dir", default=None)
+    args = parser.parse_args()
+    use_build(args.target_dir)
+    size = args.size_mib << 20
+    source, target = (f"/dev/shm/vsd-bench-mirror-{name}-{os.getpid()}.img" for name in ("src", "tgt"))
+    subprocess.run(["dd", "if=/dev/urandom", f"of={source}", "bs=1M", f"count={args.size_mib}", "status=none"],
+                   check=True)
+    daemons = [("vsd", benchlib.VSD), ("qsd", QSD)]
+    rows, times = [], {name: [] for name, _ in daemons}
+    try:
+        with tempfile.TemporaryDirectory() as work:
+            for rep in range(args.reps):
+                order = [(d, s) for d in daemons for s in ("off", "on")]
+                for (name, program), side in order if rep % 2 == 0 else reversed(order):
+                    empty(target, size)
+                    qmp = [("blockdev-mirror", MIRROR)] if side == "on" else ()
+                    res = serve_and_bench(program, nodes(source, target), ["--rw", "randwrite", "--iodepth", "16"],
+                                          args.seconds, work, qmp=qmp)
+                    row = {"daemon": name, "side": side, "rep": rep, **res}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                for name, program in daemons if rep % 2 == 0 else reversed(daemons):
+                    empty(target, size)
+                    times[name].append(time_to_ready(program, nodes(source, target), work))
+                    print(json.dumps({"daemon": name, "rep": rep, "ready_seconds": times[name][-1]}), flush=True)
+    finally:
+        for path in (source, target):
+            if os.path.exists(path):
+                os.unlink(path)
+    med = lambda rs, k: statistics.median(r[k] for r in rs)
+    print()
+    print(f"4k randwrite iodepth 16 on a {args.size_mib} MiB raw image in /dev/shm, medians of {args.reps}; "
+          "on = a full mirror running from the start (bulk copy, then ready)")
+    print("| daemon | off IOPS | on IOPS | on/off (median of pairs) | off p99 µs | on p99 µs |")
+    print("|---|---|---|---|---|---|")
+    for name, _ in daemons:
+        off = sorted((r for r in rows if (r["daemon"], r["side"]) == (name, "off")), key=lambda r: r["rep"])
+        on = sorted((r for r in rows if (r["daemon"], r["side"]) == (name, "on")), key=lambda r: r["rep"])
+        ratio = statistics.median(x["iops"] / y["iops"] for x, y in zip(on, off))
+        print(f"| {name} | {med(off, 'iops'):.0f} | {med(on, 'iops'):.0f} | {ratio:.3f} "
+              f"| {med(off, 'p99_us'):.0f} | {med(on, 'p99_us'):.0f} |")
+    print()
+    print("| daemon | time to ready, guest idle: seconds | MiB/s |")
+    print("|---|---|---|")
+    for name, _ in daemons:
+        seconds = statistics.median(times[name])
+        print(f"| {name} | {seconds:.2f} | {args.size_mib / seconds:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
