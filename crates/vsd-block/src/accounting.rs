@@ -160,11 +160,20 @@ impl BlockNode for AccountedNode {
     fn attach_backing(&self, backing: Arc<dyn BlockNode>) -> Result<(), crate::AttachError> {
         self.inner.attach_backing(backing)
     }
+    fn populate(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.inner.populate(offset, data)
+    }
+    fn set_backing(&self, backing: Option<Arc<dyn BlockNode>>, header: Option<(String, String)>) -> io::Result<()> {
+        self.inner.set_backing(backing, header)
+    }
     fn dirty_bitmaps(&self) -> Option<&Arc<DirtyBitmaps>> {
         Some(&self.bitmaps)
     }
     fn default_bitmap_granularity(&self) -> u64 {
         self.inner.default_bitmap_granularity()
+    }
+    fn cluster_size(&self) -> Option<u64> {
+        self.inner.cluster_size()
     }
     fn can_store_bitmaps(&self) -> bool {
         self.inner.can_store_bitmaps()

@@ -129,6 +129,10 @@ pub trait BlockNode: Send + Sync {
     fn persistent_bitmap_removed(&self) -> io::Result<()> {
         Ok(())
     }
+    /// The unit the node allocates in, if it has one (a qcow2 cluster).
+    fn cluster_size(&self) -> Option<u64> {
+        None
+    }
     /// The granularity of a bitmap made without one (QEMU's default: the
     /// cluster size between 4 KiB and 64 KiB, or 64 KiB).
     fn default_bitmap_granularity(&self) -> u64 {
@@ -146,6 +150,31 @@ pub trait BlockNode: Send + Sync {
     /// `backing=null` and used by nobody yet).
     fn attach_backing(&self, _backing: Arc<dyn BlockNode>) -> Result<(), AttachError> {
         Err(AttachError::Unsupported)
+    }
+    /// Writes `data`, what the node reads at `offset` now, into the parts
+    /// of that range it does not hold itself (they read from its backing
+    /// chain), as QEMU's copy-on-read does for `block-stream`; what it
+    /// holds, and what a guest write is allocating meanwhile, is left
+    /// alone, and a guest write after it lands on top. `offset` is cluster
+    /// aligned, the range ends at a cluster boundary or at the end of the
+    /// node, and it is at most 1 MiB.
+    fn populate(&self, _offset: u64, _data: &[u8]) -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("driver '{}' cannot copy from a backing chain", self.driver()),
+        ))
+    }
+    /// Makes `backing` the node's backing node (`None`: none), and, with
+    /// `header`, names it in the image (file name, format: "qcow2" or
+    /// "raw"; `None` names none), durably, as `block-stream` does when it
+    /// is done. Queues opened afterwards read through the new backing
+    /// node; those already open may keep the old one, which the caller
+    /// makes sure reads the same bytes.
+    fn set_backing(&self, _backing: Option<Arc<dyn BlockNode>>, _header: Option<(String, String)>) -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("driver '{}' has no backing file to change", self.driver()),
+        ))
     }
     /// The throttle group whose limits the node applies, if it is a
     /// throttle filter.

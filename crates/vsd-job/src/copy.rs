@@ -84,7 +84,7 @@ impl Copier {
         })
     }
 
-    /// Copies bytes `offset..offset + len` (at most [`MAX_COPY`]).
+    /// Copies bytes `offset..offset + len`, data [`MAX_COPY`] bytes at a time.
     pub(crate) fn copy(&mut self, offset: u64, len: u64) -> Result<(), Failure> {
         let end = offset + len;
         let mut at = offset;
@@ -101,7 +101,11 @@ impl Copier {
             };
             match allocation {
                 Allocation::Hole => self.zero(at, n)?,
-                Allocation::Data => self.copy_data(at, n)?,
+                Allocation::Data => {
+                    // The buffer's size, a multiple of the page: aligned still.
+                    n = n.min(MAX_COPY);
+                    self.copy_data(at, n)?;
+                }
             }
             at += n;
         }

@@ -22,6 +22,7 @@ mod copy;
 mod group;
 pub mod mirror;
 mod registry;
+pub mod stream;
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;

@@ -417,57 +417,123 @@ fn bitmaps_extension(data: &[u8]) -> Result<BitmapsExtension, FormatError> {
 /// their order; the backing file name moves to follow them, as QEMU lays
 /// it out. Fails, leaving `chunk` unchanged, if they do not fit in it.
 pub fn set_bitmaps_extension(chunk: &mut [u8], bitmaps: Option<BitmapsExtension>) -> Result<(), FormatError> {
-    let unfit = |what: &str| Err(FormatError::Unsupported(format!("cannot rewrite the header extensions: {what}")));
     if be32(chunk, 4) < 3 {
-        return unfit("a version 2 image has no autoclear bits for bitmaps");
+        return Err(unfit("a version 2 image has no autoclear bits for bitmaps"));
     }
+    let mut area = extensions_without(chunk, extension::BITMAPS)?;
+    if let Some(ext) = bitmaps {
+        let data = [
+            &ext.count.to_be_bytes()[..],
+            &[0; 4],
+            &ext.directory_size.to_be_bytes(),
+            &ext.directory_offset.to_be_bytes(),
+        ];
+        append_extension(&mut area, extension::BITMAPS, &data.concat());
+    }
+    let name = backing_name(chunk)?.map(<[u8]>::to_vec);
+    lay_out(chunk, &area, name.as_deref())?;
+    let at = field::AUTOCLEAR as usize;
+    let bits = be64(chunk, at) & !autoclear::BITMAPS | if bitmaps.is_some() { autoclear::BITMAPS } else { 0 };
+    chunk[at..at + 8].copy_from_slice(&bits.to_be_bytes());
+    Ok(())
+}
+
+/// The longest backing file name QEMU opens.
+const MAX_BACKING_NAME: usize = 1023;
+
+/// Names `backing` (file name, format) as the backing file in `chunk` (the
+/// start of the header cluster, as on disk), or none with `None`, as
+/// `qemu-img rebase -u` does: the backing format extension comes first
+/// (QEMU's order), the other extensions keep theirs, and the name follows
+/// them. Fails, leaving `chunk` unchanged, if the name is empty, longer
+/// than QEMU takes, or does not fit in it.
+pub fn set_backing_file(chunk: &mut [u8], backing: Option<(&str, &str)>) -> Result<(), FormatError> {
     let mut area = Vec::new();
-    let mut at = be32(chunk, 100) as usize;
+    if let Some((name, format)) = backing {
+        if name.is_empty() || name.len() > MAX_BACKING_NAME {
+            return Err(FormatError::Option(format!(
+                "a backing file name must be 1 to {MAX_BACKING_NAME} bytes long, not {}",
+                name.len()
+            )));
+        }
+        append_extension(&mut area, extension::BACKING_FORMAT, format.as_bytes());
+    }
+    area.extend(extensions_without(chunk, extension::BACKING_FORMAT)?);
+    lay_out(chunk, &area, backing.map(|(name, _)| name.as_bytes())).map_err(|_| {
+        FormatError::Option(format!(
+            "the backing file name does not fit in the image header (its first {} bytes)",
+            chunk.len()
+        ))
+    })
+}
+
+fn unfit(what: &str) -> FormatError {
+    FormatError::Unsupported(format!("cannot rewrite the header extensions: {what}"))
+}
+
+/// Where the extensions start: after the fixed header.
+fn header_length(chunk: &[u8]) -> usize {
+    if be32(chunk, 4) >= 3 { be32(chunk, 100) as usize } else { V2_HEADER_LEN as usize }
+}
+
+/// The header extensions in `chunk` but those of kind `dropped`, each
+/// whole (padding included), without the end marker.
+fn extensions_without(chunk: &[u8], dropped: u32) -> Result<Vec<u8>, FormatError> {
+    let mut area = Vec::new();
+    let mut at = header_length(chunk);
     loop {
-        let Some(head) = chunk.get(at..at + 8) else { return unfit("they run past the first 4 KiB") };
+        let Some(head) = chunk.get(at..at + 8) else { return Err(unfit("they run past the first 4 KiB")) };
         let (kind, len) = (be32(head, 0), be32(head, 4) as usize);
         if kind == extension::END {
-            break;
+            return Ok(area);
         }
         let padded = len.next_multiple_of(8);
-        let Some(whole) = chunk.get(at..at + 8 + padded) else { return unfit("they run past the first 4 KiB") };
-        if kind != extension::BITMAPS {
+        let Some(whole) = chunk.get(at..at + 8 + padded) else { return Err(unfit("they run past the first 4 KiB")) };
+        if kind != dropped {
             area.extend_from_slice(whole);
         }
         at += 8 + padded;
     }
-    if let Some(ext) = bitmaps {
-        area.extend_from_slice(&extension::BITMAPS.to_be_bytes());
-        area.extend_from_slice(&(BITMAPS_EXTENSION_LEN as u32).to_be_bytes());
-        area.extend_from_slice(&ext.count.to_be_bytes());
-        area.extend_from_slice(&0u32.to_be_bytes());
-        area.extend_from_slice(&ext.directory_size.to_be_bytes());
-        area.extend_from_slice(&ext.directory_offset.to_be_bytes());
-    }
-    area.extend_from_slice(&[0; 8]); // the end marker
+}
 
-    let header_len = be32(chunk, 100) as usize;
-    let backing_at = header_len + area.len();
-    let (backing_offset, backing_len) = (be64(chunk, 8) as usize, be32(chunk, 16) as usize);
-    let backing = if backing_offset == 0 {
-        Vec::new()
-    } else {
-        let name = chunk.get(backing_offset..backing_offset.saturating_add(backing_len));
-        let Some(name) = name else { return unfit("the backing file name lies past the first 4 KiB") };
-        name.to_vec()
-    };
-    if backing_at + backing.len() > chunk.len() {
-        return unfit("they would run past the first 4 KiB");
+/// Appends an extension of `kind` holding `data`, padded to 8 bytes.
+fn append_extension(area: &mut Vec<u8>, kind: u32, data: &[u8]) {
+    area.extend_from_slice(&kind.to_be_bytes());
+    area.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    area.extend_from_slice(data);
+    area.resize(area.len().next_multiple_of(8), 0);
+}
+
+/// The backing file name `chunk` holds, if any.
+fn backing_name(chunk: &[u8]) -> Result<Option<&[u8]>, FormatError> {
+    let (offset, len) = (be64(chunk, 8) as usize, be32(chunk, 16) as usize);
+    if offset == 0 {
+        return Ok(None);
     }
-    chunk[header_len..backing_at].copy_from_slice(&area);
-    chunk[backing_at..backing_at + backing.len()].copy_from_slice(&backing);
-    chunk[backing_at + backing.len()..].fill(0);
-    if backing_offset != 0 {
-        chunk[8..16].copy_from_slice(&(backing_at as u64).to_be_bytes());
+    match chunk.get(offset..offset.saturating_add(len)) {
+        Some(name) => Ok(Some(name)),
+        None => Err(unfit("the backing file name lies past the first 4 KiB")),
     }
-    let at = field::AUTOCLEAR as usize;
-    let bits = be64(chunk, at) & !autoclear::BITMAPS | if bitmaps.is_some() { autoclear::BITMAPS } else { 0 };
-    chunk[at..at + 8].copy_from_slice(&bits.to_be_bytes());
+}
+
+/// Writes the header's variable part into `chunk`: the extensions of
+/// `area`, the end marker, then the backing file name (`None`: none),
+/// which the header is pointed at; zeroes after it. Fails, leaving `chunk`
+/// unchanged, if they do not fit in it.
+fn lay_out(chunk: &mut [u8], area: &[u8], backing: Option<&[u8]>) -> Result<(), FormatError> {
+    let header_len = header_length(chunk);
+    let backing_at = header_len + area.len() + 8;
+    let name = backing.unwrap_or_default();
+    if backing_at + name.len() > chunk.len() {
+        return Err(unfit("they would run past the first 4 KiB"));
+    }
+    chunk[header_len..header_len + area.len()].copy_from_slice(area);
+    chunk[header_len + area.len()..backing_at].fill(0); // the end marker
+    chunk[backing_at..backing_at + name.len()].copy_from_slice(name);
+    chunk[backing_at + name.len()..].fill(0);
+    let offset = if backing.is_some() { backing_at as u64 } else { 0 };
+    chunk[8..16].copy_from_slice(&offset.to_be_bytes());
+    chunk[16..20].copy_from_slice(&(name.len() as u32).to_be_bytes());
     Ok(())
 }
 
@@ -612,6 +678,69 @@ mod tests {
         assert!(!h.has_bitmaps && h.autoclear == 1 << 7);
         assert_eq!(h.backing_file.as_deref(), Some("base.img"));
         assert_eq!(be64(&chunk, 8) as usize, name_at - 32, "the name follows the shorter extensions");
+    }
+
+    /// `b` with `name` at `name_at` as its backing file name, cut to its
+    /// first 4 KiB.
+    fn with_backing_name(mut b: Vec<u8>, name_at: usize, name: &[u8]) -> Vec<u8> {
+        b[name_at..name_at + name.len()].copy_from_slice(name);
+        b[8..16].copy_from_slice(&(name_at as u64).to_be_bytes());
+        b[16..20].copy_from_slice(&(name.len() as u32).to_be_bytes());
+        b.truncate(4096);
+        b
+    }
+
+    #[test]
+    fn setting_the_backing_file_replaces_name_and_format_and_keeps_the_other_extensions() {
+        let mut b = v3();
+        let at = put_extension(&mut b, 112, 0x1234_5678, b"unknown, kept");
+        let at = put_extension(&mut b, at, extension::BACKING_FORMAT, b"raw");
+        let mut chunk = with_backing_name(b, at + 8, b"base.img");
+
+        set_backing_file(&mut chunk, Some(("../other/base.qcow2", "qcow2"))).unwrap();
+        let h = Header::parse(&chunk, 1 << 20).unwrap();
+        assert_eq!(
+            (h.backing_file.as_deref(), h.backing_format.as_deref()),
+            (Some("../other/base.qcow2"), Some("qcow2"))
+        );
+        assert_eq!(be32(&chunk, 112), extension::BACKING_FORMAT, "the format first, as QEMU lays it out");
+        assert!(chunk.windows(13).any(|w| w == b"unknown, kept"));
+        assert!(!chunk.windows(8).any(|w| w == b"base.img"), "no trace of the old name");
+
+        set_backing_file(&mut chunk, None).unwrap();
+        let h = Header::parse(&chunk, 1 << 20).unwrap();
+        assert_eq!((h.backing_file, h.backing_format), (None, None));
+        assert_eq!((be64(&chunk, 8), be32(&chunk, 16)), (0, 0));
+        assert!(chunk.windows(13).any(|w| w == b"unknown, kept"));
+    }
+
+    #[test]
+    fn a_version_2_header_takes_a_backing_file_after_its_72_bytes() {
+        let mut b = v3();
+        b[4..8].copy_from_slice(&2u32.to_be_bytes());
+        b[72..112].fill(0);
+        let mut chunk = b[..4096].to_vec();
+        set_backing_file(&mut chunk, Some(("base.raw", "raw"))).unwrap();
+        let h = Header::parse(&chunk, 1 << 20).unwrap();
+        assert_eq!(
+            (h.version, h.backing_file.as_deref(), h.backing_format.as_deref()),
+            (2, Some("base.raw"), Some("raw"))
+        );
+        assert_eq!(be32(&chunk, 72), extension::BACKING_FORMAT);
+    }
+
+    #[test]
+    fn a_backing_file_name_that_does_not_fit_changes_nothing() {
+        let before = with_backing_name(v3(), 120, b"base.img");
+        let mut chunk = before.clone();
+        let long = "x".repeat(1024);
+        let err = set_backing_file(&mut chunk, Some((&long, "raw"))).unwrap_err().to_string();
+        assert!(err.contains("1 to 1023 bytes"), "{err}");
+        let mut small = before[..512].to_vec();
+        let name = "y".repeat(400);
+        let err = set_backing_file(&mut small, Some((&name, "raw"))).unwrap_err().to_string();
+        assert!(err.contains("does not fit in the image header"), "{err}");
+        assert_eq!((&small[..], &chunk[..]), (&before[..512], &before[..]), "unchanged");
     }
 
     #[test]

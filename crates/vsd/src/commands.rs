@@ -42,6 +42,7 @@ const COMMANDS: &[&str] = &[
     "transaction",
     "blockdev-backup",
     "blockdev-mirror",
+    "block-stream",
     "blockdev-snapshot",
     "blockdev-create",
     "query-jobs",
@@ -100,6 +101,7 @@ impl Dispatch for Daemon {
             }
             "blockdev-backup" => self.transaction(vec![Action::Backup(parse(args)?)], None),
             "blockdev-mirror" => self.blockdev_mirror(parse(args)?),
+            "block-stream" => self.block_stream(parse(args)?),
             "blockdev-snapshot" => self.blockdev_snapshot(&parse(args)?),
             "blockdev-create" => self.blockdev_create(parse(args)?),
             "query-jobs" => no_arguments(&args).map(|()| self.query_jobs()),

@@ -15,6 +15,7 @@ mod pidfile;
 mod run_as;
 mod snapshot;
 mod stat;
+mod stream;
 mod transaction;
 mod writers;
 

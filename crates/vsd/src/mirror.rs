@@ -14,9 +14,6 @@ use crate::daemon::Daemon;
 use crate::jobs::{OnError, SOURCE, below, busy, generic, node, speed, well_formed};
 use crate::writers::{SourceWriters, switch_exports};
 
-/// Bytes per bit of the mirror's record of writes unless `granularity` is
-/// given (QEMU's for targets without a cluster size).
-const DEFAULT_GRANULARITY: u64 = 65536;
 /// Bytes copied in a burst under the speed limit unless `buf-size` is
 /// given (QEMU's default for its mirror's buffer).
 const DEFAULT_BUF_SIZE: u64 = 16 << 20;
@@ -76,7 +73,8 @@ impl Daemon {
         if source.name() == target.name() {
             return Err(generic("Can't mirror node into itself"));
         }
-        let granularity = args.granularity.unwrap_or(DEFAULT_GRANULARITY);
+        // QEMU's default: the target's cluster, within 4 KiB to 64 KiB.
+        let granularity = args.granularity.unwrap_or_else(|| target.default_bitmap_granularity());
         if !(512..=64 << 20).contains(&granularity) {
             return Err(generic("Parameter 'granularity' expects a value in range [512B, 64MB]"));
         }

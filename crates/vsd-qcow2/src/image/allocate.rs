@@ -145,6 +145,24 @@ pub struct Allocation {
 }
 
 impl Allocation {
+    /// New contents for all of guest `cluster` (found at `index` of `table`,
+    /// mapped by `old`), linked as `new` (whose host is where they go; a
+    /// new cluster if `fresh`): zeroes, until `kept` is read in and the
+    /// caller puts its bytes in.
+    pub(super) fn whole_cluster(
+        cluster: u64,
+        (table, index, old): (u64, usize, L2Entry),
+        new: L2Entry,
+        fresh: bool,
+        kept: Vec<OldBytes>,
+        cluster_size: u64,
+    ) -> Self {
+        let host = new.host.expect("a cluster to write the contents to");
+        let contents = Some(AlignedBuf::zeroed(cluster_size as usize));
+        let span = 0..cluster_size;
+        Allocation { cluster, table, index, old, new, host, fresh, span, contents, kept, within: 0, len: cluster_size }
+    }
+
     /// The request's bytes this allocation holds: the guest offset of the
     /// first, where it goes in the data file, and how many there are.
     pub fn request_bytes(&self) -> (u64, u64, u64) {
@@ -285,7 +303,7 @@ impl Image {
         for sc in [Some(first), (last != first).then_some(last)].into_iter().flatten() {
             let at = sc << scb;
             let partial = at < within || at + scs > within + n;
-            if partial && state(sc) == Subcluster::Unallocated && self.has_backing {
+            if partial && state(sc) == Subcluster::Unallocated && self.has_backing() {
                 kept.push(OldBytes { at, len: scs, source: Origin::Below(cluster + at) });
             }
         }
@@ -386,7 +404,7 @@ impl Image {
 
     /// Where the bytes of a cluster mapped by `e` are, but for zeroes and
     /// the subclusters wholly inside `skip` (about to be overwritten).
-    fn old_bytes(&self, e: &L2Entry, cluster: u64, skip: (u64, u64)) -> Vec<OldBytes> {
+    pub(super) fn old_bytes(&self, e: &L2Entry, cluster: u64, skip: (u64, u64)) -> Vec<OldBytes> {
         if let Some((host, len)) = e.compressed {
             return vec![OldBytes { at: 0, len: self.cluster_size(), source: Origin::Compressed { host, len } }];
         }
@@ -400,7 +418,7 @@ impl Image {
             }
             let source = match e.subcluster(sc, scb) {
                 Subcluster::Data(host) => Origin::Data(host),
-                Subcluster::Unallocated if self.has_backing => Origin::Below(cluster + at),
+                Subcluster::Unallocated if self.has_backing() => Origin::Below(cluster + at),
                 _ => continue,
             };
             match parts.last_mut() {
@@ -433,7 +451,7 @@ impl Image {
         if old.host.is_some() || old.compressed.is_some() {
             return false;
         }
-        if !self.has_backing {
+        if !self.has_backing() {
             return true;
         }
         // Over a backing file only subclusters flagged zero read as zeroes.

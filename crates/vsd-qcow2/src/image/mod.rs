@@ -10,6 +10,7 @@ mod rebuild;
 mod refcounts;
 mod resize;
 mod reuse;
+mod stream;
 mod write;
 mod writeback;
 
@@ -154,7 +155,9 @@ pub struct Image {
     /// log2 of the entries per L2 table (computed once: the hot path
     /// would otherwise divide on every request).
     l2_bits: u32,
-    has_backing: bool,
+    /// Unallocated clusters read from below rather than as zeroes (changes
+    /// when [`Image::set_backing_file`] names a backing file or none).
+    has_backing: AtomicBool,
     /// The virtual disk size: the header's, until the image grows.
     size: AtomicU64,
     /// The active L1 table, as long as the clusters it occupies allow:
@@ -283,7 +286,8 @@ struct Meta {
 }
 
 impl Image {
-    /// The parsed header.
+    /// The header as parsed at open: its backing file fields are not
+    /// updated by [`Image::set_backing_file`].
     pub fn header(&self) -> &Header {
         &self.header
     }
@@ -312,6 +316,11 @@ impl Image {
 
     fn l2_bits(&self) -> u32 {
         self.l2_bits
+    }
+
+    /// Whether unallocated clusters read from below rather than as zeroes.
+    fn has_backing(&self) -> bool {
+        self.has_backing.load(Ordering::Relaxed)
     }
 
     /// What a queue of `depth` requests tells the image about its requests

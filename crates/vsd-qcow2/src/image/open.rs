@@ -2,7 +2,7 @@
 //! checked before the first guest request.
 
 use std::collections::{BTreeSet, HashSet};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 
 use super::bitmaps::bitmap_clusters;
@@ -171,7 +171,7 @@ impl Image {
             size: AtomicU64::new(header.size),
             layout,
             l2_bits: header.l2_entries().trailing_zeros(),
-            has_backing: opts.has_backing.unwrap_or(header.backing_file.is_some()),
+            has_backing: AtomicBool::new(opts.has_backing.unwrap_or(header.backing_file.is_some())),
             opts,
             header,
             metadata,

@@ -143,7 +143,7 @@ impl Image {
 
     /// The external data file is a raw image in its own right, which every
     /// change must keep true.
-    fn raw_data_file(&self) -> bool {
+    pub(super) fn raw_data_file(&self) -> bool {
         self.header.autoclear & crate::header::autoclear::DATA_FILE_RAW != 0
     }
 
@@ -232,7 +232,7 @@ impl Image {
         let (table, index, old) = self.entry_for_write(meta, io, cluster)?;
         let keep = self.opts.discard_no_unref && self.header.version >= 3 && old.compressed.is_none();
         let allocated = old.host.is_some() || old.compressed.is_some();
-        let new = if (self.has_backing || allocated) && (self.header.version >= 3 || self.layout.extended) {
+        let new = if (self.has_backing() || allocated) && (self.header.version >= 3 || self.layout.extended) {
             let (host, copied) = if keep { (old.host, old.copied) } else { (None, false) };
             L2Entry { host, copied, compressed: None, alloc: 0, zero: self.all_subclusters() }
         } else {

@@ -11,11 +11,11 @@ mod queue;
 use std::io;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
 use vsd_qcow2::buf::AlignedBuf;
-use vsd_qcow2::{FormatError, Image, MapMemo, Mapping, StoredBitmap, SyncIo};
+use vsd_qcow2::{CorruptMetadata, FormatError, Image, MapMemo, Mapping, StoredBitmap, SyncIo};
 
 use super::child::ChildQueue;
 use super::file::FileNode;
@@ -42,10 +42,11 @@ pub(crate) struct Qcow2Node {
     cache_clean_interval: u64,
     file: Arc<dyn BlockNode>,
     data: Option<Arc<dyn BlockNode>>,
-    /// Set at open, or once later by `blockdev-snapshot`.
-    backing: OnceLock<Arc<dyn BlockNode>>,
+    /// Set at open, later by `blockdev-snapshot`, or replaced when a
+    /// `block-stream` ends.
+    backing: RwLock<Option<Arc<dyn BlockNode>>>,
     /// What the node holds of its images while active (image locks).
-    claims: Mutex<Vec<ClaimGuard>>,
+    claims: Mutex<Claims>,
     /// The graph node's dirty bitmaps, whose persistent ones live in the
     /// image (loaded while active and writable, stored when handed over).
     bitmaps: Arc<DirtyBitmaps>,
@@ -66,6 +67,14 @@ fn file_claim(writable: bool) -> Claim {
 
 /// What it needs of its backing node: reads, whoever else uses it.
 const BACKING_CLAIM: Claim = Claim { held: Perms::READ, unshared: Perms::NONE };
+
+/// The claims a node holds while active: on its image file and data file,
+/// and on its backing node, which may be replaced.
+#[derive(Default)]
+struct Claims {
+    image: Vec<ClaimGuard>,
+    backing: Vec<ClaimGuard>,
+}
 
 /// Where the backing file comes from.
 enum Backing {
@@ -234,41 +243,46 @@ impl Qcow2Node {
             cache_clean_interval: settings.cache_clean_interval,
             file,
             data,
-            backing: backing.map(OnceLock::from).unwrap_or_default(),
-            claims: Mutex::new(file_claims),
+            backing: RwLock::new(backing),
+            claims: Mutex::new(Claims { image: file_claims, backing: Vec::new() }),
             bitmaps: Arc::default(),
             health,
             flusher,
         };
         if !settings.inactive {
-            let children = node.claim_children().map_err(locked)?;
-            node.claims().extend(children);
+            let data = node.claim_data_file().map_err(locked)?;
+            let backing = node.backing().map(|b| b.claim(BACKING_CLAIM)).transpose().map_err(locked)?;
+            let mut claims = node.claims();
+            claims.image.extend(data);
+            claims.backing = backing.unwrap_or_default();
         }
         node.clean_caches().map_err(|e| host("cannot start the cache cleaner".into(), e))?;
         Ok(node)
     }
 
-    fn claims(&self) -> std::sync::MutexGuard<'_, Vec<ClaimGuard>> {
+    fn claims(&self) -> MutexGuard<'_, Claims> {
         self.claims.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Takes what the node needs of its images (see [`file_claim`]).
-    fn claim_images(&self) -> Result<Vec<ClaimGuard>, LockError> {
-        let mut guards = self.file.claim(file_claim(self.options().writable))?;
-        guards.extend(self.claim_children()?);
-        Ok(guards)
+    fn claim_images(&self) -> Result<Claims, LockError> {
+        let mut image = self.file.claim(file_claim(self.options().writable))?;
+        image.extend(self.claim_data_file()?);
+        let backing = self.backing().map(|b| b.claim(BACKING_CLAIM)).transpose()?.unwrap_or_default();
+        Ok(Claims { image, backing })
     }
 
-    /// Takes what the node needs of its external data file and backing node.
-    fn claim_children(&self) -> Result<Vec<ClaimGuard>, LockError> {
-        let mut guards = Vec::new();
-        if let Some(data) = &self.data {
-            guards.extend(data.claim(file_claim(self.options().writable))?);
+    /// Takes what the node needs of its external data file.
+    fn claim_data_file(&self) -> Result<Vec<ClaimGuard>, LockError> {
+        match &self.data {
+            Some(data) => data.claim(file_claim(self.options().writable)),
+            None => Ok(Vec::new()),
         }
-        if let Some(backing) = self.backing.get() {
-            guards.extend(backing.claim(BACKING_CLAIM)?);
-        }
-        Ok(guards)
+    }
+
+    /// The backing node, if any.
+    fn backing(&self) -> Option<Arc<dyn BlockNode>> {
+        self.backing.read().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     /// How the image is opened.
@@ -468,6 +482,37 @@ impl Qcow2Node {
             vsd_qcow2::ImageIo { meta: &mut file, data: data.as_mut().map(|d| d as &mut dyn SyncIo), backing: None };
         f(&image, &mut io)
     }
+
+    /// [`Qcow2Node::with_io`] for a change of the image beside the queues'
+    /// requests: refused once the image was found corrupt, and corrupt
+    /// metadata found on the way marks it so, as a request would.
+    fn change<T>(&self, f: impl FnOnce(&Image, &mut vsd_qcow2::ImageIo) -> io::Result<T>) -> io::Result<T> {
+        if self.health.is_corrupt() {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        self.with_io(|image, io| {
+            f(image, io).inspect_err(|e| {
+                if let Some(what) = CorruptMetadata::of(e) {
+                    self.health.corrupted(what, image, &mut *io.meta);
+                }
+            })
+        })
+    }
+}
+
+/// Refuses a backing node without a header naming it, or the other way
+/// round, and formats vsd cannot open from a header.
+fn check_new_backing(backing: Option<&Arc<dyn BlockNode>>, header: Option<&(String, String)>) -> io::Result<()> {
+    let invalid = |what: String| Err(io::Error::new(io::ErrorKind::InvalidInput, what));
+    match header {
+        _ if backing.is_some() != header.is_some() => {
+            invalid("a new backing node needs a header naming it, and no backing node a header naming none".into())
+        }
+        Some((_, format)) if !matches!(format.as_str(), "qcow2" | "raw") => {
+            invalid(format!("backing format '{format}' is not supported (vsd has raw and qcow2)"))
+        }
+        _ => Ok(()),
+    }
 }
 
 impl BlockNode for Qcow2Node {
@@ -491,9 +536,13 @@ impl BlockNode for Qcow2Node {
         self.image().cluster_size().clamp(4096, 65536)
     }
 
+    fn cluster_size(&self) -> Option<u64> {
+        Some(self.image().cluster_size())
+    }
+
     fn children(&self) -> Vec<(&'static str, Arc<dyn BlockNode>)> {
-        let optional = [("data-file", self.data.as_ref()), ("backing", self.backing.get())];
-        let optional = optional.into_iter().filter_map(|(role, node)| Some((role, node?.clone())));
+        let optional = [("data-file", self.data.clone()), ("backing", self.backing())];
+        let optional = optional.into_iter().filter_map(|(role, node)| Some((role, node?)));
         std::iter::once(("file", self.file.clone())).chain(optional).collect()
     }
 
@@ -511,7 +560,7 @@ impl BlockNode for Qcow2Node {
         // at a clean stop; then nothing cached is kept, and no lock.
         self.close()?;
         self.bitmaps.drop_persistent();
-        self.claims().clear();
+        *self.claims() = Claims::default();
         self.reopen(read_only(&self.options()))
     }
 
@@ -525,7 +574,8 @@ impl BlockNode for Qcow2Node {
     /// its unallocated clusters then read from it. Nobody uses the node
     /// yet, so no queue holds the image it had.
     fn attach_backing(&self, backing: Arc<dyn BlockNode>) -> Result<(), AttachError> {
-        if self.backing.get().is_some() {
+        let mut slot = self.backing.write().unwrap_or_else(PoisonError::into_inner);
+        if slot.is_some() {
             return Err(AttachError::HasBacking);
         }
         let guards = backing.claim(BACKING_CLAIM).map_err(io::Error::other)?;
@@ -536,8 +586,30 @@ impl BlockNode for Qcow2Node {
         options.has_backing = Some(true);
         self.reopen(options.clone())?;
         *self.options.write().unwrap_or_else(PoisonError::into_inner) = options;
-        self.backing.set(backing).map_err(|_| AttachError::HasBacking)?;
-        self.claims().extend(guards);
+        *slot = Some(backing);
+        self.claims().backing = guards;
+        Ok(())
+    }
+
+    /// Through the image's metadata path, beside the queues' requests: a
+    /// cluster populated is in flight until linked, so that their writes
+    /// to it wait and land on top (see [`Image::populate`]).
+    fn populate(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.change(|image, io| image.populate(io, offset, data))
+    }
+
+    /// The header is rewritten (durably, the image's changes before it
+    /// first) and the open image told, not read again: the queues already
+    /// open share it, and keep their backing node.
+    fn set_backing(&self, backing: Option<Arc<dyn BlockNode>>, header: Option<(String, String)>) -> io::Result<()> {
+        check_new_backing(backing.as_ref(), header.as_ref())?;
+        let guards = backing.as_ref().map(|b| b.claim(BACKING_CLAIM)).transpose().map_err(io::Error::other)?;
+        let name = header.as_ref().map(|(file, format)| (file.as_str(), format.as_str()));
+        self.change(|image, io| image.set_backing_file(io, name))?;
+        self.options.write().unwrap_or_else(PoisonError::into_inner).has_backing = Some(backing.is_some());
+        *self.backing.write().unwrap_or_else(PoisonError::into_inner) = backing;
+        // The old node's claim goes once the new one is in its place.
+        self.claims().backing = guards.unwrap_or_default();
         Ok(())
     }
 
@@ -558,7 +630,7 @@ impl BlockNode for Qcow2Node {
     /// unallocated ones are what the backing file says (holes without one).
     fn block_status(&self, offset: u64, len: u64) -> io::Result<(crate::Allocation, u64)> {
         let (mapping, n) = self.mapping(offset, len)?;
-        match (mapping, self.backing.get()) {
+        match (mapping, self.backing()) {
             (Mapping::Data { .. } | Mapping::Compressed { .. }, _) => Ok((crate::Allocation::Data, n)),
             (Mapping::Unallocated, Some(backing)) if offset < backing.size() => {
                 backing.block_status(offset, n.min(backing.size() - offset))
@@ -572,7 +644,7 @@ impl BlockNode for Qcow2Node {
     /// deeper than the backing file has them, if it does.
     fn allocation_depth(&self, offset: u64, len: u64) -> io::Result<(u32, u64)> {
         let (mapping, n) = self.mapping(offset, len)?;
-        match (mapping, self.backing.get()) {
+        match (mapping, self.backing()) {
             (Mapping::Data { .. } | Mapping::Compressed { .. } | Mapping::Zero, _) => Ok((1, n)),
             (Mapping::Unallocated, Some(backing)) if offset < backing.size() => {
                 let (depth, n) = backing.allocation_depth(offset, n.min(backing.size() - offset))?;
@@ -598,7 +670,7 @@ impl BlockNode for Qcow2Node {
         let child_depth = depth + parts;
         let file = ChildQueue::open(&*self.file, child_depth + loads::LOADS, u64::MAX)?;
         let data = self.data.as_ref().map(|d| ChildQueue::open(&**d, child_depth, u64::MAX)).transpose()?;
-        let backing = self.backing.get().map(|b| ChildQueue::open(&**b, child_depth, b.size())).transpose()?;
+        let backing = self.backing().map(|b| ChildQueue::open(&*b, child_depth, b.size())).transpose()?;
         let children = queue::Children { file, data, backing };
         let (health, flusher) = (self.health.clone(), self.flusher.clone());
         Ok(Box::new(Qcow2Queue::new(self.image(), children, health, flusher, depth, parts)?))

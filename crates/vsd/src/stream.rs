@@ -1,0 +1,145 @@
+//! QMP's `block-stream`: an overlay takes in what it reads from its
+//! backing chain above a base (libvirt's `virsh blockpull`), then names
+//! the base as its backing file; the images between are no longer used.
+
+use std::sync::Arc;
+
+use serde::Deserialize;
+use serde_json::{Value, json};
+use vsd_block::BlockNode;
+use vsd_control::qmp::QmpError;
+use vsd_job::JobSpec;
+use vsd_job::stream::{Stream, StreamSpec};
+
+use crate::daemon::Daemon;
+use crate::jobs::{OnError, busy, generic, node, speed, well_formed};
+use crate::writers::SourceWriters;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub(crate) struct StreamArgs {
+    job_id: Option<String>,
+    device: String,
+    base: Option<String>,
+    base_node: Option<String>,
+    backing_file: Option<String>,
+    bottom: Option<String>,
+    speed: Option<i64>,
+    #[serde(default)]
+    on_error: OnError,
+    filter_node_name: Option<String>,
+    auto_finalize: Option<bool>,
+    auto_dismiss: Option<bool>,
+}
+
+type Node = Arc<dyn BlockNode>;
+
+/// The node's backing chain, from the node itself down.
+fn chain(top: &Node) -> Vec<Node> {
+    let mut chain = vec![top.clone()];
+    while let Some(backing) = backing_of(chain.last().expect("never empty")) {
+        chain.push(backing);
+    }
+    chain
+}
+
+fn backing_of(node: &Node) -> Option<Node> {
+    node.children().into_iter().find(|(role, _)| *role == "backing").map(|(_, child)| child)
+}
+
+/// The file a node's image lives in, as a header names a backing file.
+fn image_filename(node: &Node) -> Option<String> {
+    node.filename().map(str::to_string).or_else(|| {
+        let file = node.children().into_iter().find(|(role, _)| *role == "file")?.1;
+        image_filename(&file)
+    })
+}
+
+impl Daemon {
+    /// Starts a stream job.
+    pub(crate) fn block_stream(&self, args: StreamArgs) -> Result<Value, QmpError> {
+        let both = |a: &str, b: &str| generic(format!("'{a}' and '{b}' cannot be specified at the same time"));
+        match (&args.base, &args.base_node, &args.bottom) {
+            (Some(_), Some(_), _) => return Err(both("base", "base-node")),
+            (Some(_), _, Some(_)) => return Err(both("base", "bottom")),
+            (_, Some(_), Some(_)) => return Err(both("base-node", "bottom")),
+            _ => {}
+        }
+        if args.bottom.is_some() {
+            return Err(generic("vsd streams down to a base: use 'base-node' rather than 'bottom'"));
+        }
+        if args.filter_node_name.is_some() {
+            return Err(generic("vsd puts no filter node above the overlay: leave out 'filter-node-name'"));
+        }
+        let state = self.state();
+        let top = node(&state, &args.device)?;
+        let chain = chain(&top);
+        let base_depth = match (&args.base, &args.base_node) {
+            (Some(file), _) => Some(
+                chain
+                    .iter()
+                    .position(|n| image_filename(n).as_deref() == Some(file))
+                    .ok_or_else(|| generic(format!("Can't find '{file}' in the backing chain")))?,
+            ),
+            (_, Some(name)) => {
+                // QEMU looks the base up by node name only, and says so.
+                let base = state
+                    .graph
+                    .get(name)
+                    .ok_or_else(|| generic(format!("Cannot find device='' nor node-name='{name}'")))?;
+                let at = chain.iter().position(|n| n.name() == base.name());
+                Some(
+                    at.filter(|&at| at > 0)
+                        .ok_or_else(|| generic(format!("Node '{name}' is not a backing image of '{}'", top.name())))?,
+                )
+            }
+            _ => None,
+        };
+        for node in &chain[..base_depth.unwrap_or(chain.len())] {
+            if let Some((job, _)) = self.jobs.user_of(node.name()) {
+                return Err(generic(busy(node.name(), &job)));
+            }
+        }
+        let base = base_depth.map(|at| chain[at].clone());
+        let header = match (&base, args.backing_file) {
+            (None, Some(_)) => return Err(generic("backing file specified, but streaming the entire chain")),
+            (None, None) => None,
+            (Some(base), name) => {
+                let name = name.or_else(|| image_filename(base)).unwrap_or_else(|| base.name().to_string());
+                let format = if base.driver() == "qcow2" { "qcow2" } else { "raw" };
+                Some((name, format.to_string()))
+            }
+        };
+        if chain.len() > 1 && top.driver() != "qcow2" {
+            return Err(generic(format!("Node '{}' is not a qcow2 image: vsd streams into qcow2 only", top.name())));
+        }
+        if top.read_only() {
+            return Err(generic(format!("Node '{}' is read-only", top.name())));
+        }
+        // QEMU takes a device's name as the id, and a node has none.
+        let id = args.job_id.unwrap_or_default();
+        if !well_formed(&id) {
+            return Err(generic(format!("Invalid job ID '{id}'")));
+        }
+        let spec = JobSpec {
+            id,
+            kind: "stream",
+            auto_finalize: args.auto_finalize.unwrap_or(true),
+            auto_dismiss: args.auto_dismiss.unwrap_or(true),
+            speed: speed(args.speed.unwrap_or(0))?,
+            nodes: chain[..base_depth.unwrap_or(chain.len())].iter().map(|n| n.name().to_string()).collect(),
+            group: None,
+        };
+        let writers = Arc::new(SourceWriters { state: self.shared_state(), source: top.name().to_string() });
+        let stream = Stream::new(StreamSpec {
+            top,
+            base,
+            base_depth: base_depth.map(|at| at as u32 + 1),
+            header,
+            writers,
+            on_error: args.on_error.into(),
+        });
+        self.jobs.start(spec, Box::new(stream)).map_err(generic)?;
+        Ok(json!({}))
+    }
+}
