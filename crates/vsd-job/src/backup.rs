@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use vsd_block::BlockNode;
 use vsd_block::dirty::{BeforeWrite, BusyGuard, DirtyBitmaps, DirtySet};
 
-use crate::copy::{Copier, Extents, Failure, MAX_COPY, Pace, top_extents};
+use crate::copy::{Copier, Extents, Failure, MAX_COPY, Pace, extents_above};
 use crate::{ErrorPolicy, Job, JobBody, strerror};
 
 /// Bytes per cluster: the unit of copying and of copy-before-write.
@@ -314,7 +314,7 @@ impl Run<'_> {
 /// backing chain.
 fn top_clusters(node: &dyn BlockNode) -> std::io::Result<Vec<bool>> {
     let mut held = vec![false; node.size().div_ceil(CLUSTER) as usize];
-    for (offset, len) in top_extents(node)? {
+    for (offset, len) in extents_above(node, 2)? {
         held[(offset / CLUSTER) as usize..=((offset + len - 1) / CLUSTER) as usize].fill(true);
     }
     Ok(held)

@@ -179,17 +179,21 @@ impl Pace {
     }
 }
 
-/// The ranges `node` holds itself rather than reads from its backing
-/// chain (allocation depth 1): what `sync=top` copies.
-pub(crate) fn top_extents(node: &dyn BlockNode) -> std::io::Result<Vec<(u64, u64)>> {
+/// The ranges stored in `node` or its backing chain above the layer
+/// `depth` down (1 is `node` itself): with 2, what `sync=top` copies (what
+/// the node holds itself); with a base's depth, what a commit copies.
+pub(crate) fn extents_above(node: &dyn BlockNode, depth: u32) -> std::io::Result<Vec<(u64, u64)>> {
     let size = node.size();
     let mut extents = Vec::new();
     let mut at = 0;
     while at < size {
-        let (depth, n) = node.allocation_depth(at, size - at)?;
+        let (stored, n) = node.allocation_depth(at, size - at)?;
         let n = n.clamp(1, size - at);
-        if depth == 1 {
-            extents.push((at, n));
+        if (1..depth).contains(&stored) {
+            match extents.last_mut() {
+                Some((start, len)) if *start + *len == at => *len += n,
+                _ => extents.push((at, n)),
+            }
         }
         at += n;
     }

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use vsd_block::dirty::Tracker;
 use vsd_block::{Allocation, BlockNode};
 
-use crate::copy::{Copier, Extents, Failure, MAX_COPY, Pace, top_extents};
+use crate::copy::{Copier, Extents, Failure, MAX_COPY, Pace, extents_above};
 use crate::{CANCELLED, ErrorPolicy, Finish, Job, JobBody, Status, strerror};
 
 /// How long a job in sync waits before it looks for new writes again.
@@ -37,6 +37,9 @@ pub enum MirrorSync {
     /// What the source holds itself, not what it reads from its backing
     /// chain (the target has the same backing).
     Top,
+    /// What the source's chain holds above the layer this deep (1 is the
+    /// source): an active commit's, into that layer.
+    Above(u32),
     /// Nothing: only what is written from now on.
     None,
 }
@@ -245,9 +248,10 @@ impl JobBody for Mirror {
                 job.set_total(spec.source.size());
                 run.zero_holes_mark_data()?;
             }
-            MirrorSync::Top => {
-                let extents =
-                    top_extents(&*spec.source).map_err(|e| format!("Cannot read the allocation of the source: {e}"))?;
+            MirrorSync::Top | MirrorSync::Above(_) => {
+                let depth = if let MirrorSync::Above(depth) = spec.sync { depth } else { 2 };
+                let extents = extents_above(&*spec.source, depth)
+                    .map_err(|e| format!("Cannot read the allocation of the source: {e}"))?;
                 extents.into_iter().for_each(|(offset, len)| spec.tracker.mark(offset, len));
             }
             MirrorSync::None => {}

@@ -4,6 +4,7 @@
 //! open a QMP socket. `vsd stat` prints a running export's statistics.
 
 mod bitmaps;
+mod chain;
 mod commands;
 mod create;
 mod daemon;

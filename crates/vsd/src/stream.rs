@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 use serde_json::{Value, json};
-use vsd_block::BlockNode;
 use vsd_control::qmp::QmpError;
 use vsd_job::JobSpec;
 use vsd_job::stream::{Stream, StreamSpec};
 
+use crate::chain::{backing_format, chain, image_filename};
 use crate::daemon::Daemon;
 use crate::jobs::{OnError, busy, generic, node, speed, well_formed};
 use crate::writers::SourceWriters;
@@ -30,29 +30,6 @@ pub(crate) struct StreamArgs {
     filter_node_name: Option<String>,
     auto_finalize: Option<bool>,
     auto_dismiss: Option<bool>,
-}
-
-type Node = Arc<dyn BlockNode>;
-
-/// The node's backing chain, from the node itself down.
-fn chain(top: &Node) -> Vec<Node> {
-    let mut chain = vec![top.clone()];
-    while let Some(backing) = backing_of(chain.last().expect("never empty")) {
-        chain.push(backing);
-    }
-    chain
-}
-
-fn backing_of(node: &Node) -> Option<Node> {
-    node.children().into_iter().find(|(role, _)| *role == "backing").map(|(_, child)| child)
-}
-
-/// The file a node's image lives in, as a header names a backing file.
-fn image_filename(node: &Node) -> Option<String> {
-    node.filename().map(str::to_string).or_else(|| {
-        let file = node.children().into_iter().find(|(role, _)| *role == "file")?.1;
-        image_filename(&file)
-    })
 }
 
 impl Daemon {
@@ -106,8 +83,7 @@ impl Daemon {
             (None, None) => None,
             (Some(base), name) => {
                 let name = name.or_else(|| image_filename(base)).unwrap_or_else(|| base.name().to_string());
-                let format = if base.driver() == "qcow2" { "qcow2" } else { "raw" };
-                Some((name, format.to_string()))
+                Some((name, backing_format(base).to_string()))
             }
         };
         if chain.len() > 1 && top.driver() != "qcow2" {

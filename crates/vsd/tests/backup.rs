@@ -30,15 +30,7 @@ fn file_nodes(dir: &Scratch, nodes: &[(&str, u64)]) -> Vec<String> {
     args
 }
 
-/// One step of the differential script.
-enum Step {
-    Command(&'static str, Value),
-    /// Waits for an event (name, data members).
-    Await(&'static str, Value),
-    Sleep(u64),
-}
-
-use Step::{Await, Command, Sleep};
+use common::script::Step::{self, Await, Command, Sleep};
 
 fn differential_script() -> Vec<Step> {
     let (src, tgt) = ("src", "tgt");
@@ -177,40 +169,11 @@ fn stable(events: Vec<Value>) -> Vec<Value> {
 
 #[test]
 fn job_commands_answer_and_notify_as_qemu_storage_daemon_does() {
-    let script = differential_script();
-    let run_script = |program: fn(&Scratch, &[String]) -> Daemon, name: &str| {
-        let dir = Scratch::new(name);
-        let socket = dir.path("qmp.sock");
+    let setup = |dir: &Scratch| {
         let big = 64 * MIB;
-        let mut args = file_nodes(
-            &dir,
-            &[("src", big), ("tgt", big), ("src2", big), ("tgt2", big), ("tgt3", big), ("small", 2 * MIB)],
-        );
-        args.extend(monitor(&socket));
-        let _daemon = program(&dir, &args);
-        let mut qmp = Qmp::connect(&socket);
-        let mut answers = Vec::new();
-        for step in &script {
-            match step {
-                Command(command, args) => answers.push(qmp.answer(command, args.clone())),
-                Await(event, data) => drop(qmp.await_event(event, data.clone())),
-                Sleep(ms) => std::thread::sleep(Duration::from_millis(*ms)),
-            }
-        }
-        (answers, stable(qmp.event_log()))
+        file_nodes(dir, &[("src", big), ("tgt", big), ("src2", big), ("tgt2", big), ("tgt3", big), ("small", 2 * MIB)])
     };
-    let (vsd, qsd) = (run_script(Daemon::vsd, "backup-qmp-vsd"), run_script(Daemon::qsd, "backup-qmp-qsd"));
-    let commands = script.iter().filter_map(|s| match s {
-        Command(command, args) => Some((command, args)),
-        _ => None,
-    });
-    for ((command, args), (ours, theirs)) in commands.zip(vsd.0.iter().zip(&qsd.0)) {
-        assert_eq!(ours, theirs, "{command} {args}");
-    }
-    for (at, (ours, theirs)) in vsd.1.iter().zip(&qsd.1).enumerate() {
-        assert_eq!(ours, theirs, "event {at}; vsd's: {:#?}", &vsd.1);
-    }
-    assert_eq!(vsd.1.len(), qsd.1.len(), "as many events");
+    common::script::assert_same_as_qsd("backup-qmp", &setup, &differential_script(), stable);
 }
 
 /// Fills `len` bytes at `offset` of NBD export `name` with `byte`

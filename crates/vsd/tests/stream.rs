@@ -5,65 +5,17 @@
 
 mod common;
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::path::PathBuf;
 use std::time::Duration;
 
+use common::images::{
+    BLOCK, CHAIN_SIZE, MIB, Writer, assert_clean, chain_byte, chain_nodes, first_mismatch_read, info, qcow2_chain,
+};
 use common::qmp::Qmp;
-use common::{Daemon, Scratch, monitor, ok, run};
+use common::{Daemon, Scratch, monitor, ok};
 use serde_json::{Value, json};
-use vsd_bench::ClientOptions;
 
-const MIB: u64 = 1 << 20;
-const BLOCK: u64 = 4096;
-const SIZE: u64 = 16 * MIB;
-
-/// A chain base <- mid <- top of qcow2 images: base holds 0x11 all over,
-/// mid 0x22 in its second MiB, top 0x33 in its fourth; returns the paths.
-fn chain(dir: &Scratch) -> [PathBuf; 3] {
-    let [base, mid, top] = ["base", "mid", "top"].map(|n| dir.path(&format!("{n}.qcow2")));
-    let s = |p: &Path| p.to_str().unwrap().to_string();
-    ok("qemu-img", &["create", "-q", "-f", "qcow2", &s(&base), &SIZE.to_string()]);
-    ok("qemu-img", &["create", "-q", "-f", "qcow2", "-b", &s(&base), "-F", "qcow2", &s(&mid)]);
-    ok("qemu-img", &["create", "-q", "-f", "qcow2", "-b", &s(&mid), "-F", "qcow2", &s(&top)]);
-    for (image, command) in [
-        (&base, format!("write -P 0x11 0 {SIZE}")),
-        (&mid, format!("write -P 0x22 {MIB} {MIB}")),
-        (&top, format!("write -P 0x33 {} {MIB}", 3 * MIB)),
-    ] {
-        ok("qemu-io", &["-f", "qcow2", "-c", &command, &s(image)]);
-    }
-    [base, mid, top]
-}
-
-/// What the chain reads at `at` before any client writes.
-fn chain_byte(at: u64) -> u8 {
-    match at / MIB {
-        1 => 0x22,
-        3 => 0x33,
-        _ => 0x11,
-    }
-}
-
-/// `--blockdev`s naming each image of [`chain`] (`base`, `mid`, `top`).
-fn chain_nodes(images: &[PathBuf; 3]) -> Vec<String> {
-    let mut args = Vec::new();
-    let mut below: Option<&str> = None;
-    for (name, image) in ["base", "mid", "top"].iter().zip(images) {
-        // base names no backing file in its header.
-        let backing = below.map_or(String::new(), |b| format!(",backing={b}"));
-        args.extend([
-            "--blockdev".into(),
-            format!("driver=file,node-name={name}-file,filename={}", image.display()),
-            "--blockdev".into(),
-            format!("driver=qcow2,node-name={name},file={name}-file{backing}"),
-        ]);
-        below = Some(name);
-    }
-    args
-}
+const SIZE: u64 = CHAIN_SIZE;
 
 /// vsd serving node `top` of `images` over vhost-user, with a monitor.
 fn served(dir: &Scratch, images: &[PathBuf; 3]) -> (Daemon, Qmp) {
@@ -81,52 +33,12 @@ fn served(dir: &Scratch, images: &[PathBuf; 3]) -> (Daemon, Qmp) {
     (daemon, qmp)
 }
 
-/// A client writing 4 KiB blocks all over the disk until told to stop,
-/// then flushing; returns what each block it wrote holds last.
-fn writer(daemon: &Daemon, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<HashMap<u64, u8>> {
-    let mut client = daemon.connect(ClientOptions::default());
-    let mut queue = client.take_queue(0).unwrap();
-    std::thread::spawn(move || {
-        let _client = client;
-        let mut last = HashMap::new();
-        let mut n = 0u64;
-        while !stop.load(Ordering::Relaxed) {
-            let block = (n * 7919) % (SIZE / BLOCK);
-            let byte = (n % 100) as u8 + 0x40;
-            queue.write_at(block * BLOCK, &[byte; BLOCK as usize]).unwrap();
-            last.insert(block, byte);
-            n += 1;
-        }
-        queue.flush().unwrap();
-        last
-    })
-}
-
-fn info(image: &Path) -> Value {
-    serde_json::from_str(&ok("qemu-img", &["info", "--output=json", "-U", image.to_str().unwrap()])).unwrap()
-}
-
-/// `qemu-img check` finds nothing wrong.
-fn assert_clean(image: &Path) {
-    let check = run("qemu-img", &["check", image.to_str().unwrap()]);
-    assert!(check.status.success(), "{}: {}", image.display(), String::from_utf8_lossy(&check.stdout));
-}
-
-/// The first byte `image` (read through its chain) holds that `expect` does not.
-fn first_mismatch(dir: &Scratch, image: &Path, expect: impl Fn(u64) -> u8) -> Option<(u64, u8, u8)> {
-    let raw = dir.path("flat.raw");
-    ok("qemu-img", &["convert", "-O", "raw", image.to_str().unwrap(), raw.to_str().unwrap()]);
-    let data = std::fs::read(&raw).unwrap();
-    (0..data.len() as u64).map(|at| (at, data[at as usize], expect(at))).find(|(_, got, want)| got != want)
-}
-
 #[test]
 fn a_stream_to_a_base_keeps_every_write_and_names_the_base_in_the_header() {
     let dir = Scratch::new("stream-base");
-    let images = chain(&dir);
+    let images = qcow2_chain(&dir);
     let (daemon, mut qmp) = served(&dir, &images);
-    let stop = Arc::new(AtomicBool::new(false));
-    let writing = writer(&daemon, stop.clone());
+    let writing = Writer::start(&daemon, SIZE / BLOCK, Duration::ZERO);
     std::thread::sleep(Duration::from_millis(100));
     qmp.ok("block-stream", json!({"job-id": "s", "device": "top", "base-node": "base"}));
     let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "s"}));
@@ -135,15 +47,14 @@ fn a_stream_to_a_base_keeps_every_write_and_names_the_base_in_the_header() {
     // The middle image is no longer used: it can go while the client writes.
     qmp.ok("blockdev-del", json!({"node-name": "mid"}));
     std::thread::sleep(Duration::from_millis(100));
-    stop.store(true, Ordering::Relaxed);
-    let last = writing.join().unwrap();
+    let last = writing.finish();
     daemon.stop();
     let top_info = info(&images[2]);
     assert_eq!(top_info["backing-filename"], json!(images[0].to_str().unwrap()), "{top_info}");
     assert_eq!(top_info["backing-filename-format"], "qcow2", "{top_info}");
     images.iter().for_each(|image| assert_clean(image));
     let expect = |at: u64| last.get(&(at / BLOCK)).copied().unwrap_or_else(|| chain_byte(at));
-    assert_eq!(first_mismatch(&dir, &images[2], expect), None, "top over base reads every write and the chain");
+    assert_eq!(first_mismatch_read(&dir, &images[2], expect), None, "top over base reads every write and the chain");
     // What top took in is its own now: over an empty base it still reads
     // mid's data, and base's only in clusters a write copied up.
     std::fs::remove_file(&images[0]).unwrap();
@@ -155,39 +66,30 @@ fn a_stream_to_a_base_keeps_every_write_and_names_the_base_in_the_header() {
         None if at / MIB == 1 || at / MIB == 3 || written.contains(&(at / CLUSTER)) => chain_byte(at),
         None => 0,
     };
-    assert_eq!(first_mismatch(&dir, &images[2], own), None, "top holds what mid held");
+    assert_eq!(first_mismatch_read(&dir, &images[2], own), None, "top holds what mid held");
 }
 
 #[test]
 fn a_stream_of_the_whole_chain_leaves_a_standalone_image() {
     let dir = Scratch::new("stream-all");
-    let images = chain(&dir);
+    let images = qcow2_chain(&dir);
     let (daemon, mut qmp) = served(&dir, &images);
-    let stop = Arc::new(AtomicBool::new(false));
-    let writing = writer(&daemon, stop.clone());
+    let writing = Writer::start(&daemon, SIZE / BLOCK, Duration::ZERO);
     qmp.ok("block-stream", json!({"job-id": "s", "device": "top", "speed": 64 * MIB}));
     let jobs = qmp.ok("query-block-jobs", json!({}));
     assert_eq!((jobs[0]["device"].clone(), jobs[0]["type"].clone()), (json!("s"), json!("stream")), "{jobs}");
     let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "s"}));
     assert!(done.get("error").is_none(), "{done}");
-    stop.store(true, Ordering::Relaxed);
-    let last = writing.join().unwrap();
+    let last = writing.finish();
     daemon.stop();
     let top_info = info(&images[2]);
     assert!(top_info.get("backing-filename").is_none(), "{top_info}");
     assert_clean(&images[2]);
     let expect = |at: u64| last.get(&(at / BLOCK)).copied().unwrap_or_else(|| chain_byte(at));
-    assert_eq!(first_mismatch(&dir, &images[2], expect), None);
+    assert_eq!(first_mismatch_read(&dir, &images[2], expect), None);
 }
 
-/// One step of the differential script.
-enum Step {
-    Command(&'static str, Value),
-    /// Waits for an event (name, data members).
-    Await(&'static str, Value),
-}
-
-use Step::{Await, Command};
+use common::script::Step::{self, Await, Command};
 
 fn differential_script() -> Vec<Step> {
     let null = |id: &str| json!({"id": id, "status": "null"});
@@ -235,33 +137,6 @@ fn stable(events: Vec<Value>) -> Vec<Value> {
 
 #[test]
 fn stream_commands_answer_and_notify_as_qemu_storage_daemon_does() {
-    let script = differential_script();
-    let run_script = |program: fn(&Scratch, &[String]) -> Daemon, name: &str| {
-        let dir = Scratch::new(name);
-        let images = chain(&dir);
-        let mut args = chain_nodes(&images);
-        args.extend(monitor(&dir.path("qmp.sock")));
-        let _daemon = program(&dir, &args);
-        let mut qmp = Qmp::connect(&dir.path("qmp.sock"));
-        let mut answers = Vec::new();
-        for step in &script {
-            match step {
-                Command(command, args) => answers.push(qmp.answer(command, args.clone())),
-                Await(event, data) => drop(qmp.await_event(event, data.clone())),
-            }
-        }
-        (answers, stable(qmp.event_log()))
-    };
-    let (vsd, qsd) = (run_script(Daemon::vsd, "stream-qmp-vsd"), run_script(Daemon::qsd, "stream-qmp-qsd"));
-    let commands = script.iter().filter_map(|s| match s {
-        Command(command, args) => Some((command, args)),
-        Await(..) => None,
-    });
-    for ((command, args), (ours, theirs)) in commands.zip(vsd.0.iter().zip(&qsd.0)) {
-        assert_eq!(ours, theirs, "{command} {args}");
-    }
-    for (at, (ours, theirs)) in vsd.1.iter().zip(&qsd.1).enumerate() {
-        assert_eq!(ours, theirs, "event {at}; vsd's: {:#?}", &vsd.1);
-    }
-    assert_eq!(vsd.1.len(), qsd.1.len(), "as many events");
+    let setup = |dir: &Scratch| chain_nodes(&qcow2_chain(dir));
+    common::script::assert_same_as_qsd("stream-qmp", &setup, &differential_script(), stable);
 }

@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 use vsd_bench::{Client, ClientOptions};
 
 pub mod frontend;
+pub mod images;
 pub mod qmp;
+pub mod script;
 
 pub const VSD: &str = env!("CARGO_BIN_EXE_vsd");
 

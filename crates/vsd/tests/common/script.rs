@@ -1,0 +1,67 @@
+//! One QMP script run against vsd and against qemu-storage-daemon, the
+//! answers and events compared: vsd must say what QEMU says.
+
+use serde_json::Value;
+
+use super::qmp::Qmp;
+use super::{Daemon, Scratch, monitor};
+
+/// One step of a script.
+pub enum Step {
+    Command(&'static str, Value),
+    /// Waits for an event (its name, and members its data must hold).
+    Await(&'static str, Value),
+    /// Lets the daemon work for this many milliseconds.
+    Sleep(u64),
+}
+
+/// Runs `script` on a daemon `program` starts in scratch directory
+/// `name`, with the arguments `setup` makes there (a monitor is added);
+/// returns the answers, and the events as `filter` keeps them.
+fn run(
+    program: fn(&Scratch, &[String]) -> Daemon,
+    name: &str,
+    setup: &dyn Fn(&Scratch) -> Vec<String>,
+    script: &[Step],
+    filter: fn(Vec<Value>) -> Vec<Value>,
+) -> (Vec<Value>, Vec<Value>) {
+    let dir = Scratch::new(name);
+    let socket = dir.path("qmp.sock");
+    let mut args = setup(&dir);
+    args.extend(monitor(&socket));
+    let _daemon = program(&dir, &args);
+    let mut qmp = Qmp::connect(&socket);
+    let mut answers = Vec::new();
+    for step in script {
+        match step {
+            Step::Command(command, args) => answers.push(qmp.answer(command, args.clone())),
+            Step::Await(event, data) => drop(qmp.await_event(event, data.clone())),
+            Step::Sleep(ms) => std::thread::sleep(std::time::Duration::from_millis(*ms)),
+        }
+    }
+    (answers, filter(qmp.event_log()))
+}
+
+/// Runs `script` on vsd and on qemu-storage-daemon (scratch directories
+/// named after `name`) and asserts that every answer and every event, as
+/// `filter` keeps them, is the same.
+pub fn assert_same_as_qsd(
+    name: &str,
+    setup: &dyn Fn(&Scratch) -> Vec<String>,
+    script: &[Step],
+    filter: fn(Vec<Value>) -> Vec<Value>,
+) {
+    let vsd = run(Daemon::vsd, &format!("{name}-vsd"), setup, script, filter);
+    let qsd = run(Daemon::qsd, &format!("{name}-qsd"), setup, script, filter);
+    let commands = script.iter().filter_map(|s| match s {
+        Step::Command(command, args) => Some((command, args)),
+        _ => None,
+    });
+    for ((command, args), (ours, theirs)) in commands.zip(vsd.0.iter().zip(&qsd.0)) {
+        assert_eq!(ours, theirs, "{command} {args}");
+    }
+    for (at, (ours, theirs)) in vsd.1.iter().zip(&qsd.1).enumerate() {
+        assert_eq!(ours, theirs, "event {at}; vsd's: {:#?}", &vsd.1);
+    }
+    assert_eq!(vsd.1.len(), qsd.1.len(), "as many events");
+}
