@@ -5,39 +5,22 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use common::images::{
     BLOCK, CHAIN_SIZE, MIB, Writer, assert_clean, chain_byte, chain_nodes, first_mismatch_read, info, qcow2_chain,
+    served_chain,
 };
-use common::qmp::Qmp;
-use common::{Daemon, Scratch, monitor, ok};
+use common::{Scratch, ok};
 use serde_json::{Value, json};
 
 const SIZE: u64 = CHAIN_SIZE;
-
-/// vsd serving node `top` of `images` over vhost-user, with a monitor.
-fn served(dir: &Scratch, images: &[PathBuf; 3]) -> (Daemon, Qmp) {
-    let mut args = chain_nodes(images);
-    args.extend([
-        "--export".into(),
-        format!(
-            "type=vhost-user-blk,id=v0,node-name=top,writable=on,addr.type=unix,addr.path={}",
-            dir.path("vhost.sock").display()
-        ),
-    ]);
-    args.extend(monitor(&dir.path("qmp.sock")));
-    let daemon = Daemon::vsd(dir, &args);
-    let qmp = Qmp::connect(&dir.path("qmp.sock"));
-    (daemon, qmp)
-}
 
 #[test]
 fn a_stream_to_a_base_keeps_every_write_and_names_the_base_in_the_header() {
     let dir = Scratch::new("stream-base");
     let images = qcow2_chain(&dir);
-    let (daemon, mut qmp) = served(&dir, &images);
+    let (daemon, mut qmp) = served_chain(&dir, &images);
     let writing = Writer::start(&daemon, SIZE / BLOCK, Duration::ZERO);
     std::thread::sleep(Duration::from_millis(100));
     qmp.ok("block-stream", json!({"job-id": "s", "device": "top", "base-node": "base"}));
@@ -73,7 +56,7 @@ fn a_stream_to_a_base_keeps_every_write_and_names_the_base_in_the_header() {
 fn a_stream_of_the_whole_chain_leaves_a_standalone_image() {
     let dir = Scratch::new("stream-all");
     let images = qcow2_chain(&dir);
-    let (daemon, mut qmp) = served(&dir, &images);
+    let (daemon, mut qmp) = served_chain(&dir, &images);
     let writing = Writer::start(&daemon, SIZE / BLOCK, Duration::ZERO);
     qmp.ok("block-stream", json!({"job-id": "s", "device": "top", "speed": 64 * MIB}));
     let jobs = qmp.ok("query-block-jobs", json!({}));

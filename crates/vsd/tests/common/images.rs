@@ -11,7 +11,8 @@ use std::time::Duration;
 use serde_json::Value;
 use vsd_bench::ClientOptions;
 
-use super::{Daemon, Scratch, ok, run};
+use super::qmp::Qmp;
+use super::{Daemon, Scratch, monitor, ok, run};
 
 pub const MIB: u64 = 1 << 20;
 /// The writer's unit.
@@ -65,6 +66,23 @@ pub fn chain_nodes(images: &[PathBuf; 3]) -> Vec<String> {
         below = Some(name);
     }
     args
+}
+
+/// vsd serving node `top` of `images` ([`qcow2_chain`]) over vhost-user
+/// (export `v0`), with a monitor.
+pub fn served_chain(dir: &Scratch, images: &[PathBuf; 3]) -> (Daemon, Qmp) {
+    let mut args = chain_nodes(images);
+    args.extend([
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=v0,node-name=top,writable=on,addr.type=unix,addr.path={}",
+            dir.path("vhost.sock").display()
+        ),
+    ]);
+    args.extend(monitor(&dir.path("qmp.sock")));
+    let daemon = Daemon::vsd(dir, &args);
+    let qmp = Qmp::connect(&dir.path("qmp.sock"));
+    (daemon, qmp)
 }
 
 /// A client writing 4 KiB blocks round the first `blocks` of the disk
