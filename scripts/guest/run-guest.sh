@@ -22,9 +22,11 @@
 #                      default: no reconnecting)
 #   --smp N            guest vCPUs (default: --queues; a guest drives at most
 #                      one queue per vCPU)
-#   --job JOB          verify (default), info (facts only, no I/O), resize
-#                      (wait for the host to resize the disk; see init) or
-#                      bench (one timed fio run: --rw, --runtime)
+#   --job JOB          verify (default), paced (verify's passes with the
+#                      writes spread over --runtime seconds, while the host
+#                      reshapes the disk; see init), info (facts only, no
+#                      I/O), resize (wait for the host to resize the disk;
+#                      see init) or bench (one timed fio run: --rw, --runtime)
 #   --size SIZE        bytes of the disk fio exercises, e.g. 64M (default 64M)
 #   --bs SIZE          fio block size (default 4k)
 #   --numjobs N        fio jobs (default: one per hardware queue in the guest)
@@ -86,6 +88,8 @@
 #   fio_verify_status                      exit status of a separate sequential
 #                                          read pass verifying every block
 #   fio_verify_secs, fio_verify_error, fio_verify_{read,write}_{bytes,iops}
+#   disk_md5                               paced job only: the MD5 of the
+#                                          whole disk at the end
 #   discard_status, discard_bytes,         with --append vsd.discard=on: the
 #   discard_reads_zero                     blkdiscard of the first half of
 #                                          fio's range, and 1 if it then
@@ -202,7 +206,7 @@ esac
 case "$aio" in threads | io_uring | native) ;; *) die "--aio must be threads, io_uring or native" ;; esac
 # QEMU refuses aio=native on a file opened without O_DIRECT; say so up front.
 [ "$aio" != native ] || [ "$direct" = on ] || die "--aio native needs --cache none or directsync"
-case "$job" in verify | info | resize | bench) ;; *) die "--job must be verify, info, resize or bench" ;; esac
+case "$job" in verify | paced | info | resize | bench) ;; *) die "--job must be verify, paced, info, resize or bench" ;; esac
 case "$rw" in
 randread | randwrite | randrw | read | write) ;;
 *) die "--rw must be randread, randwrite, randrw, read or write" ;;
@@ -321,6 +325,9 @@ facts=$(tr -d '\r' <"$log" | grep -a '^VSD-GUEST ' || true)
 [ -z "$facts" ] || printf '%s\n' "$facts"
 
 fact() { printf '%s\n' "$facts" | sed -n "s/^VSD-GUEST $1=//p" | tail -n 1; }
+# Jobs judged by their fio write+verify and read-back passes.
+verifying=
+case "$job" in verify | paced) verifying=1 ;; esac
 why=
 if [ -n "$qmp" ]; then
     # Driven from outside: the caller judges the job from every console.
@@ -331,15 +338,15 @@ elif [ -n "$(fact fatal)" ]; then
     why="guest: $(fact fatal)"
 elif ! printf '%s\n' "$facts" | grep -qx 'VSD-GUEST done'; then
     why="guest did not finish (QEMU exit status $rc)"
-elif [ "$job" = verify ] && [ "$(fact fio_write_status)" != 0 ]; then
+elif [ -n "$verifying" ] && [ "$(fact fio_write_status)" != 0 ]; then
     why="fio write+verify pass failed (status $(fact fio_write_status))"
-elif [ "$job" = verify ] && [ "$(fact fio_verify_status)" != 0 ]; then
+elif [ -n "$verifying" ] && [ "$(fact fio_verify_status)" != 0 ]; then
     why="fio read-back verify pass failed (status $(fact fio_verify_status))"
 elif [ "$job" = bench ] && [ "$(fact bench_status)" != 0 ]; then
     why="fio bench run failed (status $(fact bench_status))"
 elif [ "$job" = bench ] && [ "$(fact bench_error)" != 0 ]; then
     why="fio bench run reported error '$(fact bench_error)'"
-elif [ "$job" = verify ]; then
+elif [ -n "$verifying" ]; then
     # fio can exit 0 having done less I/O than asked; hold it to the amount.
     want=$(fact fio_expected_bytes)
     for k in fio_write_write_bytes fio_write_read_bytes fio_verify_read_bytes; do
