@@ -110,6 +110,9 @@ impl BlockNode for AccountedNode {
     fn read_only(&self) -> bool {
         self.inner.read_only()
     }
+    fn set_read_only(&self, read_only: bool) -> io::Result<()> {
+        self.inner.set_read_only(read_only)
+    }
     fn cache(&self) -> crate::Cache {
         self.cache
     }

@@ -40,6 +40,21 @@ pub trait BlockNode: Send + Sync {
     fn size(&self) -> u64;
     /// Whether writes are refused.
     fn read_only(&self) -> bool;
+    /// Makes the node read-only or writable (QMP `blockdev-reopen`, a job
+    /// writing into a backing image); this node only: a format needs its
+    /// `file` and `data-file` children writable first, and made read-only
+    /// after it. Queues opened from then on have the new access; those
+    /// already open keep what they had, so reopen a node read-only only
+    /// once its writers are gone. Nothing changes on a failure.
+    fn set_read_only(&self, read_only: bool) -> io::Result<()> {
+        if read_only == self.read_only() {
+            return Ok(());
+        }
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("driver '{}' cannot change whether it is read-only", self.driver()),
+        ))
+    }
     /// The node's cache options (`cache.direct`, `cache.no-flush`).
     fn cache(&self) -> Cache {
         Cache::default()
@@ -354,7 +369,7 @@ pub enum RemoveError {
 
 /// The options by which a node names its children: a child is given by
 /// name, or defined inline under the role's prefix.
-const CHILD_ROLES: [&str; 4] = ["file", "backing", "data-file", "image"];
+pub const CHILD_ROLES: [&str; 4] = ["file", "backing", "data-file", "image"];
 
 /// Where nodes send QMP events (BLOCK_IMAGE_CORRUPTED): the event's name
 /// and data.
@@ -376,6 +391,8 @@ pub trait NodeObjects: Send + Sync {
 #[derive(Default)]
 pub struct BlockGraph {
     nodes: Vec<Arc<dyn BlockNode>>,
+    /// The options each node was added with, by the same index.
+    options: Vec<OptionMap>,
     /// Names given to nodes defined inline without one (`#block<n>`, as QEMU).
     implicit: u64,
     objects: Option<Arc<dyn NodeObjects>>,
@@ -442,6 +459,7 @@ impl BlockGraph {
         if added.is_err() {
             // The inline children of a node that failed go with it.
             self.nodes.truncate(before);
+            self.options.truncate(before);
         }
         added
     }
@@ -467,6 +485,7 @@ impl BlockGraph {
             let node = self.add_with_children(child)?;
             opts.insert(role, node.name());
         }
+        let given = opts.clone();
         let context = opts.context().to_string();
         let driver = opts.require("driver")?;
         let name = opts.require("node-name")?;
@@ -483,6 +502,7 @@ impl BlockGraph {
         let node: Arc<dyn BlockNode> = Arc::new(accounting::AccountedNode::new(opened, cache, active, bitmaps));
         opts.finish()?;
         self.nodes.push(node.clone());
+        self.options.push(given);
         Ok(node)
     }
 
@@ -566,6 +586,12 @@ impl BlockGraph {
         self.nodes.iter().find(|n| n.name() == name).cloned()
     }
 
+    /// The options node `name` was added with, its inline children named
+    /// (`file=#block1`) and their inherited options given to them.
+    pub fn options(&self, name: &str) -> Option<&OptionMap> {
+        self.nodes.iter().position(|n| n.name() == name).map(|at| &self.options[at])
+    }
+
     /// Removes the node called `name`, unless another node or an export
     /// still uses it (`exported` names the export serving a node, if any).
     pub fn remove(&mut self, name: &str, exported: impl Fn(&str) -> Option<String>) -> Result<(), RemoveError> {
@@ -581,6 +607,7 @@ impl BlockGraph {
             return Err(RemoveError::Exported { user: export });
         }
         let node = self.nodes.remove(index);
+        self.options.remove(index);
         // Children defined inline belong to their parent: they go with it
         // unless something else still uses them.
         for (_, child) in node.children() {
@@ -635,6 +662,8 @@ mod tests {
         assert_eq!(names(&graph), ["#block1", "r"]);
         assert_eq!(raw.children()[0].1.name(), "#block1");
         assert_eq!(raw.size(), 1 << 20);
+        assert_eq!(graph.options("r").unwrap().get("file"), Some("#block1"), "kept as given, the child by name");
+        assert_eq!(graph.options("#block1").unwrap().get("size"), Some("1M"));
         let json =
             r#"{"driver": "raw", "node-name": "j", "file": {"driver": "null-co", "node-name": "n", "size": 4096}}"#;
         add(&mut graph, json).unwrap();
@@ -751,5 +780,6 @@ mod tests {
         graph.remove("r", |_| None).unwrap();
         graph.remove("s", |_| None).unwrap();
         assert_eq!(names(&graph), ["kept"], "a child the user named is the user's to remove");
+        assert!(graph.options("r").is_none() && graph.options("kept").is_some(), "options go with their node");
     }
 }

@@ -8,7 +8,8 @@
 //! A file node keeps one [`ImageLock`]; its users (a format on top, an
 //! export) each [`ImageLock::claim`] what they need, and the file's locks
 //! are the union of the claims. An inactive node (the other end of a live
-//! migration owns the image) holds none.
+//! migration owns the image) holds none. A node reopened with other access
+//! moves the bytes onto its new open of the file ([`ImageLock::move_to`]).
 
 use std::fs::File;
 use std::io;
@@ -89,17 +90,17 @@ pub enum LockError {
     },
 }
 
-/// The lock bytes of one open image file.
+/// The lock bytes of an image file, on the open of it its users go through.
 pub struct ImageLock {
-    file: Arc<File>,
     path: String,
     /// `locking=off`: claims are kept but nothing is locked.
     enabled: bool,
     state: Mutex<State>,
 }
 
-#[derive(Default)]
 struct State {
+    /// The open the bytes are locked on.
+    file: Arc<File>,
     claims: Vec<(u64, Claim)>,
     next_id: u64,
     /// What the file's bytes say now.
@@ -140,8 +141,33 @@ impl ImageLock {
     /// The locks of `file` (opened as `path`), unless `enabled` is false
     /// (`locking=off`); `active` false for a node opened inactive.
     pub fn new(file: Arc<File>, path: String, enabled: bool, active: bool) -> Arc<Self> {
-        let state = State { inactive: !active, ..State::default() };
-        Arc::new(Self { file, path, enabled, state: Mutex::new(state) })
+        let state = State { file, claims: Vec::new(), next_id: 0, applied: Claim::default(), inactive: !active };
+        Arc::new(Self { path, enabled, state: Mutex::new(state) })
+    }
+
+    /// The open of the file the bytes are locked on, for I/O.
+    pub fn file(&self) -> Arc<File> {
+        self.state().file.clone()
+    }
+
+    /// Moves the bytes onto `file`, another open of the same image (with
+    /// other access), which [`Self::file`] answers from then on. The new
+    /// open takes them before the old one lets them go, so the image is
+    /// never unlocked meanwhile: both opens' locks are shared ones, which
+    /// never conflict with each other. Nothing changes on a failure.
+    pub fn move_to(&self, file: Arc<File>) -> Result<(), LockError> {
+        let mut state = self.state();
+        if self.enabled && !state.inactive {
+            if let Err(e) = self.set_bytes(&file, state.applied) {
+                let _ = self.set_bytes(&file, Claim::default());
+                return Err(e);
+            }
+            // Dropping locks cannot conflict; as in ClaimGuard::drop, a
+            // failure leaves a byte locked until the old open closes.
+            let _ = self.set_bytes(&state.file, Claim::default());
+        }
+        state.file = file;
+        Ok(())
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -183,30 +209,30 @@ impl ImageLock {
             return Ok(());
         }
         let both = Claim { held: old.held.with(new.held), unshared: old.unshared.with(new.unshared) };
-        let result = self.set_bytes(both).and_then(|()| self.check(new));
+        let result = self.set_bytes(&state.file, both).and_then(|()| self.check(&state.file, new));
         let kept = if result.is_ok() { new } else { old };
-        let cleanup = self.set_bytes(kept);
+        let cleanup = self.set_bytes(&state.file, kept);
         state.applied = kept;
         result.and(cleanup)
     }
 
-    /// Locks exactly the bytes of `claim`.
-    fn set_bytes(&self, claim: Claim) -> Result<(), LockError> {
+    /// Locks exactly the bytes of `claim` on `file`.
+    fn set_bytes(&self, file: &File, claim: Claim) -> Result<(), LockError> {
         for bit in 0..Perms::NAMES.len() as u64 {
             let perm = Perms(1 << bit);
             for (base, set) in [(100, claim.held), (200, claim.unshared)] {
-                vsd_sys::lock::share_byte(self.file.as_fd(), base + bit, set.contains(perm))
+                vsd_sys::lock::share_byte(file.as_fd(), base + bit, set.contains(perm))
                     .map_err(|source| LockError::Io { path: self.path.clone(), source })?;
             }
         }
         Ok(())
     }
 
-    /// Whether another process refuses what `claim` holds, or holds what it
-    /// refuses.
-    fn check(&self, claim: Claim) -> Result<(), LockError> {
+    /// Whether another process (another open than `file`) refuses what
+    /// `claim` holds, or holds what it refuses.
+    fn check(&self, file: &File, claim: Claim) -> Result<(), LockError> {
         let locked = |at| {
-            vsd_sys::lock::byte_locked_elsewhere(self.file.as_fd(), at)
+            vsd_sys::lock::byte_locked_elsewhere(file.as_fd(), at)
                 .map_err(|source| LockError::Io { path: self.path.clone(), source })
         };
         let path = || self.path.clone();
@@ -232,15 +258,20 @@ mod tests {
         Claim { held: Perms::READ.with(Perms::WRITE).with(Perms::RESIZE), unshared: Perms::WRITE.with(Perms::RESIZE) };
     const READER: Claim = Claim { held: Perms::READ, unshared: Perms::WRITE };
 
-    /// Two opens of one file: two processes, as far as the locks can tell.
-    fn two_opens() -> (Arc<ImageLock>, Arc<ImageLock>) {
+    /// `N` opens of one file: `N` processes, as far as the locks can tell.
+    fn opens<const N: usize>() -> (String, [Arc<File>; N]) {
         let path =
             std::env::temp_dir().join(format!("vsd-lock-{}-{:?}", std::process::id(), std::thread::current().id()));
         let open =
-            || Arc::new(File::options().read(true).write(true).create(true).truncate(false).open(&path).unwrap());
-        let (a, b) = (open(), open());
+            |_| Arc::new(File::options().read(true).write(true).create(true).truncate(false).open(&path).unwrap());
+        let files = std::array::from_fn(open);
         std::fs::remove_file(&path).unwrap();
-        let name = path.display().to_string();
+        (path.display().to_string(), files)
+    }
+
+    /// The locks of two opens of one file.
+    fn two_opens() -> (Arc<ImageLock>, Arc<ImageLock>) {
+        let (name, [a, b]) = opens();
         (ImageLock::new(a, name.clone(), true, true), ImageLock::new(b, name, true, true))
     }
 
@@ -280,9 +311,23 @@ mod tests {
     }
 
     #[test]
+    fn moving_to_another_open_keeps_the_bytes_and_leaves_none_behind() {
+        let (name, [old, new, other]) = opens();
+        let node = ImageLock::new(old, name.clone(), true, true);
+        let other = ImageLock::new(other, name, true, true);
+        let _reader = node.claim(READER).unwrap();
+        node.move_to(new.clone()).unwrap();
+        assert!(Arc::ptr_eq(&node.file(), &new));
+        assert!(matches!(other.claim(WRITER), Err(LockError::Held { perm: "write", .. })), "still refused");
+        // The old open refusing writes would refuse the node itself.
+        let _writer = node.claim(WRITER).unwrap();
+        assert!(other.claim(READER).is_err());
+    }
+
+    #[test]
     fn locking_off_claims_without_locking() {
         let (a, b) = two_opens();
-        let quiet = ImageLock::new(a.file.clone(), a.path.clone(), false, true);
+        let quiet = ImageLock::new(a.file(), a.path.clone(), false, true);
         let _held = quiet.claim(WRITER).unwrap();
         b.claim(WRITER).unwrap();
     }

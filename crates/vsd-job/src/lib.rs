@@ -18,6 +18,7 @@
 #![deny(missing_docs)]
 
 pub mod backup;
+pub mod commit;
 mod copy;
 mod group;
 pub mod mirror;

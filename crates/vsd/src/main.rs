@@ -6,6 +6,7 @@
 mod bitmaps;
 mod chain;
 mod commands;
+mod commit;
 mod create;
 mod daemon;
 mod jobs;
@@ -13,6 +14,7 @@ mod mirror;
 mod monitor;
 mod objects;
 mod pidfile;
+mod reopen;
 mod run_as;
 mod snapshot;
 mod stat;

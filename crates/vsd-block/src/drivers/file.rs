@@ -4,9 +4,9 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::AsFd;
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use vsd_engine::{AlignedQueue, Alignment, EdgeLeases, IoOp, IoQueue, PoolQueue, ThreadPool, UringQueue};
 
@@ -25,13 +25,16 @@ enum Aio {
 pub(crate) struct FileNode {
     name: String,
     filename: String,
-    file: Arc<File>,
     size: AtomicU64,
-    read_only: bool,
+    /// Changed by [`BlockNode::set_read_only`], with the open file.
+    read_only: AtomicBool,
+    /// `cache.direct=on`: the file is opened O_DIRECT.
+    direct: bool,
     policy: FilePolicy,
     /// Only for `aio=threads`: shared by all of the node's queues.
     pool: Option<Arc<ThreadPool>>,
-    /// What the image's lock bytes say, from the claims of its users.
+    /// What the image's lock bytes say, from the claims of its users, and
+    /// the open file they are locked on, which the node's I/O goes to.
     lock: Arc<ImageLock>,
     /// `driver=host_device`.
     device: bool,
@@ -81,12 +84,7 @@ impl FileNode {
         let locking = opts.take_choice("locking", &["auto", "on", "off"])? != Some("off");
 
         let host = |what: String, source: io::Error| GraphError::Host { context: context.clone(), what, source };
-        let mut open = File::options();
-        open.read(true).write(!read_only);
-        if direct {
-            open.custom_flags(libc::O_DIRECT);
-        }
-        let file = open.open(&filename).map_err(|e| {
+        let file = open_file(&filename, read_only, direct).map_err(|e| {
             let hint = if direct && e.raw_os_error() == Some(libc::EINVAL) {
                 " (the file system may not support cache.direct=on)"
             } else {
@@ -120,12 +118,35 @@ impl FileNode {
             leases: EdgeLeases::new(),
             name,
             filename,
-            file,
             size: AtomicU64::new(size),
-            read_only,
+            read_only: AtomicBool::new(read_only),
+            direct,
             policy,
             pool: (aio == Aio::Threads).then(ThreadPool::new),
         })
+    }
+}
+
+/// Opens `filename` for reading, and for writing unless `read_only`.
+fn open_file(filename: &str, read_only: bool, direct: bool) -> io::Result<File> {
+    let mut open = File::options();
+    open.read(true).write(!read_only);
+    if direct {
+        open.custom_flags(libc::O_DIRECT);
+    }
+    open.open(filename)
+}
+
+impl FileNode {
+    /// Opens the file again, with the access `read_only` says, and moves
+    /// the image's locks onto the new open (see [`ImageLock::move_to`]).
+    fn reopen(&self, read_only: bool) -> io::Result<()> {
+        let file = open_file(&self.filename, read_only, self.direct)?;
+        let (old, new) = (self.lock.file().metadata()?, file.metadata()?);
+        if (old.dev(), old.ino()) != (new.dev(), new.ino()) {
+            return Err(io::Error::other(format!("'{}' is no longer the file the node opened", self.filename)));
+        }
+        self.lock.move_to(Arc::new(file)).map_err(io::Error::other)
     }
 }
 
@@ -173,16 +194,32 @@ impl BlockNode for FileNode {
     }
 
     fn resize(&self, size: u64) -> io::Result<()> {
-        if self.read_only {
+        if self.read_only() {
             return Err(io::Error::new(io::ErrorKind::PermissionDenied, "the node is read-only"));
         }
-        self.file.set_len(size)?;
+        self.lock.file().set_len(size)?;
         self.size.store(size, Ordering::Relaxed);
         Ok(())
     }
 
     fn read_only(&self) -> bool {
-        self.read_only
+        self.read_only.load(Ordering::Acquire)
+    }
+
+    /// The file is opened again, with the other access, and its locks
+    /// moved onto the new open; queues opened from then on use it. Going
+    /// writable, the flag changes once the new open is in place; going
+    /// read-only, first, so that no writer starts on the node meanwhile.
+    fn set_read_only(&self, read_only: bool) -> io::Result<()> {
+        if read_only == self.read_only() {
+            return Ok(());
+        }
+        if read_only {
+            self.read_only.store(true, Ordering::Release);
+        }
+        self.reopen(read_only).inspect_err(|_| self.read_only.store(!read_only, Ordering::Release))?;
+        self.read_only.store(read_only, Ordering::Release);
+        Ok(())
     }
 
     fn request_alignment(&self) -> u32 {
@@ -190,7 +227,7 @@ impl BlockNode for FileNode {
     }
 
     fn refresh_size(&self) -> io::Result<u64> {
-        let size = vsd_sys::file_size(&self.file)?;
+        let size = vsd_sys::file_size(&self.lock.file())?;
         self.size.store(size, Ordering::Relaxed);
         Ok(size)
     }
@@ -213,7 +250,8 @@ impl BlockNode for FileNode {
     /// The file's holes, as `lseek` finds them. A file system that cannot
     /// say (EINVAL, EOPNOTSUPP) has only data.
     fn block_status(&self, offset: u64, len: u64) -> io::Result<(Allocation, u64)> {
-        let fd = self.file.as_fd();
+        let file = self.lock.file();
+        let fd = file.as_fd();
         let end = offset.saturating_add(len);
         let data = match vsd_sys::seek_data_or_hole(fd, offset, false) {
             Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::EOPNOTSUPP)) => Some(offset),
@@ -231,9 +269,10 @@ impl BlockNode for FileNode {
     }
 
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
+        let file = self.lock.file();
         let engine: Box<dyn IoQueue> = match &self.pool {
-            Some(pool) => Box::new(PoolQueue::new(pool.clone(), self.file.clone(), depth)?),
-            None => Box::new(UringQueue::new(self.file.clone(), depth)?),
+            Some(pool) => Box::new(PoolQueue::new(pool.clone(), file, depth)?),
+            None => Box::new(UringQueue::new(file, depth)?),
         };
         // Without O_DIRECT nothing is in the way of any request.
         let engine = if self.alignment.is_any() {

@@ -3,7 +3,7 @@
 
 use std::io;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use vsd_engine::{IoOp, IoQueue};
 
@@ -17,7 +17,9 @@ pub(crate) struct RawNode {
     window: Window,
     /// `size=` was given: the window is fixed and cannot be resized.
     fixed_size: bool,
-    read_only: bool,
+    /// `read-only=on`, or changed by [`BlockNode::set_read_only`]; the
+    /// node is read-only too while its child is.
+    read_only: AtomicBool,
 }
 
 /// The part of the child the node shows. The size is shared with every
@@ -47,7 +49,7 @@ impl RawNode {
         }
         let read_only = opts.take_bool("read-only")?.unwrap_or(false) || child.read_only();
         let window = Window { offset, size: Arc::new(AtomicU64::new(size)) };
-        Ok(Self { name, child, window, fixed_size: fixed.is_some(), read_only })
+        Ok(Self { name, child, window, fixed_size: fixed.is_some(), read_only: AtomicBool::new(read_only) })
     }
 }
 
@@ -93,7 +95,14 @@ impl BlockNode for RawNode {
     }
 
     fn read_only(&self) -> bool {
-        self.read_only
+        self.read_only.load(Ordering::Acquire) || self.child.read_only()
+    }
+
+    /// Only the node's own flag: its child is the caller's to reopen (first,
+    /// to make the node writable).
+    fn set_read_only(&self, read_only: bool) -> io::Result<()> {
+        self.read_only.store(read_only, Ordering::Release);
+        Ok(())
     }
 
     fn block_status(&self, offset: u64, len: u64) -> io::Result<(Allocation, u64)> {

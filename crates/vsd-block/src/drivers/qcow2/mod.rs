@@ -250,7 +250,7 @@ impl Qcow2Node {
             flusher,
         };
         if !settings.inactive {
-            let data = node.claim_data_file().map_err(locked)?;
+            let data = node.claim_data_file(!settings.read_only).map_err(locked)?;
             let backing = node.backing().map(|b| b.claim(BACKING_CLAIM)).transpose().map_err(locked)?;
             let mut claims = node.claims();
             claims.image.extend(data);
@@ -264,18 +264,19 @@ impl Qcow2Node {
         self.claims.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Takes what the node needs of its images (see [`file_claim`]).
-    fn claim_images(&self) -> Result<Claims, LockError> {
-        let mut image = self.file.claim(file_claim(self.options().writable))?;
-        image.extend(self.claim_data_file()?);
+    /// Takes what the node needs of its images, writable or not (see
+    /// [`file_claim`]).
+    fn claim_images(&self, writable: bool) -> Result<Claims, LockError> {
+        let mut image = self.file.claim(file_claim(writable))?;
+        image.extend(self.claim_data_file(writable)?);
         let backing = self.backing().map(|b| b.claim(BACKING_CLAIM)).transpose()?.unwrap_or_default();
         Ok(Claims { image, backing })
     }
 
     /// Takes what the node needs of its external data file.
-    fn claim_data_file(&self) -> Result<Vec<ClaimGuard>, LockError> {
+    fn claim_data_file(&self, writable: bool) -> Result<Vec<ClaimGuard>, LockError> {
         match &self.data {
-            Some(data) => data.claim(file_claim(self.options().writable)),
+            Some(data) => data.claim(file_claim(writable)),
             None => Ok(Vec::new()),
         }
     }
@@ -301,6 +302,55 @@ impl Qcow2Node {
         let image = read_image(&*self.file, options)?;
         *self.image.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(image);
         self.clean_caches()
+    }
+
+    /// Reads the image again writable, with what a writable image needs:
+    /// the claims that let it write its files (which must be writable
+    /// already), and its persistent bitmaps. On a failure the image is
+    /// read-only again, with the claims it had.
+    fn reopen_writable(&self) -> io::Result<()> {
+        if self.file.read_only() || self.data.as_ref().is_some_and(|d| d.read_only()) {
+            return Err(io::Error::new(io::ErrorKind::ReadOnlyFilesystem, "Block node is read-only"));
+        }
+        let before = self.options();
+        let writable = vsd_qcow2::Options { writable: true, keep_bitmaps: true, ..before.clone() };
+        // Beside the read-only claims until the image is open writable.
+        let claims = self.claim_images(true).map_err(io::Error::other)?;
+        self.reopen(writable.clone())?;
+        *self.options.write().unwrap_or_else(PoisonError::into_inner) = writable;
+        let old = std::mem::replace(&mut *self.claims(), claims);
+        self.load_bitmaps().inspect_err(|_| {
+            // Nothing of the bitmaps is stored back: they did not load.
+            let _ = self.with_io(|image, io| image.close(io));
+            *self.options.write().unwrap_or_else(PoisonError::into_inner) = before.clone();
+            let _ = self.reopen(before.clone());
+            *self.claims() = old;
+        })
+    }
+
+    /// Reads the image again read-only, once its metadata and bitmaps are
+    /// written back and it is marked clean, as at a clean stop; then it
+    /// claims only reads. On a failure it stays writable, its bitmaps
+    /// loaded again.
+    fn reopen_read_only(&self) -> io::Result<()> {
+        self.close()?;
+        self.bitmaps.drop_persistent();
+        let options = vsd_qcow2::Options { writable: false, keep_bitmaps: false, ..self.options() };
+        let reopened = self.claim_images(false).map_err(io::Error::other).and_then(|claims| {
+            self.reopen(options.clone())?;
+            Ok(claims)
+        });
+        match reopened {
+            Ok(claims) => {
+                *self.options.write().unwrap_or_else(PoisonError::into_inner) = options;
+                *self.claims() = claims;
+                Ok(())
+            }
+            Err(e) => {
+                let _ = self.load_bitmaps();
+                Err(e)
+            }
+        }
     }
 
     /// Loads the image's persistent bitmaps and flags them in use, so that
@@ -532,6 +582,16 @@ impl BlockNode for Qcow2Node {
         !self.options().writable
     }
 
+    /// The image is read again, writable or not, as activating it does:
+    /// see [`Qcow2Node::reopen_writable`], [`Qcow2Node::reopen_read_only`].
+    fn set_read_only(&self, read_only: bool) -> io::Result<()> {
+        match (read_only, self.read_only()) {
+            (true, false) => self.reopen_read_only(),
+            (false, true) => self.reopen_writable(),
+            _ => Ok(()),
+        }
+    }
+
     fn default_bitmap_granularity(&self) -> u64 {
         self.image().cluster_size().clamp(4096, 65536)
     }
@@ -565,7 +625,7 @@ impl BlockNode for Qcow2Node {
     }
 
     fn activate(&self) -> io::Result<()> {
-        *self.claims() = self.claim_images().map_err(io::Error::other)?;
+        *self.claims() = self.claim_images(self.options().writable).map_err(io::Error::other)?;
         self.reopen(self.options())?;
         self.load_bitmaps()
     }

@@ -1,0 +1,243 @@
+//! QMP's `block-commit` (libvirt's `virsh blockcommit`): what a chain
+//! holds from `top` down to just above `base` goes into `base`. With the
+//! active layer as `top`, a mirror into the base that goes ready and whose
+//! `job-complete` moves the exports onto the base; otherwise a copy, then
+//! the image above `top` names the base as its backing file.
+
+use std::sync::Arc;
+
+use serde::Deserialize;
+use serde_json::{Value, json};
+use vsd_control::qmp::{ErrorClass, QmpError};
+use vsd_job::commit::{Commit, CommitSpec};
+use vsd_job::mirror::{Mirror, MirrorSpec, MirrorSync};
+use vsd_job::{JobBody, JobSpec};
+
+use crate::chain::{Node, backing_format, chain, image_filename};
+use crate::daemon::{Daemon, State};
+use crate::jobs::{OnError, SOURCE, busy, generic, speed, well_formed};
+use crate::reopen::set_read_only_tree;
+use crate::writers::{SourceWriters, switch_exports};
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub(crate) struct CommitArgs {
+    job_id: Option<String>,
+    device: String,
+    base_node: Option<String>,
+    base: Option<String>,
+    top_node: Option<String>,
+    top: Option<String>,
+    backing_file: Option<String>,
+    speed: Option<i64>,
+    #[serde(default)]
+    on_error: OnError,
+    filter_node_name: Option<String>,
+    auto_finalize: Option<bool>,
+    auto_dismiss: Option<bool>,
+}
+
+/// Bytes copied in a burst under the speed limit by an active commit
+/// (QEMU's mirror default).
+const BURST: u64 = 16 << 20;
+
+impl Daemon {
+    /// Starts a commit job.
+    pub(crate) fn block_commit(&self, args: CommitArgs) -> Result<Value, QmpError> {
+        if args.filter_node_name.is_some() {
+            return Err(generic("vsd puts no filter node above the top: leave out 'filter-node-name'"));
+        }
+        let mut guard = self.state();
+        let state = &mut *guard;
+        let device = state
+            .graph
+            .get(&args.device)
+            .ok_or_else(|| QmpError::new(ErrorClass::DeviceNotFound, format!("Device '{}' not found", args.device)))?;
+        let job_source = self.jobs.users_of(device.name()).into_iter().any(|(_, place)| place == SOURCE);
+        if state.graph.parent(device.name()).is_some() || job_source {
+            return Err(generic("Need a root block node"));
+        }
+        let chain = chain(&device);
+        let top_at = top_of(state, &chain, &args)?;
+        let base_at = base_of(state, &chain, top_at, &args)?;
+        for node in &chain[top_at..base_at] {
+            if let Some((job, _)) = self.jobs.user_of(node.name()) {
+                return Err(generic(busy(node.name(), &job)));
+            }
+        }
+        let (top, base) = (chain[top_at].clone(), chain[base_at].clone());
+        let active = top_at == 0;
+        if active && args.backing_file.is_some() {
+            return Err(generic("'backing-file' specified, but 'top' is the active layer"));
+        }
+        let id = args.job_id.unwrap_or_default();
+        if !well_formed(&id) {
+            return Err(generic(format!("Invalid job ID '{id}'")));
+        }
+        let speed = speed(args.speed.unwrap_or(0))?;
+        let writers = Arc::new(SourceWriters { state: self.shared_state(), source: device.name().to_string() });
+        let spec = |nodes: &[Node]| JobSpec {
+            id: id.clone(),
+            kind: "commit",
+            auto_finalize: args.auto_finalize.unwrap_or(true),
+            auto_dismiss: args.auto_dismiss.unwrap_or(true),
+            speed,
+            nodes: nodes.iter().map(|n| n.name().to_string()).collect(),
+            group: None,
+        };
+        // Base first: it is the target, as a mirror's (`blockdev-del` words it so).
+        let used: Vec<Node> = std::iter::once(base.clone()).chain(chain[top_at..base_at].iter().cloned()).collect();
+        let body: Box<dyn JobBody> = if active {
+            let bitmaps =
+                device.dirty_bitmaps().cloned().ok_or_else(|| generic("the node cannot record its writes"))?;
+            let granularity = base.default_bitmap_granularity();
+            let mut tracker = None;
+            let mut track = || {
+                tracker = Some(bitmaps.track(device.size(), granularity));
+                Ok(())
+            };
+            switch_exports(state, device.name(), None, Some(&mut track)).map_err(generic)?;
+            let tracker = tracker.ok_or_else(|| generic("the commit's record of writes was not made"))?;
+            Box::new(Restoring {
+                body: Mirror::new(MirrorSpec {
+                    source: device.clone(),
+                    target: base.clone(),
+                    sync: MirrorSync::Above((base_at + 1) as u32),
+                    tracker,
+                    writers,
+                    burst: BURST,
+                    on_source_error: args.on_error.into(),
+                    on_target_error: args.on_error.into(),
+                }),
+                base: base.clone(),
+                reopened: false,
+                always: false,
+            })
+        } else {
+            let overlay = chain[top_at - 1].clone();
+            let name = args.backing_file.or_else(|| image_filename(&base)).unwrap_or_else(|| base.name().to_string());
+            let overlay_writable: Arc<dyn Fn(bool) -> Result<(), String> + Send + Sync> = {
+                let overlay = overlay.clone();
+                Arc::new(move |writable| set_read_only_tree(&overlay, !writable))
+            };
+            Box::new(Restoring {
+                body: Commit::new(CommitSpec {
+                    top: top.clone(),
+                    base: base.clone(),
+                    base_depth: (base_at - top_at + 1) as u32,
+                    overlay,
+                    header: (name, backing_format(&base).to_string()),
+                    writers,
+                    overlay_writable,
+                    on_error: args.on_error.into(),
+                }),
+                base: base.clone(),
+                reopened: false,
+                always: true,
+            })
+        };
+        self.jobs.start(spec(&used), body).map_err(generic)?;
+        Ok(json!({}))
+    }
+}
+
+/// Where `top` is in `chain` (0: the active layer, the default).
+fn top_of(state: &State, chain: &[Node], args: &CommitArgs) -> Result<usize, QmpError> {
+    match (&args.top_node, &args.top) {
+        (Some(_), Some(_)) => Err(generic("'top-node' and 'top' are mutually exclusive")),
+        (Some(name), None) => {
+            let node = state
+                .graph
+                .get(name)
+                .ok_or_else(|| generic(format!("Cannot find device='' nor node-name='{name}'")))?;
+            chain
+                .iter()
+                .position(|n| n.name() == node.name())
+                .ok_or_else(|| generic(format!("'{name}' is not in this backing file chain")))
+        }
+        (None, Some(file)) => chain
+            .iter()
+            .position(|n| image_filename(n).as_deref() == Some(file))
+            .ok_or_else(|| generic(format!("Top image file {file} not found"))),
+        (None, None) => Ok(0),
+    }
+}
+
+/// Where the base is in `chain`, below `top_at` (the bottom by default).
+fn base_of(state: &State, chain: &[Node], top_at: usize, args: &CommitArgs) -> Result<usize, QmpError> {
+    let below = &chain[top_at..];
+    let at = match (&args.base_node, &args.base) {
+        (Some(_), Some(_)) => return Err(generic("'base-node' and 'base' are mutually exclusive")),
+        (Some(name), None) => {
+            let node = state
+                .graph
+                .get(name)
+                .ok_or_else(|| generic(format!("Cannot find device='' nor node-name='{name}'")))?;
+            below
+                .iter()
+                .position(|n| n.name() == node.name())
+                .ok_or_else(|| generic(format!("'{name}' is not in this backing file chain")))?
+        }
+        (None, Some(file)) => below
+            .iter()
+            .position(|n| image_filename(n).as_deref() == Some(file))
+            .ok_or_else(|| generic(format!("Can't find '{file}' in the backing chain")))?,
+        (None, None) => below.len() - 1,
+    };
+    if at == 0 {
+        return Err(generic("cannot commit an image into itself"));
+    }
+    Ok(top_at + at)
+}
+
+/// A commit's body, with its base writable while it runs (QEMU reopens
+/// it so): read-only again if the job fails, or `always` (an intermediate
+/// commit's base stays a backing file; an active commit's becomes the
+/// active layer).
+struct Restoring<B> {
+    body: B,
+    base: Node,
+    /// The base was made writable for the job.
+    reopened: bool,
+    always: bool,
+}
+
+impl<B> Restoring<B> {
+    fn restore(&mut self) {
+        if std::mem::take(&mut self.reopened)
+            && let Err(e) = set_read_only_tree(&self.base, true)
+        {
+            log::warn!("node '{}' stays writable after the commit: {e}", self.base.name());
+        }
+    }
+}
+
+impl<B: JobBody> JobBody for Restoring<B> {
+    fn prepare(&mut self, job: &Arc<vsd_job::Job>) -> Result<(), String> {
+        if self.base.read_only() {
+            set_read_only_tree(&self.base, false)?;
+            self.reopened = true;
+        }
+        self.body.prepare(job).inspect_err(|_| self.restore())
+    }
+
+    fn run(&mut self, job: &Arc<vsd_job::Job>) -> Result<(), String> {
+        self.body.run(job)
+    }
+
+    fn commit(&mut self) {
+        self.body.commit();
+        if self.always {
+            self.restore();
+        }
+    }
+
+    fn abort(&mut self) {
+        self.body.abort();
+        self.restore();
+    }
+
+    fn clean(&mut self) {
+        self.body.clean();
+    }
+}

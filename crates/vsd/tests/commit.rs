@@ -1,0 +1,124 @@
+//! Commits (`block-commit`): the active layer committed into its base
+//! while a vhost-user client writes on, the export then moved onto the
+//! base with no write lost; an image inside a chain committed, the image
+//! above it naming the base; qemu-img finds every image clean and holding
+//! what it must; the answers and events are qemu-storage-daemon's.
+
+mod common;
+
+use std::time::Duration;
+
+use common::images::{
+    BLOCK, CHAIN_SIZE, MIB, Writer, assert_clean, chain_byte, chain_nodes, first_mismatch_read, info, qcow2_chain,
+    served_chain,
+};
+use common::qmp::Qmp;
+use common::script::Step::{self, Await, Command};
+use common::{Scratch, ok};
+use serde_json::{Value, json};
+
+/// Between the writer's writes: an active commit must get in sync under it.
+const PAUSE: Duration = Duration::from_micros(300);
+
+fn node_served(qmp: &mut Qmp) -> Value {
+    qmp.ok("query-block-exports", json!({}))[0]["node-name"].clone()
+}
+
+#[test]
+fn an_active_commit_moves_the_export_onto_the_base_with_every_write() {
+    let dir = Scratch::new("commit-active");
+    let images = qcow2_chain(&dir);
+    let (daemon, mut qmp) = served_chain(&dir, &images);
+    let writer = Writer::start(&daemon, CHAIN_SIZE / BLOCK, PAUSE);
+    std::thread::sleep(Duration::from_millis(100));
+    qmp.ok("block-commit", json!({"job-id": "c", "device": "top"}));
+    let ready = qmp.await_event("BLOCK_JOB_READY", json!({"device": "c"}));
+    assert_eq!(ready["type"], "commit", "{ready}");
+    assert_eq!(node_served(&mut qmp), json!("top"), "not before job-complete");
+    qmp.ok("job-complete", json!({"id": "c"}));
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "c"}));
+    assert!(done.get("error").is_none(), "{done}");
+    assert_eq!(node_served(&mut qmp), json!("base"), "the export serves the base");
+    std::thread::sleep(Duration::from_millis(200));
+    let last = writer.finish();
+    // top and mid are used by nothing now.
+    for node in ["top", "top-file", "mid", "mid-file"] {
+        qmp.ok("blockdev-del", json!({"node-name": node}));
+    }
+    daemon.stop();
+    images.iter().for_each(|image| assert_clean(image));
+    let expect = |at: u64| last.get(&(at / BLOCK)).copied().unwrap_or_else(|| chain_byte(at));
+    assert_eq!(first_mismatch_read(&dir, &images[0], expect), None, "the base holds the chain and every write");
+}
+
+#[test]
+fn an_intermediate_commit_leaves_the_top_over_the_base() {
+    let dir = Scratch::new("commit-mid");
+    let images = qcow2_chain(&dir);
+    let (daemon, mut qmp) = served_chain(&dir, &images);
+    let writer = Writer::start(&daemon, CHAIN_SIZE / BLOCK, Duration::ZERO);
+    qmp.ok("block-commit", json!({"job-id": "c", "device": "top", "top-node": "mid", "base-node": "base"}));
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "c"}));
+    assert!(done.get("error").is_none(), "{done}");
+    assert_eq!((done["len"].as_u64(), done["offset"].as_u64()), (Some(CHAIN_SIZE), Some(CHAIN_SIZE)), "{done}");
+    assert_eq!(node_served(&mut qmp), json!("top"));
+    qmp.ok("blockdev-del", json!({"node-name": "mid"}));
+    let last = writer.finish();
+    daemon.stop();
+    let top = info(&images[2]);
+    assert_eq!(top["backing-filename"], json!(images[0].to_str().unwrap()), "{top}");
+    images.iter().for_each(|image| assert_clean(image));
+    let expect = |at: u64| last.get(&(at / BLOCK)).copied().unwrap_or_else(|| chain_byte(at));
+    assert_eq!(first_mismatch_read(&dir, &images[2], expect), None, "top over base reads as before");
+    let base = |at: u64| if at / MIB == 1 { 0x22 } else { 0x11 };
+    assert_eq!(first_mismatch_read(&dir, &images[0], base), None, "the base took in mid");
+    // The base is a backing file again: read-only, as before the job.
+    let base_info = info(&images[0]);
+    assert_eq!(base_info["format-specific"]["data"]["corrupt"], false, "{base_info}");
+    ok("qemu-img", &["check", images[0].to_str().unwrap()]);
+}
+
+fn differential_script() -> Vec<Step> {
+    let null = |id: &str| json!({"id": id, "status": "null"});
+    vec![
+        Command("block-commit", json!({"job-id": "x", "device": "nope"})),
+        Command("block-commit", json!({"job-id": "x", "device": "mid"})),
+        Command("block-commit", json!({"job-id": "x", "device": "top", "top-node": "mid", "top": "x"})),
+        Command("block-commit", json!({"job-id": "x", "device": "top", "top-node": "nope"})),
+        Command("block-commit", json!({"job-id": "x", "device": "top", "top-node": "solo"})),
+        Command("block-commit", json!({"job-id": "x", "device": "top", "base-node": "solo"})),
+        Command("block-commit", json!({"job-id": "x", "device": "top", "top-node": "mid", "base-node": "mid"})),
+        Command("block-commit", json!({"job-id": "x", "device": "top", "top-node": "mid", "base-node": "top"})),
+        Command("block-commit", json!({"job-id": "x", "device": "top", "base": "nope.qcow2"})),
+        Command("block-commit", json!({"job-id": "x", "device": "top", "backing-file": "b.qcow2"})),
+        Command("block-commit", json!({"job-id": "x", "device": "solo"})),
+        Command("block-commit", json!({"device": "top"})),
+        // The active layer: ready, then completed.
+        Command("block-commit", json!({"job-id": "a1", "device": "top", "base-node": "mid"})),
+        Await("BLOCK_JOB_READY", json!({"device": "a1"})),
+        Command("query-block-jobs", json!({})),
+        Command("block-job-cancel", json!({"device": "a1"})),
+        Await("JOB_STATUS_CHANGE", null("a1")),
+        // An intermediate image, into the base.
+        Command("block-commit", json!({"job-id": "i1", "device": "top", "top-node": "mid", "base-node": "base"})),
+        Await("JOB_STATUS_CHANGE", null("i1")),
+        Command("blockdev-del", json!({"node-name": "mid"})),
+    ]
+}
+
+/// QEMU's ready and paused jobs flap around its drained sections.
+fn stable(events: Vec<Value>) -> Vec<Value> {
+    let flapping = |e: &Value| matches!(e[1]["status"].as_str(), Some("paused" | "running" | "standby" | "ready"));
+    events.into_iter().filter(|e| !flapping(e)).collect()
+}
+
+#[test]
+fn commit_commands_answer_and_notify_as_qemu_storage_daemon_does() {
+    let setup = |dir: &Scratch| {
+        let mut args = chain_nodes(&qcow2_chain(dir));
+        let solo = dir.image("solo.img", CHAIN_SIZE);
+        args.extend(["--blockdev".into(), format!("driver=file,node-name=solo,filename={}", solo.display())]);
+        args
+    };
+    common::script::assert_same_as_qsd("commit-qmp", &setup, &differential_script(), stable);
+}
