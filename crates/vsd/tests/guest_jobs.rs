@@ -1,9 +1,10 @@
 //! Block jobs under a real Linux guest (QEMU under TCG): while the guest's
 //! fio writes with crc32c verification on its vhost-user-blk disk, a qcow2
 //! image served by vsd, the disk is reshaped and moved, one step after the
-//! other: a live snapshot onto a new overlay, a stream that makes the
-//! overlay take in its whole backing chain, and a mirror onto another vsd
-//! over NBD, whose completion moves the guest's disk there. The guest must
+//! other: a live snapshot onto a new overlay, an active commit of the
+//! overlay back into the disk, a second snapshot and a stream that makes
+//! that overlay take in its whole backing chain, and a mirror onto another
+//! vsd over NBD, whose completion moves the guest's disk there. The guest must
 //! see every block it wrote, and every image be as QEMU's tools expect.
 
 mod common;
@@ -24,7 +25,7 @@ const DISK: u64 = 64 * MIB;
 const FIO_SIZE: &str = "32M";
 /// Seconds the guest's write pass lasts (the paced job spreads its writes
 /// over them): every step must be done within them.
-const WRITE_SECS: u64 = 50;
+const WRITE_SECS: u64 = 70;
 /// Guest writes to wait for between steps: well over a second of them at
 /// the paced rate.
 const BETWEEN: u64 = 300;
@@ -138,11 +139,12 @@ fn far_vsd(far: &Scratch) -> (Daemon, Qmp) {
 /// mirror's switch, so it is not compared with the far image; it and the
 /// original image must be consistent (`qemu-img check`).
 #[test]
-fn a_guest_under_fio_verify_has_its_disk_snapshotted_streamed_and_mirrored_to_another_vsd() {
+fn a_guest_under_fio_verify_has_its_disk_snapshotted_committed_streamed_and_mirrored_to_another_vsd() {
     let started = Instant::now();
     let dir = Scratch::new("guest-jobs");
     let far = Scratch::new("guest-jobs-far");
     let (disk, overlay, far_image) = (dir.path("disk.qcow2"), dir.path("s1.qcow2"), far.path("far.qcow2"));
+    let second = dir.path("s2.qcow2");
     ok("qemu-img", &["create", "-q", "-f", "qcow2", disk.to_str().unwrap(), &DISK.to_string()]);
     let socket = dir.path("vsd.sock");
     let mut args = common::qcow2_export(&disk, &socket, ",writable=on,num-queues=2");
@@ -180,28 +182,49 @@ fn a_guest_under_fio_verify_has_its_disk_snapshotted_streamed_and_mirrored_to_an
         qmp.ok("blockdev-snapshot", json!({"node": "q0", "overlay": "s1"}));
         assert_eq!(node_served(&mut qmp), json!("s1"), "the export serves the overlay");
 
-        // 2. A stream of the whole chain into the overlay (no base). Its
-        //    speed keeps it copying for a few seconds of the guest's writes.
-        guest.wait_for_writes(&mut qmp, BETWEEN, "on the overlay, before the stream");
+        // 2. An active commit: what the guest wrote to the overlay goes
+        //    into the disk, and job-complete moves the export back onto it.
+        guest.wait_for_writes(&mut qmp, BETWEEN, "on the overlay, before the commit");
         let before = writes(&mut qmp);
-        qmp.ok("block-stream", json!({"job-id": "stream0", "device": "s1", "speed": 8 * MIB}));
+        qmp.ok("block-commit", json!({"job-id": "commit0", "device": "s1", "speed": 16 * MIB}));
+        let ready = guest.await_job_event(&mut qmp, "BLOCK_JOB_READY", "commit0", Duration::from_secs(90));
+        assert_eq!(ready["len"], ready["offset"], "{ready}");
+        guest.wait_for_writes(&mut qmp, BETWEEN, "while the commit is ready");
+        assert!(writes(&mut qmp) > before, "the guest wrote during the commit");
+        qmp.ok("job-complete", json!({"id": "commit0"}));
+        let done = guest.await_job_event(&mut qmp, "BLOCK_JOB_COMPLETED", "commit0", Duration::from_secs(60));
+        assert!(done.get("error").is_none(), "the commit failed: {done}");
+        assert_eq!(node_served(&mut qmp), json!("q0"), "the export serves the disk again");
+        qmp.ok("blockdev-del", json!({"node-name": "s1"}));
+
+        // 3. A second snapshot, then a stream of the whole chain into it
+        //    (no base). Its speed keeps it copying for a few seconds of the
+        //    guest's writes.
+        let (d, o) = (disk.to_str().unwrap(), second.to_str().unwrap());
+        ok("qemu-img", &["create", "-q", "-f", "qcow2", "-b", d, "-F", "qcow2", o, &DISK.to_string()]);
+        let file = json!({"driver": "file", "filename": second});
+        qmp.ok("blockdev-add", json!({"driver": "qcow2", "node-name": "s2", "file": file, "backing": null}));
+        qmp.ok("blockdev-snapshot", json!({"node": "q0", "overlay": "s2"}));
+        guest.wait_for_writes(&mut qmp, BETWEEN, "on the second overlay, before the stream");
+        let before = writes(&mut qmp);
+        qmp.ok("block-stream", json!({"job-id": "stream0", "device": "s2", "speed": 8 * MIB}));
         let done = guest.await_job_event(&mut qmp, "BLOCK_JOB_COMPLETED", "stream0", Duration::from_secs(90));
         assert!(done.get("error").is_none(), "the stream failed: {done}");
         assert_eq!((done["len"].as_u64(), done["offset"].as_u64()), (Some(DISK), Some(DISK)), "{done}");
         assert!(writes(&mut qmp) > before, "the guest wrote during the stream");
         let nodes = qmp.ok("query-named-block-nodes", json!({"flat": true}));
-        let s1 = nodes.as_array().unwrap().iter().find(|n| n["node-name"] == "s1").unwrap();
-        assert_eq!(s1["backing_file_depth"], 0, "the overlay has no backing node any more: {s1}");
+        let s2 = nodes.as_array().unwrap().iter().find(|n| n["node-name"] == "s2").unwrap();
+        assert_eq!(s2["backing_file_depth"], 0, "the overlay has no backing node any more: {s2}");
         let streamed = started.elapsed();
 
-        // 3. A mirror onto another vsd over NBD; job-complete moves the
+        // 4. A mirror onto another vsd over NBD; job-complete moves the
         //    guest's disk there.
         let (remote, mut far_qmp) = far_vsd(&far);
         let server = json!({"type": "unix", "path": far.path("nbd.sock")});
         qmp.ok("blockdev-add", json!({"driver": "nbd", "node-name": "far", "server": server, "export": "disk"}));
         guest.wait_for_writes(&mut qmp, BETWEEN, "after the stream, before the mirror");
         let before = writes(&mut qmp);
-        let mirror = json!({"job-id": "move", "device": "s1", "target": "far", "sync": "full", "speed": 16 * MIB});
+        let mirror = json!({"job-id": "move", "device": "s2", "target": "far", "sync": "full", "speed": 16 * MIB});
         qmp.ok("blockdev-mirror", mirror);
         let ready = guest.await_job_event(&mut qmp, "BLOCK_JOB_READY", "move", Duration::from_secs(90));
         assert_eq!(ready["len"], ready["offset"], "{ready}");
@@ -246,10 +269,10 @@ fn a_guest_under_fio_verify_has_its_disk_snapshotted_streamed_and_mirrored_to_an
 
     assert_eq!(vsd.stop().code(), Some(0), "the first vsd stops cleanly");
     assert_eq!(remote.stop().code(), Some(0), "the far vsd stops cleanly");
-    for image in [&disk, &overlay, &far_image] {
+    for image in [&disk, &overlay, &second, &far_image] {
         assert_clean(image);
     }
-    let info = qemu_img_info(&overlay);
+    let info = qemu_img_info(&second);
     assert!(info.get("backing-filename").is_none(), "the streamed overlay names no backing file: {info}");
     // The far image is the disk the guest read last.
     let raw = far.path("far.raw");
