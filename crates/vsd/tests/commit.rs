@@ -122,3 +122,26 @@ fn commit_commands_answer_and_notify_as_qemu_storage_daemon_does() {
     };
     common::script::assert_same_as_qsd("commit-qmp", &setup, &differential_script(), stable);
 }
+
+/// vsd killed in the middle of an active commit: every image stays
+/// consistent and the active layer, over its chain, reads what the guest
+/// flushed (start vsd on it and commit again).
+#[test]
+fn a_kill_during_a_commit_leaves_every_image_consistent() {
+    let dir = Scratch::new("commit-kill");
+    let images = qcow2_chain(&dir);
+    let (daemon, mut qmp) = served_chain(&dir, &images);
+    let last = Writer::start(&daemon, CHAIN_SIZE / BLOCK, Duration::ZERO);
+    std::thread::sleep(Duration::from_millis(200));
+    let last = last.finish();
+    let commit = json!({"job-id": "c", "device": "top", "speed": 2 * MIB, "on-error": "report"});
+    qmp.ok("block-commit", commit);
+    std::thread::sleep(Duration::from_millis(700));
+    // Copying, or (16 MiB go in one burst, as in QEMU) ready and following.
+    let status = qmp.ok("query-block-jobs", json!({}))[0]["status"].clone();
+    assert!(status == "running" || status == "ready", "killed mid-job: {status}");
+    daemon.kill();
+    images.iter().for_each(|image| common::images::assert_consistent(image));
+    let expect = |at: u64| last.get(&(at / BLOCK)).copied().unwrap_or_else(|| chain_byte(at));
+    assert_eq!(first_mismatch_read(&dir, &images[2], expect), None, "the active layer reads what was flushed");
+}

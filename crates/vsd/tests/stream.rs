@@ -123,3 +123,24 @@ fn stream_commands_answer_and_notify_as_qemu_storage_daemon_does() {
     let setup = |dir: &Scratch| chain_nodes(&qcow2_chain(dir));
     common::script::assert_same_as_qsd("stream-qmp", &setup, &differential_script(), stable);
 }
+
+/// vsd killed in the middle of a stream: every image stays consistent and
+/// the overlay, still over its chain, reads what the guest flushed (start
+/// vsd and the stream again).
+#[test]
+fn a_kill_during_a_stream_leaves_every_image_consistent() {
+    let dir = Scratch::new("stream-kill");
+    let images = qcow2_chain(&dir);
+    let (daemon, mut qmp) = served_chain(&dir, &images);
+    let last = Writer::start(&daemon, SIZE / BLOCK, Duration::ZERO);
+    std::thread::sleep(Duration::from_millis(200));
+    let last = last.finish();
+    qmp.ok("block-stream", json!({"job-id": "s", "device": "top", "speed": 2 * MIB}));
+    std::thread::sleep(Duration::from_millis(700));
+    assert_eq!(qmp.ok("query-block-jobs", json!({}))[0]["status"], "running", "killed while copying");
+    daemon.kill();
+    images.iter().for_each(|image| common::images::assert_consistent(image));
+    assert_eq!(info(&images[2])["backing-filename"], json!(images[1].to_str().unwrap()), "the header is unchanged");
+    let expect = |at: u64| last.get(&(at / BLOCK)).copied().unwrap_or_else(|| chain_byte(at));
+    assert_eq!(first_mismatch_read(&dir, &images[2], expect), None, "the overlay reads what was flushed");
+}
