@@ -16,13 +16,12 @@ usage: scripts/bench-mirror.py [--seconds 5] [--reps 3] [--size-mib 1024] [--tar
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import tempfile
 import time
 
 import benchlib
-from benchlib import QSD, serve_and_bench, use_build, wait_started
+from benchlib import QSD, print_on_off, print_seconds, serve_and_bench, use_build, wait_started
 from qemu.qmp.legacy import QEMUMonitorProtocol
 
 
@@ -107,25 +106,10 @@ def main():
         for path in (source, target):
             if os.path.exists(path):
                 os.unlink(path)
-    med = lambda rs, k: statistics.median(r[k] for r in rs)
-    print()
-    print(f"4k randwrite iodepth 16 on a {args.size_mib} MiB raw image in /dev/shm, medians of {args.reps}; "
-          "on = a full mirror running from the start (bulk copy, then ready)")
-    print("| daemon | off IOPS | on IOPS | on/off (median of pairs) | off p99 µs | on p99 µs |")
-    print("|---|---|---|---|---|---|")
-    for name, _ in daemons:
-        off = sorted((r for r in rows if (r["daemon"], r["side"]) == (name, "off")), key=lambda r: r["rep"])
-        on = sorted((r for r in rows if (r["daemon"], r["side"]) == (name, "on")), key=lambda r: r["rep"])
-        ratio = statistics.median(x["iops"] / y["iops"] for x, y in zip(on, off))
-        print(f"| {name} | {med(off, 'iops'):.0f} | {med(on, 'iops'):.0f} | {ratio:.3f} "
-              f"| {med(off, 'p99_us'):.0f} | {med(on, 'p99_us'):.0f} |")
-    print()
-    print("| daemon | time to ready, guest idle: seconds | MiB/s |")
-    print("|---|---|---|")
-    for name, _ in daemons:
-        seconds = statistics.median(times[name])
-        print(f"| {name} | {seconds:.2f} | {args.size_mib / seconds:.0f} |")
-
+    title = (f"4k randwrite iodepth 16 on a {args.size_mib} MiB raw image in /dev/shm, medians of {args.reps}; "
+             "on = a full mirror running from the start (bulk copy, then ready)")
+    print_on_off(rows, [name for name, _ in daemons], title)
+    print_seconds(times, "time to ready, guest idle", args.size_mib)
 
 if __name__ == "__main__":
     main()

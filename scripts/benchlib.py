@@ -5,6 +5,7 @@ per I/O."""
 
 import glob
 import json
+import statistics
 import os
 import re
 import subprocess
@@ -177,3 +178,31 @@ def callgrind_worker(vsd, bench, work, name, blockdevs, bench_args, seconds, exp
         counts[path] = int(summary.group(1)) if summary else 0
     busiest = max(counts, key=counts.get)
     return counts[busiest] / max(res["ios"], 1), res["ios"], busiest
+
+
+def print_on_off(rows, names, title):
+    """The table of a job's cost to the guest: each daemon's IOPS without
+    ("off") and with the job running ("on"), the median of the per-rep
+    ratios, and the p99 latencies; `rows` carry daemon, side, rep, iops and
+    p99_us."""
+    med = lambda rs, k: statistics.median(r[k] for r in rs)
+    print()
+    print(title)
+    print("| daemon | off IOPS | on IOPS | on/off (median of pairs) | off p99 µs | on p99 µs |")
+    print("|---|---|---|---|---|---|")
+    for name in names:
+        side = lambda s: sorted((r for r in rows if (r["daemon"], r["side"]) == (name, s)), key=lambda r: r["rep"])
+        off, on = side("off"), side("on")
+        ratio = statistics.median(x["iops"] / y["iops"] for x, y in zip(on, off))
+        print(f"| {name} | {med(off, 'iops'):.0f} | {med(on, 'iops'):.0f} | {ratio:.3f} "
+              f"| {med(off, 'p99_us'):.0f} | {med(on, 'p99_us'):.0f} |")
+
+
+def print_seconds(times, what, size_mib):
+    """Each daemon's median seconds for `what` over `size_mib` MiB, and the rate."""
+    print()
+    print(f"| daemon | {what}: seconds | MiB/s |")
+    print("|---|---|---|")
+    for name, values in times.items():
+        seconds = statistics.median(values)
+        print(f"| {name} | {seconds:.2f} | {size_mib / seconds:.0f} |")

@@ -236,7 +236,7 @@ impl Run<'_> {
         for (first, last) in ranges {
             let mut at = first;
             while let Some((start, count)) = self.clusters.next_run(at, last + 1) {
-                self.copy_clusters(start, count).map_err(|f| self.describe(f))?;
+                self.copy_clusters(start, count).map_err(|f| f.report(self.job))?;
                 at = start + count;
             }
         }
@@ -249,16 +249,6 @@ impl Run<'_> {
         self.clusters.mark_done(first, count);
         self.job.add_progress(len);
         Ok(())
-    }
-
-    fn describe(&self, failure: Failure) -> String {
-        match failure {
-            Failure::Io { write, errno } => {
-                self.job.io_error(ErrorPolicy::Report, write, errno);
-                strerror(errno)
-            }
-            Failure::Engine(text) => text,
-        }
     }
 
     /// Copies a background run under the error policies; `Ok(false)`: it
@@ -298,7 +288,7 @@ impl Run<'_> {
             let end = self.clusters.count();
             let next = self.clusters.next_run(cursor, end).or_else(|| self.clusters.next_run(0, cursor));
             let Some((first, count)) = next else {
-                return self.copier.flush().map_err(|f| self.describe(f));
+                return self.copier.flush().map_err(|f| f.report(self.job));
             };
             if self.background(first, count)? {
                 cursor = first + count;

@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 
 use vsd_block::BlockNode;
 
-use crate::copy::{Copier, Extents, Failure, MAX_COPY, Pace, extents_above};
+use crate::copy::{Copier, Extents, Failure, MAX_COPY, Pace, extents_above, turn};
 use crate::mirror::Writers;
-use crate::{CANCELLED, ErrorPolicy, Job, JobBody, strerror};
+use crate::{ErrorPolicy, Job, JobBody, strerror};
 
 /// How long a run that failed under the `ignore` or `stop` policy waits
 /// before it is tried again.
@@ -115,16 +115,7 @@ impl JobBody for Commit {
             let pieces: Vec<(u64, u64)> = inside.map(|&(at, len)| (at.max(chunk), (at + len).min(end))).collect();
             for (from, to) in pieces {
                 loop {
-                    if job.cancelled() {
-                        return Err(CANCELLED.into());
-                    }
-                    if job.pause_point() {
-                        job.wait(None);
-                        continue;
-                    }
-                    let allowed = pace.allowed_at(job.speed());
-                    if Instant::now() < allowed {
-                        job.wait(Some(allowed));
+                    if !turn(job, &pace)? {
                         continue;
                     }
                     if self.copy(job, &mut copier, from, to - from)? {
@@ -136,10 +127,7 @@ impl JobBody for Commit {
             }
             job.add_progress(end - chunk);
         }
-        copier.flush().map_err(|f| match f {
-            Failure::Io { errno, .. } => strerror(errno),
-            Failure::Engine(text) => text,
-        })?;
+        copier.flush().map_err(|f| f.report(job))?;
         self.relink()
     }
 }

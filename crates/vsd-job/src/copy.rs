@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 use vsd_block::{Allocation, BlockNode, IoOp, IoQueue, IoVecs};
 use vsd_qcow2::buf::AlignedBuf;
 
+use crate::{CANCELLED, ErrorPolicy, Job, strerror};
+
 /// The most bytes one [`Copier::copy`] takes.
 pub(crate) const MAX_COPY: u64 = 1 << 20;
 
@@ -28,6 +30,20 @@ pub(crate) enum Failure {
     Io { write: bool, errno: i32 },
     /// The engine itself failed: nothing can be retried.
     Engine(String),
+}
+
+impl Failure {
+    /// What the job fails with: an I/O error is also reported
+    /// (BLOCK_JOB_ERROR, action `report`).
+    pub(crate) fn report(self, job: &Job) -> String {
+        match self {
+            Failure::Io { write, errno } => {
+                job.io_error(ErrorPolicy::Report, write, errno);
+                strerror(errno)
+            }
+            Failure::Engine(text) => text,
+        }
+    }
 }
 
 /// The job thread's queues and buffer. The queues come first: they are
@@ -177,6 +193,25 @@ impl Pace {
             speed => self.last.0 + Duration::from_secs_f64(self.last.1 as f64 / speed as f64),
         }
     }
+}
+
+/// Whether the job may do its next piece of work now: `Ok(false)` after
+/// waiting (paused, or held to its speed), to be asked again; an error
+/// once cancelled.
+pub(crate) fn turn(job: &Job, pace: &Pace) -> Result<bool, String> {
+    if job.cancelled() {
+        return Err(CANCELLED.into());
+    }
+    if job.pause_point() {
+        job.wait(None);
+        return Ok(false);
+    }
+    let allowed = pace.allowed_at(job.speed());
+    if Instant::now() < allowed {
+        job.wait(Some(allowed));
+        return Ok(false);
+    }
+    Ok(true)
 }
 
 /// The ranges stored in `node` or its backing chain above the layer

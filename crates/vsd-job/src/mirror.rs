@@ -154,19 +154,9 @@ impl Run<'_> {
     /// Copies what is dirty and flushes the target; any error ends it.
     fn sync(&mut self) -> Result<(), String> {
         while let Some((offset, len)) = self.next_run() {
-            self.copy(offset, len).map_err(|f| self.describe(f))?;
+            self.copy(offset, len).map_err(|f| f.report(self.job))?;
         }
-        self.copier.flush().map_err(|f| self.describe(f))
-    }
-
-    fn describe(&self, failure: Failure) -> String {
-        match failure {
-            Failure::Io { write, errno } => {
-                self.job.io_error(ErrorPolicy::Report, write, errno);
-                strerror(errno)
-            }
-            Failure::Engine(text) => text,
-        }
+        self.copier.flush().map_err(|f| f.report(self.job))
     }
 
     /// `sync=full`'s start, as QEMU's: what reads as zeroes is zeroed on
@@ -179,12 +169,12 @@ impl Run<'_> {
             if self.job.cancelled() {
                 return Err(CANCELLED.into());
             }
-            let (allocation, n) = self.copier.status(at).map_err(|f| self.describe(f))?;
+            let (allocation, n) = self.copier.status(at).map_err(|f| f.report(self.job))?;
             let n = n.min(size - at);
             match allocation {
                 Allocation::Data => self.spec.tracker.mark(at, n),
                 Allocation::Hole => {
-                    self.copier.zero(at, n).map_err(|f| self.describe(f))?;
+                    self.copier.zero(at, n).map_err(|f| f.report(self.job))?;
                     self.job.add_progress(n);
                 }
             }
@@ -219,7 +209,7 @@ impl Run<'_> {
                 Step::InSync => {
                     if self.job.status() == Status::Running {
                         // In sync means on the target's disk, as QEMU has it.
-                        self.copier.flush().map_err(|f| self.describe(f))?;
+                        self.copier.flush().map_err(|f| f.report(self.job))?;
                         self.job.ready();
                     }
                     self.job.wait(Some(Instant::now() + IDLE));

@@ -18,9 +18,9 @@ use std::time::{Duration, Instant};
 use vsd_block::{BlockNode, IoOp, IoQueue, IoVecs};
 use vsd_qcow2::buf::AlignedBuf;
 
-use crate::copy::{Failure, MAX_COPY, Pace, errno, run_one};
+use crate::copy::{Failure, MAX_COPY, Pace, errno, run_one, turn};
 use crate::mirror::Writers;
-use crate::{CANCELLED, ErrorPolicy, Job, JobBody, strerror};
+use crate::{ErrorPolicy, Job, JobBody, strerror};
 
 /// How long a run that failed under the `ignore` or `stop` policy waits
 /// before it is tried again.
@@ -132,16 +132,7 @@ impl JobBody for Stream {
         let mut pace = Pace::new();
         let mut at = 0;
         while at < size {
-            if job.cancelled() {
-                return Err(CANCELLED.into());
-            }
-            if job.pause_point() {
-                job.wait(None);
-                continue;
-            }
-            let allowed = pace.allowed_at(job.speed());
-            if Instant::now() < allowed {
-                job.wait(Some(allowed));
+            if !turn(job, &pace)? {
                 continue;
             }
             let len = step.min(size - at);
@@ -166,7 +157,7 @@ impl JobBody for Stream {
         // With the writers stopped, nothing changes under the last check.
         let writers = self.spec.writers.clone();
         let mut relink = || {
-            self.copy_leftovers(&mut copy)?;
+            self.copy_leftovers(job, &mut copy)?;
             let (base, header) = (self.spec.base.clone(), self.spec.header.clone());
             top.set_backing(base, header).map_err(|e| e.to_string())
         };
@@ -178,15 +169,12 @@ impl Stream {
     /// Copies what the first pass left (clusters a write was allocating
     /// then, since discarded), and makes sure nothing is left before the
     /// backing file goes.
-    fn copy_leftovers(&self, copy: &mut Copy) -> Result<(), String> {
+    fn copy_leftovers(&self, job: &Job, copy: &mut Copy) -> Result<(), String> {
         let size = self.spec.top.size();
         let step = self.step();
         let chunks = || (0..size).step_by(step as usize).map(move |at| (at, step.min(size - at)));
         for (at, len) in chunks() {
-            self.chunk(copy, at, len).map_err(|f| match f {
-                Failure::Io { errno, .. } => strerror(errno),
-                Failure::Engine(text) => text,
-            })?;
+            self.chunk(copy, at, len).map_err(|f| f.report(job))?;
         }
         let mut left = 0;
         for (at, len) in chunks() {

@@ -72,3 +72,24 @@ impl SyncIo for MemFile {
         Ok(())
     }
 }
+
+/// One in-memory file for several threads (tests of requests racing).
+#[cfg(test)]
+#[derive(Clone)]
+pub(crate) struct SharedFile(pub(crate) std::sync::Arc<std::sync::Mutex<MemFile>>);
+
+#[cfg(test)]
+impl SyncIo for SharedFile {
+    fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.0.lock().unwrap().read_at(buf, offset)
+    }
+    fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.0.lock().unwrap().write_at(buf, offset)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+    fn discard(&mut self, _: u64, _: u64) -> io::Result<()> {
+        Ok(())
+    }
+}

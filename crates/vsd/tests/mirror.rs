@@ -287,19 +287,38 @@ fn far_vsd(far: &Scratch, size: u64) -> Daemon {
     )
 }
 
+/// The size of [`FarCopy`]'s disks.
+const FAR_SIZE: u64 = 16 * MIB;
+
+/// A served disk under a writer, and another vsd whose export is node
+/// `remote` of the first: a mirror's far target.
+struct FarCopy {
+    dir: Scratch,
+    far: Scratch,
+    daemon: Daemon,
+    qmp: Qmp,
+    remote: Daemon,
+    writer: Writer,
+}
+
+impl FarCopy {
+    fn start(name: &str) -> Self {
+        let (dir, far, size) = (Scratch::new(name), Scratch::new(&format!("{name}-far")), FAR_SIZE);
+        let (daemon, mut qmp) = served(&dir, size, &[], &[]);
+        let remote = far_vsd(&far, size);
+        let server = json!({"type": "unix", "path": far.path("nbd.sock")});
+        qmp.ok("blockdev-add", json!({"driver": "nbd", "node-name": "remote", "server": server, "export": "copy"}));
+        let writer = Writer::start(&daemon, size / BLOCK, PAUSE);
+        Self { dir, far, daemon, qmp, remote, writer }
+    }
+}
+
 /// A disk moves to another host's vsd: mirrored onto a `driver=nbd` node,
 /// then the export switched onto it; every write, before and after the
 /// switch, is in the far image.
 #[test]
 fn a_running_disk_moves_to_another_vsd_over_nbd() {
-    let dir = Scratch::new("mirror-nbd");
-    let far = Scratch::new("mirror-nbd-far");
-    let size = 16 * MIB;
-    let (daemon, mut qmp) = served(&dir, size, &[], &[]);
-    let remote = far_vsd(&far, size);
-    let server = json!({"type": "unix", "path": far.path("nbd.sock")});
-    qmp.ok("blockdev-add", json!({"driver": "nbd", "node-name": "remote", "server": server, "export": "copy"}));
-    let writer = Writer::start(&daemon, size / BLOCK, PAUSE);
+    let FarCopy { dir: _dir, far, daemon, mut qmp, remote, writer, .. } = FarCopy::start("mirror-nbd");
     qmp.ok("blockdev-mirror", json!({"job-id": "m", "device": "disk", "target": "remote", "sync": "full"}));
     qmp.await_event("BLOCK_JOB_READY", json!({"device": "m"}));
     qmp.ok("job-complete", json!({"id": "m"}));
@@ -318,14 +337,7 @@ fn a_running_disk_moves_to_another_vsd_over_nbd() {
 /// disk goes on serving its writer without an error.
 #[test]
 fn a_target_that_disappears_fails_the_job_and_never_the_disk() {
-    let dir = Scratch::new("mirror-nbd-gone");
-    let far = Scratch::new("mirror-nbd-gone-far");
-    let size = 16 * MIB;
-    let (daemon, mut qmp) = served(&dir, size, &[], &[]);
-    let remote = far_vsd(&far, size);
-    let server = json!({"type": "unix", "path": far.path("nbd.sock")});
-    qmp.ok("blockdev-add", json!({"driver": "nbd", "node-name": "remote", "server": server, "export": "copy"}));
-    let writer = Writer::start(&daemon, size / BLOCK, PAUSE);
+    let FarCopy { dir, far: _far, daemon, mut qmp, remote, writer, .. } = FarCopy::start("mirror-nbd-gone");
     let mirror =
         json!({"job-id": "m", "device": "disk", "target": "remote", "sync": "full", "buf-size": MIB, "speed": MIB});
     qmp.ok("blockdev-mirror", mirror);

@@ -373,24 +373,7 @@ mod tests {
         assert_clean("inflight", &file.bytes);
     }
 
-    /// One in-memory file for several threads.
-    #[derive(Clone)]
-    struct Shared(Arc<Mutex<MemFile>>);
-
-    impl SyncIo for Shared {
-        fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-            self.0.lock().unwrap().read_at(buf, offset)
-        }
-        fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
-            self.0.lock().unwrap().write_at(buf, offset)
-        }
-        fn flush(&mut self) -> io::Result<()> {
-            Ok(())
-        }
-        fn discard(&mut self, _: u64, _: u64) -> io::Result<()> {
-            Ok(())
-        }
-    }
+    use crate::mem::SharedFile as Shared;
 
     /// The shared file, whose first write of a whole cluster (populated
     /// data) says so and waits for a go.
