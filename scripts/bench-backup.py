@@ -18,46 +18,13 @@ import json
 import os
 import subprocess
 import tempfile
-import time
 
-from benchlib import QSD, VSD, print_on_off, print_seconds, serve_and_bench, wait_started
-from qemu.qmp.legacy import QEMUMonitorProtocol
+from benchlib import QSD, VSD, job_seconds, print_on_off, print_seconds, serve_and_bench
 
 
 def nodes(source, target):
     return [f"driver=file,node-name=f0,filename={source}", "driver=raw,node-name=disk0,file=f0",
             f"driver=file,node-name=tgt,filename={target}"]
-
-
-def throughput(program, blockdevs, work):
-    """Seconds a full backup takes, guest idle."""
-    qmp_sock, pidfile = os.path.join(work, "tp-qmp.sock"), os.path.join(work, "tp.pid")
-    for path in (qmp_sock, pidfile):
-        if os.path.exists(path):
-            os.unlink(path)
-    args = ["taskset", "-c", "0", program]
-    for blockdev in blockdevs:
-        args += ["--blockdev", blockdev]
-    args += ["--chardev", f"socket,id=m,path={qmp_sock},server=on,wait=off", "--monitor", "chardev=m",
-             "--pidfile", pidfile]
-    daemon = subprocess.Popen(args)
-    try:
-        wait_started(daemon, pidfile, "vsd")
-        qmp = QEMUMonitorProtocol(qmp_sock)
-        qmp.connect()
-        start = time.monotonic()
-        reply = qmp.cmd_raw("blockdev-backup", {"job-id": "tp", "device": "disk0", "target": "tgt", "sync": "full"})
-        if "error" in reply:
-            raise RuntimeError(reply["error"])
-        while True:
-            event = qmp.pull_event(wait=60.0)
-            if event and event["event"] == "BLOCK_JOB_COMPLETED":
-                if "error" in event["data"]:
-                    raise RuntimeError(event["data"]["error"])
-                return time.monotonic() - start
-    finally:
-        daemon.terminate()
-        daemon.wait()
 
 
 def main():
@@ -88,7 +55,10 @@ def main():
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                 for name, program in daemons if rep % 2 == 0 else reversed(daemons):
-                    times[name].append(throughput(program, nodes(source, target), work))
+                    unlimited = {"job-id": "tp", "device": "disk0", "target": "tgt", "sync": "full"}
+                    seconds = job_seconds(program, nodes(source, target), work, "blockdev-backup", unlimited,
+                                          "BLOCK_JOB_COMPLETED")
+                    times[name].append(seconds)
                     print(json.dumps({"daemon": name, "rep": rep, "backup_seconds": times[name][-1]}), flush=True)
     finally:
         os.unlink(source)

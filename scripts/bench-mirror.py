@@ -18,11 +18,9 @@ import json
 import os
 import subprocess
 import tempfile
-import time
 
 import benchlib
-from benchlib import QSD, print_on_off, print_seconds, serve_and_bench, use_build, wait_started
-from qemu.qmp.legacy import QEMUMonitorProtocol
+from benchlib import QSD, job_seconds, print_on_off, print_seconds, serve_and_bench, use_build
 
 
 def nodes(source, target):
@@ -37,39 +35,6 @@ def empty(path, size):
 
 
 MIRROR = {"job-id": "m", "device": "disk0", "target": "tgt", "sync": "full"}
-
-
-def time_to_ready(program, blockdevs, work):
-    """Seconds from blockdev-mirror to BLOCK_JOB_READY, guest idle."""
-    qmp_sock, pidfile = os.path.join(work, "tr-qmp.sock"), os.path.join(work, "tr.pid")
-    for path in (qmp_sock, pidfile):
-        if os.path.exists(path):
-            os.unlink(path)
-    args = ["taskset", "-c", "0", program]
-    for blockdev in blockdevs:
-        args += ["--blockdev", blockdev]
-    args += ["--chardev", f"socket,id=m,path={qmp_sock},server=on,wait=off", "--monitor", "chardev=m",
-             "--pidfile", pidfile]
-    daemon = subprocess.Popen(args)
-    try:
-        wait_started(daemon, pidfile, program)
-        qmp = QEMUMonitorProtocol(qmp_sock)
-        qmp.connect()
-        start = time.monotonic()
-        reply = qmp.cmd_raw("blockdev-mirror", MIRROR)
-        if "error" in reply:
-            raise RuntimeError(reply["error"])
-        while True:
-            event = qmp.pull_event(wait=120.0)
-            if event is None:
-                raise RuntimeError("no BLOCK_JOB_READY within 120 s")
-            if event["event"] == "BLOCK_JOB_READY":
-                return time.monotonic() - start
-            if event["event"] in ("BLOCK_JOB_COMPLETED", "BLOCK_JOB_CANCELLED"):
-                raise RuntimeError(f"the mirror ended before it was ready: {event}")
-    finally:
-        daemon.terminate()
-        daemon.wait()
 
 
 def main():
@@ -100,7 +65,9 @@ def main():
                     print(json.dumps(row), flush=True)
                 for name, program in daemons if rep % 2 == 0 else reversed(daemons):
                     empty(target, size)
-                    times[name].append(time_to_ready(program, nodes(source, target), work))
+                    seconds = job_seconds(program, nodes(source, target), work, "blockdev-mirror", MIRROR,
+                                          "BLOCK_JOB_READY")
+                    times[name].append(seconds)
                     print(json.dumps({"daemon": name, "rep": rep, "ready_seconds": times[name][-1]}), flush=True)
     finally:
         for path in (source, target):

@@ -206,3 +206,40 @@ def print_seconds(times, what, size_mib):
     for name, values in times.items():
         seconds = statistics.median(values)
         print(f"| {name} | {seconds:.2f} | {size_mib / seconds:.0f} |")
+
+
+def job_seconds(program, blockdevs, work, command, arguments, until):
+    """Seconds from QMP `command` to the event `until` on `program` serving
+    `blockdevs` (pinned to CPU 0, no guest I/O); a job that ends otherwise
+    fails the run."""
+    from qemu.qmp.legacy import QEMUMonitorProtocol
+
+    qmp_sock, pidfile = os.path.join(work, "job-qmp.sock"), os.path.join(work, "job.pid")
+    for path in (qmp_sock, pidfile):
+        if os.path.exists(path):
+            os.unlink(path)
+    args = ["taskset", "-c", "0", program]
+    for blockdev in blockdevs:
+        args += ["--blockdev", blockdev]
+    args += ["--chardev", f"socket,id=m,path={qmp_sock},server=on,wait=off", "--monitor", "chardev=m",
+             "--pidfile", pidfile]
+    daemon = subprocess.Popen(args)
+    try:
+        wait_started(daemon, pidfile, program)
+        qmp = QEMUMonitorProtocol(qmp_sock)
+        qmp.connect()
+        start = time.monotonic()
+        reply = qmp.cmd_raw(command, arguments)
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        while True:
+            event = qmp.pull_event(wait=120.0)
+            if event is None:
+                raise RuntimeError(f"no {until} within 120 s")
+            if event["event"] == until:
+                return time.monotonic() - start
+            if event["event"] in ("BLOCK_JOB_COMPLETED", "BLOCK_JOB_CANCELLED"):
+                raise RuntimeError(f"the job ended before {until}: {event}")
+    finally:
+        daemon.terminate()
+        daemon.wait()

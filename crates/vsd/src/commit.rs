@@ -141,20 +141,21 @@ impl Daemon {
     }
 }
 
+/// Where node `name` (looked up by node name only, as QEMU does) is in `chain`.
+fn place_of_node(state: &State, chain: &[Node], name: &str) -> Result<usize, QmpError> {
+    let node =
+        state.graph.get(name).ok_or_else(|| generic(format!("Cannot find device='' nor node-name='{name}'")))?;
+    chain
+        .iter()
+        .position(|n| n.name() == node.name())
+        .ok_or_else(|| generic(format!("'{name}' is not in this backing file chain")))
+}
+
 /// Where `top` is in `chain` (0: the active layer, the default).
 fn top_of(state: &State, chain: &[Node], args: &CommitArgs) -> Result<usize, QmpError> {
     match (&args.top_node, &args.top) {
         (Some(_), Some(_)) => Err(generic("'top-node' and 'top' are mutually exclusive")),
-        (Some(name), None) => {
-            let node = state
-                .graph
-                .get(name)
-                .ok_or_else(|| generic(format!("Cannot find device='' nor node-name='{name}'")))?;
-            chain
-                .iter()
-                .position(|n| n.name() == node.name())
-                .ok_or_else(|| generic(format!("'{name}' is not in this backing file chain")))
-        }
+        (Some(name), None) => place_of_node(state, chain, name),
         (None, Some(file)) => chain
             .iter()
             .position(|n| image_filename(n).as_deref() == Some(file))
@@ -168,16 +169,7 @@ fn base_of(state: &State, chain: &[Node], top_at: usize, args: &CommitArgs) -> R
     let below = &chain[top_at..];
     let at = match (&args.base_node, &args.base) {
         (Some(_), Some(_)) => return Err(generic("'base-node' and 'base' are mutually exclusive")),
-        (Some(name), None) => {
-            let node = state
-                .graph
-                .get(name)
-                .ok_or_else(|| generic(format!("Cannot find device='' nor node-name='{name}'")))?;
-            below
-                .iter()
-                .position(|n| n.name() == node.name())
-                .ok_or_else(|| generic(format!("'{name}' is not in this backing file chain")))?
-        }
+        (Some(name), None) => place_of_node(state, below, name)?,
         (None, Some(file)) => below
             .iter()
             .position(|n| image_filename(n).as_deref() == Some(file))
