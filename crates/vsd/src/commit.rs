@@ -143,8 +143,7 @@ impl Daemon {
 
 /// Where node `name` (looked up by node name only, as QEMU does) is in `chain`.
 fn place_of_node(state: &State, chain: &[Node], name: &str) -> Result<usize, QmpError> {
-    let node =
-        state.graph.get(name).ok_or_else(|| generic(format!("Cannot find device='' nor node-name='{name}'")))?;
+    let node = state.graph.get(name).ok_or_else(|| generic(format!("Cannot find device='' nor node-name='{name}'")))?;
     chain
         .iter()
         .position(|n| n.name() == node.name())
