@@ -74,6 +74,20 @@ fn thread_names(daemon: &Daemon) -> Vec<String> {
     worker_threads(daemon).into_keys().collect()
 }
 
+/// Asserts the worker threads come to be `expected`: a thread that ended
+/// may be listed in /proc a moment after it was joined.
+fn assert_threads(daemon: &Daemon, expected: &[&str], why: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let names = thread_names(daemon);
+        if names == expected {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{why}: {names:?}, not {expected:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Where queue `q` writes in round `round`, and how much: distinct places
 /// (37 and 64 are coprime), none overlapping.
 fn extent(q: usize, round: u64) -> (u64, usize) {
@@ -214,12 +228,12 @@ fn reconnecting_restarts_the_threads_with_the_queues_set_up() {
     // the front-end has set every queue up.)
     let mut client = daemon.connect(ClientOptions { num_queues: 3, ..Default::default() });
     read_on_every_queue(client.take_queues(), |q| (q + 1) % 4);
-    assert_eq!(thread_names(&daemon), ["vsd-e-q0,2", "vsd-e-q1"]);
+    assert_threads(&daemon, &["vsd-e-q0,2", "vsd-e-q1"], "three queues");
     drop(client);
 
     let mut client = daemon.connect(ClientOptions { num_queues: 4, ..Default::default() });
     read_on_every_queue(client.take_queues(), |q| 3 - q);
-    assert_eq!(thread_names(&daemon), ["vsd-e-q0,2", "vsd-e-q1,3"]);
+    assert_threads(&daemon, &["vsd-e-q0,2", "vsd-e-q1,3"], "four queues again");
 }
 
 /// Stopping one queue (GET_VRING_BASE) restarts its thread: a request in
@@ -246,12 +260,12 @@ fn stopping_one_queue_of_a_thread_completes_the_others_requests_and_keeps_them_s
     let used = fe.wait_used(0, Duration::ZERO).expect("queue 0's request completed before queue 1 stopped");
     assert!(started.elapsed() >= latency, "the request took its latency: {:?}", started.elapsed());
     assert_eq!(used.id, u32::from(head));
-    assert_eq!(thread_names(&daemon), ["vsd-e-q0"], "the thread goes on with queue 0 alone");
+    assert_threads(&daemon, &["vsd-e-q0"], "the thread goes on with queue 0 alone");
 
     let ok = VIRTIO_BLK_S_OK as u8;
     assert_eq!(fe.io(0, VIRTIO_BLK_T_IN, 8, &mut [0u8; 4096]), Some((ok, 4097)), "queue 0 still served");
     fe.start_queue(1).unwrap();
-    assert_eq!(thread_names(&daemon), ["vsd-e-q0,1"]);
+    assert_threads(&daemon, &["vsd-e-q0,1"], "queue 1 back");
     for q in 0..2 {
         assert_eq!(fe.io(q, VIRTIO_BLK_T_IN, 16, &mut [0u8; 4096]), Some((ok, 4097)), "queue {q}");
     }
