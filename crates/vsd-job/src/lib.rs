@@ -22,6 +22,7 @@ pub mod commit;
 mod copy;
 mod group;
 pub mod mirror;
+pub mod mirror_top;
 mod registry;
 pub mod stream;
 

@@ -12,6 +12,11 @@
 //! so cleans) and then reads is dirty again if a write to it lands after,
 //! and copied again. Only the end needs the writers stopped, for as long as
 //! the last runs take.
+//!
+//! With `copy-mode=write-blocking`, the writers write through a
+//! [`MirrorTop`](crate::mirror_top::MirrorTop) filter to both nodes instead,
+//! and the tracker is the job's alone: it holds what the job has still to
+//! copy, and the writes that crossed one of its copies.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,6 +25,7 @@ use vsd_block::dirty::Tracker;
 use vsd_block::{Allocation, BlockNode};
 
 use crate::copy::{Copier, Extents, Failure, MAX_COPY, Pace, extents_above};
+use crate::mirror_top::InFlight;
 use crate::{CANCELLED, ErrorPolicy, Finish, Job, JobBody, Status, strerror};
 
 /// How long a job in sync waits before it looks for new writes again.
@@ -81,12 +87,22 @@ pub struct MirrorSpec {
 /// The mirror job's body.
 pub struct Mirror {
     spec: MirrorSpec,
+    /// A write-blocking mirror's writes in flight through its filter.
+    in_flight: Option<Arc<InFlight>>,
 }
 
 impl Mirror {
-    /// A mirror as `spec` says.
+    /// A mirror as `spec` says, which copies in the background what the
+    /// writers write (`copy-mode=background`).
     pub fn new(spec: MirrorSpec) -> Self {
-        Self { spec }
+        Self { spec, in_flight: None }
+    }
+
+    /// A mirror whose writers write through a filter sharing `in_flight`
+    /// (`copy-mode=write-blocking`); `spec.tracker` must be marked by
+    /// nobody else ([`Tracker::apart`]).
+    pub fn write_blocking(spec: MirrorSpec, in_flight: Arc<InFlight>) -> Self {
+        Self { spec, in_flight: Some(in_flight) }
     }
 }
 
@@ -94,6 +110,7 @@ impl Mirror {
 struct Run<'a> {
     job: &'a Arc<Job>,
     spec: &'a MirrorSpec,
+    in_flight: Option<&'a InFlight>,
     copier: Copier,
     /// Where the next run is looked for: runs are copied in order, round
     /// and round.
@@ -116,7 +133,7 @@ impl Run<'_> {
     /// Copies run `offset..offset + len`, counted as progress; on a
     /// failure it is dirty again.
     fn copy(&mut self, offset: u64, len: u64) -> Result<(), Failure> {
-        if let Err(failure) = self.copier.copy(offset, len) {
+        if let Err(failure) = self.crossing((offset, len), |copier| copier.copy(offset, len)) {
             self.spec.tracker.mark(offset, len);
             return Err(failure);
         }
@@ -124,9 +141,22 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// Runs `write`, which writes `range` of the target, as a copy the
+    /// filter's writes may cross.
+    fn crossing<T>(&mut self, range: (u64, u64), write: impl FnOnce(&mut Copier) -> T) -> T {
+        let Some(in_flight) = self.in_flight else { return write(&mut self.copier) };
+        in_flight.copy_begins(range);
+        let result = write(&mut self.copier);
+        in_flight.copy_ends(range);
+        result
+    }
+
     /// The next dirty run, looked for from the cursor on, then from the start.
     fn next_run(&mut self) -> Option<(u64, u64)> {
         let tracker = &self.spec.tracker;
+        for (offset, len) in self.in_flight.map(InFlight::take_dirty).unwrap_or_default() {
+            tracker.mark(offset, len);
+        }
         let run = tracker.take(self.cursor, MAX_COPY).or_else(|| tracker.take(0, MAX_COPY))?;
         self.cursor = run.0 + run.1;
         Some(run)
@@ -174,7 +204,7 @@ impl Run<'_> {
             match allocation {
                 Allocation::Data => self.spec.tracker.mark(at, n),
                 Allocation::Hole => {
-                    self.copier.zero(at, n).map_err(|f| f.report(self.job))?;
+                    self.crossing((at, n), |copier| copier.zero(at, n)).map_err(|f| f.report(self.job))?;
                     self.job.add_progress(n);
                 }
             }
@@ -232,7 +262,8 @@ impl JobBody for Mirror {
     fn run(&mut self, job: &Arc<Job>) -> Result<(), String> {
         let spec = &self.spec;
         let copier = Copier::open(&spec.source, &spec.target, Extents::Changing)?;
-        let mut run = Run { job, spec, copier, cursor: 0, pace: Pace::new(), burst: 0 };
+        let in_flight = self.in_flight.as_deref();
+        let mut run = Run { job, spec, in_flight, copier, cursor: 0, pace: Pace::new(), burst: 0 };
         match spec.sync {
             MirrorSync::Full => {
                 job.set_total(spec.source.size());

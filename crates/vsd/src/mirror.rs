@@ -1,16 +1,20 @@
 //! QMP's `blockdev-mirror`: a running disk copied onto another node (a
 //! local image, or another host's over the NBD client), then its exports
-//! moved onto the copy by `job-complete`.
+//! moved onto the copy by `job-complete`. With `copy-mode=write-blocking`,
+//! the exports write through a filter to both nodes while the job runs.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use serde::Deserialize;
 use serde_json::{Value, json};
+use vsd_block::dirty::Tracker;
 use vsd_control::qmp::QmpError;
-use vsd_job::JobSpec;
-use vsd_job::mirror::{Mirror, MirrorSpec, MirrorSync};
+use vsd_job::mirror::{Mirror, MirrorSpec, MirrorSync, Writers};
+use vsd_job::mirror_top::{InFlight, MirrorTop};
+use vsd_job::{JobBody, JobSpec};
 
-use crate::daemon::Daemon;
+use crate::chain::Node;
+use crate::daemon::{Daemon, State, lock_state};
 use crate::jobs::{OnError, SOURCE, below, busy, generic, node, speed, well_formed};
 use crate::writers::{SourceWriters, switch_exports};
 
@@ -95,14 +99,11 @@ impl Daemon {
             SyncArg::Incremental => return Err(generic("Sync mode 'incremental' not supported")),
             SyncArg::Bitmap => return Err(generic("Sync mode 'bitmap' not supported")),
         };
-        if args.replaces.as_deref().is_some_and(|name| name != source.name()) {
-            return Err(generic("vsd replaces only the mirrored node itself: leave out 'replaces'"));
+        if let Some(replaces) = &args.replaces {
+            check_replaces(state, &source, replaces)?;
         }
         if args.filter_node_name.is_some() {
             return Err(generic("vsd puts no filter node above the source: leave out 'filter-node-name'"));
-        }
-        if args.copy_mode == CopyMode::WriteBlocking {
-            return Err(generic("vsd mirrors with copy-mode 'background' only"));
         }
         if below(&source, target.name()) || below(&target, source.name()) {
             return Err(generic(format!(
@@ -130,20 +131,7 @@ impl Daemon {
             return Err(generic(format!("Invalid job ID '{id}'")));
         }
         let speed = speed(args.speed.unwrap_or(0))?;
-        let bitmaps = source
-            .dirty_bitmaps()
-            .cloned()
-            .ok_or_else(|| generic(format!("Node '{}' cannot record its writes", source.name())))?;
-        // Tracked from a moment no write is in flight: each writer picks the
-        // tracker up with its next write.
-        let mut tracker = None;
-        let mut track = || {
-            tracker = Some(bitmaps.track(source.size(), granularity));
-            Ok(())
-        };
-        switch_exports(state, source.name(), None, Some(&mut track)).map_err(generic)?;
-        let tracker = tracker.ok_or_else(|| generic("the mirror's record of writes was not made"))?;
-        let spec = JobSpec {
+        let job = JobSpec {
             id,
             kind: "mirror",
             auto_finalize: args.auto_finalize.unwrap_or(true),
@@ -152,18 +140,123 @@ impl Daemon {
             nodes: vec![target.name().to_string(), source.name().to_string()],
             group: None,
         };
-        let writers = Arc::new(SourceWriters { state: self.shared_state(), source: source.name().to_string() });
-        let mirror = Mirror::new(MirrorSpec {
-            source,
-            target,
+        let spec = |tracker: Tracker, writers: Arc<dyn Writers>| MirrorSpec {
+            source: source.clone(),
+            target: target.clone(),
             sync,
             tracker,
             writers,
             burst,
             on_source_error: args.on_source_error.into(),
             on_target_error: args.on_target_error.into(),
-        });
-        self.jobs.start(spec, Box::new(mirror)).map_err(generic)?;
+        };
+        match args.copy_mode {
+            CopyMode::Background => {
+                let tracker = track(state, &source, granularity)?;
+                let writers = Arc::new(SourceWriters { state: self.shared_state(), source: source.name().to_string() });
+                let mirror = Mirror::new(spec(tracker, writers));
+                self.jobs.start(job, Box::new(mirror)).map_err(generic)?;
+            }
+            CopyMode::WriteBlocking => {
+                let in_flight = Arc::new(InFlight::default());
+                let filter: Node =
+                    Arc::new(MirrorTop::new(filter_name(&source), source.clone(), target.clone(), in_flight.clone()));
+                // Stopped, so that no write in flight is left out of both.
+                switch_exports(state, source.name(), Some(&filter), Some(&mut || Ok(()))).map_err(generic)?;
+                let writers = Arc::new(FilterWriters { state: self.shared_state(), filter, source: source.clone() });
+                let tracker = Tracker::apart(source.size(), granularity);
+                let mirror = Mirror::write_blocking(spec(tracker, writers.clone()), in_flight);
+                if let Err(e) = self.jobs.start(job, Box::new(Filtered { mirror, writers })) {
+                    unfilter(state, &filter_name(&source), &source);
+                    return Err(generic(e));
+                }
+            }
+        }
         Ok(json!({}))
+    }
+}
+
+/// A tracker of `source`'s writes from a moment none is in flight: each
+/// writer picks it up with its next write.
+fn track(state: &mut State, source: &Node, granularity: u64) -> Result<Tracker, QmpError> {
+    let bitmaps = source
+        .dirty_bitmaps()
+        .cloned()
+        .ok_or_else(|| generic(format!("Node '{}' cannot record its writes", source.name())))?;
+    let mut tracker = None;
+    let mut start = || {
+        tracker = Some(bitmaps.track(source.size(), granularity));
+        Ok(())
+    };
+    switch_exports(state, source.name(), None, Some(&mut start)).map_err(generic)?;
+    tracker.ok_or_else(|| generic("the mirror's record of writes was not made"))
+}
+
+/// Checks `replaces` as QEMU does: the device itself, or a node it reads
+/// through filters only (whose data it shows unchanged).
+fn check_replaces(state: &State, device: &Node, name: &str) -> Result<(), QmpError> {
+    if name == device.name() {
+        return Ok(());
+    }
+    state.graph.get(name).ok_or_else(|| generic(format!("Failed to find node with node-name='{name}'")))?;
+    if !through_filters(device, name) {
+        return Err(generic(format!(
+            "Cannot replace '{name}' by a node mirrored from '{}', because it cannot be guaranteed that doing so would \
+             not lead to an abrupt change of visible data",
+            device.name()
+        )));
+    }
+    // vsd's filters cannot take another child while they serve.
+    Err(generic(format!("vsd cannot replace node '{name}' below filter '{}': leave out 'replaces'", device.name())))
+}
+
+/// Whether `node` is `name`, or a filter (as QEMU counts them) over it.
+fn through_filters(node: &Node, name: &str) -> bool {
+    if node.name() == name {
+        return true;
+    }
+    let filtered = node.children().into_iter().find(|(role, _)| *role == "file" || *role == "image");
+    matches!(node.driver(), "throttle" | "blkdebug") && filtered.is_some_and(|(_, child)| through_filters(&child, name))
+}
+
+fn filter_name(source: &Node) -> String {
+    format!("#mirror_top-{}", source.name())
+}
+
+/// Moves the exports of a write-blocking mirror's filter back onto its source.
+fn unfilter(state: &mut State, filter: &str, source: &Node) {
+    if let Err(e) = switch_exports(state, filter, Some(source), None) {
+        log::error!("the exports of node '{}' stay on its mirror's filter: {e}", source.name());
+    }
+}
+
+/// A write-blocking mirror's writers: the exports of its filter, which go
+/// back to the source unless the job moves them onto the target.
+struct FilterWriters {
+    state: Arc<Mutex<State>>,
+    filter: Node,
+    source: Node,
+}
+
+impl Writers for FilterWriters {
+    fn stopped(&self, switch_to: Option<&Node>, work: &mut dyn FnMut() -> Result<(), String>) -> Result<(), String> {
+        let to = switch_to.unwrap_or(&self.source);
+        switch_exports(&mut lock_state(&self.state), self.filter.name(), Some(to), Some(work))
+    }
+}
+
+/// A write-blocking mirror, whose filter goes once it ends, whatever the
+/// end: a failed or cancelled job leaves the exports on the source.
+struct Filtered {
+    mirror: Mirror,
+    writers: Arc<FilterWriters>,
+}
+
+impl JobBody for Filtered {
+    fn run(&mut self, job: &Arc<vsd_job::Job>) -> Result<(), String> {
+        let result = self.mirror.run(job);
+        let writers = &self.writers;
+        unfilter(&mut lock_state(&writers.state), writers.filter.name(), &writers.source);
+        result
     }
 }

@@ -51,12 +51,25 @@ fn node_served(qmp: &mut Qmp) -> Value {
 
 #[test]
 fn a_mirror_follows_the_writes_and_job_complete_moves_the_export_onto_the_copy() {
-    let dir = Scratch::new("mirror-complete");
+    follows_and_completes("background", "disk");
+}
+
+#[test]
+fn a_write_blocking_mirror_follows_the_writes_and_job_complete_moves_the_export_onto_the_copy() {
+    follows_and_completes("write-blocking", "#mirror_top-disk");
+}
+
+/// A mirror in `mode` under a writer, completed: the export serves
+/// `served_meanwhile` while the job runs.
+fn follows_and_completes(mode: &str, served_meanwhile: &str) {
+    let dir = Scratch::new(&format!("mirror-complete-{mode}"));
     let size = 32 * MIB;
     let (daemon, mut qmp) = served(&dir, size, &["tgt"], &[]);
     let writer = Writer::start(&daemon, size / BLOCK, PAUSE);
     std::thread::sleep(Duration::from_millis(100));
-    qmp.ok("blockdev-mirror", json!({"job-id": "m", "device": "disk", "target": "tgt", "sync": "full"}));
+    let mirror = json!({"job-id": "m", "device": "disk", "target": "tgt", "sync": "full", "copy-mode": mode});
+    qmp.ok("blockdev-mirror", mirror);
+    assert_eq!(node_served(&mut qmp), json!(served_meanwhile));
     let ready = qmp.await_event("BLOCK_JOB_READY", json!({"device": "m"}));
     assert_eq!(ready["len"], ready["offset"], "{ready}");
     assert!(ready["len"].as_u64().unwrap() >= size, "everything copied at least once: {ready}");
@@ -75,6 +88,38 @@ fn a_mirror_follows_the_writes_and_job_complete_moves_the_export_onto_the_copy()
     daemon.stop();
     let expect = |at: u64| last.get(&(at / BLOCK)).copied().unwrap_or(0x11);
     assert_eq!(first_mismatch(&dir.path("tgt.img"), expect), None, "the copy holds every write");
+}
+
+/// Once ready, a write-blocking mirror has nothing to copy of what is
+/// written (the filter wrote it to the target too); a background one copies
+/// it. Returns how many bytes the job copied between READY and its end.
+fn copied_after_ready(mode: &str) -> u64 {
+    let dir = Scratch::new(&format!("mirror-after-ready-{mode}"));
+    let size = 16 * MIB;
+    let (daemon, mut qmp) = served(&dir, size, &["tgt"], &[]);
+    let mirror = json!({"job-id": "m", "device": "disk", "target": "tgt", "sync": "full", "copy-mode": mode});
+    qmp.ok("blockdev-mirror", mirror);
+    let ready = qmp.await_event("BLOCK_JOB_READY", json!({"device": "m"}));
+    let mut client = daemon.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    for block in 0..256 {
+        queue.write_at(block * 2 * BLOCK, &[0x22; BLOCK as usize]).unwrap();
+    }
+    drop(queue);
+    drop(client);
+    qmp.ok("job-complete", json!({"id": "m"}));
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "m"}));
+    assert!(done.get("error").is_none(), "{done}");
+    daemon.stop();
+    let expect = |at: u64| if (at / BLOCK).is_multiple_of(2) && at < 512 * BLOCK { 0x22 } else { 0x11 };
+    assert_eq!(first_mismatch(&dir.path("tgt.img"), expect), None, "the copy holds every write");
+    done["offset"].as_u64().unwrap() - ready["offset"].as_u64().unwrap()
+}
+
+#[test]
+fn writes_after_ready_are_copied_by_a_background_mirror_and_written_through_by_a_write_blocking_one() {
+    assert!(copied_after_ready("background") >= 256 * BLOCK, "the background mirror copies the writes");
+    assert_eq!(copied_after_ready("write-blocking"), 0, "the filter wrote them to the target");
 }
 
 #[test]
@@ -141,9 +186,13 @@ fn mistakes_are_refused_and_change_nothing() {
         format!("addr.type=unix,addr.path={}", nbd.display()),
         "--export".into(),
         "type=nbd,id=n0,node-name=t2,name=t2,writable=on".into(),
+        "--object".into(),
+        "throttle-group,id=tg0".into(),
+        "--blockdev".into(),
+        "driver=throttle,node-name=th,file=t4,throttle-group=tg0".into(),
     ];
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let (_daemon, mut qmp) = served(&dir, size, &["tgt", "t2", "t3"], &extra);
+    let (_daemon, mut qmp) = served(&dir, size, &["tgt", "t2", "t3", "t4"], &extra);
     let mirror = |target: &str, more: Value| {
         let mut args = json!({"job-id": "m", "device": "disk", "target": target, "sync": "full"});
         args.as_object_mut().unwrap().extend(more.as_object().unwrap().clone());
@@ -157,13 +206,17 @@ fn mistakes_are_refused_and_change_nothing() {
         (mirror("tgt", json!({"sync": "incremental"})), "Sync mode 'incremental' not supported"),
         (mirror("small", json!({})), "Source and target image have different sizes"),
         (mirror("tgt", json!({"job-id": "1x"})), "Invalid job ID '1x'"),
-        (mirror("tgt", json!({"copy-mode": "write-blocking"})), "vsd mirrors with copy-mode 'background' only"),
         (
             mirror("file0", json!({})),
             "Node 'disk' and node 'file0' are in one backing chain: the mirror would write what it reads",
         ),
         (mirror("t2", json!({})), "Node 't2' is busy: an export or another node uses it"),
     ];
+    // QEMU would replace a node below a filter; vsd's filters keep their child.
+    let below_filter = json!({"job-id": "m", "device": "th", "target": "tgt", "sync": "full", "replaces": "t4"});
+    let cases = cases
+        .into_iter()
+        .chain([(below_filter, "vsd cannot replace node 't4' below filter 'th': leave out 'replaces'")]);
     for (args, error) in cases {
         let answer = qmp.answer("blockdev-mirror", args.clone());
         assert_eq!(answer["error"]["desc"], error, "{args}");
@@ -202,6 +255,18 @@ fn differential_script() -> Vec<Step> {
         Command("blockdev-mirror", mirror("x", "full", json!({"granularity": 256}))),
         Command("blockdev-mirror", mirror("x", "full", json!({"granularity": 65537}))),
         Command("blockdev-mirror", mirror("1x", "full", json!({}))),
+        // `replaces`: the device, or a node it reads through filters only.
+        Command("blockdev-mirror", mirror("x", "full", json!({"replaces": "nope"}))),
+        Command("blockdev-add", json!({"driver": "raw", "node-name": "r", "file": "spare"})),
+        Command(
+            "blockdev-mirror",
+            json!({"job-id": "x", "device": "r", "target": "tgt", "sync": "full", "replaces": "spare"}),
+        ),
+        Command(
+            "blockdev-mirror",
+            json!({"job-id": "x", "device": "r", "target": "tgt", "sync": "full", "replaces": "src"}),
+        ),
+        Command("blockdev-del", json!({"node-name": "r"})),
         // Cancelled before it is ready.
         Command("blockdev-mirror", mirror("m1", "full", json!({"speed": 1}))),
         Command("job-complete", json!({"id": "m1"})),
@@ -238,6 +303,15 @@ fn differential_script() -> Vec<Step> {
         Await("JOB_STATUS_CHANGE", status("m5", "concluded")),
         Command("job-dismiss", json!({"id": "m5"})),
         Command("query-jobs", json!({})),
+        // Write-blocking: ready, then cancelled once ready, then completed.
+        Command("blockdev-mirror", mirror("m6", "full", json!({"copy-mode": "write-blocking"}))),
+        Await("BLOCK_JOB_READY", json!({"device": "m6"})),
+        Command("block-job-cancel", json!({"device": "m6"})),
+        Await("JOB_STATUS_CHANGE", status("m6", "null")),
+        Command("blockdev-mirror", mirror("m7", "top", json!({"copy-mode": "write-blocking"}))),
+        Await("BLOCK_JOB_READY", json!({"device": "m7"})),
+        Command("job-complete", json!({"id": "m7"})),
+        Await("JOB_STATUS_CHANGE", status("m7", "null")),
     ]
 }
 
@@ -261,7 +335,7 @@ fn stable(events: Vec<Value>) -> Vec<Value> {
 fn mirror_commands_answer_and_notify_as_qemu_storage_daemon_does() {
     let setup = |dir: &Scratch| {
         let mut args = Vec::new();
-        for node in ["src", "tgt"] {
+        for node in ["src", "tgt", "spare"] {
             let image = dir.image(&format!("{node}.img"), 16 * MIB);
             args.extend(["--blockdev".into(), format!("driver=file,node-name={node},filename={}", image.display())]);
         }
@@ -318,8 +392,18 @@ impl FarCopy {
 /// switch, is in the far image.
 #[test]
 fn a_running_disk_moves_to_another_vsd_over_nbd() {
-    let FarCopy { dir: _dir, far, daemon, mut qmp, remote, writer, .. } = FarCopy::start("mirror-nbd");
-    qmp.ok("blockdev-mirror", json!({"job-id": "m", "device": "disk", "target": "remote", "sync": "full"}));
+    moves_over_nbd("background");
+}
+
+#[test]
+fn a_running_disk_moves_to_another_vsd_over_nbd_with_write_blocking() {
+    moves_over_nbd("write-blocking");
+}
+
+fn moves_over_nbd(mode: &str) {
+    let FarCopy { dir: _dir, far, daemon, mut qmp, remote, writer, .. } = FarCopy::start(&format!("mirror-nbd-{mode}"));
+    let mirror = json!({"job-id": "m", "device": "disk", "target": "remote", "sync": "full", "copy-mode": mode});
+    qmp.ok("blockdev-mirror", mirror);
     qmp.await_event("BLOCK_JOB_READY", json!({"device": "m"}));
     qmp.ok("job-complete", json!({"id": "m"}));
     let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "m"}));
@@ -337,9 +421,21 @@ fn a_running_disk_moves_to_another_vsd_over_nbd() {
 /// disk goes on serving its writer without an error.
 #[test]
 fn a_target_that_disappears_fails_the_job_and_never_the_disk() {
-    let FarCopy { dir, far: _far, daemon, mut qmp, remote, writer, .. } = FarCopy::start("mirror-nbd-gone");
-    let mirror =
-        json!({"job-id": "m", "device": "disk", "target": "remote", "sync": "full", "buf-size": MIB, "speed": MIB});
+    target_disappears("background");
+}
+
+/// The filter's writes to the far target fail too: the job fails, and the
+/// export is back on the disk.
+#[test]
+fn a_target_that_disappears_fails_a_write_blocking_job_and_never_the_disk() {
+    target_disappears("write-blocking");
+}
+
+fn target_disappears(mode: &str) {
+    let FarCopy { dir, far: _far, daemon, mut qmp, remote, writer, .. } =
+        FarCopy::start(&format!("mirror-nbd-gone-{mode}"));
+    let mirror = json!({"job-id": "m", "device": "disk", "target": "remote", "sync": "full", "buf-size": MIB,
+        "speed": MIB, "copy-mode": mode});
     qmp.ok("blockdev-mirror", mirror);
     std::thread::sleep(Duration::from_millis(300));
     remote.kill();

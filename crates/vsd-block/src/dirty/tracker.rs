@@ -12,7 +12,8 @@ use super::bitmap::Words;
 
 /// Ranges of a node written since the tracker's owner last took them.
 pub struct Tracker {
-    bitmaps: Arc<DirtyBitmaps>,
+    /// The bitmaps whose writers mark it, unless it is marked apart.
+    bitmaps: Option<Arc<DirtyBitmaps>>,
     pub(super) words: Arc<Words>,
     shift: u32,
 }
@@ -23,7 +24,14 @@ impl Tracker {
         let words = Arc::new(Words::new(size, shift));
         bitmaps.trackers.lock().unwrap_or_else(PoisonError::into_inner).push((words.clone(), shift));
         bitmaps.changed();
-        Self { bitmaps, words, shift }
+        Self { bitmaps: Some(bitmaps), words, shift }
+    }
+
+    /// A tracker no writer marks, only its owner (a write-blocking
+    /// mirror's, whose filter writes the target itself).
+    pub fn apart(size: u64, granularity: u64) -> Self {
+        let shift = granularity.trailing_zeros();
+        Self { bitmaps: None, words: Arc::new(Words::new(size, shift)), shift }
     }
 
     /// Bytes per bit.
@@ -57,9 +65,10 @@ impl Tracker {
 
 impl Drop for Tracker {
     fn drop(&mut self) {
-        let mut trackers = self.bitmaps.trackers.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(bitmaps) = &self.bitmaps else { return };
+        let mut trackers = bitmaps.trackers.lock().unwrap_or_else(PoisonError::into_inner);
         trackers.retain(|(words, _)| !Arc::ptr_eq(words, &self.words));
         drop(trackers);
-        self.bitmaps.changed();
+        bitmaps.changed();
     }
 }
