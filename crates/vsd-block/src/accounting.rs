@@ -169,6 +169,9 @@ impl BlockNode for AccountedNode {
     fn set_backing(&self, backing: Option<Arc<dyn BlockNode>>, header: Option<(String, String)>) -> io::Result<()> {
         self.inner.set_backing(backing, header)
     }
+    fn replace_backing(&self, backing: Option<Arc<dyn BlockNode>>) -> io::Result<()> {
+        self.inner.replace_backing(backing)
+    }
     fn dirty_bitmaps(&self) -> Option<&Arc<DirtyBitmaps>> {
         Some(&self.bitmaps)
     }

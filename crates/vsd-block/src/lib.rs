@@ -191,6 +191,16 @@ pub trait BlockNode: Send + Sync {
             format!("driver '{}' has no backing file to change", self.driver()),
         ))
     }
+    /// Makes `backing` the node's backing node (`None`: none) in the graph
+    /// only, the image's header left as it names its backing file (QMP
+    /// `blockdev-reopen`). Queues opened before read through what the node
+    /// had: call it with none in flight, and open them again afterwards.
+    fn replace_backing(&self, _backing: Option<Arc<dyn BlockNode>>) -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("driver '{}' has no backing file to change", self.driver()),
+        ))
+    }
     /// The throttle group whose limits the node applies, if it is a
     /// throttle filter.
     fn throttle_group(&self) -> Option<Arc<throttle::ThrottleGroup>> {

@@ -1,22 +1,27 @@
 //! Making nodes read-only or writable: QMP `blockdev-reopen` as QEMU has
-//! it, for the one option vsd changes (`read-only`: every other option is
-//! given again as it is), and [`set_read_only_tree`] for a job that writes
-//! into a read-only image (a commit into a backing file).
+//! it, for the options vsd changes (`read-only`, and `backing`: another
+//! node, or null for none; every other option is given again as it is),
+//! and [`set_read_only_tree`] for a job that writes into a read-only image
+//! (a commit into a backing file).
 //!
 //! A `blockdev-reopen` is all or nothing: every entry is checked before
 //! any node changes, writable nodes change children first and read-only
 //! ones parents first, and a failure part-way undoes what was done. The
 //! exports of the nodes that changed then restart on them, so that their
-//! queues see the node as it now is.
+//! queues see the node as it now is. A new backing node changes the graph
+//! only, as in QEMU: the image's header keeps the backing file it names.
 
 use std::io;
+use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use serde_json::{Map, Value, json};
 use vsd_block::options::{OptionError, OptionMap};
 use vsd_block::{BlockGraph, BlockNode, CHILD_ROLES, LockError};
 use vsd_control::qmp::QmpError;
+use vsd_qcow2::header::Header;
 
+use crate::chain::{backing_of, image_filename};
 use crate::daemon::{Daemon, State};
 use crate::writers::switch_exports;
 
@@ -105,11 +110,25 @@ impl Daemon {
         let mut guard = self.state();
         let state = &mut *guard;
         let entries = given.into_iter().map(|options| entry(state, options)).collect::<Result<Vec<_>, _>>()?;
+        // QEMU checks each entry whole, its backing before its other options.
+        let mut backings = Backings::default();
         for (at, entry) in entries.iter().enumerate() {
-            unchanged(at, &entry.node, entry.added.clone(), entry.given.clone())?;
+            let (mut added, mut given) = (entry.added.clone(), entry.given.clone());
+            backing_given(&entry.node, &given)?;
+            if let Some(name) = given.get("backing") {
+                self.plan_backing(state, &mut backings, &entry.node, name)?;
+            }
+            same_children(at, &entry.node, &mut added, &mut given)?;
+            unchanged(&entry.node, added, given)?;
         }
         let targets = self.targets(state, &entries)?;
         let changed = apply(&targets).map_err(generic)?;
+        if let Err(e) = replace_backings(state, &backings) {
+            for node in changed.iter().rev() {
+                put_back(node, node.read_only());
+            }
+            return Err(generic(e));
+        }
         for node in &changed {
             // Their queues were opened on the node as it was.
             if let Err(e) = switch_exports(state, node.name(), Some(node), None) {
@@ -117,6 +136,84 @@ impl Daemon {
             }
         }
         Ok(json!({}))
+    }
+
+    /// Checks node `name` (or none, `null`) as the new backing node of
+    /// `node`, as QEMU does and then as vsd needs, and notes it in
+    /// `backings`.
+    fn plan_backing(&self, state: &State, backings: &mut Backings, node: &Node, name: &str) -> Result<(), QmpError> {
+        let new = match name {
+            "null" => None,
+            _ => Some(
+                state
+                    .graph
+                    .get(name)
+                    .ok_or_else(|| generic(format!("Cannot find device='' nor node-name='{name}'")))?,
+            ),
+        };
+        if let Some(new) = &new
+            && backings.reaches(new, node.name())
+        {
+            let (new, node) = (new.name(), node.name());
+            return Err(generic(format!("Making '{new}' a backing child of '{node}' would create a cycle")));
+        }
+        let old = backings.of(node);
+        if name_of(&old) != name_of(&new) {
+            if let Some(old) = &old {
+                self.held_by_job(node, old)?;
+            }
+            if let Some(new) = new.as_ref().filter(|new| !new.active() && node.active()) {
+                let (new, node) = (new.name(), node.name());
+                return Err(generic(format!("Inactive '{new}' can't be a backing child of active '{node}'")));
+            }
+            self.read_through(state, node)?;
+        }
+        backings.0.push((node.clone(), new));
+        Ok(())
+    }
+
+    /// Refuses to change `node`'s link to its backing node `old` where a
+    /// job holds it, in QEMU's words: QEMU puts a filter of its own over
+    /// the top of a stream or a commit, and freezes the links they go down.
+    fn held_by_job(&self, node: &Node, old: &Node) -> Result<(), QmpError> {
+        let top = |kind: &str, place: usize| (kind == "stream" && place == 0) || (kind == "commit" && place == 1);
+        if self.jobs.users_of(old.name()).iter().any(|(job, place)| top(job.kind(), *place)) {
+            return Err(generic(format!("Cannot replace implicit backing child of {}", node.name())));
+        }
+        let goes_down = |kind: &str, place: usize| kind == "stream" || (kind == "commit" && place > 0);
+        if self.jobs.users_of(node.name()).iter().any(|(job, place)| goes_down(job.kind(), *place)) {
+            let (node, old) = (node.name(), old.name());
+            return Err(generic(format!("Cannot change frozen 'backing' link from '{node}' to '{old}'")));
+        }
+        Ok(())
+    }
+
+    /// Refuses a new backing node for `node` where vsd could not make every
+    /// reader see it at once: while it is inactive, used by a job (which
+    /// reads through queues of its own), or read through a node above it
+    /// that an export or a job uses (their queues open on that node).
+    fn read_through(&self, state: &State, node: &Node) -> Result<(), QmpError> {
+        let name = node.name();
+        if !node.active() {
+            return Err(generic(format!("Node '{name}' is inactive: vsd reopens only active nodes")));
+        }
+        if let Some((job, _)) = self.jobs.user_of(name) {
+            let id = job.id();
+            return Err(generic(format!("Node '{name}' is used by job '{id}': vsd changes its backing only unused")));
+        }
+        let above = |parent: &&Node| parent.name() != name && Backings::default().reaches(parent, name);
+        let used = |parent: &Node| {
+            self.jobs.user_of(parent.name()).is_some()
+                || state.exports.values().any(|e| e.node().name() == parent.name())
+        };
+        match state.graph.nodes().filter(above).find(|parent| used(parent)) {
+            Some(parent) => Err(generic(format!(
+                "Node '{name}' is read through node '{}', which is in use: vsd changes its backing only \
+                 where nothing uses it through another node",
+                parent.name()
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// What the nodes reopened are to become ([`wanted`]), once every
@@ -205,6 +302,77 @@ fn apply(targets: &[(Node, bool)]) -> Result<Vec<Node>, String> {
     Ok(done.into_iter().map(|(node, _)| node).collect())
 }
 
+/// The backing nodes the entries give (`None`: none), in their order.
+#[derive(Default)]
+struct Backings(Vec<(Node, Option<Node>)>);
+
+impl Backings {
+    /// `node`'s backing node once these are given.
+    fn of(&self, node: &Node) -> Option<Node> {
+        match self.0.iter().rev().find(|(n, _)| n.name() == node.name()) {
+            Some((_, backing)) => backing.clone(),
+            None => backing_of(node),
+        }
+    }
+
+    /// Whether `from` is `target` or has it below, once these are given.
+    fn reaches(&self, from: &Node, target: &str) -> bool {
+        let mut children: Vec<Node> =
+            from.children().into_iter().filter(|(role, _)| *role != "backing").map(|(_, child)| child).collect();
+        children.extend(self.of(from));
+        from.name() == target || children.iter().any(|child| self.reaches(child, target))
+    }
+}
+
+fn name_of(node: &Option<Node>) -> Option<&str> {
+    node.as_ref().map(|node| node.name())
+}
+
+/// Gives the nodes of `backings` their new backing nodes, in order; on a
+/// failure, puts back those given before.
+fn replace_backings(state: &mut State, backings: &Backings) -> Result<(), String> {
+    let mut done: Vec<(&Node, Option<Node>)> = Vec::new();
+    for (node, new) in &backings.0 {
+        let old = backing_of(node);
+        if name_of(&old) == name_of(new) {
+            continue;
+        }
+        if let Err(e) = replace_backing(state, node, new) {
+            for (node, old) in done.iter().rev() {
+                if let Err(e) = replace_backing(state, node, old) {
+                    log::error!("node '{}' could not be given its backing node back: {e}", node.name());
+                }
+            }
+            return Err(e);
+        }
+        done.push((node, old));
+    }
+    Ok(())
+}
+
+/// Gives `node` backing node `backing` with its exports stopped at a
+/// request boundary, then restarted on the node as it now is: their
+/// queues read through the new backing node, none through the old.
+fn replace_backing(state: &mut State, node: &Node, backing: &Option<Node>) -> Result<(), String> {
+    let mut work = || node.replace_backing(backing.clone()).map_err(|e| e.to_string());
+    switch_exports(state, node.name(), Some(node), Some(&mut work))
+}
+
+/// Whether the header of `node`'s image names a backing file, whatever
+/// its backing node now is: QEMU then wants `backing` given again.
+fn names_backing_file(node: &Node) -> bool {
+    // A header lies in the image's first cluster, of 2 MiB at most.
+    const MAX_CLUSTER: u64 = 2 << 20;
+    let Some(path) = image_filename(node).filter(|_| node.driver() == "qcow2") else { return false };
+    let header = std::fs::File::open(path).and_then(|file| {
+        let len = file.metadata()?.len();
+        let mut head = vec![0; len.min(MAX_CLUSTER) as usize];
+        file.read_exact_at(&mut head, 0)?;
+        Header::parse(&head, len).map_err(io::Error::other)
+    });
+    header.is_ok_and(|header| header.backing_file.is_some())
+}
+
 /// The entries of the arguments, checked as QEMU's schema checks them
 /// (every entry before any node is looked at).
 fn entries(args: &Value) -> Result<Vec<OptionMap>, QmpError> {
@@ -222,6 +390,9 @@ fn entries(args: &Value) -> Result<Vec<OptionMap>, QmpError> {
     Ok(entries)
 }
 
+/// The formats whose options take a `backing` in QEMU's schema.
+const COW_FORMATS: [&str; 4] = ["qcow", "qcow2", "qed", "vmdk"];
+
 /// Entry `at`, if it has the members QEMU requires of every node's options,
 /// of their types.
 fn shaped(at: usize, entry: &Value) -> Result<OptionMap, QmpError> {
@@ -238,6 +409,15 @@ fn shaped(at: usize, entry: &Value) -> Result<OptionMap, QmpError> {
             return wrong_type(format!("options[{at}].{name}"), expected);
         }
     }
+    if let Some(backing) = members.get("backing") {
+        if !COW_FORMATS.contains(&members["driver"].as_str().unwrap_or_default()) {
+            return Err(generic(format!("Parameter 'options[{at}].backing' is unexpected")));
+        }
+        if !matches!(backing, Value::String(_) | Value::Null | Value::Object(_)) {
+            // QEMU names an alternate's member without its path.
+            return wrong_type("backing".into(), "BlockdevRefOrNull");
+        }
+    }
     OptionMap::parse("blockdev-reopen", &entry.to_string()).map_err(|e| generic(e.to_string()))
 }
 
@@ -251,10 +431,10 @@ fn entry(state: &State, given: OptionMap) -> Result<Entry, QmpError> {
     Ok(Entry { node, read_only, added: added.clone(), given })
 }
 
-/// Refuses entry `at` if it changes anything of `node` but `read-only`:
-/// `added` are the options the node was added with, `given` the entry's.
-fn unchanged(at: usize, node: &Node, mut added: OptionMap, mut given: OptionMap) -> Result<(), QmpError> {
-    same_children(at, node, &mut added, &mut given)?;
+/// Refuses an entry if it changes anything of `node` but `read-only`, its
+/// children left out ([`same_children`]): `added` are the options the node
+/// was added with, `given` the entry's.
+fn unchanged(node: &Node, mut added: OptionMap, mut given: OptionMap) -> Result<(), QmpError> {
     same_state(node, &mut added, &mut given)?;
     for key in ["node-name", "read-only"] {
         added.take(key);
@@ -278,15 +458,22 @@ fn reset(key: &str) -> QmpError {
     generic(format!("Option '{key}' cannot be reset to its default value"))
 }
 
-/// The children an entry names must be the node's own, by name: vsd does
-/// not replace a node's children. Takes them out of both option sets.
-fn same_children(at: usize, node: &Node, added: &mut OptionMap, given: &mut OptionMap) -> Result<(), QmpError> {
-    let children = node.children();
-    let has = |role: &str| children.iter().any(|(r, _)| *r == role);
-    // QEMU finds this one first, as it gathers the nodes.
-    if has("backing") && !given.has("backing") && given.clone().take_group("backing").is_none() {
+/// Refuses an entry that leaves out `backing` for a node that has a backing
+/// node, or whose header names a backing file: QEMU finds this one first,
+/// as it gathers the nodes.
+fn backing_given(node: &Node, given: &OptionMap) -> Result<(), QmpError> {
+    let missing = !given.has("backing") && given.clone().take_group("backing").is_none();
+    if missing && (backing_of(node).is_some() || names_backing_file(node)) {
         return Err(generic(format!("backing is missing for '{}'", node.name())));
     }
+    Ok(())
+}
+
+/// The children an entry names must be the node's own, by name, but for
+/// its backing node (which [`Daemon::plan_backing`] checks): vsd does not
+/// replace a node's other children. Takes them out of both option sets.
+fn same_children(at: usize, node: &Node, added: &mut OptionMap, given: &mut OptionMap) -> Result<(), QmpError> {
+    let children = node.children();
     for role in CHILD_ROLES {
         added.take(role);
         let current = children.iter().find(|(r, _)| *r == role).map(|(_, child)| child.name());
@@ -302,6 +489,7 @@ fn same_children(at: usize, node: &Node, added: &mut OptionMap, given: &mut Opti
             (None, Some(_)) => return Err(reset(role)),
             (Some(name), None) if name == "null" => {}
             (Some(name), Some(current)) if name == current => {}
+            (Some(_), _) if role == "backing" => {}
             (Some(_), _) => return Err(changed(role)),
         }
     }

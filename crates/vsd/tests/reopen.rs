@@ -5,7 +5,9 @@
 //! stored back; children defined inline reopened with their parent; the
 //! image locks other programs see before and after, as with QEMU; writable
 //! reopens refused by another process's locks or by the file's
-//! permissions, nothing changed.
+//! permissions, nothing changed; a qcow2 overlay's backing node changed
+//! and detached (answers and refusals as qemu-storage-daemon's), its
+//! exports reading through the new one at once and the header unchanged.
 
 mod common;
 
@@ -473,4 +475,155 @@ fn a_file_that_cannot_be_opened_writable_stays_read_only_as_in_qemu() {
     assert_eq!(Some(&vsd), answer(Daemon::qsd, "reopen-immutable-qsd").as_ref());
     assert!(vsd.0.contains("Could not open 'IMAGE': Operation not permitted"), "{}", vsd.0);
     assert_eq!(vsd.1, named(&[("i0", true)]));
+}
+
+/// The images and nodes of the backing script, the same in each daemon's
+/// directory: `o` (qcow2 over `fo`, its header naming `base1.raw`) over
+/// `b1` (raw, all 0x11), `b2` (qcow2, all 0x22), `s` (a smaller qcow2),
+/// `w` (raw). `o` holds 0x33 in its first MiB.
+fn backing_nodes(dir: &Scratch) -> Vec<String> {
+    let (base1, base2, small, overlay) =
+        (dir.image("base1.raw", 4 * MIB), dir.path("base2.qcow2"), dir.path("s.qcow2"), dir.path("o.qcow2"));
+    ok("qemu-io", &["-f", "raw", "-c", "write -P 0x11 0 4M", path(&base1)]);
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", path(&base2), "4M"]);
+    ok("qemu-io", &["-f", "qcow2", "-c", "write -P 0x22 0 4M", path(&base2)]);
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", path(&small), "1M"]);
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", "-b", path(&base1), "-F", "raw", path(&overlay), "4M"]);
+    ok("qemu-io", &["-f", "qcow2", "-c", "write -P 0x33 0 1M", path(&overlay)]);
+    let file = |node: &str, image: &Path| format!("driver=file,node-name={node},filename={}", image.display());
+    let nodes = [
+        file("fb1", &base1),
+        "driver=raw,node-name=b1,file=fb1".into(),
+        file("fb2", &base2),
+        "driver=qcow2,node-name=b2,file=fb2".into(),
+        file("fs", &small),
+        "driver=qcow2,node-name=s,file=fs".into(),
+        file("fo", &overlay),
+        "driver=qcow2,node-name=o,file=fo,backing=b1".into(),
+        file("fw", &dir.image("w.raw", 4 * MIB)),
+        "driver=raw,node-name=w,file=fw".into(),
+    ];
+    nodes.into_iter().flat_map(blockdev).collect()
+}
+
+/// A qcow2 node's entry over `file`, with `backing` if it is not absent
+/// (`Value::Null` is `"backing": null`).
+fn qcow2_entry(node: &str, file: &str, backing: Option<Value>) -> Value {
+    let mut entry = json!({"driver": "qcow2", "node-name": node, "file": file});
+    if let Some(backing) = backing {
+        entry["backing"] = backing;
+    }
+    entry
+}
+
+fn read_only_entry(mut entry: Value) -> Value {
+    entry["read-only"] = json!(true);
+    entry
+}
+
+/// The backing script, for the nodes of [`backing_nodes`].
+fn backing_script() -> Vec<Step> {
+    let o = |backing: Option<Value>| qcow2_entry("o", "fo", backing);
+    let b2 = |backing: Option<Value>| qcow2_entry("b2", "fb2", backing);
+    let to = |name: &str| Some(json!(name));
+    let inline = json!({"driver": "raw", "file": "fb2"});
+    vec![
+        // The schema: only formats with backing files take one, a node
+        // name, null or options.
+        reopen(json!([o(Some(json!(5)))])),
+        reopen(json!([{"driver": "raw", "node-name": "w", "file": "fw", "backing": "b1"}])),
+        reopen(json!([{"driver": "raw", "node-name": "w", "file": "fw", "backing": null}])),
+        // Left out, unknown, inline, or a loop.
+        reopen(json!([o(None)])),
+        reopen(json!([o(to("nope"))])),
+        reopen(json!([o(to(""))])),
+        reopen(json!([o(Some(inline))])),
+        reopen(json!([o(to("o"))])),
+        reopen(json!([b2(to("o"))])),
+        reopen(json!([o(to("b2")), b2(to("o"))])),
+        reopen(json!([b2(to("o")), o(to("b2"))])),
+        // Its first error wins over the entry's other options.
+        reopen(json!([qcow2_entry("o", "fb2", to("nope"))])),
+        // Changed: another node, a smaller one, the same, none (the header
+        // still names a file: `backing` is still wanted), and back.
+        reopen(json!([o(to("b2"))])),
+        reopen(json!([o(to("s"))])),
+        reopen(json!([o(to("s")), o(to("b2"))])),
+        reopen(json!([o(Some(Value::Null))])),
+        reopen(json!([o(None)])),
+        reopen(json!([o(to("b1")), b2(Some(Value::Null))])),
+        // With its read-only flag.
+        reopen(json!([read_only_entry(o(to("b2")))])),
+        // An inactive node cannot be the backing of an active one.
+        Step::Command("blockdev-set-active", json!({"node-name": "s", "active": false})),
+        reopen(json!([o(to("s"))])),
+        Step::Command("blockdev-set-active", json!({"node-name": "s", "active": true})),
+        // A stream freezes the links it goes down.
+        reopen(json!([o(to("b1"))])),
+        Step::Command("block-stream", json!({"job-id": "j", "device": "o", "speed": 1})),
+        reopen(json!([o(to("b2"))])),
+        reopen(json!([o(Some(Value::Null))])),
+        reopen(json!([o(to("b1"))])),
+        Step::Command("block-job-cancel", json!({"device": "j"})),
+        Step::Await("BLOCK_JOB_CANCELLED", json!({"device": "j"})),
+        reopen(json!([o(to("b2"))])),
+    ]
+}
+
+#[test]
+fn backing_changes_answer_as_qemu_storage_daemon_does() {
+    assert_same_as_qsd("reopen-backing", &backing_nodes, &backing_script(), |_| Vec::new());
+}
+
+/// Whether every byte of `len` bytes at `offset` that `queue` reads is `byte`.
+fn reads(queue: &mut vsd_bench::Queue, offset: u64, len: usize, byte: u8) -> bool {
+    let mut data = vec![0u8; len];
+    queue.read_at(offset, &mut data).unwrap();
+    data.iter().all(|b| *b == byte)
+}
+
+#[test]
+fn exports_read_through_the_new_backing_node_at_once_and_the_header_stays() {
+    let dir = Scratch::new("reopen-backing-reads");
+    let socket = dir.path("qmp.sock");
+    let mut args = backing_nodes(&dir);
+    let vhost = format!(
+        "type=vhost-user-blk,id=v,node-name=o,writable=on,addr.type=unix,addr.path={}",
+        dir.path("v.sock").display()
+    );
+    args.extend(["--export".into(), vhost]);
+    args.extend(["--nbd-server".into(), format!("addr.type=unix,addr.path={}", dir.path("nbd.sock").display())]);
+    args.extend(["--export".into(), "type=nbd,id=n,node-name=o,name=o".into()]);
+    args.extend(monitor(&socket));
+    let daemon = Daemon::vsd(&dir, &args);
+    let mut qmp = Qmp::connect(&socket);
+    // A queue opened before any change, kept across them.
+    let mut client = Client::connect(&dir.path("v.sock"), ClientOptions::default()).unwrap();
+    let mut queue = client.take_queue(0).unwrap();
+    let nbd_reads = |command: &str| nbd_io(&dir.path("nbd.sock"), "o", command).status.success();
+    let (own, below) = (0, 2 * MIB);
+    assert!(reads(&mut queue, own, 4096, 0x33) && reads(&mut queue, below, 4096, 0x11));
+
+    qmp.ok("blockdev-reopen", json!({"options": [qcow2_entry("o", "fo", Some(json!("b2")))]}));
+    assert!(reads(&mut queue, below, MIB as usize, 0x22), "unallocated clusters read from the new backing node");
+    assert!(reads(&mut queue, own, MIB as usize, 0x33), "the overlay's own clusters stay");
+    assert!(nbd_reads("read -P 0x22 2M 1M") && nbd_reads("read -P 0x33 0 1M"), "the NBD export too");
+    // A write into part of a cluster copies the rest from the new backing node.
+    queue.write_at(3 * MIB, &[0x44; 4096]).unwrap();
+    assert!(reads(&mut queue, 3 * MIB + 4096, 60 << 10, 0x22));
+
+    qmp.ok("blockdev-reopen", json!({"options": [qcow2_entry("o", "fo", Some(Value::Null))]}));
+    assert!(reads(&mut queue, below, MIB as usize, 0), "no backing node: unallocated clusters read zeroes");
+    assert!(reads(&mut queue, 3 * MIB, 4096, 0x44) && reads(&mut queue, 3 * MIB + 4096, 4096, 0x22));
+    assert!(nbd_reads("read -P 0 2M 1M"));
+    let nodes = qmp.ok("query-named-block-nodes", json!({}));
+    assert!(nodes.as_array().unwrap().iter().any(|n| n["node-name"] == "b1"), "the old backing node stays");
+
+    qmp.ok("blockdev-reopen", json!({"options": [qcow2_entry("o", "fo", Some(json!("b1")))]}));
+    assert!(reads(&mut queue, below, 4096, 0x11), "a backing node again");
+    drop((queue, client, qmp));
+    assert!(daemon.stop().success());
+    let image = dir.path("o.qcow2");
+    assert_clean(&image);
+    assert_eq!(common::images::info(&image)["backing-filename"], json!(path(&dir.path("base1.raw"))), "as created");
 }

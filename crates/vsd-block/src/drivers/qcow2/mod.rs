@@ -353,6 +353,21 @@ impl Qcow2Node {
         }
     }
 
+    /// Reads the image again knowing whether it has a backing file, as a
+    /// clean stop and a new open would: on a failure, the image open stays.
+    fn read_again(&self, has_backing: bool) -> io::Result<()> {
+        self.close()?;
+        self.bitmaps.drop_persistent();
+        let options = vsd_qcow2::Options { has_backing: Some(has_backing), ..self.options() };
+        let reread = self.reopen(options.clone());
+        if reread.is_ok() {
+            *self.options.write().unwrap_or_else(PoisonError::into_inner) = options;
+        }
+        // The bitmaps of whichever image is open now.
+        let loaded = self.load_bitmaps();
+        reread.and(loaded)
+    }
+
     /// Loads the image's persistent bitmaps and flags them in use, so that
     /// a crash leaves them inconsistent (QEMU's protocol); none from an
     /// image opened read-only.
@@ -667,6 +682,20 @@ impl BlockNode for Qcow2Node {
         let name = header.as_ref().map(|(file, format)| (file.as_str(), format.as_str()));
         self.change(|image, io| image.set_backing_file(io, name))?;
         self.options.write().unwrap_or_else(PoisonError::into_inner).has_backing = Some(backing.is_some());
+        *self.backing.write().unwrap_or_else(PoisonError::into_inner) = backing;
+        // The old node's claim goes once the new one is in its place.
+        self.claims().backing = guards.unwrap_or_default();
+        Ok(())
+    }
+
+    /// The header is left alone. The image is read again only if it gains
+    /// or loses a backing file (unallocated clusters then read otherwise),
+    /// its metadata and bitmaps written back first and loaded again after.
+    fn replace_backing(&self, backing: Option<Arc<dyn BlockNode>>) -> io::Result<()> {
+        let guards = backing.as_ref().map(|b| b.claim(BACKING_CLAIM)).transpose().map_err(io::Error::other)?;
+        if self.backing().is_some() != backing.is_some() {
+            self.read_again(backing.is_some())?;
+        }
         *self.backing.write().unwrap_or_else(PoisonError::into_inner) = backing;
         // The old node's claim goes once the new one is in its place.
         self.claims().backing = guards.unwrap_or_default();
