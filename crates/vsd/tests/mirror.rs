@@ -456,7 +456,17 @@ fn target_disappears(mode: &str) {
 /// (after a crash, the source is the disk; the copy is started again).
 #[test]
 fn a_kill_during_a_mirror_leaves_the_source_whole_and_both_images_consistent() {
-    let dir = Scratch::new("mirror-kill");
+    killed_mid_mirror("background");
+}
+
+/// The same with the filter writing the target too, beside the job.
+#[test]
+fn a_kill_during_a_write_blocking_mirror_leaves_the_source_whole_and_both_images_consistent() {
+    killed_mid_mirror("write-blocking");
+}
+
+fn killed_mid_mirror(mode: &str) {
+    let dir = Scratch::new(&format!("mirror-kill-{mode}"));
     let size = 16 * MIB;
     let (disk, copy) = (dir.path("disk.qcow2"), dir.path("copy.qcow2"));
     for image in [&disk, &copy] {
@@ -484,7 +494,8 @@ fn a_kill_during_a_mirror_leaves_the_source_whole_and_both_images_consistent() {
     let writer = Writer::start(&daemon, size / BLOCK, PAUSE);
     qmp.ok(
         "blockdev-mirror",
-        json!({"job-id": "m", "device": "disk", "target": "tgt", "sync": "full", "buf-size": MIB, "speed": 2 * MIB}),
+        json!({"job-id": "m", "device": "disk", "target": "tgt", "sync": "full", "buf-size": MIB, "speed": 2 * MIB,
+            "copy-mode": mode}),
     );
     std::thread::sleep(Duration::from_millis(500));
     let last = writer.finish();
