@@ -15,6 +15,14 @@
 //! that would pass it waits for earlier ones to finish. A payload larger
 //! than the maximum gets an error and the connection is closed.
 //!
+//! A connection cannot be stopped from outside, so it stops itself: at
+//! the start of each round it compares the export's epoch with the one it
+//! has caught up with (one atomic load). When the export changes (its
+//! connections held stopped by a job's switch, released, moved onto a new
+//! node), it takes no more requests, lets those in flight complete, then
+//! follows the change; held, it reads nothing until released: the
+//! client's next requests wait in the socket or the connection's buffers.
+//!
 //! The socket is a [`Wire`] type parameter: a TLS connection reads and
 //! writes through rustls' bounded buffers (`vsd_net::TlsStream`), a plain one
 //! straight through the socket, with no TLS branch compiled in.
@@ -23,7 +31,7 @@ use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vsd_block::dirty::DirtyRecorder;
@@ -35,7 +43,7 @@ use crate::negotiate::{Agreement, Context};
 use vsd_net::{Stream, TlsStream, Wire};
 
 use crate::proto::{self, Command, Limits, Mode, Refusal, ReplyHeader, Request, errno, state};
-use crate::server::Export;
+use crate::server::{Export, Orders};
 
 /// Requests in flight per connection, as QEMU's server allows.
 const SLOTS: usize = 16;
@@ -54,8 +62,8 @@ const MAX_IOV: usize = 64;
 
 const TOKEN_SOCKET: u64 = 0;
 const TOKEN_ENGINE: u64 = 1;
-/// The export's node was replaced ([`Export::moved`], edge-triggered).
-const TOKEN_MOVED: u64 = 2;
+/// The export changed ([`Export::changed`], edge-triggered).
+const TOKEN_CHANGED: u64 = 2;
 
 struct Slot {
     request: Request,
@@ -81,10 +89,15 @@ struct Transmission<W: Wire> {
     queue: Box<dyn IoQueue>,
     /// The node `queue` is open on, and which of the export's nodes it is.
     node: Arc<dyn BlockNode>,
-    serving: Arc<AtomicU64>,
-    /// The export's node was replaced: no request is read until those in
-    /// flight are done and the queue is open on the new node.
-    moving: bool,
+    generation: u64,
+    /// The connection's place in the export, and the export's epoch it has
+    /// caught up with ([`Transmission::follow_export`]).
+    seat: u64,
+    epoch: u64,
+    /// No request is taken: the export changed and the requests in flight
+    /// are not done yet, or the export holds its connections stopped.
+    /// Bytes the client sends meanwhile wait in the socket.
+    paused: bool,
     /// The queue is uncounted: the connection counts its requests, and
     /// records its writes in the node's dirty bitmaps.
     dirty: DirtyRecorder,
@@ -153,17 +166,16 @@ fn serve_on<W: Wire>(
     let clock = Clock::get();
     let stats = Arc::new(QueueStats::timed_by(clock));
     export.attach_stats(stats.clone());
-    let (serving, node) = export.join();
-    let result =
-        Transmission::new(stream, export.clone(), (node, serving.clone()), limits, contexts, stats.clone(), early)
-            .and_then(|mut t| {
-                let served = t.run();
-                t.stream.close();
-                client_gone.store(true, Ordering::Release);
-                served
-            });
+    let (seat, orders) = export.join();
+    let result = Transmission::new(stream, export.clone(), (seat, orders), limits, contexts, stats.clone(), early)
+        .and_then(|mut t| {
+            let served = t.run();
+            t.stream.close();
+            client_gone.store(true, Ordering::Release);
+            served
+        });
     // Its requests are done (dropping the queue waited for them).
-    export.leave(&serving);
+    export.leave(seat);
     export.detach_stats(&stats);
     result
 }
@@ -172,7 +184,7 @@ impl<W: Wire> Transmission<W> {
     fn new(
         stream: W,
         export: Arc<Export>,
-        (node, serving): (Arc<dyn BlockNode>, Arc<AtomicU64>),
+        (seat, orders): (u64, Orders),
         limits: Limits,
         contexts: Vec<Context>,
         stats: Arc<QueueStats>,
@@ -180,13 +192,14 @@ impl<W: Wire> Transmission<W> {
     ) -> io::Result<Self> {
         // The process's clock, which timed `stats`.
         let clock = Clock::get();
+        let node = orders.node;
         let queue = node.open_uncounted_queue(SLOTS as u16)?;
         let dirty = DirtyRecorder::for_node(&*node);
         let epoll = Epoll::new()?;
         let edge = EventSet::IN | EventSet::OUT | EventSet::EDGE_TRIGGERED;
         epoll.ctl(ControlOperation::Add, stream.as_raw_fd(), EpollEvent::new(edge, TOKEN_SOCKET))?;
-        let moved = EventSet::IN | EventSet::EDGE_TRIGGERED;
-        epoll.ctl(ControlOperation::Add, export.moved.as_raw_fd(), EpollEvent::new(moved, TOKEN_MOVED))?;
+        let changed = EventSet::IN | EventSet::EDGE_TRIGGERED;
+        epoll.ctl(ControlOperation::Add, export.changed.as_raw_fd(), EpollEvent::new(changed, TOKEN_CHANGED))?;
         if let Some(fd) = queue.notify_fd() {
             epoll.ctl(ControlOperation::Add, fd.as_raw_fd(), EpollEvent::new(EventSet::IN, TOKEN_ENGINE))?;
         }
@@ -208,8 +221,10 @@ impl<W: Wire> Transmission<W> {
         Ok(Self {
             queue,
             node,
-            serving,
-            moving: false,
+            generation: orders.generation,
+            seat,
+            epoch: orders.epoch,
+            paused: orders.held,
             dirty,
             slots,
             free: (0..SLOTS).rev().collect(),
@@ -239,7 +254,7 @@ impl<W: Wire> Transmission<W> {
     fn run(&mut self) -> io::Result<()> {
         loop {
             self.now = self.clock.now();
-            self.follow_node()?;
+            self.follow_export()?;
             let mut progress = self.receive()?;
             progress |= self.submit_and_reap()?;
             progress |= self.send()?;
@@ -253,14 +268,31 @@ impl<W: Wire> Transmission<W> {
         }
     }
 
-    /// Moves to the export's new node once the requests in flight on the
-    /// old one are done.
-    fn follow_node(&mut self) -> io::Result<()> {
-        self.moving = self.export.generation() != self.serving.load(Ordering::Relaxed);
-        if !self.moving || self.in_flight > 0 {
+    /// Catches up with the export's changes (stopped, resumed, a new node)
+    /// once the requests in flight are done. Its cost while nothing changes
+    /// is one atomic load per round, and a round takes a batch of requests:
+    /// the hot path is not slowed.
+    fn follow_export(&mut self) -> io::Result<()> {
+        if self.export.epoch() == self.epoch {
             return Ok(());
         }
-        let (generation, node) = self.export.current();
+        // The next requests wait until those in flight are done.
+        self.paused = true;
+        if self.in_flight > 0 {
+            return Ok(());
+        }
+        let orders = self.export.orders();
+        if orders.generation != self.generation {
+            self.open_queue(orders.node, orders.generation)?;
+        }
+        self.paused = orders.held;
+        self.epoch = orders.epoch;
+        self.export.caught_up(self.seat, orders.epoch);
+        Ok(())
+    }
+
+    /// Serves `node`, the export's `generation`th, with no request in flight.
+    fn open_queue(&mut self, node: Arc<dyn BlockNode>, generation: u64) -> io::Result<()> {
         let queue = node.open_uncounted_queue(SLOTS as u16)?;
         if let Some(fd) = self.queue.notify_fd() {
             self.epoll.ctl(ControlOperation::Delete, fd.as_raw_fd(), EpollEvent::default())?;
@@ -271,8 +303,7 @@ impl<W: Wire> Transmission<W> {
         self.queue = queue;
         self.dirty = DirtyRecorder::for_node(&*node);
         self.node = node;
-        self.moving = false;
-        self.export.moved_to(&self.serving, generation);
+        self.generation = generation;
         Ok(())
     }
 
@@ -280,7 +311,7 @@ impl<W: Wire> Transmission<W> {
     fn receive(&mut self) -> io::Result<bool> {
         let mut progress = false;
         loop {
-            if self.closing || self.moving {
+            if self.closing || self.paused {
                 return Ok(progress);
             }
             if let Some(slot) = self.receiving {

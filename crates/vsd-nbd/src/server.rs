@@ -8,7 +8,9 @@
 //! stalls inside it is cut like one that stalls between options), then the
 //! transmission phase ([`crate::conn`]). Every connection is tracked, so that removing an
 //! export, or stopping the server, cuts each one it concerns and waits for
-//! its requests in flight.
+//! its requests in flight. An export's connections can be held stopped at
+//! a request boundary and moved onto another node (a block job's switch,
+//! a live snapshot): [`NbdExport::replace_node_after`].
 
 use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
@@ -106,24 +108,52 @@ struct Conn {
 /// What connections to one export share.
 pub(crate) struct Export {
     pub(crate) config: ExportConfig,
-    /// The node served, and how many times it was replaced (a live
-    /// snapshot's overlay takes its place).
-    node: RwLock<(u64, Arc<dyn BlockNode>)>,
-    /// The replacement count alone, for connections to look at each round
-    /// without taking the lock.
-    generation: AtomicU64,
-    /// Written when the node is replaced: it wakes idle connections (each
-    /// watches it edge-triggered), which move to the new node.
-    pub(crate) moved: EventFd,
-    /// Which replacement each live connection serves.
-    serving: Mutex<Vec<Arc<AtomicU64>>>,
-    switched: Condvar,
+    control: Mutex<Control>,
+    /// `control.epoch`, for connections to look at each round without the
+    /// lock.
+    epoch: AtomicU64,
+    /// Written on every change of `control`: it wakes idle connections
+    /// (each watches it edge-triggered), which catch up with it.
+    pub(crate) changed: EventFd,
+    caught_up: Condvar,
     pub(crate) info: ExportInfo,
     /// The bitmaps of `config.bitmaps`, held busy while the export lives.
     pub(crate) bitmaps: Vec<BusyGuard>,
     /// Set once the export is being removed: no connection may join it.
     closed: AtomicBool,
     stats: Mutex<ExportStats>,
+}
+
+/// What an export's connections are told to do, and how far each has
+/// followed.
+struct Control {
+    /// Counts the changes below; connections catch up with each.
+    epoch: u64,
+    /// How many times the node was replaced (a live snapshot's overlay, a
+    /// mirror's target took its place).
+    generation: u64,
+    node: Arc<dyn BlockNode>,
+    /// How many callers hold the connections stopped.
+    holds: usize,
+    /// By connection, the epoch it has caught up with.
+    caught_up: BTreeMap<u64, u64>,
+    next_seat: u64,
+}
+
+impl Control {
+    fn orders(&self) -> Orders {
+        Orders { epoch: self.epoch, generation: self.generation, node: self.node.clone(), held: self.holds > 0 }
+    }
+}
+
+/// What a connection is told when it joins an export or catches up with it.
+pub(crate) struct Orders {
+    pub(crate) epoch: u64,
+    /// Which of the export's nodes `node` is.
+    pub(crate) generation: u64,
+    pub(crate) node: Arc<dyn BlockNode>,
+    /// No request may go to the node until the next change.
+    pub(crate) held: bool,
 }
 
 /// Each live connection's statistics, and the sum of those that ended.
@@ -139,62 +169,70 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Export {
-    /// The node served, and its replacement count.
-    pub(crate) fn current(&self) -> (u64, Arc<dyn BlockNode>) {
-        let node = self.node.read().unwrap_or_else(PoisonError::into_inner);
-        (node.0, node.1.clone())
-    }
-
-    /// How many times the node was replaced.
-    pub(crate) fn generation(&self) -> u64 {
-        self.generation.load(Ordering::Acquire)
-    }
-
     /// The node served.
     pub(crate) fn node(&self) -> Arc<dyn BlockNode> {
-        self.current().1
+        lock(&self.control).node.clone()
     }
 
-    /// A new connection: the node it serves, and where it says which
-    /// replacement that is ([`Export::moved_to`]). Under the list's lock, so
-    /// that a replacement either waits for it or is the node it gets.
-    pub(crate) fn join(&self) -> (Arc<AtomicU64>, Arc<dyn BlockNode>) {
-        let mut list = lock(&self.serving);
-        let (generation, node) = self.current();
-        let serving = Arc::new(AtomicU64::new(generation));
-        list.push(serving.clone());
-        (serving, node)
+    /// The number of changes so far: a connection that has caught up with
+    /// it has nothing to do but serve.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
     }
 
-    /// A connection ended.
-    pub(crate) fn leave(&self, serving: &Arc<AtomicU64>) {
-        lock(&self.serving).retain(|s| !Arc::ptr_eq(s, serving));
-        self.switched.notify_all();
+    /// What connections are to do now.
+    pub(crate) fn orders(&self) -> Orders {
+        lock(&self.control).orders()
     }
 
-    /// A connection serves replacement `generation` from now on.
-    pub(crate) fn moved_to(&self, serving: &AtomicU64, generation: u64) {
-        let _list = lock(&self.serving);
-        serving.store(generation, Ordering::Release);
-        self.switched.notify_all();
+    /// A new connection: its seat, and its orders, which it has caught up
+    /// with. Under the lock, so that a change either waits for it or is in
+    /// its orders.
+    pub(crate) fn join(&self) -> (u64, Orders) {
+        let mut control = lock(&self.control);
+        let seat = control.next_seat;
+        control.next_seat += 1;
+        let epoch = control.epoch;
+        control.caught_up.insert(seat, epoch);
+        (seat, control.orders())
     }
 
-    /// Serves `node` instead: each connection finishes its requests on the
-    /// old node, then takes its next ones to the new one. Returns once
-    /// every connection has moved.
-    fn replace(&self, node: Arc<dyn BlockNode>) {
-        let generation = {
-            let mut current = self.node.write().unwrap_or_else(PoisonError::into_inner);
-            *current = (current.0 + 1, node);
-            self.generation.store(current.0, Ordering::Release);
-            current.0
-        };
-        if let Err(e) = self.moved.write(1) {
+    /// Connection `seat` has caught up with `epoch`: it follows the orders
+    /// of then, and has no request in flight on another node, nor any at
+    /// all if they hold it.
+    pub(crate) fn caught_up(&self, seat: u64, epoch: u64) {
+        lock(&self.control).caught_up.insert(seat, epoch);
+        self.caught_up.notify_all();
+    }
+
+    /// A connection ended, its requests done.
+    pub(crate) fn leave(&self, seat: u64) {
+        lock(&self.control).caught_up.remove(&seat);
+        self.caught_up.notify_all();
+    }
+
+    /// Applies `change` and tells the connections; returns once each has
+    /// caught up with it. Only requests in flight can delay that: an idle
+    /// connection is woken, and one reading the socket does not block.
+    fn change(&self, change: impl FnOnce(&mut Control)) {
+        let mut control = lock(&self.control);
+        change(&mut control);
+        control.epoch += 1;
+        let epoch = control.epoch;
+        self.epoch.store(epoch, Ordering::Release);
+        if let Err(e) = self.changed.write(1) {
             log::error!("NBD export '{}': cannot wake its connections: {e}", self.config.id);
         }
-        let list = lock(&self.serving);
-        let moved = |list: &mut Vec<Arc<AtomicU64>>| list.iter().all(|s| s.load(Ordering::Acquire) == generation);
-        drop(self.switched.wait_while(list, |list| !moved(list)).unwrap_or_else(PoisonError::into_inner));
+        let behind = |control: &mut Control| control.caught_up.values().any(|&at| at < epoch);
+        drop(self.caught_up.wait_while(control, behind).unwrap_or_else(PoisonError::into_inner));
+    }
+
+    /// Serves `node` from the next change on; only while connections are
+    /// held, so that none has a request in flight on the old node.
+    fn set_node(&self, node: Arc<dyn BlockNode>) {
+        let mut control = lock(&self.control);
+        control.generation += 1;
+        control.node = node;
     }
 
     /// A connection's statistics, counted in the export's from now on.
@@ -258,14 +296,14 @@ impl NbdServer {
             return Err(NbdError::NameTaken { id: config.id.clone(), name: config.name.clone() });
         }
         let bitmaps = exported_bitmaps(&config, &node).map_err(invalid)?;
-        let moved = EventFd::new(EFD_NONBLOCK).map_err(|e| invalid(format!("cannot make an eventfd: {e}")))?;
+        let changed = EventFd::new(EFD_NONBLOCK).map_err(|e| invalid(format!("cannot make an eventfd: {e}")))?;
+        let control = Control { epoch: 0, generation: 0, node, holds: 0, caught_up: BTreeMap::new(), next_seat: 0 };
         let export = Arc::new(Export {
             config,
-            node: RwLock::new((0, node)),
-            generation: AtomicU64::new(0),
-            moved,
-            serving: Mutex::default(),
-            switched: Condvar::new(),
+            control: Mutex::new(control),
+            epoch: AtomicU64::new(0),
+            changed,
+            caught_up: Condvar::new(),
             info,
             bitmaps,
             closed: AtomicBool::new(false),
@@ -306,11 +344,35 @@ impl NbdExport {
         self.export.node()
     }
 
-    /// Serves `node` instead (a live snapshot's overlay): each connection
-    /// finishes its requests in flight on the old node and takes its next
-    /// ones to the new one; returns once all have moved.
+    /// Serves `node` instead (a live snapshot's overlay), with the
+    /// connections stopped meanwhile: requests in flight complete on the
+    /// old node, the next ones go to the new one.
     pub fn replace_node(&self, node: Arc<dyn BlockNode>) {
-        self.export.replace(node);
+        self.with_connections_stopped(|| self.export.set_node(node));
+    }
+
+    /// Runs `work` with the connections stopped (as
+    /// [`Self::with_connections_stopped`]); if it succeeds, serves `node`
+    /// from then on (a mirror's switch).
+    pub fn replace_node_after<E>(
+        &self,
+        node: Arc<dyn BlockNode>,
+        work: impl FnOnce() -> Result<(), E>,
+    ) -> Result<(), E> {
+        self.with_connections_stopped(|| {
+            work()?;
+            self.export.set_node(node);
+            Ok(())
+        })
+    }
+
+    /// Runs `f` with every connection stopped: their requests in flight
+    /// complete first, and none is sent to the node until `f` returns
+    /// (clients' next requests wait, unread or parsed, to go on after).
+    /// Returns once every connection has caught up again.
+    pub fn with_connections_stopped<T>(&self, f: impl FnOnce() -> T) -> T {
+        let _held = Held::new(&self.export);
+        f()
     }
 
     /// Whether a client is connected to it.
@@ -339,6 +401,23 @@ impl NbdExport {
         }
         drop(exports);
         self.server.cut(|conn| self.serves(conn));
+    }
+}
+
+/// Holds an export's connections stopped while it lives (also if the work
+/// done meanwhile panics: they must not stay stopped).
+struct Held<'a>(&'a Export);
+
+impl<'a> Held<'a> {
+    fn new(export: &'a Export) -> Self {
+        export.change(|control| control.holds += 1);
+        Self(export)
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.0.change(|control| control.holds -= 1);
     }
 }
 

@@ -4,17 +4,16 @@
 use std::sync::{Arc, Mutex};
 
 use vsd_block::{BlockNode, Claim, Perms};
-use vsd_export::VhostUserBlkExport;
 use vsd_job::mirror::Writers;
 
 use crate::daemon::{Export, State, export_claim, lock_state};
 
 type Work<'a> = &'a mut dyn FnMut() -> Result<(), String>;
 
-/// Runs `work` (if any) with every export of node `from` stopped; if it
-/// succeeds, moves them onto `to` (if any), each holding what it needs of
-/// `to`'s images. A writable NBD export cannot be stopped (its connections
-/// only move at request boundaries): with `work`, it is refused.
+/// Runs `work` (if any) with every export of node `from` stopped (the
+/// vhost-user-blk queues and the NBD connections, at a request boundary);
+/// if it succeeds, moves them onto `to` (if any), each holding what it
+/// needs of `to`'s images.
 pub(crate) fn switch_exports(
     state: &mut State,
     from: &str,
@@ -22,14 +21,6 @@ pub(crate) fn switch_exports(
     work: Option<Work<'_>>,
 ) -> Result<(), String> {
     let exports: Vec<&Export> = state.exports.values().filter(|e| e.node().name() == from).collect();
-    if work.is_some()
-        && let Some(nbd) = exports.iter().find(|e| matches!(e, Export::Nbd(_)) && e.writable())
-    {
-        return Err(format!(
-            "vsd cannot stop the writes of NBD export '{}' to node '{from}': make it read-only or delete it first",
-            nbd.id()
-        ));
-    }
     // What `to` grants first: a refusal changes nothing.
     let mut claims = Vec::new();
     if let Some(to) = to {
@@ -39,27 +30,8 @@ pub(crate) fn switch_exports(
             claims.push((export.id().to_string(), granted));
         }
     }
-    let vhost: Vec<&VhostUserBlkExport> = exports
-        .iter()
-        .filter_map(|e| match e {
-            Export::VhostUserBlk(e) => Some(e),
-            Export::Nbd(_) => None,
-        })
-        .collect();
     let mut no_work = || Ok(());
-    let work = work.unwrap_or(&mut no_work);
-    let mut last = || {
-        work()?;
-        if let Some(to) = to {
-            for export in &exports {
-                if let Export::Nbd(nbd) = export {
-                    nbd.replace_node(to.clone());
-                }
-            }
-        }
-        Ok(())
-    };
-    stopped(&vhost, to, &mut last)?;
+    stopped(&exports, to, work.unwrap_or(&mut no_work))?;
     for (id, granted) in claims {
         log::info!("export '{id}' serves node '{}' from now on", to.map_or(from, |to| to.name()));
         state.set_claims(&id, granted);
@@ -69,12 +41,14 @@ pub(crate) fn switch_exports(
 
 /// Runs `work` with every export of `exports` stopped, one inside the
 /// other; if it succeeds, each serves `to` (if any) as it restarts.
-fn stopped(exports: &[&VhostUserBlkExport], to: Option<&Arc<dyn BlockNode>>, work: Work<'_>) -> Result<(), String> {
+fn stopped(exports: &[&Export], to: Option<&Arc<dyn BlockNode>>, work: Work<'_>) -> Result<(), String> {
     let Some((first, rest)) = exports.split_first() else { return work() };
     let inner = || stopped(rest, to, work);
-    match to {
-        Some(to) => first.replace_node_after(to.clone(), inner),
-        None => first.with_queues_stopped(inner),
+    match (first, to) {
+        (Export::VhostUserBlk(e), Some(to)) => e.replace_node_after(to.clone(), inner),
+        (Export::VhostUserBlk(e), None) => e.with_queues_stopped(inner),
+        (Export::Nbd(e), Some(to)) => e.replace_node_after(to.clone(), inner),
+        (Export::Nbd(e), None) => e.with_connections_stopped(inner),
     }
 }
 
