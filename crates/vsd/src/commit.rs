@@ -13,7 +13,7 @@ use vsd_job::commit::{Commit, CommitSpec};
 use vsd_job::mirror::{Mirror, MirrorSpec, MirrorSync};
 use vsd_job::{JobBody, JobSpec};
 
-use crate::chain::{Node, backing_format, chain, image_filename};
+use crate::chain::{Node, backing_format, chain, image_filename, place_of_file, place_of_node};
 use crate::daemon::{Daemon, State};
 use crate::jobs::{OnError, SOURCE, busy, generic, speed, well_formed};
 use crate::reopen::set_read_only_tree;
@@ -29,6 +29,8 @@ pub(crate) struct CommitArgs {
     top_node: Option<String>,
     top: Option<String>,
     backing_file: Option<String>,
+    #[serde(default)]
+    backing_mask_protocol: bool,
     speed: Option<i64>,
     #[serde(default)]
     on_error: OnError,
@@ -126,7 +128,7 @@ impl Daemon {
                     base: base.clone(),
                     base_depth: (base_at - top_at + 1) as u32,
                     overlay,
-                    header: (name, backing_format(&base).to_string()),
+                    header: (name, backing_format(&base, args.backing_mask_protocol).to_string()),
                     writers,
                     overlay_writable,
                     on_error: args.on_error.into(),
@@ -141,24 +143,19 @@ impl Daemon {
     }
 }
 
-/// Where node `name` (looked up by node name only, as QEMU does) is in `chain`.
-fn place_of_node(state: &State, chain: &[Node], name: &str) -> Result<usize, QmpError> {
-    let node = state.graph.get(name).ok_or_else(|| generic(format!("Cannot find device='' nor node-name='{name}'")))?;
-    chain
-        .iter()
-        .position(|n| n.name() == node.name())
-        .ok_or_else(|| generic(format!("'{name}' is not in this backing file chain")))
+/// Where node `name` is in `chain`, which must hold it.
+fn place_in_chain(state: &State, chain: &[Node], name: &str) -> Result<usize, QmpError> {
+    place_of_node(state, chain, name)?.ok_or_else(|| generic(format!("'{name}' is not in this backing file chain")))
 }
 
 /// Where `top` is in `chain` (0: the active layer, the default).
 fn top_of(state: &State, chain: &[Node], args: &CommitArgs) -> Result<usize, QmpError> {
     match (&args.top_node, &args.top) {
         (Some(_), Some(_)) => Err(generic("'top-node' and 'top' are mutually exclusive")),
-        (Some(name), None) => place_of_node(state, chain, name),
-        (None, Some(file)) => chain
-            .iter()
-            .position(|n| image_filename(n).as_deref() == Some(file))
-            .ok_or_else(|| generic(format!("Top image file {file} not found"))),
+        (Some(name), None) => place_in_chain(state, chain, name),
+        (None, Some(file)) => {
+            place_of_file(chain, file).ok_or_else(|| generic(format!("Top image file {file} not found")))
+        }
         (None, None) => Ok(0),
     }
 }
@@ -168,11 +165,10 @@ fn base_of(state: &State, chain: &[Node], top_at: usize, args: &CommitArgs) -> R
     let below = &chain[top_at..];
     let at = match (&args.base_node, &args.base) {
         (Some(_), Some(_)) => return Err(generic("'base-node' and 'base' are mutually exclusive")),
-        (Some(name), None) => place_of_node(state, below, name)?,
-        (None, Some(file)) => below
-            .iter()
-            .position(|n| image_filename(n).as_deref() == Some(file))
-            .ok_or_else(|| generic(format!("Can't find '{file}' in the backing chain")))?,
+        (Some(name), None) => place_in_chain(state, below, name)?,
+        (None, Some(file)) => {
+            place_of_file(below, file).ok_or_else(|| generic(format!("Can't find '{file}' in the backing chain")))?
+        }
         (None, None) => below.len() - 1,
     };
     if at == 0 {
@@ -184,7 +180,8 @@ fn base_of(state: &State, chain: &[Node], top_at: usize, args: &CommitArgs) -> R
 /// A commit's body, with its base writable while it runs (QEMU reopens
 /// it so): read-only again if the job fails, or `always` (an intermediate
 /// commit's base stays a backing file; an active commit's becomes the
-/// active layer).
+/// active layer, and QEMU 10 leaves it writable too when a soft
+/// `block-job-cancel` ends the job).
 struct Restoring<B> {
     body: B,
     base: Node,

@@ -13,7 +13,7 @@ use vsd_job::mirror::{Mirror, MirrorSpec, MirrorSync, Writers};
 use vsd_job::mirror_top::{InFlight, MirrorTop};
 use vsd_job::{JobBody, JobSpec};
 
-use crate::chain::Node;
+use crate::chain::{Node, is_filter};
 use crate::daemon::{Daemon, State, lock_state};
 use crate::jobs::{OnError, SOURCE, below, busy, generic, node, speed, well_formed};
 use crate::writers::{SourceWriters, switch_exports};
@@ -212,11 +212,8 @@ fn check_replaces(state: &State, device: &Node, name: &str) -> Result<(), QmpErr
 
 /// Whether `node` is `name`, or a filter (as QEMU counts them) over it.
 fn through_filters(node: &Node, name: &str) -> bool {
-    if node.name() == name {
-        return true;
-    }
-    let filtered = node.children().into_iter().find(|(role, _)| *role == "file" || *role == "image");
-    matches!(node.driver(), "throttle" | "blkdebug") && filtered.is_some_and(|(_, child)| through_filters(&child, name))
+    node.name() == name
+        || is_filter(node) && node.children().into_iter().next().is_some_and(|(_, child)| through_filters(&child, name))
 }
 
 fn filter_name(source: &Node) -> String {

@@ -10,8 +10,10 @@ use vsd_control::qmp::QmpError;
 use vsd_job::JobSpec;
 use vsd_job::stream::{Stream, StreamSpec};
 
-use crate::chain::{backing_format, chain, image_filename};
-use crate::daemon::Daemon;
+use crate::chain::{
+    Node, backing_format, chain, image_filename, is_filter, lookup, place_of_file, place_of_node, skip_filters,
+};
+use crate::daemon::{Daemon, State};
 use crate::jobs::{OnError, busy, generic, node, speed, well_formed};
 use crate::writers::SourceWriters;
 
@@ -23,6 +25,8 @@ pub(crate) struct StreamArgs {
     base: Option<String>,
     base_node: Option<String>,
     backing_file: Option<String>,
+    #[serde(default)]
+    backing_mask_protocol: bool,
     bottom: Option<String>,
     speed: Option<i64>,
     #[serde(default)]
@@ -39,11 +43,8 @@ impl Daemon {
         match (&args.base, &args.base_node, &args.bottom) {
             (Some(_), Some(_), _) => return Err(both("base", "base-node")),
             (Some(_), _, Some(_)) => return Err(both("base", "bottom")),
-            (_, Some(_), Some(_)) => return Err(both("base-node", "bottom")),
+            (_, Some(_), Some(_)) => return Err(both("bottom", "base-node")),
             _ => {}
-        }
-        if args.bottom.is_some() {
-            return Err(generic("vsd streams down to a base: use 'base-node' rather than 'bottom'"));
         }
         if args.filter_node_name.is_some() {
             return Err(generic("vsd puts no filter node above the overlay: leave out 'filter-node-name'"));
@@ -51,41 +52,22 @@ impl Daemon {
         let state = self.state();
         let top = node(&state, &args.device)?;
         let chain = chain(&top);
-        let base_depth = match (&args.base, &args.base_node) {
-            (Some(file), _) => Some(
-                chain
-                    .iter()
-                    .position(|n| image_filename(n).as_deref() == Some(file))
-                    .ok_or_else(|| generic(format!("Can't find '{file}' in the backing chain")))?,
-            ),
-            (_, Some(name)) => {
-                // QEMU looks the base up by node name only, and says so.
-                let base = state
-                    .graph
-                    .get(name)
-                    .ok_or_else(|| generic(format!("Cannot find device='' nor node-name='{name}'")))?;
-                let at = chain.iter().position(|n| n.name() == base.name());
-                Some(
-                    at.filter(|&at| at > 0)
-                        .ok_or_else(|| generic(format!("Node '{name}' is not a backing image of '{}'", top.name())))?,
-                )
-            }
-            _ => None,
-        };
+        let base_depth = base_of(&state, &chain, &args)?;
         for node in &chain[..base_depth.unwrap_or(chain.len())] {
             if let Some((job, _)) = self.jobs.user_of(node.name()) {
                 return Err(generic(busy(node.name(), &job)));
             }
         }
         let base = base_depth.map(|at| chain[at].clone());
-        let header = match (&base, args.backing_file) {
-            (None, Some(_)) => return Err(generic("backing file specified, but streaming the entire chain")),
-            (None, None) => None,
-            (Some(base), name) => {
-                let name = name.or_else(|| image_filename(base)).unwrap_or_else(|| base.name().to_string());
-                Some((name, backing_format(base).to_string()))
-            }
-        };
+        // A backing file name goes with a base given as such: 'bottom' gives none.
+        if args.backing_file.is_some() && (base.is_none() || args.bottom.is_some()) {
+            return Err(generic("backing file specified, but streaming the entire chain"));
+        }
+        let header = base.as_ref().map(|base| {
+            let base = skip_filters(base);
+            let name = args.backing_file.or_else(|| image_filename(&base)).unwrap_or_else(|| base.name().to_string());
+            (name, backing_format(&base, args.backing_mask_protocol).to_string())
+        });
         if chain.len() > 1 && top.driver() != "qcow2" {
             return Err(generic(format!("Node '{}' is not a qcow2 image: vsd streams into qcow2 only", top.name())));
         }
@@ -118,4 +100,29 @@ impl Daemon {
         self.jobs.start(spec, Box::new(stream)).map_err(generic)?;
         Ok(json!({}))
     }
+}
+
+/// Where the base (the node that stays below the overlay) is in `chain`,
+/// as `base`, `base-node` or `bottom` say; none: the whole chain goes.
+fn base_of(state: &State, chain: &[Node], args: &StreamArgs) -> Result<Option<usize>, QmpError> {
+    if let Some(file) = &args.base {
+        return place_of_file(chain, file)
+            .map(Some)
+            .ok_or_else(|| generic(format!("Can't find '{file}' in the backing chain")));
+    }
+    if let Some(name) = &args.base_node {
+        // Not the overlay itself, and looked up by node name only, as QEMU does.
+        let at = place_of_node(state, chain, name)?.filter(|&at| at > 0);
+        return at
+            .map(Some)
+            .ok_or_else(|| generic(format!("Node '{name}' is not a backing image of '{}'", args.device)));
+    }
+    let Some(name) = &args.bottom else { return Ok(None) };
+    if is_filter(&lookup(state, name)?) {
+        return Err(generic(format!("Node '{name}' is a filter, use a non-filter node as 'bottom'")));
+    }
+    // The overlay itself may be the bottom: then nothing is copied.
+    let at = place_of_node(state, chain, name)?
+        .ok_or_else(|| generic(format!("Node '{name}' is not in a chain starting from '{}'", args.device)))?;
+    Ok(Some(at + 1).filter(|&base| base < chain.len()))
 }

@@ -14,7 +14,7 @@ use common::images::{
 };
 use common::qmp::Qmp;
 use common::script::Step::{self, Await, Command};
-use common::{Scratch, ok};
+use common::{Daemon, Scratch, monitor, ok};
 use serde_json::{Value, json};
 
 /// Between the writer's writes: an active commit must get in sync under it.
@@ -94,13 +94,20 @@ fn differential_script() -> Vec<Step> {
         Command("block-commit", json!({"job-id": "x", "device": "solo"})),
         Command("block-commit", json!({"device": "top"})),
         // The active layer: ready, then completed.
-        Command("block-commit", json!({"job-id": "a1", "device": "top", "base-node": "mid"})),
+        // Only an intermediate commit rewrites a header, but both take the mask.
+        Command(
+            "block-commit",
+            json!({"job-id": "a1", "device": "top", "base-node": "mid", "backing-mask-protocol": true}),
+        ),
         Await("BLOCK_JOB_READY", json!({"device": "a1"})),
         Command("query-block-jobs", json!({})),
         Command("block-job-cancel", json!({"device": "a1"})),
         Await("JOB_STATUS_CHANGE", null("a1")),
         // An intermediate image, into the base.
-        Command("block-commit", json!({"job-id": "i1", "device": "top", "top-node": "mid", "base-node": "base"})),
+        Command(
+            "block-commit",
+            json!({"job-id": "i1", "device": "top", "top-node": "mid", "base-node": "base", "backing-mask-protocol": false}),
+        ),
         Await("JOB_STATUS_CHANGE", null("i1")),
         Command("blockdev-del", json!({"node-name": "mid"})),
     ]
@@ -121,6 +128,46 @@ fn commit_commands_answer_and_notify_as_qemu_storage_daemon_does() {
         args
     };
     common::script::assert_same_as_qsd("commit-qmp", &setup, &differential_script(), stable);
+}
+
+/// Whether node `base` of [`qcow2_chain`] (opened read-only, as `mid` is)
+/// is read-only after an active commit into it went ready and was
+/// cancelled, with `force` or not, on the daemon `start` runs.
+fn base_read_only_after_cancel(start: fn(&Scratch, &[String]) -> Daemon, name: &str, force: bool) -> bool {
+    let dir = Scratch::new(name);
+    let read_only =
+        |arg: String| match ["base", "mid"].iter().any(|n| arg.starts_with(&format!("driver=qcow2,node-name={n},"))) {
+            true => format!("{arg},read-only=on"),
+            false => arg,
+        };
+    let mut args: Vec<String> = chain_nodes(&qcow2_chain(&dir)).into_iter().map(read_only).collect();
+    args.extend(monitor(&dir.path("qmp.sock")));
+    let _daemon = start(&dir, &args);
+    let mut qmp = Qmp::connect(&dir.path("qmp.sock"));
+    let base_read_only = |qmp: &mut Qmp| {
+        let nodes = qmp.ok("query-named-block-nodes", json!({"flat": true}));
+        let base = nodes.as_array().unwrap().iter().find(|n| n["node-name"] == "base").cloned();
+        base.and_then(|b| b["ro"].as_bool()).unwrap_or_else(|| panic!("no base in {nodes}"))
+    };
+    assert!(base_read_only(&mut qmp), "{name}: read-only before the job");
+    qmp.ok("block-commit", json!({"job-id": "c", "device": "top"}));
+    qmp.await_event("BLOCK_JOB_READY", json!({"device": "c"}));
+    qmp.ok("block-job-cancel", json!({"device": "c", "force": force}));
+    qmp.await_event("JOB_STATUS_CHANGE", json!({"id": "c", "status": "null"}));
+    base_read_only(&mut qmp)
+}
+
+/// QEMU 10 makes the base read-only again when a ready active commit is
+/// cancelled by force (the job fails), not after a soft cancel (the job
+/// ends well, the base left writable): vsd does as it does.
+#[test]
+fn a_cancelled_active_commit_leaves_the_base_writable_or_not_as_qemu_does() {
+    for (force, read_only) in [(false, false), (true, true)] {
+        let qsd = base_read_only_after_cancel(Daemon::qsd, "commit-ro-qsd", force);
+        assert_eq!(qsd, read_only, "qemu-storage-daemon, force: {force}");
+        let vsd = base_read_only_after_cancel(Daemon::vsd, "commit-ro-vsd", force);
+        assert_eq!(vsd, qsd, "vsd, force: {force}");
+    }
 }
 
 /// vsd killed in the middle of an active commit: every image stays

@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::path::Path;
 use std::time::Duration;
 
 use common::images::{
@@ -85,9 +86,18 @@ fn differential_script() -> Vec<Step> {
         Command("block-stream", json!({"device": "top", "base": "nope.qcow2"})),
         Command("block-stream", json!({"job-id": "1s", "device": "top"})),
         Command("block-stream", json!({"device": "top", "base-node": "base"})),
+        // 'bottom': a node of the chain, not a filter, alone.
+        Command("block-stream", json!({"device": "top", "bottom": "nope"})),
+        Command("block-stream", json!({"device": "top", "bottom": "thr"})),
+        Command("block-stream", json!({"device": "top", "bottom": "base-file"})),
+        Command("block-stream", json!({"device": "mid", "bottom": "top"})),
+        Command("block-stream", json!({"device": "top", "bottom": "mid", "base": "base.qcow2"})),
+        Command("block-stream", json!({"device": "top", "bottom": "mid", "base-node": "base"})),
+        Command("block-stream", json!({"device": "top", "bottom": "mid", "backing-file": "x"})),
         // Slow, then cancelled.
         Command("block-stream", json!({"job-id": "s1", "device": "top", "base-node": "base", "speed": 1})),
         Command("block-stream", json!({"job-id": "s2", "device": "top", "base-node": "base"})),
+        Command("block-stream", json!({"job-id": "s2", "device": "top", "bottom": "top"})),
         Command("block-job-cancel", json!({"device": "s1"})),
         Await("JOB_STATUS_CHANGE", null("s1")),
         // Finalized and dismissed by hand.
@@ -101,6 +111,13 @@ fn differential_script() -> Vec<Step> {
         Await("JOB_STATUS_CHANGE", json!({"id": "s3", "status": "concluded"})),
         Command("job-dismiss", json!({"id": "s3"})),
         Command("blockdev-del", json!({"node-name": "mid"})),
+        // The chain's last image as the bottom: all of it comes up.
+        Command(
+            "block-stream",
+            json!({"job-id": "s4", "device": "top", "bottom": "base", "backing-mask-protocol": true}),
+        ),
+        Await("JOB_STATUS_CHANGE", null("s4")),
+        Command("blockdev-del", json!({"node-name": "base"})),
     ]
 }
 
@@ -120,7 +137,15 @@ fn stable(events: Vec<Value>) -> Vec<Value> {
 
 #[test]
 fn stream_commands_answer_and_notify_as_qemu_storage_daemon_does() {
-    let setup = |dir: &Scratch| chain_nodes(&qcow2_chain(dir));
+    let setup = |dir: &Scratch| {
+        let mut args = chain_nodes(&qcow2_chain(dir));
+        // A filter, which 'bottom' refuses.
+        args.extend(
+            ["--object", "throttle-group,id=g", "--blockdev", "driver=null-co,node-name=null"].map(String::from),
+        );
+        args.extend(["--blockdev", "driver=throttle,node-name=thr,file=null,throttle-group=g"].map(String::from));
+        args
+    };
     common::script::assert_same_as_qsd("stream-qmp", &setup, &differential_script(), stable);
 }
 
@@ -143,4 +168,89 @@ fn a_kill_during_a_stream_leaves_every_image_consistent() {
     assert_eq!(info(&images[2])["backing-filename"], json!(images[1].to_str().unwrap()), "the header is unchanged");
     let expect = |at: u64| last.get(&(at / BLOCK)).copied().unwrap_or_else(|| chain_byte(at));
     assert_eq!(first_mismatch_read(&dir, &images[2], expect), None, "the overlay reads what was flushed");
+}
+
+/// A raw image opened as file node `base`, under a pair of qcow2 overlays
+/// `mid{i}` <- `top{i}` for each of the `pairs`, all in `dir`.
+fn pairs_over_a_file_node(dir: &Path, pairs: usize) -> Vec<String> {
+    let base = dir.join("base.img");
+    std::fs::File::create(&base).unwrap().set_len(SIZE).unwrap();
+    let mut args = vec!["--blockdev".to_string(), format!("driver=file,node-name=base,filename={}", base.display())];
+    for i in 0..pairs {
+        let (mid, top) = (dir.join(format!("mid{i}.qcow2")), dir.join(format!("top{i}.qcow2")));
+        for (image, below, format) in [(&mid, &base, "raw"), (&top, &mid, "qcow2")] {
+            let (image, below) = (image.to_str().unwrap(), below.to_str().unwrap());
+            ok("qemu-img", &["create", "-q", "-f", "qcow2", "-b", below, "-F", format, image]);
+        }
+        let node = |name: &str, image: &Path, backing: &str| {
+            let file = format!("driver=file,node-name={name}{i}-file,filename={}", image.display());
+            [
+                "--blockdev".into(),
+                file,
+                "--blockdev".into(),
+                format!("driver=qcow2,node-name={name}{i},file={name}{i}-file,backing={backing}"),
+            ]
+        };
+        args.extend(node("mid", &mid, "base"));
+        args.extend(node("top", &top, &format!("mid{i}")));
+    }
+    args
+}
+
+/// Runs each of `jobs` (a command, its arguments, and the backing format
+/// QEMU names in the header) on vsd and on qemu-storage-daemon, job `i`
+/// leaving `top{i}` of [`pairs_over_a_file_node`] over file node `base`;
+/// asserts the same answers and events, and that every header names the
+/// base in the format given.
+fn assert_headers_as_qsd(name: &str, jobs: &[(&'static str, Value, &str)]) {
+    let mut script = Vec::new();
+    for (at, (command, args, _)) in jobs.iter().enumerate() {
+        let id = format!("j{at}");
+        let mut args = args.clone();
+        args["job-id"] = json!(id);
+        script.push(Command(command, args));
+        script.push(Await("JOB_STATUS_CHANGE", json!({"id": id, "status": "null"})));
+    }
+    // The images outlive each daemon's scratch directory: vsd's run first, then QEMU's.
+    let kept = Scratch::new(name);
+    let runs = std::cell::RefCell::new(Vec::new());
+    let setup = |_: &Scratch| {
+        let dir = kept.path(&runs.borrow().len().to_string());
+        std::fs::create_dir(&dir).unwrap();
+        runs.borrow_mut().push(dir.clone());
+        pairs_over_a_file_node(&dir, jobs.len())
+    };
+    common::script::assert_same_as_qsd(name, &setup, &script, stable);
+    for (dir, daemon) in runs.borrow().iter().zip(["vsd", "qemu-storage-daemon"]) {
+        let base = json!(dir.join("base.img").to_str().unwrap());
+        for (at, (command, args, format)) in jobs.iter().enumerate() {
+            let top = info(&dir.join(format!("top{at}.qcow2")));
+            let header = (&top["backing-filename"], &top["backing-filename-format"]);
+            assert_eq!(header, (&base, &json!(format)), "{daemon}, after {command} {args}");
+        }
+    }
+}
+
+/// With `backing-mask-protocol`, a stream (to a base, or from a bottom) and
+/// an intermediate commit onto a file node name it "raw" in the header.
+#[test]
+fn a_masked_file_node_base_is_named_raw_in_the_header_as_qemu_does() {
+    let mask = json!(true);
+    let jobs = [
+        ("block-stream", json!({"device": "top0", "base-node": "base", "backing-mask-protocol": mask}), "raw"),
+        ("block-stream", json!({"device": "top1", "bottom": "mid1", "backing-mask-protocol": mask}), "raw"),
+        ("block-commit", json!({"device": "top2", "top-node": "mid2", "backing-mask-protocol": mask}), "raw"),
+    ];
+    assert_headers_as_qsd("stream-header-masked", &jobs);
+}
+
+/// Without it, QEMU names the protocol driver, "file".
+#[test]
+fn an_unmasked_file_node_base_is_named_file_in_the_header_as_qemu_does() {
+    let jobs = [
+        ("block-stream", json!({"device": "top0", "base-node": "base"}), "file"),
+        ("block-stream", json!({"device": "top1", "bottom": "mid1", "backing-mask-protocol": false}), "file"),
+        ("block-commit", json!({"device": "top2", "top-node": "mid2", "base-node": "base"}), "file"),
+    ];
+    assert_headers_as_qsd("stream-header-unmasked", &jobs);
 }

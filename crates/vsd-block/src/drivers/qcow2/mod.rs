@@ -573,8 +573,8 @@ fn check_new_backing(backing: Option<&Arc<dyn BlockNode>>, header: Option<&(Stri
         _ if backing.is_some() != header.is_some() => {
             invalid("a new backing node needs a header naming it, and no backing node a header naming none".into())
         }
-        Some((_, format)) if !matches!(format.as_str(), "qcow2" | "raw") => {
-            invalid(format!("backing format '{format}' is not supported (vsd has raw and qcow2)"))
+        Some((_, format)) if !matches!(format.as_str(), "qcow2" | "raw" | "file") => {
+            invalid(format!("backing format '{format}' is not supported (vsd has qcow2, raw and file)"))
         }
         _ => Ok(()),
     }
