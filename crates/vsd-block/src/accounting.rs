@@ -172,6 +172,9 @@ impl BlockNode for AccountedNode {
     fn replace_backing(&self, backing: Option<Arc<dyn BlockNode>>) -> io::Result<()> {
         self.inner.replace_backing(backing)
     }
+    fn replace_filtered(&self, child: Arc<dyn BlockNode>) -> io::Result<()> {
+        self.inner.replace_filtered(child)
+    }
     fn dirty_bitmaps(&self) -> Option<&Arc<DirtyBitmaps>> {
         Some(&self.bitmaps)
     }

@@ -201,6 +201,13 @@ pub trait BlockNode: Send + Sync {
             format!("driver '{}' has no backing file to change", self.driver()),
         ))
     }
+    /// Makes a filter pass its requests to `child` instead (QMP
+    /// `blockdev-mirror`'s `replaces`: the mirror's target takes the place
+    /// of the node below the filter). Queues opened before keep the old
+    /// child: call it with none in flight, and open them again afterwards.
+    fn replace_filtered(&self, _child: Arc<dyn BlockNode>) -> io::Result<()> {
+        Err(io::Error::new(io::ErrorKind::Unsupported, format!("driver '{}' is not a filter", self.driver())))
+    }
     /// The throttle group whose limits the node applies, if it is a
     /// throttle filter.
     fn throttle_group(&self) -> Option<Arc<throttle::ThrottleGroup>> {

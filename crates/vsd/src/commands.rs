@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
+use vsd_block::RemoveError;
 use vsd_block::options::OptionMap;
 use vsd_block::throttle::{GroupStats, ThrottleGroup};
 use vsd_control::qmp::{Dispatch, ErrorClass, QmpError};
@@ -312,10 +313,14 @@ impl Daemon {
                 stopping.iter().find(|(_, (node, _))| node == name).map(|(id, _)| format!("{id}, shutting down"))
             })
         };
-        state
-            .graph
-            .remove(&args.node_name, exported)
-            .map_err(|e| QmpError::generic(format!("Node '{}' is busy: {e}", args.node_name)))?;
+        state.graph.remove(&args.node_name, exported).map_err(|e| match e {
+            // Only a backing link blocks the deletion in QEMU: other
+            // children are merely referenced.
+            RemoveError::Child { role, .. } if role != "backing" => {
+                QmpError::generic(format!("Block device {} is in use", args.node_name))
+            }
+            e => QmpError::generic(format!("Node '{}' is busy: {e}", args.node_name)),
+        })?;
         node.close().map_err(|e| QmpError::generic(format!("Node '{}': writing back failed: {e}", args.node_name)))?;
         Ok(json!({}))
     }

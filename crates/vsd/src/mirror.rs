@@ -16,7 +16,7 @@ use vsd_job::{JobBody, JobSpec};
 use crate::chain::{Node, is_filter};
 use crate::daemon::{Daemon, State, lock_state};
 use crate::jobs::{OnError, SOURCE, below, busy, generic, node, speed, well_formed};
-use crate::writers::{SourceWriters, switch_exports};
+use crate::writers::switch_exports;
 
 /// Bytes copied in a burst under the speed limit unless `buf-size` is
 /// given (QEMU's default for its mirror's buffer).
@@ -99,9 +99,10 @@ impl Daemon {
             SyncArg::Incremental => return Err(generic("Sync mode 'incremental' not supported")),
             SyncArg::Bitmap => return Err(generic("Sync mode 'bitmap' not supported")),
         };
-        if let Some(replaces) = &args.replaces {
-            check_replaces(state, &source, replaces)?;
-        }
+        let replaced_under = match &args.replaces {
+            Some(replaces) => filter_above(state, &source, replaces)?,
+            None => None,
+        };
         if args.filter_node_name.is_some() {
             return Err(generic("vsd puts no filter node above the source: leave out 'filter-node-name'"));
         }
@@ -137,7 +138,11 @@ impl Daemon {
             auto_finalize: args.auto_finalize.unwrap_or(true),
             auto_dismiss: args.auto_dismiss.unwrap_or(true),
             speed,
-            nodes: vec![target.name().to_string(), source.name().to_string()],
+            nodes: [Some(&target), Some(&source), replaced_under.as_ref().map(|filter| &filter.1)]
+                .into_iter()
+                .flatten()
+                .map(|node| node.name().to_string())
+                .collect(),
             group: None,
         };
         let spec = |tracker: Tracker, writers: Arc<dyn Writers>| MirrorSpec {
@@ -150,11 +155,15 @@ impl Daemon {
             on_source_error: args.on_source_error.into(),
             on_target_error: args.on_target_error.into(),
         };
+        let replaced_under = replaced_under.map(|(filter, _)| filter);
+        let writers = |serving: &Node| {
+            let (state, serving, source) = (self.shared_state(), serving.clone(), source.clone());
+            Arc::new(MirrorWriters { state, serving, source, replaced_under: replaced_under.clone() })
+        };
         match args.copy_mode {
             CopyMode::Background => {
                 let tracker = track(state, &source, granularity)?;
-                let writers = Arc::new(SourceWriters { state: self.shared_state(), source: source.name().to_string() });
-                let mirror = Mirror::new(spec(tracker, writers));
+                let mirror = Mirror::new(spec(tracker, writers(&source)));
                 self.jobs.start(job, Box::new(mirror)).map_err(generic)?;
             }
             CopyMode::WriteBlocking => {
@@ -163,7 +172,7 @@ impl Daemon {
                     Arc::new(MirrorTop::new(filter_name(&source), source.clone(), target.clone(), in_flight.clone()));
                 // Stopped, so that no write in flight is left out of both.
                 switch_exports(state, source.name(), Some(&filter), Some(&mut || Ok(()))).map_err(generic)?;
-                let writers = Arc::new(FilterWriters { state: self.shared_state(), filter, source: source.clone() });
+                let writers = writers(&filter);
                 let tracker = Tracker::apart(source.size(), granularity);
                 let mirror = Mirror::write_blocking(spec(tracker, writers.clone()), in_flight);
                 if let Err(e) = self.jobs.start(job, Box::new(Filtered { mirror, writers })) {
@@ -192,28 +201,32 @@ fn track(state: &mut State, source: &Node, granularity: u64) -> Result<Tracker, 
     tracker.ok_or_else(|| generic("the mirror's record of writes was not made"))
 }
 
-/// Checks `replaces` as QEMU does: the device itself, or a node it reads
-/// through filters only (whose data it shows unchanged).
-fn check_replaces(state: &State, device: &Node, name: &str) -> Result<(), QmpError> {
+/// Checks `replaces` as QEMU does: the device itself (`None`), or a node
+/// it reads through filters only (whose data they show unchanged): then the
+/// filter right above it, and the node.
+fn filter_above(state: &State, device: &Node, name: &str) -> Result<Option<(Node, Node)>, QmpError> {
     if name == device.name() {
-        return Ok(());
+        return Ok(None);
     }
-    state.graph.get(name).ok_or_else(|| generic(format!("Failed to find node with node-name='{name}'")))?;
-    if !through_filters(device, name) {
-        return Err(generic(format!(
-            "Cannot replace '{name}' by a node mirrored from '{}', because it cannot be guaranteed that doing so would \
-             not lead to an abrupt change of visible data",
-            device.name()
-        )));
+    let replaced =
+        state.graph.get(name).ok_or_else(|| generic(format!("Failed to find node with node-name='{name}'")))?;
+    let mut node = device.clone();
+    while is_filter(&node) {
+        let Some((_, child)) = node.children().into_iter().next() else { break };
+        if child.name() != name {
+            node = child;
+            continue;
+        }
+        if node.driver() != "throttle" {
+            return Err(generic(format!("vsd's {} filter '{}' cannot take another child", node.driver(), node.name())));
+        }
+        return Ok(Some((node, replaced)));
     }
-    // vsd's filters cannot take another child while they serve.
-    Err(generic(format!("vsd cannot replace node '{name}' below filter '{}': leave out 'replaces'", device.name())))
-}
-
-/// Whether `node` is `name`, or a filter (as QEMU counts them) over it.
-fn through_filters(node: &Node, name: &str) -> bool {
-    node.name() == name
-        || is_filter(node) && node.children().into_iter().next().is_some_and(|(_, child)| through_filters(&child, name))
+    Err(generic(format!(
+        "Cannot replace '{name}' by a node mirrored from '{}', because it cannot be guaranteed that doing so would not \
+         lead to an abrupt change of visible data",
+        device.name()
+    )))
 }
 
 fn filter_name(source: &Node) -> String {
@@ -227,18 +240,35 @@ fn unfilter(state: &mut State, filter: &str, source: &Node) {
     }
 }
 
-/// A write-blocking mirror's writers: the exports of its filter, which go
-/// back to the source unless the job moves them onto the target.
-struct FilterWriters {
+/// A mirror's writers: the exports of the node they serve while the job
+/// runs (the source, or a write-blocking mirror's filter). They end on the
+/// source, or on the target; with `replaces` below a filter, on the source
+/// still, its filter passing requests to the target from then on.
+struct MirrorWriters {
     state: Arc<Mutex<State>>,
-    filter: Node,
+    serving: Node,
     source: Node,
+    /// The filter whose child the target replaces.
+    replaced_under: Option<Node>,
 }
 
-impl Writers for FilterWriters {
+impl Writers for MirrorWriters {
     fn stopped(&self, switch_to: Option<&Node>, work: &mut dyn FnMut() -> Result<(), String>) -> Result<(), String> {
-        let to = switch_to.unwrap_or(&self.source);
-        switch_exports(&mut lock_state(&self.state), self.filter.name(), Some(to), Some(work))
+        let mut state = lock_state(&self.state);
+        let (Some(target), Some(filter)) = (switch_to, &self.replaced_under) else {
+            let to = switch_to.unwrap_or(&self.source);
+            let to = (to.name() != self.serving.name()).then_some(to);
+            return switch_exports(&mut state, self.serving.name(), to, Some(work));
+        };
+        let mut replace = || {
+            work()?;
+            filter
+                .replace_filtered(target.clone())
+                .map_err(|e| format!("Cannot replace below '{}': {e}", filter.name()))
+        };
+        switch_exports(&mut state, self.serving.name(), Some(&self.source), Some(&mut replace))?;
+        // Again, for the exports to hold what they need of the target's images.
+        switch_exports(&mut state, self.source.name(), Some(&self.source), None)
     }
 }
 
@@ -246,14 +276,14 @@ impl Writers for FilterWriters {
 /// end: a failed or cancelled job leaves the exports on the source.
 struct Filtered {
     mirror: Mirror,
-    writers: Arc<FilterWriters>,
+    writers: Arc<MirrorWriters>,
 }
 
 impl JobBody for Filtered {
     fn run(&mut self, job: &Arc<vsd_job::Job>) -> Result<(), String> {
         let result = self.mirror.run(job);
         let writers = &self.writers;
-        unfilter(&mut lock_state(&writers.state), writers.filter.name(), &writers.source);
+        unfilter(&mut lock_state(&writers.state), writers.serving.name(), &writers.source);
         result
     }
 }

@@ -160,7 +160,8 @@ fn qmp_adds_serves_and_removes_nodes_and_exports() {
     queue.write_at(36 * MIB, &data).unwrap();
 
     // Nodes in use and exports with a front-end are not removed.
-    assert!(error_desc(&qmp(&qmp_sock, "blockdev-del", json!({ "node-name": "file1" }))).contains("file of 'disk1'"));
+    let busy = qmp(&qmp_sock, "blockdev-del", json!({ "node-name": "file1" }));
+    assert_eq!(error_desc(&busy), "Block device file1 is in use", "QEMU's words for a file child");
     assert!(
         error_desc(&qmp(&qmp_sock, "blockdev-del", json!({ "node-name": "disk1" }))).contains("exported by 'exp1'")
     );
@@ -881,7 +882,7 @@ fn blockdev_add_takes_children_defined_inline() {
     drop(queue);
     drop(client);
     let busy = qmp(&qmp_sock, "blockdev-del", json!({ "node-name": "#block2" }));
-    assert!(error_desc(&busy).contains("used as file of 'q'"), "{busy}");
+    assert_eq!(error_desc(&busy), "Block device #block2 is in use", "{busy}");
     returned(&qmp(&qmp_sock, "block-export-del", json!({ "id": "eq" })));
     returned(&qmp(&qmp_sock, "blockdev-del", json!({ "node-name": "q" })));
     assert_eq!(node_names(&qmp_sock), ["null0", "#block1", "r"], "the inline file node went with its parent");

@@ -122,6 +122,53 @@ fn writes_after_ready_are_copied_by_a_background_mirror_and_written_through_by_a
     assert_eq!(copied_after_ready("write-blocking"), 0, "the filter wrote them to the target");
 }
 
+/// `replaces` a node below a filter the export serves: the filter passes
+/// its requests to the copy from then on, the export never moves, and the
+/// node replaced is no one's child any more.
+#[test]
+fn a_mirror_replacing_the_node_below_a_filter_leaves_the_filter_over_the_copy() {
+    let dir = Scratch::new("mirror-replaces");
+    let size = 16 * MIB;
+    let image = dir.path("disk.img");
+    std::fs::write(&image, vec![0x11; size as usize]).unwrap();
+    let target = dir.image("tgt.img", size);
+    let socket = dir.path("vhost.sock");
+    let mut args: Vec<String> = vec![
+        "--object".into(),
+        "throttle-group,id=tg0".into(),
+        "--blockdev".into(),
+        format!("driver=file,node-name=disk,filename={}", image.display()),
+        "--blockdev".into(),
+        "driver=throttle,node-name=th,file=disk,throttle-group=tg0".into(),
+        "--blockdev".into(),
+        format!("driver=file,node-name=tgt,filename={}", target.display()),
+        "--export".into(),
+        format!("type=vhost-user-blk,id=v0,node-name=th,writable=on,addr.type=unix,addr.path={}", socket.display()),
+    ];
+    args.extend(monitor(&dir.path("qmp.sock")));
+    let daemon = Daemon::vsd(&dir, &args);
+    let mut qmp = Qmp::connect(&dir.path("qmp.sock"));
+    let writer = Writer::start(&daemon, size / BLOCK, PAUSE);
+    let mirror = json!({"job-id": "m", "device": "th", "target": "tgt", "sync": "full", "replaces": "disk",
+        "copy-mode": "write-blocking"});
+    qmp.ok("blockdev-mirror", mirror);
+    qmp.await_event("BLOCK_JOB_READY", json!({"device": "m"}));
+    qmp.ok("job-complete", json!({"id": "m"}));
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "m"}));
+    assert!(done.get("error").is_none(), "{done}");
+    assert_eq!(node_served(&mut qmp), json!("th"), "the export stays on the filter");
+    let del = qmp.answer("blockdev-del", json!({"node-name": "tgt"}));
+    assert!(del.get("error").is_some(), "the copy is the filter's child: {del}");
+    qmp.ok("blockdev-del", json!({"node-name": "disk"}));
+    // Writes after the switch reach the copy alone.
+    std::thread::sleep(Duration::from_millis(200));
+    let last = writer.finish();
+    daemon.stop();
+    let expect = |at: u64| last.get(&(at / BLOCK)).copied().unwrap_or(0x11);
+    assert_eq!(first_mismatch(&target, expect), None, "the copy holds every write");
+    assert_ne!(first_mismatch(&image, expect), None, "the node replaced missed the writes after the switch");
+}
+
 #[test]
 fn block_job_cancel_of_a_ready_mirror_leaves_a_copy_and_the_export_where_it_was() {
     let dir = Scratch::new("mirror-leave");
@@ -186,10 +233,8 @@ fn mistakes_are_refused_and_change_nothing() {
         format!("addr.type=unix,addr.path={}", nbd.display()),
         "--export".into(),
         "type=nbd,id=n0,node-name=t2,name=t2,writable=on".into(),
-        "--object".into(),
-        "throttle-group,id=tg0".into(),
         "--blockdev".into(),
-        "driver=throttle,node-name=th,file=t4,throttle-group=tg0".into(),
+        "driver=blkdebug,node-name=bd,image=t4".into(),
     ];
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     let (_daemon, mut qmp) = served(&dir, size, &["tgt", "t2", "t3", "t4"], &extra);
@@ -212,11 +257,9 @@ fn mistakes_are_refused_and_change_nothing() {
         ),
         (mirror("t2", json!({})), "Node 't2' is busy: an export or another node uses it"),
     ];
-    // QEMU would replace a node below a filter; vsd's filters keep their child.
-    let below_filter = json!({"job-id": "m", "device": "th", "target": "tgt", "sync": "full", "replaces": "t4"});
-    let cases = cases
-        .into_iter()
-        .chain([(below_filter, "vsd cannot replace node 't4' below filter 'th': leave out 'replaces'")]);
+    // QEMU would replace a node below any filter; vsd's blkdebug keeps its child.
+    let below_filter = json!({"job-id": "m", "device": "bd", "target": "tgt", "sync": "full", "replaces": "t4"});
+    let cases = cases.into_iter().chain([(below_filter, "vsd's blkdebug filter 'bd' cannot take another child")]);
     for (args, error) in cases {
         let answer = qmp.answer("blockdev-mirror", args.clone());
         assert_eq!(answer["error"]["desc"], error, "{args}");
@@ -306,6 +349,23 @@ fn differential_script() -> Vec<Step> {
         Await("BLOCK_JOB_READY", json!({"device": "m7"})),
         Command("job-complete", json!({"id": "m7"})),
         Await("JOB_STATUS_CHANGE", status("m7", "null")),
+        // The target takes the place of the node below a filter, which is
+        // then no one's child.
+        Command("object-add", json!({"qom-type": "throttle-group", "id": "tg0"})),
+        Command(
+            "blockdev-add",
+            json!({"driver": "throttle", "node-name": "th", "file": "spare", "throttle-group": "tg0"}),
+        ),
+        Command("blockdev-del", json!({"node-name": "spare"})),
+        Command(
+            "blockdev-mirror",
+            json!({"job-id": "m8", "device": "th", "target": "tgt", "sync": "full", "replaces": "spare"}),
+        ),
+        Await("BLOCK_JOB_READY", json!({"device": "m8"})),
+        Command("job-complete", json!({"id": "m8"})),
+        Await("JOB_STATUS_CHANGE", status("m8", "null")),
+        Command("blockdev-del", json!({"node-name": "tgt"})),
+        Command("blockdev-del", json!({"node-name": "spare"})),
     ]
 }
 

@@ -18,7 +18,7 @@
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -32,7 +32,8 @@ use crate::{Allocation, BlockGraph, BlockNode, GraphError};
 
 pub(crate) struct ThrottleNode {
     name: String,
-    child: Arc<dyn BlockNode>,
+    /// Swapped by a mirror's `replaces`: queues opened afterwards use the new one.
+    child: RwLock<Arc<dyn BlockNode>>,
     group: Arc<ThrottleGroup>,
 }
 
@@ -42,7 +43,11 @@ impl ThrottleNode {
         let group = opts.require("throttle-group")?;
         let invalid = |reason| GraphError::Invalid { context: opts.context().into(), reason };
         let group = graph.throttle_group(&group).map_err(invalid)?;
-        Ok(Self { name, child, group })
+        Ok(Self { name, child: RwLock::new(child), group })
+    }
+
+    fn child(&self) -> Arc<dyn BlockNode> {
+        self.child.read().unwrap_or_else(PoisonError::into_inner).clone()
     }
 }
 
@@ -56,35 +61,40 @@ impl BlockNode for ThrottleNode {
     }
 
     fn size(&self) -> u64 {
-        self.child.size()
+        self.child().size()
     }
 
     fn read_only(&self) -> bool {
-        self.child.read_only()
+        self.child().read_only()
     }
 
     fn children(&self) -> Vec<(&'static str, Arc<dyn BlockNode>)> {
-        vec![("file", self.child.clone())]
+        vec![("file", self.child())]
+    }
+
+    fn replace_filtered(&self, child: Arc<dyn BlockNode>) -> io::Result<()> {
+        *self.child.write().unwrap_or_else(PoisonError::into_inner) = child;
+        Ok(())
     }
 
     fn claim(&self, claim: crate::Claim) -> Result<Vec<crate::ClaimGuard>, crate::LockError> {
-        self.child.claim(claim)
+        self.child().claim(claim)
     }
 
     fn resize(&self, size: u64) -> io::Result<()> {
-        self.child.resize(size)
+        self.child().resize(size)
     }
 
     fn refresh_size(&self) -> io::Result<u64> {
-        self.child.refresh_size()
+        self.child().refresh_size()
     }
 
     fn block_status(&self, offset: u64, len: u64) -> io::Result<(Allocation, u64)> {
-        self.child.block_status(offset, len)
+        self.child().block_status(offset, len)
     }
 
     fn allocation_depth(&self, offset: u64, len: u64) -> io::Result<(u32, u64)> {
-        self.child.allocation_depth(offset, len)
+        self.child().allocation_depth(offset, len)
     }
 
     fn throttle_group(&self) -> Option<Arc<ThrottleGroup>> {
@@ -92,8 +102,8 @@ impl BlockNode for ThrottleNode {
     }
 
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
-        let inner = self.child.open_uncounted_queue(depth)?;
-        let dirty = DirtyRecorder::for_node(&*self.child);
+        let inner = self.child().open_uncounted_queue(depth)?;
+        let dirty = DirtyRecorder::for_node(&*self.child());
         Ok(Box::new(ThrottleQueue::new(inner, dirty, self.group.clone(), depth)?))
     }
 }
