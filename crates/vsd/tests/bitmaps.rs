@@ -7,7 +7,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{Daemon, Scratch, monitor, pattern, run};
+use common::{Daemon, Scratch, dirty_map, monitor, pattern, run};
 use serde_json::{Value, json};
 use vsd_bench::ClientOptions;
 use vsd_control::client::QmpClient;
@@ -116,17 +116,6 @@ fn bitmap_commands_answer_as_qemu_storage_daemon_does() {
     }
     assert_eq!(vsd.last(), qsd.last(), "query-named-block-nodes' dirty-bitmaps");
     assert_eq!(vsd.last().unwrap()["q"].as_array().unwrap().len(), 3, "new, p and b, newest first");
-}
-
-/// The dirty extents of `bitmap` on NBD export `name`, as nbdinfo maps them.
-fn dirty_map(socket: &Path, name: &str, bitmap: &str) -> Vec<(u64, u64)> {
-    let uri = format!("nbd+unix:///{name}?socket={}", socket.display());
-    let out = run("nbdinfo", &[&format!("--map=qemu:dirty-bitmap:{bitmap}"), "--json", &uri]);
-    assert!(out.status.success(), "nbdinfo: {}", String::from_utf8_lossy(&out.stderr));
-    let map: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let extents = map.as_array().unwrap().iter();
-    let dirty = extents.filter(|e| e["type"].as_u64().unwrap() & 1 != 0);
-    dirty.map(|e| (e["offset"].as_u64().unwrap(), e["length"].as_u64().unwrap())).collect()
 }
 
 #[test]

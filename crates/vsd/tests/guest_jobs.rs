@@ -1,11 +1,13 @@
 //! Block jobs under a real Linux guest (QEMU under TCG): while the guest's
 //! fio writes with crc32c verification on its vhost-user-blk disk, a qcow2
-//! image served by vsd, the disk is reshaped and moved, one step after the
-//! other: a live snapshot onto a new overlay, an active commit of the
-//! overlay back into the disk, a second snapshot and a stream that makes
-//! that overlay take in its whole backing chain, and a mirror onto another
-//! vsd over NBD, whose completion moves the guest's disk there. The guest must
-//! see every block it wrote, and every image be as QEMU's tools expect.
+//! image served by vsd, the disk is backed up, reshaped and moved, one step
+//! after the other: a push and a pull backup of one point in time, a live
+//! snapshot onto a new overlay, an active commit of the overlay back into
+//! the disk, a second snapshot and a stream that makes that overlay take in
+//! its whole backing chain, and a mirror onto another vsd over NBD, whose
+//! completion moves the guest's disk there. The guest must see every block
+//! it wrote, the backups be the disk at their point in time, and every
+//! image be as QEMU's tools expect.
 
 mod common;
 
@@ -15,7 +17,7 @@ use std::thread::ScopedJoinHandle;
 use std::time::{Duration, Instant};
 
 use common::qmp::Qmp;
-use common::{Daemon, GuestRun, Scratch, monitor, ok, run};
+use common::{Daemon, GuestRun, Scratch, dirty_map, monitor, ok, run};
 use serde_json::{Value, json};
 
 const MIB: u64 = 1 << 20;
@@ -25,7 +27,7 @@ const DISK: u64 = 64 * MIB;
 const FIO_SIZE: &str = "32M";
 /// Seconds the guest's write pass lasts (the paced job spreads its writes
 /// over them): every step must be done within them.
-const WRITE_SECS: u64 = 70;
+const WRITE_SECS: u64 = 80;
 /// Guest writes to wait for between steps: well over a second of them at
 /// the paced rate.
 const BETWEEN: u64 = 300;
@@ -123,6 +125,80 @@ fn far_vsd(far: &Scratch) -> (Daemon, Qmp) {
     (daemon, Qmp::connect(&far.path("qmp.sock")))
 }
 
+/// A qcow2 image of the disk's size in `dir`, added as node `name` (with
+/// `backing` as its backing node, if given).
+fn add_image(qmp: &mut Qmp, dir: &Scratch, name: &str, backing: Option<&str>) -> std::path::PathBuf {
+    let image = dir.path(&format!("{name}.qcow2"));
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", image.to_str().unwrap(), &DISK.to_string()]);
+    let file = json!({"driver": "file", "filename": image});
+    qmp.ok("blockdev-add", json!({"driver": "qcow2", "node-name": name, "file": file, "backing": backing}));
+    image
+}
+
+/// Step 0, as libvirt backs up a running disk: one transaction starts a
+/// push backup (into a qcow2 image), a pull backup (a fleecing overlay
+/// exported over NBD, read by nbdcopy) and a bitmap of the writes from
+/// then on, while the guest writes on. Both backups must be the same
+/// disk; and a later full backup must equal them wherever the bitmap
+/// says nothing was written since: so each is the disk at its start.
+fn backups_at_one_point(guest: &Guest, qmp: &mut Qmp, dir: &Scratch) {
+    let nbd = dir.path("nbd.sock");
+    let push = add_image(qmp, dir, "push", None);
+    add_image(qmp, dir, "fleece", Some("q0"));
+    let later = add_image(qmp, dir, "later", None);
+    let backup = |id: &str, target: &str, sync: &str| json!({"type": "blockdev-backup", "data": {"job-id": id, "device": "q0", "target": target, "sync": sync}});
+    let bitmap = json!({"type": "block-dirty-bitmap-add", "data": {"node": "q0", "name": "since"}});
+    qmp.ok(
+        "transaction",
+        json!({"actions": [bitmap, backup("push", "push", "full"), backup("pull", "fleece", "none")]}),
+    );
+    qmp.ok("block-export-add", json!({"type": "nbd", "id": "pull", "node-name": "fleece", "name": "pull"}));
+    let pulled = dir.path("pulled.raw");
+    let uri = format!("nbd+unix:///pull?socket={}", nbd.display());
+    ok("nbdcopy", &[&uri, pulled.to_str().unwrap()]);
+    let done = guest.await_job_event(qmp, "BLOCK_JOB_COMPLETED", "push", Duration::from_secs(60));
+    assert!(done.get("error").is_none(), "the push backup failed: {done}");
+    guest.wait_for_writes(qmp, BETWEEN, "after the backups' point in time");
+    qmp.ok("blockdev-backup", json!({"job-id": "later", "device": "q0", "target": "later", "sync": "full"}));
+    let done = guest.await_job_event(qmp, "BLOCK_JOB_COMPLETED", "later", Duration::from_secs(60));
+    assert!(done.get("error").is_none(), "the later backup failed: {done}");
+    // Stopped after the later backup: clean here means clean in it too
+    // (and only a bitmap that records no more is exported, as in QEMU).
+    qmp.ok("block-dirty-bitmap-disable", json!({"node": "q0", "name": "since"}));
+    qmp.ok(
+        "block-export-add",
+        json!({"type": "nbd", "id": "map", "node-name": "q0", "name": "map", "bitmaps": ["since"]}),
+    );
+    let dirty = dirty_map(&nbd, "map", "since");
+    assert!(!dirty.is_empty(), "the guest wrote after the point in time");
+    for id in ["pull", "map"] {
+        qmp.ok("block-export-del", json!({"id": id}));
+    }
+    qmp.ok("job-cancel", json!({"id": "pull"}));
+    guest.await_job_event(qmp, "BLOCK_JOB_CANCELLED", "pull", Duration::from_secs(30));
+    for node in ["push", "fleece", "later"] {
+        qmp.ok("blockdev-del", json!({"node-name": node}));
+    }
+    qmp.ok("block-dirty-bitmap-remove", json!({"node": "q0", "name": "since"}));
+
+    let raw = |image: &Path| {
+        let out = dir.path(&format!("{}.raw", image.file_stem().unwrap().to_string_lossy()));
+        ok("qemu-img", &["convert", "-O", "raw", image.to_str().unwrap(), out.to_str().unwrap()]);
+        std::fs::read(out).unwrap()
+    };
+    let (pushed, later) = (raw(&push), raw(&later));
+    assert!(std::fs::read(&pulled).unwrap() == pushed, "the pull and the push backup are one point in time");
+    let mut clean_bytes = 0;
+    let mut at = 0;
+    for &(start, len) in dirty.iter().chain([&(DISK, 0)]) {
+        let (from, to) = (at as usize, start as usize);
+        assert!(pushed[from..to] == later[from..to], "bytes {from}..{to}, written by nobody since, differ");
+        clean_bytes += to - from;
+        at = start + len;
+    }
+    assert!(clean_bytes > 0, "some of the disk was left alone since: {dirty:?}");
+}
+
 /// The guest's fio writes and checks its disk while the disk is snapshotted
 /// (qcow2 overlay `s1` on `disk.qcow2`), streamed (`s1` takes in the whole
 /// chain and names no backing file any more) and mirrored onto another vsd
@@ -148,6 +224,7 @@ fn a_guest_under_fio_verify_has_its_disk_snapshotted_committed_streamed_and_mirr
     ok("qemu-img", &["create", "-q", "-f", "qcow2", disk.to_str().unwrap(), &DISK.to_string()]);
     let socket = dir.path("vsd.sock");
     let mut args = common::qcow2_export(&disk, &socket, ",writable=on,num-queues=2");
+    args.extend(["--nbd-server".into(), format!("addr.type=unix,addr.path={}", dir.path("nbd.sock").display())]);
     args.extend(monitor(&dir.path("qmp.sock")));
     let vsd = Daemon::vsd(&dir, &args);
     let mut qmp = Qmp::connect(&dir.path("qmp.sock"));
@@ -171,6 +248,9 @@ fn a_guest_under_fio_verify_has_its_disk_snapshotted_committed_streamed_and_mirr
         }
         guest.wait_for_writes(&mut qmp, BETWEEN, "as fio starts");
         let boot_done = started.elapsed();
+
+        // 0. A push and a pull backup of one point in time.
+        backups_at_one_point(&guest, &mut qmp, &dir);
 
         // 1. A live snapshot: the disk becomes the backing node of a new
         //    overlay, which the export serves from then on.

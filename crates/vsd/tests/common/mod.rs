@@ -471,3 +471,14 @@ impl Drop for RbdImage {
         let _ = self.cluster.tool("rbd", &["rm", "--no-progress", &self.name]);
     }
 }
+
+/// The dirty extents of `bitmap` on NBD export `name`, as nbdinfo maps them.
+pub fn dirty_map(socket: &Path, name: &str, bitmap: &str) -> Vec<(u64, u64)> {
+    let uri = format!("nbd+unix:///{name}?socket={}", socket.display());
+    let out = run("nbdinfo", &[&format!("--map=qemu:dirty-bitmap:{bitmap}"), "--json", &uri]);
+    assert!(out.status.success(), "nbdinfo: {}", String::from_utf8_lossy(&out.stderr));
+    let map: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let extents = map.as_array().unwrap().iter();
+    let dirty = extents.filter(|e| e["type"].as_u64().unwrap() & 1 != 0);
+    dirty.map(|e| (e["offset"].as_u64().unwrap(), e["length"].as_u64().unwrap())).collect()
+}
