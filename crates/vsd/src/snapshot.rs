@@ -2,13 +2,15 @@
 //! disk. The node becomes the overlay's backing node, and every export of
 //! the node serves the overlay from then on: its queues stop at a request
 //! boundary (the requests in flight complete on the node), the overlay
-//! takes their place, and the next requests go to it.
+//! takes their place, and the next requests go to it. A throttle filter
+//! over the node takes the overlay as its child the same way, its exports
+//! stopped meanwhile.
 
 use std::sync::Arc;
 
 use serde::Deserialize;
 use serde_json::{Value, json};
-use vsd_block::BlockNode;
+use vsd_block::{BlockNode, RemoveError};
 use vsd_control::qmp::QmpError;
 
 use crate::daemon::{Daemon, State};
@@ -32,8 +34,13 @@ impl Daemon {
         let mut guard = self.state();
         let state = &mut *guard;
         let (node, overlay) = self.snapshot_nodes(state, args)?;
+        let filters = filters_above(state, &args.node)?;
         overlay.attach_backing(node).map_err(|e| generic(e.to_string()))?;
         switch_exports(state, &args.node, Some(&overlay), None).map_err(generic)?;
+        for filter in filters {
+            let mut replace = || filter.replace_filtered(overlay.clone()).map_err(|e| e.to_string());
+            switch_exports(state, filter.name(), Some(&filter), Some(&mut replace)).map_err(generic)?;
+        }
         Ok(json!({}))
     }
 
@@ -61,9 +68,7 @@ impl Daemon {
         };
         let (node, overlay) = (find(&args.node)?, find(&args.overlay)?);
         // QEMU's checks, in its order: the node, then the overlay.
-        if let Some(used) = state.graph.parent(&args.node) {
-            return Err(generic(format!("Node '{}' is busy: {used}", args.node)));
-        }
+        filters_above(state, &args.node)?;
         if let Some((job, _)) = self.jobs.user_of(&args.node) {
             return Err(generic(crate::jobs::busy(&args.node, &job)));
         }
@@ -94,4 +99,28 @@ impl Daemon {
             || state.graph.parent(name).is_some()
             || self.jobs.user_of(name).is_some()
     }
+}
+
+/// The filters right above node `name`, which a snapshot puts over the
+/// overlay (QEMU puts the overlay in the node's place in every parent).
+/// vsd's throttle filters can take another child; other parents refuse,
+/// in QEMU's words for a backing link.
+fn filters_above(state: &State, name: &str) -> Result<Vec<Node>, QmpError> {
+    let above = |name: &str| -> Vec<Node> {
+        state.graph.nodes().filter(|p| p.children().iter().any(|(_, child)| child.name() == name)).cloned().collect()
+    };
+    let filters = above(name);
+    if let Some(other) = filters.iter().find(|p| p.driver() != "throttle") {
+        let role =
+            other.children().into_iter().find(|(_, child)| child.name() == name).map_or("child", |(role, _)| role);
+        let used = RemoveError::Child { role, parent: other.name().to_string() };
+        return Err(generic(format!("Node '{name}' is busy: {used}")));
+    }
+    if let Some(filter) = filters.iter().find(|f| !above(f.name()).is_empty()) {
+        return Err(generic(format!(
+            "Node '{}' is busy: vsd does not snapshot below a filter another node uses",
+            filter.name()
+        )));
+    }
+    Ok(filters)
 }

@@ -224,3 +224,56 @@ fn answers_as_qemu_storage_daemon() {
     let (vsd, qsd) = (transcript("vsd"), transcript("qsd"));
     assert_eq!(vsd, qsd);
 }
+
+/// A throttle filter over the disk, which the export serves: the snapshot
+/// puts the overlay under the filter (QEMU puts it in the node's place in
+/// every parent), and the filter's export writes into the overlay from
+/// then on, the base untouched.
+#[test]
+fn a_snapshot_below_a_throttle_filter_puts_the_overlay_under_it() {
+    let dir = Scratch::new("snapshot-filter");
+    let (base, overlay) = images(&dir);
+    let mut args = vec![
+        "--object".into(),
+        "throttle-group,id=tg0".into(),
+        "--blockdev".into(),
+        format!("driver=file,node-name=bf,filename={}", base.display()),
+        "--blockdev".into(),
+        "driver=raw,node-name=disk,file=bf".into(),
+        "--blockdev".into(),
+        "driver=throttle,node-name=th,file=disk,throttle-group=tg0".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=v0,node-name=th,addr.type=unix,addr.path={},writable=on",
+            dir.path("vhost.sock").display()
+        ),
+    ];
+    args.extend(monitor(&dir.path("qmp.sock")));
+    let daemon = Daemon::vsd(&dir, &args);
+    let mut qmp = QmpClient::connect(&dir.path("qmp.sock")).unwrap();
+    add_overlay(&mut qmp, "ovl", &overlay, true);
+    let mut client = daemon.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    let (before, after) = (pattern(2, 65536), pattern(3, 65536));
+    queue.write_at(0, &before).unwrap();
+    qmp.execute("blockdev-snapshot", json!({"node": "disk", "overlay": "ovl"})).unwrap();
+    queue.write_at(65536, &after).unwrap();
+    queue.flush().unwrap();
+    let exports = qmp.execute("query-block-exports", json!({})).unwrap();
+    assert_eq!(exports[0]["node-name"], "th", "the export stays on the filter");
+    let del = qmp.execute("blockdev-del", json!({"node-name": "disk"})).unwrap_err().to_string();
+    assert!(del.contains("Node 'disk' is busy: node is used as backing hd of 'ovl'"), "QEMU's words: {del}");
+    drop(queue);
+    drop(client);
+    daemon.stop();
+    let read = |image: &Path, format: &str| {
+        let raw = dir.path("read.raw");
+        ok("qemu-img", &["convert", "-f", format, "-O", "raw", image.to_str().unwrap(), raw.to_str().unwrap()]);
+        std::fs::read(raw).unwrap()
+    };
+    let (base_bytes, chain_bytes) = (read(&base, "raw"), read(&overlay, "qcow2"));
+    assert!(base_bytes[..65536] == before[..], "the write before the snapshot is in the base");
+    assert!(base_bytes[65536..131072] == pattern(1, SIZE as usize)[65536..131072], "the base took nothing after");
+    assert!(chain_bytes[65536..131072] == after[..], "the write after the snapshot is in the overlay");
+    assert!(chain_bytes[..65536] == before[..], "the overlay reads the base below it");
+}
