@@ -164,3 +164,17 @@ pub fn assert_consistent(image: &Path) {
     assert!(matches!(check.status.code(), Some(0 | 3)), "{}: {report}", image.display());
     assert!(!report.contains("ERROR"), "{}: {report}", image.display());
 }
+
+/// After an active commit of [`qcow2_chain`]'s top into its base, with
+/// the export moved onto the base: the overlays are used by nothing and
+/// go, every image is clean once `daemon` stops, and the base holds the
+/// chain and `last` (what each block written holds last).
+pub fn assert_committed(qmp: &mut Qmp, daemon: Daemon, dir: &Scratch, images: &[PathBuf; 3], last: &HashMap<u64, u8>) {
+    for node in ["top", "top-file", "mid", "mid-file"] {
+        qmp.ok("blockdev-del", serde_json::json!({"node-name": node}));
+    }
+    daemon.stop();
+    images.iter().for_each(|image| assert_clean(image));
+    let expect = |at: u64| last.get(&(at / BLOCK)).copied().unwrap_or_else(|| chain_byte(at));
+    assert_eq!(first_mismatch_read(dir, &images[0], expect), None, "the base holds the chain and every write");
+}
