@@ -240,16 +240,21 @@ fn written_range(op: &IoOp) -> Option<(u64, u64)> {
 impl IoQueue for BothQueue {
     unsafe fn push(&mut self, tag: u32, op: IoOp) {
         self.on_source += 1;
-        if let Some(range) = written_range(&op)
-            && let Some(slot) = self.pending.get_mut(tag as usize)
-        {
+        if let Some(range) = written_range(&op) {
             self.dirty.record(tag, &op);
             let id = self.in_flight.write_begins(range);
-            *slot = Some(Pending { id, halves: 2, errno: 0, failed: false });
-            self.on_target += 1;
-            // SAFETY: the owner's guarantee for `op` holds until its
-            // completion is reaped, which is after both halves are.
-            unsafe { self.target.push(tag, op) };
+            match self.pending.get_mut(tag as usize) {
+                Some(slot) => {
+                    *slot = Some(Pending { id, halves: 2, errno: 0, failed: false });
+                    self.on_target += 1;
+                    // SAFETY: the owner's guarantee for `op` holds until its
+                    // completion is reaped, which is after both halves are.
+                    unsafe { self.target.push(tag, op) };
+                }
+                // A tag beyond the depth breaks the owner's contract: the
+                // job copies the range instead.
+                None => self.in_flight.write_ends(id, true),
+            }
         }
         // SAFETY: as above.
         unsafe { self.source.push(tag, op) }
