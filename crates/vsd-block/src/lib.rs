@@ -256,14 +256,19 @@ impl Cache {
         let no_flush = opts.take_bool("cache.no-flush")?.unwrap_or(false);
         Ok(Self { direct, no_flush })
     }
+}
 
-    /// Gives an inline child the cache options of its parent it does not
-    /// set itself (QEMU's inherited options).
-    fn inherit(parent: &OptionMap, child: &mut OptionMap) {
-        for key in Self::KEYS {
-            if let (Some(value), false) = (parent.get(key), child.has(key)) {
-                child.insert(key, value);
-            }
+/// Gives a child defined inline, in `role`, the options of its parent it
+/// does not set itself, as QEMU's children inherit them: the cache
+/// options, `read-only`, and `active` (such a child is handed over with
+/// its parent); a backing file is read-only unless it says otherwise.
+fn inherit(parent: &OptionMap, child: &mut OptionMap, role: &str) {
+    if role == "backing" && !child.has("read-only") {
+        child.insert("read-only", "on");
+    }
+    for key in Cache::KEYS.into_iter().chain(["read-only", "active"]) {
+        if let (Some(value), false) = (parent.get(key), child.has(key)) {
+            child.insert(key, value);
         }
     }
 }
@@ -490,11 +495,7 @@ impl BlockGraph {
                     reason: format!("'{role}' is given both by name and inline"),
                 });
             }
-            Cache::inherit(&opts, &mut child);
-            // Children defined inline are handed over with their parent.
-            if let (Some(active), false) = (opts.get("active"), child.has("active")) {
-                child.insert("active", active);
-            }
+            inherit(&opts, &mut child, role);
             if !child.has("node-name") {
                 self.implicit += 1;
                 child.insert("node-name", format!("#block{}", self.implicit));
@@ -703,6 +704,9 @@ mod tests {
 
         let own = add(&mut graph, &format!("driver=raw,node-name=o,cache.no-flush=on,{file},file.cache.no-flush=off"));
         assert_eq!(own.unwrap().children()[0].1.cache(), Cache::default(), "an inline child's own setting wins");
+
+        let read_only = add(&mut graph, &format!("driver=raw,node-name=ro,read-only=on,{file}")).unwrap();
+        assert!(read_only.children()[0].1.read_only(), "an inline child inherits read-only");
 
         add(&mut graph, &format!("driver=file,node-name=f,filename={}", image.display())).unwrap();
         let named = add(&mut graph, "driver=raw,node-name=n,file=f,cache.no-flush=on").unwrap();
