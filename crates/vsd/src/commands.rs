@@ -15,6 +15,7 @@ use vsd_trace::{ExportLabel, OpKind, QueueSnapshot};
 
 use crate::daemon::{Bins, Daemon, LatencyBins};
 use crate::jobs::{BlockJobArgs, JobId};
+use crate::qapi;
 use crate::transaction::{Action, Transaction};
 
 type Reply = Result<Value, QmpError>;
@@ -83,58 +84,60 @@ impl Dispatch for Daemon {
             "query-version" => Ok(version()),
             "query-commands" => Ok(COMMANDS.iter().map(|name| json!({ "name": name })).collect()),
             "blockdev-add" => self.blockdev_add(args),
-            "blockdev-del" => self.blockdev_del(parse(args)?),
-            "blockdev-set-active" => self.blockdev_set_active(parse(args)?),
+            "blockdev-del" => self.blockdev_del(qapi::parse(args)?),
+            "blockdev-set-active" => self.blockdev_set_active(qapi::parse(args)?),
             "blockdev-reopen" => self.blockdev_reopen(&args),
             "block-export-add" => self.block_export_add(args),
-            "block-export-del" => self.block_export_del(parse(args)?),
+            "block-export-del" => self.block_export_del(qapi::parse(args)?),
             "query-block-exports" => no_arguments(&args).map(|()| self.query_block_exports()),
-            "query-named-block-nodes" => parse::<Flat>(args).map(|_| self.query_named_block_nodes()),
-            "query-blockstats" => self.query_blockstats(parse(args)?),
-            "block-latency-histogram-set" => self.latency_histogram_set(parse(args)?),
-            "block_resize" => self.block_resize(parse(args)?),
-            "block-dirty-bitmap-add" => self.transaction(vec![Action::AddBitmap(parse(args)?)], None),
-            "block-dirty-bitmap-remove" => self.transaction(vec![Action::RemoveBitmap(parse(args)?)], None),
-            "block-dirty-bitmap-clear" => self.transaction(vec![Action::ClearBitmap(parse(args)?)], None),
-            "block-dirty-bitmap-enable" => self.transaction(vec![Action::EnableBitmap(parse(args)?)], None),
-            "block-dirty-bitmap-disable" => self.transaction(vec![Action::DisableBitmap(parse(args)?)], None),
-            "block-dirty-bitmap-merge" => self.transaction(vec![Action::MergeBitmaps(parse(args)?)], None),
+            "query-named-block-nodes" => qapi::parse::<Flat>(args).map(|_| self.query_named_block_nodes()),
+            "query-blockstats" => self.query_blockstats(qapi::parse(args)?),
+            "block-latency-histogram-set" => self.latency_histogram_set(qapi::parse(args)?),
+            "block_resize" => self.block_resize(qapi::parse(args)?),
+            "block-dirty-bitmap-add" => self.transaction(vec![Action::AddBitmap(qapi::parse(args)?)], None),
+            "block-dirty-bitmap-remove" => self.transaction(vec![Action::RemoveBitmap(qapi::parse(args)?)], None),
+            "block-dirty-bitmap-clear" => self.transaction(vec![Action::ClearBitmap(qapi::parse(args)?)], None),
+            "block-dirty-bitmap-enable" => self.transaction(vec![Action::EnableBitmap(qapi::parse(args)?)], None),
+            "block-dirty-bitmap-disable" => self.transaction(vec![Action::DisableBitmap(qapi::parse(args)?)], None),
+            "block-dirty-bitmap-merge" => self.transaction(vec![Action::MergeBitmaps(qapi::parse(args)?)], None),
             "transaction" => {
-                let (actions, group) = parse::<Transaction>(args)?.parts()?;
+                let (actions, group) = qapi::parse::<Transaction>(args)?.parts()?;
                 self.transaction(actions, group)
             }
-            "blockdev-backup" => self.transaction(vec![Action::Backup(parse(args)?)], None),
-            "blockdev-mirror" => self.blockdev_mirror(parse(args)?),
-            "block-stream" => self.block_stream(parse(args)?),
-            "block-commit" => self.block_commit(parse(args)?),
-            "blockdev-snapshot" => self.blockdev_snapshot(&parse(args)?),
-            "blockdev-create" => self.blockdev_create(parse(args)?),
+            "blockdev-backup" => self.transaction(vec![Action::Backup(qapi::parse(args)?)], None),
+            "blockdev-mirror" => self.blockdev_mirror(qapi::parse(args)?),
+            "block-stream" => self.block_stream(qapi::parse(args)?),
+            "block-commit" => self.block_commit(qapi::parse(args)?),
+            "blockdev-snapshot" => self.blockdev_snapshot(&qapi::parse(args)?),
+            "blockdev-create" => self.blockdev_create(qapi::parse(args)?),
             "query-jobs" => no_arguments(&args).map(|()| self.query_jobs()),
             "query-block-jobs" => no_arguments(&args).map(|()| self.query_block_jobs()),
-            "block-job-set-speed" => self.block_job_set_speed(parse(args)?),
+            "block-job-set-speed" => self.block_job_set_speed(qapi::parse(args)?),
             "nbd-server-start" => self.nbd_server_start(args),
             "nbd-server-stop" => no_arguments(&args).and_then(|()| self.nbd_server_stop()),
             "object-add" => {
                 self.objects.add(options("object-add", &args)?).map(|()| json!({})).map_err(QmpError::generic)
             }
-            "object-del" => self.objects.remove(&parse::<Id>(args)?.id).map(|()| json!({})).map_err(QmpError::generic),
+            "object-del" => {
+                self.objects.remove(&qapi::parse::<Id>(args)?.id).map(|()| json!({})).map_err(QmpError::generic)
+            }
             "qom-get" => {
-                let args: QomPath = parse(args)?;
+                let args: QomPath = qapi::parse(args)?;
                 self.objects.get(&args.path, &args.property).map_err(|e| qom_error(&args.path, e))
             }
             "qom-set" => {
-                let args: QomSet = parse(args)?;
+                let args: QomSet = qapi::parse(args)?;
                 self.objects.set(&args.path, &args.property, &args.value).map_err(|e| qom_error(&args.path, e))?;
                 Ok(json!({}))
             }
             "quit" => no_arguments(&args).map(|()| json!({})),
             _ => match job_verb(command) {
-                Some((false, verb)) => self.job_verb(&parse::<JobId>(args)?.id, verb),
+                Some((false, verb)) => self.job_verb(&qapi::parse::<JobId>(args)?.id, verb),
                 Some((true, verb @ (Verb::Finalize | Verb::Dismiss))) => {
-                    self.block_job_verb(&parse::<JobId>(args)?.id, verb)
+                    self.block_job_verb(&qapi::parse::<JobId>(args)?.id, verb)
                 }
-                Some((true, Verb::Cancel)) => self.block_job_cancel(parse(args)?),
-                Some((true, verb)) => self.block_job_verb(&parse::<BlockJobArgs>(args)?.device, verb),
+                Some((true, Verb::Cancel)) => self.block_job_cancel(qapi::parse(args)?),
+                Some((true, verb)) => self.block_job_verb(&qapi::parse::<BlockJobArgs>(args)?.device, verb),
                 None => {
                     Err(QmpError::new(ErrorClass::CommandNotFound, format!("The command {command} has not been found")))
                 }
@@ -171,12 +174,6 @@ fn version() -> Value {
         },
         "package": concat!("vsd ", env!("CARGO_PKG_VERSION")),
     })
-}
-
-/// Arguments as the command's struct; unknown or mistyped members are
-/// errors, as QEMU's QAPI visitors make them.
-fn parse<T: for<'de> Deserialize<'de>>(args: Value) -> Result<T, QmpError> {
-    serde_json::from_value(args).map_err(|e| QmpError::generic(format!("Invalid parameters: {e}")))
 }
 
 /// Arguments that take the same keys as the command line's option strings.

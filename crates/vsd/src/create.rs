@@ -117,8 +117,7 @@ impl Daemon {
                 false => format!("Parameter 'driver' does not accept value '{driver}'"),
             }));
         }
-        let options: Options =
-            serde_json::from_value(args.options).map_err(|e| generic(format!("Invalid parameters: {e}")))?;
+        let options: Options = crate::qapi::parse_member("options", args.options)?;
         let (creation, nodes) = match options {
             Options::File(o) => {
                 if o.nocow {

@@ -14,6 +14,7 @@ mod mirror;
 mod monitor;
 mod objects;
 mod pidfile;
+mod qapi;
 mod reopen;
 mod run_as;
 mod snapshot;

@@ -31,7 +31,7 @@ pub(crate) struct MirrorArgs {
     replaces: Option<String>,
     sync: SyncArg,
     speed: Option<i64>,
-    granularity: Option<u64>,
+    granularity: Option<u32>,
     buf_size: Option<i64>,
     #[serde(default)]
     on_source_error: OnError,
@@ -78,7 +78,7 @@ impl Daemon {
             return Err(generic("Can't mirror node into itself"));
         }
         // QEMU's default: the target's cluster, within 4 KiB to 64 KiB.
-        let granularity = args.granularity.unwrap_or_else(|| target.default_bitmap_granularity());
+        let granularity = args.granularity.map(u64::from).unwrap_or_else(|| target.default_bitmap_granularity());
         if !(512..=64 << 20).contains(&granularity) {
             return Err(generic("Parameter 'granularity' expects a value in range [512B, 64MB]"));
         }

@@ -19,28 +19,48 @@ use vsd_job::{Group, Job};
 use crate::bitmaps::{self, BitmapAdd, BitmapMerge, BitmapName, Change, remove_from_image};
 use crate::daemon::Daemon;
 use crate::jobs::BackupArgs;
+use crate::qapi;
 use crate::snapshot::SnapshotArgs;
 
 /// One action, as QMP names it (`type`) with its arguments (`data`).
-#[derive(Deserialize)]
-#[serde(tag = "type", content = "data", deny_unknown_fields)]
 pub(crate) enum Action {
-    #[serde(rename = "block-dirty-bitmap-add")]
     AddBitmap(BitmapAdd),
-    #[serde(rename = "block-dirty-bitmap-remove")]
     RemoveBitmap(BitmapName),
-    #[serde(rename = "block-dirty-bitmap-clear")]
     ClearBitmap(BitmapName),
-    #[serde(rename = "block-dirty-bitmap-enable")]
     EnableBitmap(BitmapName),
-    #[serde(rename = "block-dirty-bitmap-disable")]
     DisableBitmap(BitmapName),
-    #[serde(rename = "block-dirty-bitmap-merge")]
     MergeBitmaps(BitmapMerge),
-    #[serde(rename = "blockdev-backup")]
     Backup(BackupArgs),
-    #[serde(rename = "blockdev-snapshot")]
     Snapshot(SnapshotArgs),
+}
+
+/// An action as it comes.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Envelope {
+    r#type: String,
+    data: Value,
+}
+
+impl Action {
+    /// Action `at` of a transaction, its arguments checked as QEMU's QAPI
+    /// visitor checks them (errors name `actions[N].data.MEMBER`).
+    fn parse(at: usize, action: Value) -> Result<(Self, String), QmpError> {
+        let Envelope { r#type: kind, data } = qapi::parse_member(&format!("actions[{at}]"), action)?;
+        let path = format!("actions[{at}].data");
+        let action = match kind.as_str() {
+            "block-dirty-bitmap-add" => Action::AddBitmap(qapi::parse_member(&path, data)?),
+            "block-dirty-bitmap-remove" => Action::RemoveBitmap(qapi::parse_member(&path, data)?),
+            "block-dirty-bitmap-clear" => Action::ClearBitmap(qapi::parse_member(&path, data)?),
+            "block-dirty-bitmap-enable" => Action::EnableBitmap(qapi::parse_member(&path, data)?),
+            "block-dirty-bitmap-disable" => Action::DisableBitmap(qapi::parse_member(&path, data)?),
+            "block-dirty-bitmap-merge" => Action::MergeBitmaps(qapi::parse_member(&path, data)?),
+            "blockdev-backup" => Action::Backup(qapi::parse_member(&path, data)?),
+            "blockdev-snapshot" => Action::Snapshot(qapi::parse_member(&path, data)?),
+            _ => return Err(QmpError::generic(format!("Parameter 'type' does not accept value '{kind}'"))),
+        };
+        Ok((action, kind))
+    }
 }
 
 /// An action done, as the transaction finishes or undoes it.
@@ -98,21 +118,14 @@ impl Transaction {
                 return Err(QmpError::generic(format!("Parameter 'completion-mode' does not accept value '{other}'")));
             }
         };
-        let mut kinds = Vec::with_capacity(self.actions.len());
-        let actions = self
+        let (actions, kinds): (Vec<Action>, Vec<String>) = self
             .actions
             .into_iter()
-            .map(|action| {
-                let kind = action.get("type").and_then(Value::as_str).unwrap_or_default().to_string();
-                let parsed =
-                    serde_json::from_value(action).map_err(|e| match e.to_string().starts_with("unknown variant") {
-                        true => QmpError::generic(format!("Parameter 'type' does not accept value '{kind}'")),
-                        false => QmpError::generic(format!("Invalid parameters: {e}")),
-                    });
-                kinds.push(kind);
-                parsed
-            })
-            .collect::<Result<Vec<Action>, _>>()?;
+            .enumerate()
+            .map(|(at, action)| Action::parse(at, action))
+            .collect::<Result<Vec<_>, _>>()?
+            .into_iter()
+            .unzip();
         if group.is_some() {
             // Only jobs can complete as a group (QEMU's words).
             let single = actions.iter().zip(&kinds).find(|(action, _)| !matches!(action, Action::Backup(_)));

@@ -292,6 +292,24 @@ fn differential_script() -> Vec<Step> {
         Command("blockdev-mirror", mirror("x", "full", json!({"granularity": 256}))),
         Command("blockdev-mirror", mirror("x", "full", json!({"granularity": 65537}))),
         Command("blockdev-mirror", mirror("1x", "full", json!({}))),
+        // Arguments QAPI's visitor refuses, in its words.
+        Command("blockdev-mirror", mirror("x", "full", json!({"copy-mode": "sideways"}))),
+        Command("blockdev-mirror", mirror("x", "full", json!({"speed": "fast"}))),
+        Command("blockdev-mirror", mirror("x", "full", json!({"bogus": 1}))),
+        Command("blockdev-mirror", json!({"job-id": "x", "target": "tgt", "sync": "full"})),
+        Command("blockdev-mirror", mirror("x", "full", json!({"auto-finalize": "yes"}))),
+        Command("blockdev-mirror", mirror("x", "full", json!({"granularity": -1}))),
+        Command("blockdev-mirror", mirror("x", "full", json!({"job-id": 5}))),
+        Command(
+            "transaction",
+            json!({"actions": [{"type": "blockdev-backup", "data": {"device": "src", "target": "tgt"}}]}),
+        ),
+        Command(
+            "transaction",
+            json!({"actions": [{"type": "blockdev-backup", "data": {"device": "src", "target": "tgt", "sync": "full", "zz": 1}}]}),
+        ),
+        Command("blockdev-create", json!({"job-id": "c", "options": {"driver": "file", "filename": "zz.img"}})),
+        Command("query-block-jobs", json!({"x": 1})),
         // `replaces`: the device, or a node it reads through filters only.
         Command("blockdev-mirror", mirror("x", "full", json!({"replaces": "nope"}))),
         Command("blockdev-add", json!({"driver": "raw", "node-name": "r", "file": "spare"})),
