@@ -67,6 +67,17 @@ impl Stream {
         depth > 1 && self.spec.base_depth.is_none_or(|base| depth < base)
     }
 
+    /// The bytes the job looks at: none if no image lies between the
+    /// overlay and the base (QEMU's job then counts 0 of 0 too).
+    fn span(&self) -> u64 {
+        let top = &self.spec.top;
+        match self.spec.base_depth {
+            Some(depth) if depth <= 2 => 0,
+            None if !top.children().iter().any(|(role, _)| *role == "backing") => 0,
+            _ => top.size(),
+        }
+    }
+
     /// The parts of `offset..offset + len` (whole clusters of the
     /// overlay) to copy, in whole clusters: `populate` fills clusters, and
     /// only their parts the overlay does not hold.
@@ -119,13 +130,13 @@ impl JobBody for Stream {
     /// The length is known from the start (QEMU's too), whenever the job's
     /// thread begins.
     fn prepare(&mut self, job: &Arc<Job>) -> Result<(), String> {
-        job.set_total(self.spec.top.size());
+        job.set_total(self.span());
         Ok(())
     }
 
     fn run(&mut self, job: &Arc<Job>) -> Result<(), String> {
         let top = self.spec.top.clone();
-        let size = top.size();
+        let size = self.span();
         let queue = top.open_queue(4).map_err(|e| format!("Cannot open a queue on node '{}': {e}", top.name()))?;
         let step = self.step();
         let mut copy = Copy { queue, buf: AlignedBuf::zeroed(step as usize) };

@@ -104,7 +104,7 @@ impl Daemon {
             None => None,
         };
         if args.filter_node_name.is_some() {
-            return Err(generic("vsd puts no filter node above the source: leave out 'filter-node-name'"));
+            return Err(generic("vsd does not name a mirror's filter node: leave out 'filter-node-name'"));
         }
         if below(&source, target.name()) || below(&target, source.name()) {
             return Err(generic(format!(
