@@ -15,6 +15,7 @@ use vsd_job::{JobBody, JobSpec};
 
 use crate::chain::{Node, backing_format, chain, image_filename, place_of_file, place_of_node};
 use crate::daemon::{Daemon, State};
+use crate::jobs::Restoring;
 use crate::jobs::{OnError, SOURCE, busy, generic, speed, well_formed};
 use crate::reopen::set_read_only_tree;
 use crate::writers::{SourceWriters, switch_exports};
@@ -111,7 +112,7 @@ impl Daemon {
                     on_source_error: args.on_error.into(),
                     on_target_error: args.on_error.into(),
                 }),
-                base: base.clone(),
+                node: base.clone(),
                 reopened: false,
                 always: false,
             })
@@ -133,7 +134,7 @@ impl Daemon {
                     overlay_writable,
                     on_error: args.on_error.into(),
                 }),
-                base: base.clone(),
+                node: base.clone(),
                 reopened: false,
                 always: true,
             })
@@ -175,57 +176,4 @@ fn base_of(state: &State, chain: &[Node], top_at: usize, args: &CommitArgs) -> R
         return Err(generic("cannot commit an image into itself"));
     }
     Ok(top_at + at)
-}
-
-/// A commit's body, with its base writable while it runs (QEMU reopens
-/// it so): read-only again if the job fails, or `always` (an intermediate
-/// commit's base stays a backing file; an active commit's becomes the
-/// active layer, and QEMU 10 leaves it writable too when a soft
-/// `block-job-cancel` ends the job).
-struct Restoring<B> {
-    body: B,
-    base: Node,
-    /// The base was made writable for the job.
-    reopened: bool,
-    always: bool,
-}
-
-impl<B> Restoring<B> {
-    fn restore(&mut self) {
-        if std::mem::take(&mut self.reopened)
-            && let Err(e) = set_read_only_tree(&self.base, true)
-        {
-            log::warn!("node '{}' stays writable after the commit: {e}", self.base.name());
-        }
-    }
-}
-
-impl<B: JobBody> JobBody for Restoring<B> {
-    fn prepare(&mut self, job: &Arc<vsd_job::Job>) -> Result<(), String> {
-        if self.base.read_only() {
-            set_read_only_tree(&self.base, false)?;
-            self.reopened = true;
-        }
-        self.body.prepare(job).inspect_err(|_| self.restore())
-    }
-
-    fn run(&mut self, job: &Arc<vsd_job::Job>) -> Result<(), String> {
-        self.body.run(job)
-    }
-
-    fn commit(&mut self) {
-        self.body.commit();
-        if self.always {
-            self.restore();
-        }
-    }
-
-    fn abort(&mut self) {
-        self.body.abort();
-        self.restore();
-    }
-
-    fn clean(&mut self) {
-        self.body.clean();
-    }
 }

@@ -9,9 +9,11 @@ use serde_json::{Value, json};
 use vsd_block::BlockNode;
 use vsd_control::qmp::{ErrorClass, QmpError};
 use vsd_job::backup::{Backup, BackupSpec, BitmapMode, Sync};
-use vsd_job::{ErrorPolicy, Group, Job, JobInfo, JobSpec, Status, Verb};
+use vsd_job::{ErrorPolicy, Group, Job, JobBody, JobInfo, JobSpec, Status, Verb};
 
+use crate::chain::Node;
 use crate::daemon::{Daemon, State};
+use crate::reopen::set_read_only_tree;
 
 type Reply = Result<Value, QmpError>;
 
@@ -327,4 +329,58 @@ fn backup_bitmap(args: &BackupArgs, source: &Arc<dyn BlockNode>) -> Result<(Sync
         (_, Some(BitmapModeArg::Always)) => BitmapMode::Always,
     };
     Ok((sync, Some((bitmap, mode))))
+}
+
+/// A job's body, with the node it writes into writable while it runs
+/// (QEMU reopens it so): read-only again if the job fails, or `always`.
+/// A stream's overlay and an intermediate commit's base are read-only
+/// again after any end; an active commit's base becomes the active layer,
+/// and QEMU 10 leaves it writable too when a soft `block-job-cancel` ends
+/// the job.
+pub(crate) struct Restoring<B> {
+    pub(crate) body: B,
+    pub(crate) node: Node,
+    /// The node was made writable for the job.
+    pub(crate) reopened: bool,
+    pub(crate) always: bool,
+}
+
+impl<B> Restoring<B> {
+    fn restore(&mut self) {
+        if std::mem::take(&mut self.reopened)
+            && let Err(e) = set_read_only_tree(&self.node, true)
+        {
+            log::warn!("node '{}' stays writable after the job: {e}", self.node.name());
+        }
+    }
+}
+
+impl<B: JobBody> JobBody for Restoring<B> {
+    fn prepare(&mut self, job: &Arc<vsd_job::Job>) -> Result<(), String> {
+        if self.node.read_only() {
+            set_read_only_tree(&self.node, false)?;
+            self.reopened = true;
+        }
+        self.body.prepare(job).inspect_err(|_| self.restore())
+    }
+
+    fn run(&mut self, job: &Arc<vsd_job::Job>) -> Result<(), String> {
+        self.body.run(job)
+    }
+
+    fn commit(&mut self) {
+        self.body.commit();
+        if self.always {
+            self.restore();
+        }
+    }
+
+    fn abort(&mut self) {
+        self.body.abort();
+        self.restore();
+    }
+
+    fn clean(&mut self) {
+        self.body.clean();
+    }
 }

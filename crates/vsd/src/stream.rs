@@ -14,7 +14,7 @@ use crate::chain::{
     Node, backing_format, chain, image_filename, is_filter, lookup, place_of_file, place_of_node, skip_filters,
 };
 use crate::daemon::{Daemon, State};
-use crate::jobs::{OnError, busy, generic, node, speed, well_formed};
+use crate::jobs::{OnError, Restoring, busy, generic, node, speed, well_formed};
 use crate::writers::SourceWriters;
 
 #[derive(Deserialize)]
@@ -71,9 +71,6 @@ impl Daemon {
         if chain.len() > 1 && top.driver() != "qcow2" {
             return Err(generic(format!("Node '{}' is not a qcow2 image: vsd streams into qcow2 only", top.name())));
         }
-        if top.read_only() {
-            return Err(generic(format!("Node '{}' is read-only", top.name())));
-        }
         // QEMU takes a device's name as the id, and a node has none.
         let id = args.job_id.unwrap_or_default();
         if !well_formed(&id) {
@@ -90,14 +87,16 @@ impl Daemon {
         };
         let writers = Arc::new(SourceWriters { state: self.shared_state(), source: top.name().to_string() });
         let stream = Stream::new(StreamSpec {
-            top,
+            top: top.clone(),
             base,
             base_depth: base_depth.map(|at| at as u32 + 1),
             header,
             writers,
             on_error: args.on_error.into(),
         });
-        self.jobs.start(spec, Box::new(stream)).map_err(generic)?;
+        // A read-only overlay is writable while the job runs, as in QEMU.
+        let body = Restoring { body: stream, node: top, reopened: false, always: true };
+        self.jobs.start(spec, Box::new(body)).map_err(generic)?;
         Ok(json!({}))
     }
 }

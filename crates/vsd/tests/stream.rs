@@ -12,7 +12,8 @@ use common::images::{
     BLOCK, CHAIN_SIZE, MIB, Writer, assert_clean, chain_byte, chain_nodes, first_mismatch_read, info, qcow2_chain,
     served_chain,
 };
-use common::{Scratch, ok};
+use common::qmp::Qmp;
+use common::{Daemon, Scratch, monitor, ok};
 use serde_json::{Value, json};
 
 const SIZE: u64 = CHAIN_SIZE;
@@ -256,4 +257,43 @@ fn an_unmasked_file_node_base_is_named_file_in_the_header_as_qemu_does() {
         ("block-commit", json!({"device": "top2", "top-node": "mid2", "base-node": "base"}), "file"),
     ];
     assert_headers_as_qsd("stream-header-unmasked", &jobs);
+}
+
+/// A stream into a read-only overlay on `start`'s daemon: whether the
+/// overlay was writable during the job and is read-only after it, and
+/// whether its header then names no backing file.
+fn read_only_overlay_streamed(start: fn(&Scratch, &[String]) -> Daemon, name: &str) -> (bool, bool, bool) {
+    let dir = Scratch::new(name);
+    let images = qcow2_chain(&dir);
+    let read_only = |arg: String| match arg.starts_with("driver=qcow2,") {
+        true => format!("{arg},read-only=on"),
+        false => arg,
+    };
+    let mut args: Vec<String> = chain_nodes(&images).into_iter().map(read_only).collect();
+    args.extend(monitor(&dir.path("qmp.sock")));
+    let daemon = start(&dir, &args);
+    let mut qmp = Qmp::connect(&dir.path("qmp.sock"));
+    let top_read_only = |qmp: &mut Qmp| {
+        let nodes = qmp.ok("query-named-block-nodes", json!({"flat": true}));
+        let top = nodes.as_array().unwrap().iter().find(|n| n["node-name"] == "top").cloned();
+        top.and_then(|t| t["ro"].as_bool()).unwrap_or_else(|| panic!("no top in {nodes}"))
+    };
+    // Slow enough to be looked at while it runs.
+    qmp.ok("block-stream", json!({"job-id": "s", "device": "top", "speed": 4 * MIB}));
+    let during = top_read_only(&mut qmp);
+    qmp.ok("block-job-set-speed", json!({"device": "s", "speed": 0}));
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "s"}));
+    assert!(done.get("error").is_none(), "{name}: {done}");
+    let after = top_read_only(&mut qmp);
+    drop(daemon);
+    (during, after, info(&images[2]).get("backing-filename").is_none())
+}
+
+/// QEMU reopens a read-only overlay writable for a stream and read-only
+/// again after it: vsd does as it does.
+#[test]
+fn a_read_only_overlay_is_writable_while_streamed_as_in_qemu() {
+    let qsd = read_only_overlay_streamed(Daemon::qsd, "stream-ro-qsd");
+    assert_eq!(qsd, (false, true, true), "qemu-storage-daemon: writable during, read-only after, streamed");
+    assert_eq!(read_only_overlay_streamed(Daemon::vsd, "stream-ro-vsd"), qsd);
 }
