@@ -627,3 +627,31 @@ fn exports_read_through_the_new_backing_node_at_once_and_the_header_stays() {
     assert_clean(&image);
     assert_eq!(common::images::info(&image)["backing-filename"], json!(path(&dir.path("base1.raw"))), "as created");
 }
+
+/// Where vsd is stricter than QEMU: a backing node changes only where no
+/// job uses the node and nothing reads it through another node in use
+/// (their queues were opened on the old chain); refused, nothing changes.
+#[test]
+fn a_backing_change_under_a_job_or_a_reader_above_is_refused() {
+    let dir = Scratch::new("reopen-backing-refused");
+    let images = common::images::qcow2_chain(&dir);
+    let (_daemon, mut qmp) = common::images::served_chain(&dir, &images);
+    let reopen = |node: &str, backing: Value| {
+        let file = format!("{node}-file");
+        json!({"options": [{"driver": "qcow2", "node-name": node, "file": file, "backing": backing}]})
+    };
+    let refused = qmp.answer("blockdev-reopen", reopen("mid", Value::Null));
+    let read_through = "Node 'mid' is read through node 'top', which is in use: vsd changes its backing only where \
+                        nothing uses it through another node";
+    assert_eq!(refused["error"]["desc"], read_through, "{refused}");
+
+    let target = dir.image("target.img", common::images::CHAIN_SIZE);
+    qmp.ok("blockdev-add", json!({"driver": "file", "node-name": "target", "filename": target}));
+    qmp.ok("blockdev-mirror", json!({"job-id": "m", "device": "top", "target": "target", "sync": "full", "speed": 1}));
+    let refused = qmp.answer("blockdev-reopen", reopen("top", json!("base")));
+    let used = "Node 'top' is used by job 'm': vsd changes its backing only unused";
+    assert_eq!(refused["error"]["desc"], used, "{refused}");
+    let nodes = qmp.ok("query-named-block-nodes", json!({"flat": true}));
+    let top = nodes.as_array().unwrap().iter().find(|n| n["node-name"] == "top").unwrap();
+    assert_eq!(top["backing_file_depth"], 2, "top still reads mid, then base: {top}");
+}
