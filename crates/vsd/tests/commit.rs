@@ -9,12 +9,12 @@ mod common;
 use std::time::Duration;
 
 use common::images::{
-    BLOCK, CHAIN_SIZE, MIB, Writer, assert_clean, assert_committed, chain_byte, chain_nodes, first_mismatch_read, info,
-    qcow2_chain, served_chain,
+    BLOCK, CHAIN_SIZE, MIB, Writer, assert_clean, assert_committed, chain_byte, chain_nodes, chain_with_read_only,
+    first_mismatch_read, info, node_read_only, qcow2_chain, served_chain,
 };
 use common::qmp::Qmp;
 use common::script::Step::{self, Await, Command};
-use common::{Daemon, Scratch, monitor, ok};
+use common::{Daemon, Scratch, ok};
 use serde_json::{Value, json};
 
 /// Between the writer's writes: an active commit must get in sync under it.
@@ -128,26 +128,13 @@ fn commit_commands_answer_and_notify_as_qemu_storage_daemon_does() {
 /// cancelled, with `force` or not, on the daemon `start` runs.
 fn base_read_only_after_cancel(start: fn(&Scratch, &[String]) -> Daemon, name: &str, force: bool) -> bool {
     let dir = Scratch::new(name);
-    let read_only =
-        |arg: String| match ["base", "mid"].iter().any(|n| arg.starts_with(&format!("driver=qcow2,node-name={n},"))) {
-            true => format!("{arg},read-only=on"),
-            false => arg,
-        };
-    let mut args: Vec<String> = chain_nodes(&qcow2_chain(&dir)).into_iter().map(read_only).collect();
-    args.extend(monitor(&dir.path("qmp.sock")));
-    let _daemon = start(&dir, &args);
-    let mut qmp = Qmp::connect(&dir.path("qmp.sock"));
-    let base_read_only = |qmp: &mut Qmp| {
-        let nodes = qmp.ok("query-named-block-nodes", json!({"flat": true}));
-        let base = nodes.as_array().unwrap().iter().find(|n| n["node-name"] == "base").cloned();
-        base.and_then(|b| b["ro"].as_bool()).unwrap_or_else(|| panic!("no base in {nodes}"))
-    };
-    assert!(base_read_only(&mut qmp), "{name}: read-only before the job");
+    let (_daemon, mut qmp) = chain_with_read_only(start, &dir, &qcow2_chain(&dir), &["base", "mid"]);
+    assert!(node_read_only(&mut qmp, "base"), "{name}: read-only before the job");
     qmp.ok("block-commit", json!({"job-id": "c", "device": "top"}));
     qmp.await_event("BLOCK_JOB_READY", json!({"device": "c"}));
     qmp.ok("block-job-cancel", json!({"device": "c", "force": force}));
     qmp.await_event("JOB_STATUS_CHANGE", json!({"id": "c", "status": "null"}));
-    base_read_only(&mut qmp)
+    node_read_only(&mut qmp, "base")
 }
 
 /// QEMU 10 makes the base read-only again when a ready active commit is

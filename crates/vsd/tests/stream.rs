@@ -9,11 +9,10 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::images::{
-    BLOCK, CHAIN_SIZE, MIB, Writer, assert_clean, chain_byte, chain_nodes, first_mismatch_read, info, qcow2_chain,
-    served_chain,
+    BLOCK, CHAIN_SIZE, MIB, Writer, assert_clean, chain_byte, chain_nodes, chain_with_read_only, first_mismatch_read,
+    info, node_read_only, qcow2_chain, served_chain,
 };
-use common::qmp::Qmp;
-use common::{Daemon, Scratch, monitor, ok};
+use common::{Daemon, Scratch, ok};
 use serde_json::{Value, json};
 
 const SIZE: u64 = CHAIN_SIZE;
@@ -265,26 +264,14 @@ fn an_unmasked_file_node_base_is_named_file_in_the_header_as_qemu_does() {
 fn read_only_overlay_streamed(start: fn(&Scratch, &[String]) -> Daemon, name: &str) -> (bool, bool, bool) {
     let dir = Scratch::new(name);
     let images = qcow2_chain(&dir);
-    let read_only = |arg: String| match arg.starts_with("driver=qcow2,") {
-        true => format!("{arg},read-only=on"),
-        false => arg,
-    };
-    let mut args: Vec<String> = chain_nodes(&images).into_iter().map(read_only).collect();
-    args.extend(monitor(&dir.path("qmp.sock")));
-    let daemon = start(&dir, &args);
-    let mut qmp = Qmp::connect(&dir.path("qmp.sock"));
-    let top_read_only = |qmp: &mut Qmp| {
-        let nodes = qmp.ok("query-named-block-nodes", json!({"flat": true}));
-        let top = nodes.as_array().unwrap().iter().find(|n| n["node-name"] == "top").cloned();
-        top.and_then(|t| t["ro"].as_bool()).unwrap_or_else(|| panic!("no top in {nodes}"))
-    };
+    let (daemon, mut qmp) = chain_with_read_only(start, &dir, &images, &["base", "mid", "top"]);
     // Slow enough to be looked at while it runs.
     qmp.ok("block-stream", json!({"job-id": "s", "device": "top", "speed": 4 * MIB}));
-    let during = top_read_only(&mut qmp);
+    let during = node_read_only(&mut qmp, "top");
     qmp.ok("block-job-set-speed", json!({"device": "s", "speed": 0}));
     let done = qmp.await_event("BLOCK_JOB_COMPLETED", json!({"device": "s"}));
     assert!(done.get("error").is_none(), "{name}: {done}");
-    let after = top_read_only(&mut qmp);
+    let after = node_read_only(&mut qmp, "top");
     drop(daemon);
     (during, after, info(&images[2]).get("backing-filename").is_none())
 }

@@ -178,3 +178,31 @@ pub fn assert_committed(qmp: &mut Qmp, daemon: Daemon, dir: &Scratch, images: &[
     let expect = |at: u64| last.get(&(at / BLOCK)).copied().unwrap_or_else(|| chain_byte(at));
     assert_eq!(first_mismatch_read(dir, &images[0], expect), None, "the base holds the chain and every write");
 }
+
+/// `start`ed in `dir` (vsd or qemu-storage-daemon) with the nodes of
+/// [`chain_nodes`], those named in `read_only` opened read-only, and a
+/// monitor.
+pub fn chain_with_read_only(
+    start: fn(&Scratch, &[String]) -> Daemon,
+    dir: &Scratch,
+    images: &[PathBuf; 3],
+    read_only: &[&str],
+) -> (Daemon, Qmp) {
+    let opened = |arg: String| match read_only.iter().any(|n| arg.starts_with(&format!("driver=qcow2,node-name={n},")))
+    {
+        true => format!("{arg},read-only=on"),
+        false => arg,
+    };
+    let mut args: Vec<String> = chain_nodes(images).into_iter().map(opened).collect();
+    args.extend(monitor(&dir.path("qmp.sock")));
+    let daemon = start(dir, &args);
+    let qmp = Qmp::connect(&dir.path("qmp.sock"));
+    (daemon, qmp)
+}
+
+/// Whether node `name` is read-only, as `query-named-block-nodes` says.
+pub fn node_read_only(qmp: &mut Qmp, name: &str) -> bool {
+    let nodes = qmp.ok("query-named-block-nodes", serde_json::json!({"flat": true}));
+    let node = nodes.as_array().unwrap().iter().find(|n| n["node-name"] == name).cloned();
+    node.and_then(|n| n["ro"].as_bool()).unwrap_or_else(|| panic!("no {name} in {nodes}"))
+}
