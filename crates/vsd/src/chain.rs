@@ -54,6 +54,12 @@ pub(crate) fn is_filter(node: &Node) -> bool {
     matches!(node.driver(), "throttle" | "blkdebug")
 }
 
+/// Whether `node` is a filter that can pass its requests to another child
+/// ([`BlockNode::replace_filtered`]): vsd's throttle, not its blkdebug.
+pub(crate) fn swaps_child(node: &Node) -> bool {
+    node.driver() == "throttle"
+}
+
 /// `node`, or below its filters the node they pass requests on to.
 pub(crate) fn skip_filters(node: &Node) -> Node {
     match node.children().into_iter().next() {

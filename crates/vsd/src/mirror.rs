@@ -13,7 +13,7 @@ use vsd_job::mirror::{Mirror, MirrorSpec, MirrorSync, Writers};
 use vsd_job::mirror_top::{InFlight, MirrorTop};
 use vsd_job::{JobBody, JobSpec};
 
-use crate::chain::{Node, is_filter};
+use crate::chain::{Node, is_filter, swaps_child};
 use crate::daemon::{Daemon, State, lock_state};
 use crate::jobs::{OnError, SOURCE, below, busy, generic, node, speed, well_formed};
 use crate::writers::switch_exports;
@@ -217,7 +217,7 @@ fn filter_above(state: &State, device: &Node, name: &str) -> Result<Option<(Node
             node = child;
             continue;
         }
-        if node.driver() != "throttle" {
+        if !swaps_child(&node) {
             return Err(generic(format!("vsd's {} filter '{}' cannot take another child", node.driver(), node.name())));
         }
         return Ok(Some((node, replaced)));

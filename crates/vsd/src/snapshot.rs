@@ -6,13 +6,12 @@
 //! over the node takes the overlay as its child the same way, its exports
 //! stopped meanwhile.
 
-use std::sync::Arc;
-
 use serde::Deserialize;
 use serde_json::{Value, json};
-use vsd_block::{BlockNode, RemoveError};
+use vsd_block::RemoveError;
 use vsd_control::qmp::QmpError;
 
+use crate::chain::{Node, swaps_child};
 use crate::daemon::{Daemon, State};
 use crate::writers::switch_exports;
 
@@ -22,8 +21,6 @@ pub(crate) struct SnapshotArgs {
     node: String,
     overlay: String,
 }
-
-type Node = Arc<dyn BlockNode>;
 
 fn generic(text: String) -> QmpError {
     QmpError::generic(text)
@@ -110,7 +107,7 @@ fn filters_above(state: &State, name: &str) -> Result<Vec<Node>, QmpError> {
         state.graph.nodes().filter(|p| p.children().iter().any(|(_, child)| child.name() == name)).cloned().collect()
     };
     let filters = above(name);
-    if let Some(other) = filters.iter().find(|p| p.driver() != "throttle") {
+    if let Some(other) = filters.iter().find(|p| !swaps_child(p)) {
         let role =
             other.children().into_iter().find(|(_, child)| child.name() == name).map_or("child", |(role, _)| role);
         let used = RemoveError::Child { role, parent: other.name().to_string() };
