@@ -1,6 +1,7 @@
 //! Thin wrappers around the Linux system calls vsd makes directly, by
 //! subject: files, event counters, unix sockets, users, CPUs, the daemon's
-//! termination signals and interrupting a blocked thread.
+//! termination signals, interrupting a blocked thread, and confinement
+//! (no new privileges, no capabilities, the sandbox's SIGSYS).
 //!
 //! Every call returns `io::Result`, so callers never look at `errno`
 //! themselves, and every `unsafe` block of that kind lives here. Also the
@@ -8,6 +9,7 @@
 
 #![deny(missing_docs)]
 
+pub mod confine;
 pub mod counter;
 pub mod cpu;
 pub mod file;

@@ -1,4 +1,5 @@
-//! The process itself: its page size and the CPU time it has used.
+//! The process itself: its page size, the CPU time it has used, and its
+//! threads as the kernel describes them.
 
 use std::io;
 use std::mem::MaybeUninit;
@@ -31,6 +32,32 @@ fn timeval_to_duration(tv: libc::timeval) -> Duration {
     let secs = u64::try_from(tv.tv_sec).unwrap_or(0);
     let micros = u32::try_from(tv.tv_usec).unwrap_or(0);
     Duration::new(secs, micros.saturating_mul(1000))
+}
+
+/// One thread of this process as `/proc/self/task/TID/status` describes it.
+pub struct ThreadStatus(String);
+
+impl ThreadStatus {
+    /// The value of a field (`"Name"`, `"Uid"`, `"CapEff"`...), trimmed;
+    /// empty if the kernel does not show it.
+    pub fn field(&self, key: &str) -> &str {
+        let line = self.0.lines().find_map(|line| line.strip_prefix(key)?.strip_prefix(':'));
+        line.unwrap_or_default().trim()
+    }
+}
+
+/// Every thread of this process now; those that exit meanwhile are left out.
+pub fn thread_statuses() -> io::Result<Vec<ThreadStatus>> {
+    let mut threads = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task")? {
+        match std::fs::read_to_string(task?.path().join("status")) {
+            Ok(status) => threads.push(ThreadStatus(status)),
+            // Gone (ENOENT), or between its exit and its reaping (ESRCH).
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ESRCH)) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(threads)
 }
 
 #[cfg(test)]

@@ -17,6 +17,7 @@ mod pidfile;
 mod qapi;
 mod reopen;
 mod run_as;
+mod sandbox;
 mod snapshot;
 mod stat;
 mod stream;
@@ -86,6 +87,10 @@ struct DaemonArgs {
     /// user=NAME (its groups) or user=UID:GID, as QEMU's -run-with.
     #[arg(long, value_name = "user=USER")]
     run_with: Option<String>,
+    /// Confine the daemon once it serves (on|off, as QEMU's -sandbox):
+    /// no new privileges, no capabilities, a seccomp list of system calls.
+    #[arg(long, value_name = "on|off")]
+    sandbox: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -123,8 +128,40 @@ fn run(args: DaemonArgs) -> Result<()> {
     vsd_sys::block_termination_signals().context("blocking signals")?;
     // Resolved before anything is opened, so that a mistake leaves nothing behind.
     let run_as = args.run_with.as_deref().map(RunAs::parse).transpose()?;
+    let sandbox = args.sandbox.as_deref().map(sandbox::parse).transpose()?.unwrap_or(false);
+    if sandbox {
+        sandbox::prepare(run_as.is_some())?;
+    }
 
     let daemon = Arc::new(Daemon::new());
+    let _serving = start(&args, &daemon).map_err(|e| match sandbox && run_as.is_none() {
+        true => sandbox::started_without_capabilities(e),
+        false => e,
+    })?;
+    // All that needs privileges is open.
+    if let Some(run_as) = &run_as {
+        run_as.drop_privileges()?;
+    }
+    if sandbox {
+        sandbox::enter()?;
+    }
+    let signal = vsd_sys::wait_for_termination().context("waiting for signals")?;
+    log::info!("signal {signal}: shutting down");
+    daemon.shutdown();
+    Ok(())
+}
+
+/// What the daemon serves with besides its exports, kept until it stops;
+/// dropped in this order.
+struct Serving {
+    _pidfile: Option<Pidfile>,
+    _metrics: Option<MetricsServer>,
+    _monitors: Vec<QmpServer>,
+}
+
+/// Opens every object and node, starts the NBD server, every export and
+/// monitor and the metrics, then writes the pidfile.
+fn start(args: &DaemonArgs, daemon: &Arc<Daemon>) -> Result<Serving> {
     for text in &args.object {
         daemon.objects.add(OptionMap::parse_implied("--object", text, "qom-type")?).map_err(anyhow::Error::msg)?;
     }
@@ -141,14 +178,14 @@ fn run(args: DaemonArgs) -> Result<()> {
     for text in &args.export {
         daemon.add_export(OptionMap::parse("--export", text)?)?;
     }
-    let _monitors = monitors
+    let monitors = monitors
         .iter()
         .map(|path| {
             QmpServer::listen(path, daemon.clone(), daemon.events.clone())
                 .with_context(|| format!("cannot open the QMP socket '{}'", path.display()))
         })
         .collect::<Result<Vec<_>>>()?;
-    let _metrics = match &args.metrics {
+    let metrics = match &args.metrics {
         Some(addr) => {
             let source = daemon.clone();
             let render = Arc::new(move || commands::metrics(&source));
@@ -156,14 +193,7 @@ fn run(args: DaemonArgs) -> Result<()> {
         }
         None => None,
     };
-    // The pidfile says every socket listens; privileges go after it, as all
-    // that needs them is open.
-    let _pidfile = args.pidfile.as_deref().map(Pidfile::write).transpose()?;
-    if let Some(run_as) = &run_as {
-        run_as.drop_privileges()?;
-    }
-    let signal = vsd_sys::wait_for_termination().context("waiting for signals")?;
-    log::info!("signal {signal}: shutting down");
-    daemon.shutdown();
-    Ok(())
+    // Last: it says every socket listens.
+    let pidfile = args.pidfile.as_deref().map(Pidfile::write).transpose()?;
+    Ok(Serving { _pidfile: pidfile, _metrics: metrics, _monitors: monitors })
 }

@@ -72,22 +72,10 @@ fn numeric_ids(text: &str) -> Option<(u32, u32)> {
 /// are io_uring's workers (`iou-wrk-*`), started only if a front-end
 /// connected and did I/O before the drop.
 fn threads_not_running_as(uid: u32, gid: u32) -> Result<Vec<String>> {
-    let mut others = Vec::new();
-    for task in std::fs::read_dir("/proc/self/task").context("listing /proc/self/task")? {
-        let path = task?.path().join("status");
-        let status = match std::fs::read_to_string(&path) {
-            Ok(status) => status,
-            // It exited meanwhile: gone (ENOENT), or between exit and reaping (ESRCH).
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ESRCH)) => continue,
-            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
-        };
-        let field = |key: &str| status.lines().find_map(|line| line.strip_prefix(key)).unwrap_or_default().trim();
-        let is = |key: &str, want: u32| field(key).split_whitespace().all(|id| id == want.to_string());
-        if !(is("Uid:", uid) && is("Gid:", gid)) {
-            others.push(format!("'{}' (uid {}, gid {})", field("Name:"), field("Uid:"), field("Gid:")));
-        }
-    }
-    Ok(others)
+    let threads = vsd_sys::process::thread_statuses().context("listing the threads in /proc/self/task")?;
+    let is = |ids: &str, want: u32| ids.split_whitespace().all(|id| id == want.to_string());
+    let others = threads.iter().filter(|t| !(is(t.field("Uid"), uid) && is(t.field("Gid"), gid)));
+    Ok(others.map(|t| format!("'{}' (uid {}, gid {})", t.field("Name"), t.field("Uid"), t.field("Gid"))).collect())
 }
 
 #[cfg(test)]

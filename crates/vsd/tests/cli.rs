@@ -194,9 +194,29 @@ fn sockets_get_the_owner_and_group_they_are_given() {
             numbered.display()
         ),
     ]);
+    let owned_as_asked = || {
+        let meta = std::fs::symlink_metadata(&named).unwrap();
+        assert_eq!((meta.uid(), meta.gid(), meta.permissions().mode() & 0o777), (uid, gid, 0o660));
+    };
+
+    // Sandboxed without --run-with, root starts without its capabilities:
+    // it cannot give a socket away, and says what would let it.
+    let out = run(VSD, &common::sandboxed(&args).iter().map(String::as_str).collect::<Vec<_>>());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("Operation not permitted") && stderr.contains("--run-with"), "{stderr}");
+    // With --run-with, the capabilities last until the drop to the user.
+    let mut as_nobody = args.clone();
+    as_nobody.extend(strings(&["--run-with", "user=nobody"]));
+    drop(Daemon::vsd(&dir, &as_nobody));
+    owned_as_asked();
+
+    // Without the sandbox, root keeps them; the sockets it leaves behind
+    // (nobody could not remove them) are replaced.
+    args.extend(strings(&["--sandbox", "off"]));
     let daemon = Daemon::vsd(&dir, &args);
-    let meta = std::fs::symlink_metadata(&named).unwrap();
-    assert_eq!((meta.uid(), meta.gid(), meta.permissions().mode() & 0o777), (uid, gid, 0o660));
+    owned_as_asked();
     let meta = std::fs::symlink_metadata(&numbered).unwrap();
     assert_eq!((meta.uid(), meta.gid(), meta.permissions().mode() & 0o777), (0, gid, 0o600), "only the group given");
     let _client = daemon.connect(vsd_bench::ClientOptions { read_only: true, ..Default::default() });

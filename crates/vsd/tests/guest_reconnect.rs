@@ -27,7 +27,7 @@ impl Vsd {
         let _ = std::fs::remove_file(&pidfile);
         let stderr = File::options().create(true).append(true).open(log).unwrap();
         let mut child = Command::new(VSD)
-            .args(args)
+            .args(common::sandboxed(args))
             .arg("--pidfile")
             .arg(&pidfile)
             .env("RUST_LOG", "vsd_export=info")

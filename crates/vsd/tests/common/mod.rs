@@ -18,6 +18,15 @@ pub mod script;
 
 pub const VSD: &str = env!("CARGO_BIN_EXE_vsd");
 
+/// `args` with `--sandbox on` added, unless they say `--sandbox` already.
+pub fn sandboxed(args: &[String]) -> Vec<String> {
+    let mut args = args.to_vec();
+    if !args.iter().any(|a| a == "--sandbox") {
+        args.extend(["--sandbox".into(), "on".into()]);
+    }
+    args
+}
+
 /// A directory removed when the test ends.
 pub struct Scratch(pub PathBuf);
 
@@ -60,10 +69,15 @@ pub struct Daemon {
 
 impl Daemon {
     /// Starts vsd with these arguments and waits until its pidfile says the
-    /// exports accept connections. With `VSD_TEST_IOTHREAD` set in the
-    /// environment, every vhost-user-blk export that does not choose its
-    /// own threads or polling runs on one shared `--object iothread`.
+    /// exports accept connections. It runs sandboxed unless the test says
+    /// `--sandbox` itself: the suite is what shows the sandbox's list of
+    /// system calls covers what the daemon does. With `VSD_TEST_IOTHREAD`
+    /// set in the environment, every vhost-user-blk export that does not
+    /// choose its own threads or polling runs on one shared `--object
+    /// iothread`.
     pub fn vsd(dir: &Scratch, args: &[String]) -> Self {
+        let sandboxed = sandboxed(args);
+        let args = &sandboxed;
         if std::env::var_os("VSD_TEST_IOTHREAD").is_none() {
             return Self::start(VSD, dir, args);
         }
