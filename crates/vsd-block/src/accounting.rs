@@ -184,6 +184,9 @@ impl BlockNode for AccountedNode {
     fn cluster_size(&self) -> Option<u64> {
         self.inner.cluster_size()
     }
+    fn supports_compressed_writes(&self) -> bool {
+        self.inner.supports_compressed_writes()
+    }
     fn can_store_bitmaps(&self) -> bool {
         self.inner.can_store_bitmaps()
     }
@@ -244,7 +247,7 @@ impl AccountedQueue {
 pub fn counted_as(op: &IoOp) -> (OpKind, u64) {
     let kind = match op {
         IoOp::Read { .. } => OpKind::Read,
-        IoOp::Write { .. } | IoOp::WriteZeroes { .. } => OpKind::Write,
+        IoOp::Write { .. } | IoOp::WriteCompressed { .. } | IoOp::WriteZeroes { .. } => OpKind::Write,
         IoOp::Flush => OpKind::Flush,
         IoOp::Discard { .. } => OpKind::Unmap,
     };

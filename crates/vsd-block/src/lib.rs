@@ -148,6 +148,11 @@ pub trait BlockNode: Send + Sync {
     fn cluster_size(&self) -> Option<u64> {
         None
     }
+    /// Whether the node stores [`IoOp::WriteCompressed`] (a qcow2 node):
+    /// every other fails it with ENOTSUP, so a job asks first.
+    fn supports_compressed_writes(&self) -> bool {
+        false
+    }
     /// The granularity of a bitmap made without one (QEMU's default: the
     /// cluster size between 4 KiB and 64 KiB, or 64 KiB).
     fn default_bitmap_granularity(&self) -> u64 {

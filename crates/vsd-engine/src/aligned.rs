@@ -573,6 +573,7 @@ fn describe(op: IoOp) -> (Kind, u64, u64) {
         IoOp::WriteZeroes { offset, len, may_unmap, .. } => (Kind::Zero { may_unmap }, offset, offset + len),
         // Never bounced.
         IoOp::Discard { offset, len } => (Kind::Zero { may_unmap: true }, offset, offset + len),
+        IoOp::WriteCompressed { offset, len, .. } => (Kind::Write { durable: false }, offset, offset + len),
         IoOp::Flush => (Kind::Read, 0, 0),
     }
 }
@@ -602,6 +603,10 @@ impl IoQueue for AlignedQueue {
                 return;
             }
             IoOp::Discard { .. } | IoOp::Flush => true,
+            IoOp::WriteCompressed { .. } => {
+                self.answered.push(Completion { tag, errno: libc::ENOTSUP });
+                return;
+            }
         };
         if aligned || op.extent().is_some_and(|(_, len)| len == 0) {
             // SAFETY: the caller's guarantee for `op`.
@@ -775,7 +780,8 @@ mod tests {
                     grow(&mut disk.bytes, offset + len);
                     disk.bytes[offset as usize..(offset + len) as usize].fill(0);
                 }
-                IoOp::Flush => {}
+                // The aligned queue answers compressed writes itself.
+                IoOp::Flush | IoOp::WriteCompressed { .. } => {}
             }
         }
     }
@@ -789,7 +795,7 @@ mod tests {
                         || iov.as_slice().iter().any(|v| v.iov_base as u64 & mem != 0 || v.iov_len as u64 & req != 0)
                 }
                 IoOp::WriteZeroes { offset, len, .. } | IoOp::Discard { offset, len } => (offset | len) & req != 0,
-                IoOp::Flush => false,
+                IoOp::Flush | IoOp::WriteCompressed { .. } => false,
             };
             self.disk.lock().unwrap().misaligned += usize::from(bad);
             self.queued.push((tag, op));
@@ -971,7 +977,7 @@ mod tests {
                             model[offset as usize..(offset + len) as usize].fill(0);
                         }
                     }
-                    IoOp::Flush => {}
+                    IoOp::Flush | IoOp::WriteCompressed { .. } => {}
                 }
             }
             let disk = disk.lock().unwrap();

@@ -70,6 +70,8 @@ impl Inline {
         match op {
             IoOp::Read { .. } => self.reads != Mode::Never,
             IoOp::Write { durable: false, .. } => self.writes != Mode::Never,
+            // A file stores nothing compressed: refused here, never queued.
+            IoOp::WriteCompressed { .. } => true,
             _ => false,
         }
     }
@@ -85,6 +87,7 @@ impl Inline {
         let mode = match op {
             IoOp::Read { .. } => &mut self.reads,
             IoOp::Write { durable: false, .. } => &mut self.writes,
+            IoOp::WriteCompressed { .. } => return Some(libc::ENOTSUP),
             _ => return None,
         };
         match *mode {

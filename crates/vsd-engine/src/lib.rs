@@ -55,6 +55,17 @@ pub enum IoOp {
         /// Complete only once the data is on stable storage (writethrough).
         durable: bool,
     },
+    /// Write `len` bytes at `offset` compressed, a backup's `compress`:
+    /// whole clusters, which only a qcow2 node stores so; every other
+    /// driver and engine fails it with ENOTSUP.
+    WriteCompressed {
+        /// Byte offset.
+        offset: u64,
+        /// Total length of the buffers.
+        len: u64,
+        /// The gather list.
+        iov: IoVecs,
+    },
     /// Make every completed write durable.
     Flush,
     /// Drop the data of a range; reads of it may then return anything.
@@ -84,6 +95,7 @@ impl IoOp {
         match *self {
             IoOp::Read { offset, len, .. }
             | IoOp::Write { offset, len, .. }
+            | IoOp::WriteCompressed { offset, len, .. }
             | IoOp::Discard { offset, len }
             | IoOp::WriteZeroes { offset, len, .. } => Some((offset, len)),
             IoOp::Flush => None,
@@ -367,6 +379,7 @@ fn run_sync(fd: std::os::fd::BorrowedFd<'_>, op: IoOp) -> io::Result<()> {
             })?;
             if done < len { Err(io::Error::from_raw_os_error(libc::ENOSPC)) } else { Ok(()) }
         }
+        IoOp::WriteCompressed { .. } => Err(io::Error::from_raw_os_error(libc::ENOTSUP)),
         IoOp::Flush => vsd_sys::fdatasync(fd),
         IoOp::Discard { offset, len } => vsd_sys::fallocate(fd, falloc::PUNCH_HOLE, offset, len),
         IoOp::WriteZeroes { offset, len, may_unmap, fast } => zero_range(fd, offset, len, may_unmap, fast),

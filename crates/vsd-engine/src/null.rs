@@ -49,12 +49,18 @@ impl NullQueue {
 
 impl IoQueue for NullQueue {
     unsafe fn push(&mut self, tag: u32, op: IoOp) {
-        if let (IoOp::Read { iov, .. }, true) = (op, self.read_zeroes) {
-            // SAFETY: IoQueue's contract: the buffers are valid and writable
-            // until the completion is reaped.
-            unsafe { iov.zero_from(0) };
-        }
-        let done = Completion { tag, errno: 0 };
+        let errno = match op {
+            IoOp::Read { iov, .. } if self.read_zeroes => {
+                // SAFETY: IoQueue's contract: the buffers are valid and
+                // writable until the completion is reaped.
+                unsafe { iov.zero_from(0) };
+                0
+            }
+            // QEMU's null-co has no compressed write either.
+            IoOp::WriteCompressed { .. } => libc::ENOTSUP,
+            _ => 0,
+        };
+        let done = Completion { tag, errno };
         if self.timer.is_none() {
             self.ready.push(done);
             return;

@@ -155,6 +155,9 @@ impl UringQueue {
             (IoOp::WriteZeroes { offset, len, .. }, Step::PunchHole) => fallocate(offset, len, falloc::PUNCH_HOLE),
             (IoOp::WriteZeroes { offset, len, .. }, Step::Reallocate) => fallocate(offset, len, falloc::ALLOCATE),
             (IoOp::WriteZeroes { offset, len, .. }, _) => fallocate(offset, len, falloc::ZERO_RANGE),
+            // Answered ENOTSUP inline (see `Inline::complete`), and by
+            // `complete` should it ever reach the ring.
+            (IoOp::WriteCompressed { .. }, _) => opcode::Nop::new().build(),
         }
     }
 
@@ -208,6 +211,7 @@ impl UringQueue {
             // Discarding is advisory, as in QEMU: a file system that cannot
             // punch holes keeps the data and the request succeeds.
             IoOp::Discard { .. } if errno == libc::EOPNOTSUPP => 0,
+            IoOp::WriteCompressed { .. } => libc::ENOTSUP,
             _ => errno,
         };
         Some(Completion { tag, errno })

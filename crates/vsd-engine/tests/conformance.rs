@@ -71,6 +71,13 @@ fn write(queue: &mut dyn IoQueue, offset: u64, buf: &mut [u8], durable: bool) ->
     run(queue, IoOp::Write { offset, len, iov, durable })
 }
 
+/// A compressed write, which no engine stores.
+fn write_compressed(queue: &mut dyn IoQueue, offset: u64, buf: &mut [u8]) -> i32 {
+    let (v, len) = iov(buf);
+    // SAFETY: `v` names `buf`, which outlives the request (run waits).
+    run(queue, IoOp::WriteCompressed { offset, len, iov: unsafe { IoVecs::new(&v, 1) } })
+}
+
 fn check_file_engine(queue: &mut dyn IoQueue, file: &File) {
     let mut pattern: Vec<u8> = (0..8192u32).map(|i| (i * 7 + 1) as u8).collect();
     assert_eq!(write(queue, 4096, &mut pattern, false), 0);
@@ -93,6 +100,9 @@ fn check_file_engine(queue: &mut dyn IoQueue, file: &File) {
         assert_eq!(write(queue, 4096, &mut pattern, false), 0);
     }
     assert_eq!(run(queue, IoOp::Discard { offset: 0, len: 4096 }), 0);
+    assert_eq!(write_compressed(queue, 4096, &mut pattern), libc::ENOTSUP);
+    file.read_exact_at(&mut on_disk, 4096).unwrap();
+    assert_eq!(on_disk, pattern, "a refused compressed write writes nothing");
 
     // A read that crosses the end of the file gets zeroes for the tail.
     let size = file.metadata().unwrap().len();
@@ -233,4 +243,5 @@ fn null_engine_zeroes_reads_and_honours_latency() {
     let mut buf = vec![0xaau8; 4096];
     assert_eq!(read(&mut queue, 0, &mut buf), 0);
     assert!(buf.iter().all(|&b| b == 0xaa), "read-zeroes=off leaves the buffer");
+    assert_eq!(write_compressed(&mut queue, 0, &mut buf), libc::ENOTSUP, "as QEMU's null-co");
 }

@@ -29,10 +29,9 @@ use vsd_block::dirty::{BeforeWrite, BusyGuard, DirtyBitmaps, DirtySet};
 use crate::copy::{Copier, Extents, Failure, MAX_COPY, Pace, extents_above};
 use crate::{ErrorPolicy, Job, JobBody, strerror};
 
-/// Bytes per cluster: the unit of copying and of copy-before-write.
+/// Bytes per cluster, the unit of copying and of copy-before-write, unless
+/// the target's clusters are larger: then theirs, as in QEMU's block-copy.
 pub const CLUSTER: u64 = 65536;
-/// Clusters copied at once in the background.
-const RUN: u64 = MAX_COPY / CLUSTER;
 /// How long a run that failed under the `ignore` policy waits before it is
 /// tried again.
 const RETRY_DELAY: Duration = Duration::from_millis(100);
@@ -77,6 +76,8 @@ pub struct BackupSpec {
     pub on_source_error: ErrorPolicy,
     /// On a write error of the target.
     pub on_target_error: ErrorPolicy,
+    /// Data is written compressed (the target must store it so).
+    pub compress: bool,
 }
 
 /// The backup job's body.
@@ -99,6 +100,8 @@ impl Backup {
 /// Which clusters are done, shared by the job's thread and the writers.
 struct Clusters {
     size: u64,
+    /// Bytes per cluster.
+    cluster: u64,
     /// A set bit: nothing to wait for (copied, or not part of the backup).
     done: Box<[AtomicU64]>,
     requests: Mutex<Requests>,
@@ -117,19 +120,20 @@ struct Requests {
 }
 
 impl Clusters {
-    /// `belongs` says which clusters of a node of `size` bytes the backup copies.
-    fn new(size: u64, belongs: impl Fn(u64) -> bool, job: Arc<Job>) -> Self {
-        let count = size.div_ceil(CLUSTER);
+    /// `belongs` says which clusters (of `cluster` bytes) of a node of
+    /// `size` bytes the backup copies.
+    fn new(size: u64, cluster: u64, belongs: impl Fn(u64) -> bool, job: Arc<Job>) -> Self {
+        let count = size.div_ceil(cluster);
         let done: Box<[AtomicU64]> = (0..count.div_ceil(64)).map(|_| AtomicU64::new(0)).collect();
         for index in (0..count).filter(|&i| !belongs(i)) {
             done[(index / 64) as usize].fetch_or(1 << (index % 64), Ordering::Relaxed);
         }
         let requests = Mutex::new(Requests { ranges: Vec::new(), active: true });
-        Self { size, done, requests, copied: Condvar::new(), job }
+        Self { size, cluster, done, requests, copied: Condvar::new(), job }
     }
 
     fn count(&self) -> u64 {
-        self.size.div_ceil(CLUSTER)
+        self.size.div_ceil(self.cluster)
     }
 
     fn is_done(&self, index: u64) -> bool {
@@ -159,15 +163,17 @@ impl Clusters {
 
     /// The bytes of clusters `first..first + count`, clamped to the node.
     fn bytes(&self, first: u64, count: u64) -> (u64, u64) {
-        let offset = first * CLUSTER;
-        (offset, ((first + count) * CLUSTER).min(self.size) - offset)
+        let offset = first * self.cluster;
+        (offset, ((first + count) * self.cluster).min(self.size) - offset)
     }
 
-    /// The first run of at most [`RUN`] clusters to copy in `from..end`.
+    /// The first run of clusters to copy in `from..end`, at most what one
+    /// copy takes.
     fn next_run(&self, from: u64, end: u64) -> Option<(u64, u64)> {
         let end = end.min(self.count());
         let first = (from..end).find(|&i| !self.is_done(i))?;
-        let count = (first..end.min(first + RUN)).take_while(|&i| !self.is_done(i)).count();
+        let run = (MAX_COPY / self.cluster).max(1);
+        let count = (first..end.min(first + run)).take_while(|&i| !self.is_done(i)).count();
         Some((first, count as u64))
     }
 
@@ -187,8 +193,8 @@ impl BeforeWrite for Hook {
         if len == 0 || offset >= clusters.size {
             return;
         }
-        let last = (offset.saturating_add(len - 1).min(clusters.size - 1)) / CLUSTER;
-        let range = (offset / CLUSTER, last);
+        let last = (offset.saturating_add(len - 1).min(clusters.size - 1)) / clusters.cluster;
+        let range = (offset / clusters.cluster, last);
         if clusters.all_done(range) {
             return;
         }
@@ -247,7 +253,8 @@ impl Run<'_> {
         let (offset, len) = self.clusters.bytes(first, count);
         self.copier.copy(offset, len)?;
         self.clusters.mark_done(first, count);
-        self.job.add_progress(len);
+        // Whole clusters, the disk's partial last one too, as QEMU counts.
+        self.job.add_progress(count * self.clusters.cluster);
         Ok(())
     }
 
@@ -300,12 +307,12 @@ impl Run<'_> {
     }
 }
 
-/// By cluster: whether `node` holds any of it itself, rather than its
-/// backing chain.
-fn top_clusters(node: &dyn BlockNode) -> std::io::Result<Vec<bool>> {
-    let mut held = vec![false; node.size().div_ceil(CLUSTER) as usize];
+/// By cluster (of `cluster` bytes): whether `node` holds any of it
+/// itself, rather than its backing chain.
+fn top_clusters(node: &dyn BlockNode, cluster: u64) -> std::io::Result<Vec<bool>> {
+    let mut held = vec![false; node.size().div_ceil(cluster) as usize];
     for (offset, len) in extents_above(node, 2)? {
-        held[(offset / CLUSTER) as usize..=((offset + len - 1) / CLUSTER) as usize].fill(true);
+        held[(offset / cluster) as usize..=((offset + len - 1) / cluster) as usize].fill(true);
     }
     Ok(held)
 }
@@ -319,25 +326,22 @@ impl JobBody for Backup {
         // Taken at the same moment as the hook is installed: writes from
         // now on are in the bitmap again, and their old data in the copy.
         let taken = self.spec.bitmap.as_ref().map(|(guard, _)| guard.split());
+        let cluster = CLUSTER.max(self.spec.target.cluster_size().unwrap_or(0));
         let belongs: Box<dyn Fn(u64) -> bool> = match (&taken, self.spec.sync) {
             (Some(set), Sync::Bitmap) => {
-                let set = set.coarsen(CLUSTER);
+                let set = set.coarsen(cluster);
                 Box::new(move |index| set.is_dirty(index))
             }
             (_, Sync::Top) => {
-                let top =
-                    top_clusters(&**source).map_err(|e| format!("Cannot read the allocation of the source: {e}"))?;
+                let top = top_clusters(&**source, cluster)
+                    .map_err(|e| format!("Cannot read the allocation of the source: {e}"))?;
                 Box::new(move |index| top.get(index as usize).is_some_and(|&held| held))
             }
             _ => Box::new(|_| true),
         };
-        let clusters = Arc::new(Clusters::new(source.size(), belongs, job.clone()));
-        let total = match self.spec.sync {
-            Sync::Bitmap | Sync::Top => {
-                (0..clusters.count()).filter(|&i| !clusters.is_done(i)).map(|i| clusters.bytes(i, 1).1).sum()
-            }
-            _ => source.size(),
-        };
+        let clusters = Arc::new(Clusters::new(source.size(), cluster, belongs, job.clone()));
+        // Whole clusters, the disk's partial last one too, as QEMU counts.
+        let total = (0..clusters.count()).filter(|&i| !clusters.is_done(i)).count() as u64 * cluster;
         job.set_total(total);
         self.taken = taken;
         self.clusters = Some(clusters.clone());
@@ -351,7 +355,11 @@ impl JobBody for Backup {
         // Removed however the copying ends.
         let _installed = self.installed.take();
         let clusters = self.clusters.clone().ok_or("the backup was not prepared")?;
-        let copier = Copier::open(&self.spec.source, &self.spec.target, Extents::Stable)?;
+        let mut copier = Copier::open(&self.spec.source, &self.spec.target, Extents::Stable)?;
+        if self.spec.compress {
+            // Whole target clusters: each backup cluster is one or several.
+            copier.compressed(self.spec.target.cluster_size().unwrap_or(clusters.cluster));
+        }
         let mut run = Run {
             job,
             copier,
@@ -374,7 +382,7 @@ impl JobBody for Backup {
         match (mode, &self.clusters) {
             (BitmapMode::Always, Some(clusters)) => {
                 // Only what was not copied stays dirty.
-                let mut back = taken.coarsen(CLUSTER);
+                let mut back = taken.coarsen(clusters.cluster);
                 for index in (0..clusters.count()).filter(|&i| clusters.is_done(i)) {
                     back.clean(index);
                 }
@@ -415,10 +423,10 @@ mod tests {
     fn runs_stop_at_copied_clusters_at_the_run_length_and_at_the_bound() {
         // 40 clusters and a half; clusters 3 and 30..33 are not in the backup.
         let size = 40 * CLUSTER + CLUSTER / 2;
-        let clusters = Clusters::new(size, |i| i != 3 && !(30..33).contains(&i), job());
+        let clusters = Clusters::new(size, CLUSTER, |i| i != 3 && !(30..33).contains(&i), job());
         assert_eq!(clusters.count(), 41);
         assert_eq!(clusters.next_run(0, 41), Some((0, 3)));
-        assert_eq!(clusters.next_run(3, 41), Some((4, RUN)), "at most a run");
+        assert_eq!(clusters.next_run(3, 41), Some((4, MAX_COPY / CLUSTER)), "at most a run");
         assert_eq!(clusters.next_run(4, 10), Some((4, 6)), "within the bound");
         assert_eq!(clusters.next_run(25, 41), Some((25, 5)));
         clusters.mark_done(33, 8);
@@ -428,7 +436,7 @@ mod tests {
 
     #[test]
     fn writers_wait_for_their_clusters_and_go_when_released() {
-        let clusters = Arc::new(Clusters::new(4 * CLUSTER, |i| i != 0, job()));
+        let clusters = Arc::new(Clusters::new(4 * CLUSTER, CLUSTER, |i| i != 0, job()));
         let hook = Hook(clusters.clone());
         hook.before_write(100, 4096); // cluster 0 is not in the backup
         hook.before_write(4 * CLUSTER, 512); // past the end

@@ -230,9 +230,10 @@ impl BothQueue {
 
 fn written_range(op: &IoOp) -> Option<(u64, u64)> {
     match *op {
-        IoOp::Write { offset, len, .. } | IoOp::WriteZeroes { offset, len, .. } | IoOp::Discard { offset, len } => {
-            Some((offset, len))
-        }
+        IoOp::Write { offset, len, .. }
+        | IoOp::WriteCompressed { offset, len, .. }
+        | IoOp::WriteZeroes { offset, len, .. }
+        | IoOp::Discard { offset, len } => Some((offset, len)),
         IoOp::Read { .. } | IoOp::Flush => None,
     }
 }

@@ -139,6 +139,8 @@ impl IoQueue for NbdQueue {
             // A server that cannot flush or trim has nothing to flush, and
             // trims are advisory.
             IoOp::Flush | IoOp::Discard { .. } => {}
+            // NBD has no compressed write.
+            IoOp::WriteCompressed { .. } => answer = libc::ENOTSUP,
         }
         let slot = &mut self.slots[tag as usize];
         if slot.parts == 0 {

@@ -162,8 +162,14 @@ impl Layout {
         (offset, sectors * 512 - (offset & 511))
     }
 
-    /// Encodes a non-compressed entry: (L2 entry, bitmap word).
+    /// Encodes an entry: (L2 entry, bitmap word). A compressed cluster
+    /// counts the 512-byte sectors its bytes reach into after the first,
+    /// and has no bitmap.
     pub fn encode(&self, e: &L2Entry) -> (u64, u64) {
+        if let Some((offset, len)) = e.compressed {
+            let sectors = (offset + len.max(1) - 1) / 512 - offset / 512;
+            return (COMPRESSED | sectors << (62 - (self.cluster_bits - 8)) | offset, 0);
+        }
         let host = e.host.map_or(0, |h| h | if e.copied { COPIED } else { 0 });
         if self.extended {
             (host, u64::from(e.alloc) | u64::from(e.zero) << 32)
@@ -265,6 +271,10 @@ mod tests {
         let entry = COMPRESSED | (3 << 54) | 0x12345;
         let e = STD.decode(entry, 0).unwrap();
         assert_eq!(e.compressed, Some((0x12345, 4 * 512 - 0x145)));
+        assert_eq!(STD.encode(&e), (entry, 0));
+        // 0x1f0 bytes from 0x12345 end in the next sector: one more.
+        let written = L2Entry { compressed: Some((0x12345, 0x1f0)), ..L2Entry::UNALLOCATED };
+        assert_eq!(EXT.encode(&written), (COMPRESSED | (1 << 54) | 0x12345, 0));
     }
 
     #[test]

@@ -36,6 +36,11 @@
 //! leaves at worst leaked clusters, never a table pointing at an
 //! unreferenced cluster; what was flushed survives.
 //!
+//! Compressed clusters, a backup's `compress`, are written as QEMU writes
+//! them ([`Image::write_compressed`]): packed back to back in host
+//! clusters, each counting the compressed clusters that touch it, in the
+//! same order of writes as any allocation.
+//!
 //! Clusters freed while the image is open (discard, copy-on-write, tables
 //! that moved) are handed out again once no request that may still use
 //! them is in flight: each queue tells the image which epoch its oldest

@@ -156,6 +156,8 @@ impl RbdQueue {
                     let len = usize::try_from(len).unwrap_or(usize::MAX);
                     (api.rbd_aio_write_zeroes)(image, offset, len, completion, flags, 0)
                 }
+                // librbd has no compressed write (nor has QEMU's rbd driver).
+                (IoOp::WriteCompressed { .. }, _) => -libc::ENOTSUP,
             }
         };
         check(ret).map_err(|e| {

@@ -138,7 +138,9 @@ impl Daemon {
             return Err(generic("Source and target image have different sizes"));
         }
         let (sync, bitmap) = backup_bitmap(&args, &source)?;
-        if args.compress {
+        if args.compress && !target.supports_compressed_writes() {
+            // QEMU names the drive by its device name, which a node made by
+            // --blockdev or blockdev-add has not: the name is empty.
             return Err(generic("Compression is not supported for this drive "));
         }
         if target.read_only() {
@@ -185,6 +187,7 @@ impl Daemon {
             bitmap,
             on_source_error: args.on_source_error.into(),
             on_target_error: args.on_target_error.into(),
+            compress: args.compress,
         });
         self.jobs.start(spec, Box::new(backup)).map_err(generic)
     }

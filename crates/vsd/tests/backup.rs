@@ -31,6 +31,7 @@ fn file_nodes(dir: &Scratch, nodes: &[(&str, u64)]) -> Vec<String> {
 }
 
 use common::script::Step::{self, Await, Command, Sleep};
+use common::script::stable;
 
 fn differential_script() -> Vec<Step> {
     let (src, tgt) = ("src", "tgt");
@@ -159,12 +160,6 @@ fn differential_script() -> Vec<Step> {
         ),
         Command("blockdev-del", json!({"node-name": tgt})),
     ]
-}
-
-/// Paused and running flap around every command in QEMU (its drained
-/// sections): only the other statuses are compared.
-fn stable(events: Vec<Value>) -> Vec<Value> {
-    events.into_iter().filter(|e| !matches!(e[1]["status"].as_str(), Some("paused" | "running"))).collect()
 }
 
 #[test]

@@ -24,7 +24,7 @@ use common::images::{
     BLOCK, CHAIN_SIZE, MIB, assert_clean, assert_committed, chain_nodes, first_mismatch_read, qcow2_chain,
 };
 use common::qmp::Qmp;
-use common::{Daemon, Scratch, monitor, ok};
+use common::{Daemon, Scratch, monitor, ok, qcow2_node};
 use serde_json::{Value, json};
 use vsd_nbd::proto::handshake::{FLAG_FIXED_NEWSTYLE, FLAG_NO_ZEROES, IHAVEOPT, opt, rep};
 use vsd_nbd::proto::{Request, SimpleReply, cmd};
@@ -185,16 +185,6 @@ fn nbd_and_monitor(dir: &Scratch, node: &str) -> Vec<String> {
     ];
     args.extend(monitor(&dir.path("qmp.sock")));
     args
-}
-
-/// `--blockdev`s of qcow2 node `name` on `image`, over file node `name-file`.
-fn qcow2_node(name: &str, image: &Path) -> Vec<String> {
-    vec![
-        "--blockdev".into(),
-        format!("driver=file,node-name={name}-file,filename={}", image.display()),
-        "--blockdev".into(),
-        format!("driver=qcow2,node-name={name},file={name}-file"),
-    ]
 }
 
 /// A qcow2 image of [`SIZE`] bytes, made with `extra` options.

@@ -323,9 +323,10 @@ impl DirtyRecorder {
     #[inline]
     pub fn record(&mut self, tag: u32, op: &IoOp) {
         let (offset, len) = match *op {
-            IoOp::Write { offset, len, .. } | IoOp::WriteZeroes { offset, len, .. } | IoOp::Discard { offset, len } => {
-                (offset, len)
-            }
+            IoOp::Write { offset, len, .. }
+            | IoOp::WriteCompressed { offset, len, .. }
+            | IoOp::WriteZeroes { offset, len, .. }
+            | IoOp::Discard { offset, len } => (offset, len),
             IoOp::Read { .. } | IoOp::Flush => return,
         };
         // Checked before setting, so that a disabled or removed bitmap

@@ -56,7 +56,7 @@ impl IoType {
     fn of(op: &IoOp) -> Self {
         match op {
             IoOp::Read { .. } => Self::Read,
-            IoOp::Write { .. } => Self::Write,
+            IoOp::Write { .. } | IoOp::WriteCompressed { .. } => Self::Write,
             IoOp::WriteZeroes { .. } => Self::WriteZeroes,
             IoOp::Discard { .. } => Self::Discard,
             IoOp::Flush => Self::Flush,

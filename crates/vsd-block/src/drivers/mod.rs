@@ -120,6 +120,7 @@ pub(crate) fn shifted(op: IoOp, delta: u64) -> IoOp {
     match op {
         IoOp::Read { offset, len, iov } => IoOp::Read { offset: offset + delta, len, iov },
         IoOp::Write { offset, len, iov, durable } => IoOp::Write { offset: offset + delta, len, iov, durable },
+        IoOp::WriteCompressed { offset, len, iov } => IoOp::WriteCompressed { offset: offset + delta, len, iov },
         IoOp::Discard { offset, len } => IoOp::Discard { offset: offset + delta, len },
         IoOp::WriteZeroes { offset, len, may_unmap, fast } => {
             IoOp::WriteZeroes { offset: offset + delta, len, may_unmap, fast }

@@ -112,9 +112,10 @@ impl BlockNode for ThrottleNode {
 fn direction(op: &IoOp) -> Option<(Direction, u64)> {
     match *op {
         IoOp::Read { len, .. } => Some((Direction::Read, len)),
-        IoOp::Write { len, .. } | IoOp::WriteZeroes { len, .. } | IoOp::Discard { len, .. } => {
-            Some((Direction::Write, len))
-        }
+        IoOp::Write { len, .. }
+        | IoOp::WriteCompressed { len, .. }
+        | IoOp::WriteZeroes { len, .. }
+        | IoOp::Discard { len, .. } => Some((Direction::Write, len)),
         IoOp::Flush => None,
     }
 }

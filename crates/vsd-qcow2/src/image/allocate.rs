@@ -163,6 +163,15 @@ impl Allocation {
         Allocation { cluster, table, index, old, new, host, fresh, span, contents, kept, within: 0, len: cluster_size }
     }
 
+    /// Compressed bytes, `len` of them at `host`, for all of guest
+    /// `cluster` (found at `index` of `table`, mapped by `old`): the caller
+    /// writes them.
+    pub(super) fn compressed(cluster: u64, (table, index, old): (u64, usize, L2Entry), host: u64, len: u64) -> Self {
+        let new = L2Entry { compressed: Some((host, len)), ..L2Entry::UNALLOCATED };
+        let (span, contents, kept) = (0..0, None, Vec::new());
+        Allocation { cluster, table, index, old, new, host, fresh: true, span, contents, kept, within: 0, len }
+    }
+
     /// The request's bytes this allocation holds: the guest offset of the
     /// first, where it goes in the data file, and how many there are.
     pub fn request_bytes(&self) -> (u64, u64, u64) {
@@ -476,10 +485,10 @@ impl Image {
         Ok(())
     }
 
-    /// Returns an allocation's cluster unused.
+    /// Returns an allocation's cluster (or compressed bytes) unused.
     pub(super) fn give_back(&self, meta: &mut Meta, a: &Allocation) {
-        if a.fresh && !self.layout.data_file {
-            meta.decref(a.host >> self.header.cluster_bits, false);
+        if a.fresh {
+            self.unreference(meta, &a.new, false);
         }
     }
 }

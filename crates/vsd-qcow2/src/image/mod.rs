@@ -4,6 +4,7 @@
 mod allocate;
 mod bitmaps;
 mod cache;
+mod compressed;
 mod open;
 mod overlap;
 mod rebuild;
@@ -283,6 +284,9 @@ struct Meta {
     quarantine: Quarantine,
     /// The bitmap directory the header names, if the bitmaps are consistent.
     bitmaps: Option<BitmapsExtension>,
+    /// Where the next compressed cluster's bytes go: the first free byte
+    /// of a host cluster that compressed clusters fill in part (0: none).
+    packed: u64,
 }
 
 impl Image {

@@ -144,6 +144,7 @@ impl Image {
             epochs: epochs.clone(),
             quarantine: Quarantine::default(),
             bitmaps: if opts.writable { kept_bitmaps } else { header.bitmaps },
+            packed: 0,
         };
         if header.has_bitmaps && header.bitmaps.is_none() {
             log::warn!("qcow2: the image's bitmaps are stale (another program changed it): they are ignored");

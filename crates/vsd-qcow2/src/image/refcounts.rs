@@ -305,6 +305,43 @@ impl Meta {
         )))
     }
 
+    /// Allocates `size` bytes (less than a cluster) for a compressed
+    /// cluster, as QEMU's `qcow2_alloc_bytes` does: right after the last
+    /// ones, running on into the next cluster if that one is free, else
+    /// from the start of a new cluster. Each cluster the bytes touch
+    /// counts them once more. Returns their byte offset.
+    pub(super) fn alloc_bytes(&mut self, io: &mut dyn SyncIo, size: u64) -> io::Result<u64> {
+        let cb = self.refcounts.cluster_bits;
+        let cs = 1u64 << cb;
+        let mut offset = self.packed;
+        if offset != 0 && self.refcounts.get(io, offset >> cb)? == self.refcounts.width.max() {
+            offset = 0;
+        }
+        let room = if offset == 0 { 0 } else { cs - (offset & (cs - 1)) };
+        if room < size {
+            let fresh = self.alloc(io, 1)?;
+            if offset == 0 || offset.next_multiple_of(cs) != fresh {
+                offset = fresh;
+            } else {
+                self.increment(io, offset >> cb)?;
+            }
+        } else {
+            self.increment(io, offset >> cb)?;
+        }
+        // A cluster filled to its end leaves nothing to run on from.
+        self.packed = if (offset + size).is_multiple_of(cs) { 0 } else { offset + size };
+        Ok(offset)
+    }
+
+    /// One more reference to `cluster`, which has some already.
+    fn increment(&mut self, io: &mut dyn SyncIo, cluster: u64) -> io::Result<()> {
+        let count = self.refcounts.get(io, cluster)?;
+        if count == 0 {
+            return Err(corrupt(format!("cluster {cluster} that compressed data fills in part has refcount 0")));
+        }
+        self.refcounts.set(io, cluster, count + 1)
+    }
+
     /// Lets allocation take again the freed clusters no request in flight
     /// may still use.
     fn reuse_freed(&mut self) {
@@ -465,6 +502,9 @@ impl Meta {
             }
             self.epochs.advance();
             self.metadata.remove(cluster);
+            if self.packed >> self.refcounts.cluster_bits == cluster {
+                self.packed = 0;
+            }
         }
         Ok(())
     }

@@ -178,8 +178,13 @@ impl Image {
     /// Drops the references an entry held, after the table stopped naming
     /// them.
     pub(super) fn release(&self, meta: &mut Meta, old: &L2Entry) {
+        self.unreference(meta, old, self.opts.pass_discard);
+    }
+
+    /// Drops the references entry `old` holds; clusters left free are
+    /// discarded in the file if `discard` says so.
+    pub(super) fn unreference(&self, meta: &mut Meta, old: &L2Entry, discard: bool) {
         let cb = self.header.cluster_bits;
-        let discard = self.opts.pass_discard;
         if let Some((host, len)) = old.compressed {
             for cluster in (host >> cb)..=((host + len - 1) >> cb) {
                 meta.decref(cluster, discard);

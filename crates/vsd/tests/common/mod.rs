@@ -283,6 +283,16 @@ pub fn qcow2_over_nbd(dir: &Scratch, image: &Path) -> Vec<String> {
     ]
 }
 
+/// `--blockdev`s of qcow2 node `name` on `image`, over file node `name-file`.
+pub fn qcow2_node(name: &str, image: &Path) -> Vec<String> {
+    vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name={name}-file,filename={}", image.display()),
+        "--blockdev".into(),
+        format!("driver=qcow2,node-name={name},file={name}-file"),
+    ]
+}
+
 /// A QMP monitor on `socket`, as `--chardev` and `--monitor` arguments.
 pub fn monitor(socket: &Path) -> Vec<String> {
     vec![

@@ -17,19 +17,21 @@ pub enum Step {
 
 /// Runs `script` on a daemon `program` starts in scratch directory
 /// `name`, with the arguments `setup` makes there (a monitor is added);
-/// returns the answers, and the events as `filter` keeps them.
+/// returns the answers, and the events as `filter` keeps them. `after`
+/// looks at the directory once the daemon stopped.
 fn run(
     program: fn(&Scratch, &[String]) -> Daemon,
     name: &str,
     setup: &dyn Fn(&Scratch) -> Vec<String>,
     script: &[Step],
     filter: fn(Vec<Value>) -> Vec<Value>,
+    after: &dyn Fn(&Scratch),
 ) -> (Vec<Value>, Vec<Value>) {
     let dir = Scratch::new(name);
     let socket = dir.path("qmp.sock");
     let mut args = setup(&dir);
     args.extend(monitor(&socket));
-    let _daemon = program(&dir, &args);
+    let daemon = program(&dir, &args);
     let mut qmp = Qmp::connect(&socket);
     let mut answers = Vec::new();
     for step in script {
@@ -39,7 +41,16 @@ fn run(
             Step::Sleep(ms) => std::thread::sleep(std::time::Duration::from_millis(*ms)),
         }
     }
-    (answers, filter(qmp.event_log()))
+    let events = filter(qmp.event_log());
+    drop(daemon);
+    after(&dir);
+    (answers, events)
+}
+
+/// Paused and running flap around every command in QEMU (its drained
+/// sections): a filter keeping only the other job statuses.
+pub fn stable(events: Vec<Value>) -> Vec<Value> {
+    events.into_iter().filter(|e| !matches!(e[1]["status"].as_str(), Some("paused" | "running"))).collect()
 }
 
 /// Runs `script` on vsd and on qemu-storage-daemon (scratch directories
@@ -51,8 +62,20 @@ pub fn assert_same_as_qsd(
     script: &[Step],
     filter: fn(Vec<Value>) -> Vec<Value>,
 ) {
-    let vsd = run(Daemon::vsd, &format!("{name}-vsd"), setup, script, filter);
-    let qsd = run(Daemon::qsd, &format!("{name}-qsd"), setup, script, filter);
+    assert_same_as_qsd_then(name, setup, script, filter, &|_| {});
+}
+
+/// [`assert_same_as_qsd`], with `after` looking at each daemon's
+/// directory once it stopped: vsd's, then qemu-storage-daemon's.
+pub fn assert_same_as_qsd_then(
+    name: &str,
+    setup: &dyn Fn(&Scratch) -> Vec<String>,
+    script: &[Step],
+    filter: fn(Vec<Value>) -> Vec<Value>,
+    after: &dyn Fn(&Scratch),
+) {
+    let vsd = run(Daemon::vsd, &format!("{name}-vsd"), setup, script, filter, after);
+    let qsd = run(Daemon::qsd, &format!("{name}-qsd"), setup, script, filter, after);
     let commands = script.iter().filter_map(|s| match s {
         Step::Command(command, args) => Some((command, args)),
         _ => None,

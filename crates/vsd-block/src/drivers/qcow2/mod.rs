@@ -615,6 +615,10 @@ impl BlockNode for Qcow2Node {
         Some(self.image().cluster_size())
     }
 
+    fn supports_compressed_writes(&self) -> bool {
+        true
+    }
+
     fn children(&self) -> Vec<(&'static str, Arc<dyn BlockNode>)> {
         let optional = [("data-file", self.data.clone()), ("backing", self.backing())];
         let optional = optional.into_iter().filter_map(|(role, node)| Some((role, node?)));

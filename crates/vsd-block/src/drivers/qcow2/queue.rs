@@ -584,6 +584,11 @@ impl Qcow2Queue {
                 self.preload(offset, len, patient)?;
                 self.sync(|image, io| image.write_zeroes(io, offset, len, may_unmap, fast))
             }
+            // A job's, one at a time: nothing gains from the asynchronous path.
+            IoOp::WriteCompressed { offset, len, iov } => {
+                self.preload(offset, len, patient)?;
+                self.sync(|image, io| image.write_compressed(io, offset, len, &mut copy_from(iov)))
+            }
         }
     }
 
