@@ -1,23 +1,26 @@
 #!/usr/bin/env python3
 """Two settings of a vsd export, A/B interleaved in one run: the same
 export with option string A and with B (e.g. `trace=on` vs `trace=off`,
-`poll-us=50` vs `poll-us=0`), or through a filter node on one side
+`poll-us=50` vs `poll-us=0`), with daemon arguments on one side
+(`--a-args "--sandbox on"`), or through a filter node on one side
 (`--a-filter throttle`: a throttle node whose group has no limits),
 daemon pinned to CPU 0 and vsd-bench to CPU 1; medians of --reps runs and
 the median of the paired A/B ratios.
 
-usage: scripts/bench-ab.py [--a OPTS] [--b OPTS] [--a-filter throttle]
-                           [--b-filter throttle] [--seconds 3] [--reps 10]
-                           [--iodepths 1,32] [--out ROWS.jsonl]
+usage: scripts/bench-ab.py [--a OPTS] [--b OPTS] [--a-args ARGS] [--b-args ARGS]
+                           [--a-filter throttle] [--b-filter throttle]
+                           [--seconds 3] [--reps 10] [--iodepths 1,32]
+                           [--target-dir DIR] [--out ROWS.jsonl]
 """
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import tempfile
 
-from benchlib import VSD, serve_and_bench
+import benchlib
 
 BACKENDS = {
     "null-co": (["driver=null-co,node-name=disk0,size=1G"], None),
@@ -37,13 +40,17 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--a", default="", help="export options of A, e.g. trace=on")
     parser.add_argument("--b", default="", help="export options of B, e.g. trace=off")
+    parser.add_argument("--a-args", default="", help='daemon arguments of A, e.g. "--sandbox on"')
+    parser.add_argument("--b-args", default="", help="daemon arguments of B")
     parser.add_argument("--a-filter", choices=FILTERS, default="none", help="a filter node A exports")
     parser.add_argument("--b-filter", choices=FILTERS, default="none", help="a filter node B exports")
     parser.add_argument("--seconds", type=float, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--iodepths", default="1,32")
+    parser.add_argument("--target-dir", help="a cargo target directory with a release build (default: the repo's)")
     parser.add_argument("--out")
     args = parser.parse_args()
+    benchlib.use_build(args.target_dir)
     depths = [int(d) for d in args.iodepths.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as work:
@@ -65,12 +72,14 @@ def main():
                             opts = getattr(args, side)
                             filt = getattr(args, f"{side}_filter")
                             objects, filters, node = FILTERS[filt]
-                            res = serve_and_bench(VSD, devs + filters, ["--rw", "randread", "--iodepth", str(depth)],
+                            daemon_args = shlex.split(getattr(args, f"{side}_args"))
+                            res = benchlib.serve_and_bench(benchlib.VSD, devs + filters, ["--rw", "randread", "--iodepth", str(depth)],
                                                   args.seconds, work, node=node,
                                                   export_opts="," + opts if opts else "",
-                                                  extra_args=[a for o in objects for a in ("--object", o)])
+                                                  extra_args=[a for o in objects for a in ("--object", o)]
+                                                  + daemon_args)
                             row = {"backend": backend, "rw": "randread", "iodepth": depth, "side": side,
-                                   "options": opts, "filter": filt, "rep": rep, **res}
+                                   "options": opts, "args": daemon_args, "filter": filt, "rep": rep, **res}
                             rows.append(row)
                             print(json.dumps(row), flush=True)
             finally:
@@ -80,8 +89,10 @@ def main():
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     print()
-    side = lambda opts, filt: " ".join(x for x in (opts, f"through {filt}" if filt != "none" else "") if x) or "default"
-    print(f"A = {side(args.a, args.a_filter)}, B = {side(args.b, args.b_filter)}; 4k randread, medians of {args.reps}")
+    def side(opts, extra, filt):
+        return " ".join(x for x in (opts, extra, f"through {filt}" if filt != "none" else "") if x) or "default"
+    print(f"A = {side(args.a, args.a_args, args.a_filter)}, B = {side(args.b, args.b_args, args.b_filter)}; "
+          f"4k randread, medians of {args.reps}")
     print("| back-end | iodepth | A IOPS | B IOPS | A/B (median of pairs) | A p50 µs | B p50 µs "
           "| A CPU µs/IO | B CPU µs/IO |")
     print("|---|---|---|---|---|---|---|---|---|")
