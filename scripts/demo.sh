@@ -25,12 +25,12 @@ taskset -c 0 "$vsd" \
     --blockdev driver=raw,node-name=disk0,file=file0 \
     --export "type=vhost-user-blk,id=demo,node-name=disk0,addr.type=unix,addr.path=$dir/vsd.sock,writable=on,num-queues=2,serial=vsd-demo" \
     --chardev "socket,id=qmp,path=$dir/qmp.sock,server=on,wait=off" --monitor chardev=qmp \
-    --pidfile "$dir/vsd.pid" &
+    --pidfile "$dir/vsd.pid" --sandbox on &
 daemon=$!
 for _ in $(seq 100); do [ -e "$dir/vsd.pid" ] && break; sleep 0.1; done
 [ -e "$dir/vsd.pid" ] || { echo "demo: vsd did not start" >&2; exit 1; }
 
-echo "vsd $("$vsd" --version | cut -d' ' -f2) serving a 1 GiB raw image ($dir/demo.img), 2 queues"
+echo "vsd $("$vsd" --version | cut -d' ' -f2) serving a 1 GiB raw image ($dir/demo.img), 2 queues, sandboxed"
 for job in "randwrite 4k 32" "randread 4k 32" "randread 4k 1" "read 64k 8"; do
     set -- $job
     echo
