@@ -5,10 +5,10 @@ use std::time::Duration;
 
 use vsd_engine::IoQueue;
 use vsd_nbd_client::{Address, Config, NbdClient, Tls};
-use vsd_nbd_proto::tx_flag;
+use vsd_nbd_proto::{state, tx_flag};
 
 use crate::options::OptionMap;
-use crate::{BlockGraph, BlockNode, GraphError};
+use crate::{Allocation, BlockGraph, BlockNode, GraphError};
 
 pub(crate) struct NbdNode {
     name: String,
@@ -69,5 +69,21 @@ impl BlockNode for NbdNode {
 
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
         Ok(Box::new(self.client.open_queue(depth)?))
+    }
+
+    /// The server's `base:allocation`, when it has it. A hole is what reads
+    /// as zeroes and is not allocated (HOLE and ZERO); zeroes that are
+    /// allocated (ZERO alone) and holes that may not read as zeroes (HOLE
+    /// alone, over a backing file) are data, which is never wrong: the
+    /// enum has no allocated-zero kind, and a hole there would let a copy
+    /// skip bytes that are not zeroes.
+    fn block_status(&self, offset: u64, len: u64) -> io::Result<(Allocation, u64)> {
+        Ok(match self.client.block_status(offset, len)? {
+            Some((n, flags)) if flags & (state::HOLE | state::ZERO) == state::HOLE | state::ZERO => {
+                (Allocation::Hole, n)
+            }
+            Some((n, _)) => (Allocation::Data, n),
+            None => (Allocation::Data, len),
+        })
     }
 }
