@@ -718,14 +718,11 @@ fn read_all(dir: &Scratch, uri: &str, name: &str) -> Vec<u8> {
     std::fs::read(&out).unwrap()
 }
 
-/// A sparse qcow2 image (data, never written clusters, zero clusters,
-/// zeroed data) exported by qemu-storage-daemon: vsd's `driver=nbd` asks
-/// it for block status, so vsd's own export maps as qemu-storage-daemon's
-/// does, and reads over structured replies (data and hole chunks) return
-/// exactly what qemu-io wrote.
-#[test]
-fn block_status_and_sparse_reads_of_a_qemu_storage_daemon_export() {
-    let dir = Scratch::new("nbdc-status-qsd");
+/// A sparse 8 MiB qcow2 image written by qemu-io (0x11 at 0 for 192 KiB,
+/// zero clusters at 1 MiB for 512 KiB, 0x22 at 3 MiB for 64 KiB, 0x33 at
+/// 5 MiB for 1 MiB whose first 128 KiB are zeroed again), exported as
+/// `disk` by qemu-storage-daemon on `qsd.sock`; and its bytes.
+fn sparse_qcow2_on_qsd(dir: &Scratch) -> (Daemon, Vec<u8>) {
     let image = dir.path("sparse.qcow2");
     let img = image.to_str().unwrap();
     ok("qemu-img", &["create", "-q", "-f", "qcow2", img, "8M"]);
@@ -739,20 +736,31 @@ fn block_status_and_sparse_reads_of_a_qemu_storage_daemon_export() {
     let raw = dir.path("sparse.raw");
     ok("qemu-img", &["convert", "-O", "raw", img, raw.to_str().unwrap()]);
     let bytes = std::fs::read(&raw).unwrap();
-    let qsd_sock = dir.path("qsd.sock");
-    let _qsd = Daemon::qsd(
-        &dir,
+    let qsd = Daemon::qsd(
+        dir,
         &[
             "--blockdev".into(),
             format!("driver=file,node-name=f0,filename={img}"),
             "--blockdev".into(),
             "driver=qcow2,node-name=q0,file=f0".into(),
             "--nbd-server".into(),
-            format!("addr.type=unix,addr.path={}", qsd_sock.display()),
+            format!("addr.type=unix,addr.path={}", dir.path("qsd.sock").display()),
             "--export".into(),
             "type=nbd,id=e0,node-name=q0,name=disk,writable=on".into(),
         ],
     );
+    (qsd, bytes)
+}
+
+/// The sparse qcow2 image exported by qemu-storage-daemon: vsd's
+/// `driver=nbd` asks it for block status, so vsd's own export maps as
+/// qemu-storage-daemon's does, and reads over structured replies (data
+/// and hole chunks) return exactly what qemu-io wrote.
+#[test]
+fn block_status_and_sparse_reads_of_a_qemu_storage_daemon_export() {
+    let dir = Scratch::new("nbdc-status-qsd");
+    let (_qsd, bytes) = sparse_qcow2_on_qsd(&dir);
+    let qsd_sock = dir.path("qsd.sock");
     let vsd = vsd_over(&dir, nbd_node(&qsd_sock, "disk", ""), "");
     let (theirs, ours) = (uri(&qsd_sock, "disk"), uri(&dir.path("vsd-nbd.sock"), "x"));
 
@@ -784,14 +792,16 @@ fn block_status_and_sparse_reads_of_a_qemu_storage_daemon_export() {
 }
 
 /// nbdkit's sparse-random plugin answers block status: vsd's export maps
-/// as nbdkit does and reads the same bytes. With `--no-sr` (no structured
+/// as nbdkit does and reads the same bytes, also when nbdkit refuses
+/// requests not in whole 4 KiB blocks. With `--no-sr` (no structured
 /// replies, so no block status) vsd reads the same and calls it all data.
 #[test]
 fn block_status_of_nbdkit_with_and_without_structured_replies() {
-    for no_sr in [false, true] {
+    let strict = "blocksize-policy blocksize-minimum=4096 blocksize-error-policy=error";
+    for filters in [&[][..], &[strict], &["--no-sr"]] {
+        let no_sr = filters == ["--no-sr"];
         let dir = Scratch::new("nbdc-status-kit");
         let kit_sock = dir.path("kit.sock");
-        let filters: &[&str] = if no_sr { &["--no-sr"] } else { &[] };
         let _kit =
             Nbdkit::serving(&kit_sock, filters, &["sparse-random", "32M", "seed=7", "percent=30", "runlength=65536"]);
         let vsd = vsd_over(&dir, nbd_node(&kit_sock, "", ""), "");
@@ -804,7 +814,44 @@ fn block_status_of_nbdkit_with_and_without_structured_replies() {
             assert_eq!(map(&ours), kit_map, "vsd's export maps as nbdkit's");
         }
         let want = read_all(&dir, &theirs, "theirs.raw");
-        assert!(read_all(&dir, &ours, "ours.raw") == want, "no_sr={no_sr}: vsd reads what nbdkit serves");
+        assert!(read_all(&dir, &ours, "ours.raw") == want, "{filters:?}: vsd reads what nbdkit serves");
         drop(vsd);
     }
+}
+
+/// A full backup whose source is the sparse image on qemu-storage-daemon,
+/// through `driver=nbd`, skips its holes: the qcow2 target holds data
+/// clusters only where the source has data, and the source's bytes.
+#[test]
+fn a_backup_from_an_nbd_source_skips_its_holes() {
+    let dir = Scratch::new("nbdc-status-backup");
+    let (_qsd, bytes) = sparse_qcow2_on_qsd(&dir);
+    let target = dir.path("target.qcow2");
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", target.to_str().unwrap(), "8M"]);
+    let qmp_socket = dir.path("qmp.sock");
+    let mut args = vec![
+        "--blockdev".into(),
+        nbd_node(&dir.path("qsd.sock"), "disk", ""),
+        "--blockdev".into(),
+        format!("driver=file,node-name=tf,filename={}", target.display()),
+        "--blockdev".into(),
+        "driver=qcow2,node-name=t0,file=tf".into(),
+    ];
+    args.extend(common::monitor(&qmp_socket));
+    let vsd = Daemon::vsd(&dir, &args);
+    let mut qmp = common::qmp::Qmp::connect(&qmp_socket);
+    let backup = serde_json::json!({"job-id": "b", "device": "n0", "target": "t0", "sync": "full"});
+    qmp.ok("blockdev-backup", backup);
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", serde_json::json!({"device": "b"}));
+    assert!(done.get("error").is_none(), "{done}");
+    drop(qmp);
+    assert!(vsd.stop().success());
+    let map: serde_json::Value =
+        serde_json::from_str(&ok("qemu-img", &["map", "--output=json", target.to_str().unwrap()])).unwrap();
+    let data: u64 =
+        map.as_array().unwrap().iter().filter(|e| e["data"] == true).map(|e| e["length"].as_u64().unwrap()).sum();
+    assert_eq!(data, (192 + 64 + 896) << 10, "data clusters only where the source has data: {map}");
+    let copy = dir.path("target.raw");
+    ok("qemu-img", &["convert", "-O", "raw", target.to_str().unwrap(), copy.to_str().unwrap()]);
+    assert!(std::fs::read(&copy).unwrap() == bytes, "the target holds the source's bytes");
 }

@@ -77,12 +77,23 @@ impl BlockNode for NbdNode {
     /// alone, over a backing file) are data, which is never wrong: the
     /// enum has no allocated-zero kind, and a hole there would let a copy
     /// skip bytes that are not zeroes.
+    ///
+    /// The server may refuse a range that is not in whole blocks of its
+    /// minimum size (QEMU's client only asks such ranges): bytes up to the
+    /// next block are data without asking, and a range is asked in whole
+    /// blocks (the export's end excepted) and the answer cut to it.
     fn block_status(&self, offset: u64, len: u64) -> io::Result<(Allocation, u64)> {
-        Ok(match self.client.block_status(offset, len)? {
+        let export = self.client.export();
+        let align = u64::from(export.min_block.max(1));
+        if !offset.is_multiple_of(align) {
+            return Ok((Allocation::Data, len.min(align - offset % align)));
+        }
+        let ask = len.next_multiple_of(align).min(export.size.saturating_sub(offset)).max(len);
+        Ok(match self.client.block_status(offset, ask)? {
             Some((n, flags)) if flags & (state::HOLE | state::ZERO) == state::HOLE | state::ZERO => {
-                (Allocation::Hole, n)
+                (Allocation::Hole, n.min(len))
             }
-            Some((n, _)) => (Allocation::Data, n),
+            Some((n, _)) => (Allocation::Data, n.min(len)),
             None => (Allocation::Data, len),
         })
     }
