@@ -2,8 +2,10 @@
 //! NBD_OPT_STARTTLS and the TLS handshake if the node has credentials,
 //! then NBD_OPT_GO, or NBD_OPT_EXPORT_NAME with a server that predates GO.
 //!
-//! Only simple replies are asked for: the client reads and writes data,
-//! and simple replies carry that with the least framing.
+//! Before GO, structured replies and the `base:allocation` metadata
+//! context are asked for, as QEMU's client does, so that block status can
+//! be asked; a server without them is read and written all the same, and
+//! all its bytes are data.
 
 use std::io::{self, Read, Write};
 
@@ -32,6 +34,10 @@ pub struct Export {
     pub min_block: u32,
     /// The largest read or write payload the server takes.
     pub max_payload: u32,
+    /// Structured replies were negotiated: reads may come in chunks.
+    pub structured: bool,
+    /// The id the server gave `base:allocation`, if it did.
+    pub allocation_context: Option<u32>,
 }
 
 impl Export {
@@ -144,12 +150,55 @@ fn refusal<S: Read>(wire: &mut S, e: io::Error) -> String {
 
 /// Selects the export: GO, or EXPORT_NAME with a server without GO.
 fn select<S: Read + Write>(stream: &mut S, export: &str, no_zeroes: bool) -> Result<Export, HandshakeError> {
-    let found = match go(stream, export)? {
+    let structured = structured_replies(stream)?;
+    let allocation_context = if structured { allocation_context(stream, export)? } else { None };
+    let mut found = match go(stream, export)? {
         Some(found) => found,
         None => export_name(stream, export, no_zeroes)?,
     };
     stream.flush()?;
+    (found.structured, found.allocation_context) = (structured, allocation_context);
     Ok(found)
+}
+
+/// NBD_OPT_STRUCTURED_REPLY: whether the server agreed.
+fn structured_replies<S: Read + Write>(stream: &mut S) -> Result<bool, HandshakeError> {
+    send_option(stream, opt::STRUCTURED_REPLY, &[])?;
+    match read_reply(stream, opt::STRUCTURED_REPLY)? {
+        (rep::ACK, _) => Ok(true),
+        (rep::ERR_TLS_REQD, data) => Err(HandshakeError::TlsRequired(message(&data))),
+        (code, _) if code & rep::ERR != 0 => Ok(false),
+        (code, _) => Err(protocol(format!("the server answered NBD_OPT_STRUCTURED_REPLY with reply {code:#x}"))),
+    }
+}
+
+/// NBD_OPT_SET_META_CONTEXT with `base:allocation`: the id the server gave
+/// it, `None` if it gave none or refused the option.
+fn allocation_context<S: Read + Write>(stream: &mut S, export: &str) -> Result<Option<u32>, HandshakeError> {
+    const CONTEXT: &str = "base:allocation";
+    let mut data = Vec::with_capacity(12 + export.len() + CONTEXT.len());
+    data.extend_from_slice(&(export.len() as u32).to_be_bytes());
+    data.extend_from_slice(export.as_bytes());
+    data.extend_from_slice(&1u32.to_be_bytes());
+    data.extend_from_slice(&(CONTEXT.len() as u32).to_be_bytes());
+    data.extend_from_slice(CONTEXT.as_bytes());
+    send_option(stream, opt::SET_META_CONTEXT, &data)?;
+    let mut id = None;
+    loop {
+        match read_reply(stream, opt::SET_META_CONTEXT)? {
+            (rep::ACK, _) => return Ok(id),
+            (rep::META_CONTEXT, data) if data.len() > 4 && &data[4..] == CONTEXT.as_bytes() => {
+                id = Some(be32(&data[..4]));
+            }
+            // Another context than asked for: not one block status reads.
+            (rep::META_CONTEXT, _) => {}
+            (rep::ERR_TLS_REQD, data) => return Err(HandshakeError::TlsRequired(message(&data))),
+            (code, _) if code & rep::ERR != 0 => return Ok(None),
+            (code, _) => {
+                return Err(protocol(format!("the server answered NBD_OPT_SET_META_CONTEXT with reply {code:#x}")));
+            }
+        }
+    }
 }
 
 /// NBD_OPT_GO asking for block sizes; `None` if the server does not know GO.
@@ -160,7 +209,8 @@ fn go<S: Read + Write>(stream: &mut S, export: &str) -> Result<Option<Export>, H
     data.extend_from_slice(&1u16.to_be_bytes());
     data.extend_from_slice(&info::BLOCK_SIZE.to_be_bytes());
     send_option(stream, opt::GO, &data)?;
-    let mut found = Export { size: 0, flags: 0, min_block: 1, max_payload: 32 << 20 };
+    let mut found =
+        Export { size: 0, flags: 0, min_block: 1, max_payload: 32 << 20, structured: false, allocation_context: None };
     let mut described = false;
     loop {
         let (kind, data) = read_reply(stream, opt::GO)?;
@@ -215,7 +265,14 @@ fn export_name<S: Read + Write>(stream: &mut S, export: &str, no_zeroes: bool) -
         _ => e.into(),
     })?;
     let flags = u16::from_be_bytes([reply[8], reply[9]]);
-    Ok(Export { size: be64(&reply[..8]), flags, min_block: 1, max_payload: 32 << 20 })
+    Ok(Export {
+        size: be64(&reply[..8]),
+        flags,
+        min_block: 1,
+        max_payload: 32 << 20,
+        structured: false,
+        allocation_context: None,
+    })
 }
 
 fn send_option<S: Write>(stream: &mut S, option: u32, data: &[u8]) -> io::Result<()> {

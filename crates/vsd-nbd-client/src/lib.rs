@@ -22,7 +22,7 @@ mod queue;
 use std::io;
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 pub use handshake::{Export, HandshakeError};
@@ -30,8 +30,13 @@ pub use queue::NbdQueue;
 pub use vsd_nbd_proto::Address;
 use vsd_net::{ClientCreds, Stream, Wire};
 
-use link::Shared;
+use link::{Command, Data, Shared};
+use vsd_engine::Mailbox;
+use vsd_nbd_proto::{cmd, cmd_flag};
 
+/// The longest range one block status asks about: a power of two, so
+/// aligned to any block size, below 32 bits.
+const MAX_STATUS: u64 = 1 << 31;
 /// How long a connection's handshake may take.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -94,6 +99,47 @@ impl NbdClient {
     /// What the server said about the export.
     pub fn export(&self) -> Export {
         self.shared.export
+    }
+
+    /// The `base:allocation` flags (`vsd_nbd_proto::state`) of the bytes
+    /// from `offset` and how many of them share those (1 to `len`), as the
+    /// server says: `None` if it cannot say (no `base:allocation`, or no
+    /// usable extent in its answer).
+    ///
+    /// Blocks the caller for one round trip, which goes through the
+    /// connection's thread with the queues' requests (a job's or the
+    /// server's thread asks, not a guest's queue): NBD_CMD_BLOCK_STATUS
+    /// with REQ_ONE, as QEMU's client sends it. Fails as a request does
+    /// when the connection does not come back, or with EIO when the server's
+    /// answer breaks the protocol.
+    pub fn block_status(&self, offset: u64, len: u64) -> io::Result<Option<(u64, u32)>> {
+        if self.shared.export.allocation_context.is_none() || len == 0 {
+            return Ok(None);
+        }
+        let len = len.min(MAX_STATUS);
+        let mailbox = Arc::new(Mailbox::new(1)?);
+        let slot = Arc::new(Mutex::new(None));
+        let command = Command {
+            mailbox: mailbox.clone(),
+            tag: 0,
+            kind: cmd::BLOCK_STATUS,
+            flags: cmd_flag::REQ_ONE,
+            offset,
+            len: len as u32,
+            data: Data::Status(slot.clone()),
+            then_flush: false,
+        };
+        self.shared.send(&mut vec![command]);
+        let mut done = Vec::with_capacity(1);
+        while mailbox.take(&mut done) == 0 {
+            mailbox.wait();
+        }
+        if done[0].errno != 0 {
+            return Err(io::Error::from_raw_os_error(done[0].errno));
+        }
+        let extent = slot.lock().unwrap_or_else(PoisonError::into_inner).take();
+        // A longer extent than asked for is cut to the request, as QEMU does.
+        Ok(extent.filter(|&(n, _)| n > 0).map(|(n, flags)| (u64::from(n).min(len), flags)))
     }
 
     /// A queue for one thread with at most `depth` requests in flight.

@@ -9,6 +9,12 @@
 //! stop replies from being read (the classic NBD deadlock of a client
 //! blocked writing while the server is blocked writing to it).
 //!
+//! With structured replies (negotiated when the server has them, for block
+//! status), a read's data may come in chunks: each goes straight from the
+//! input buffer to the request's buffers, a hole chunk zero-fills its part,
+//! and a chunk that does not fit the request (or that vsd does not know)
+//! fails the request with EIO, never writing outside its buffers.
+//!
 //! When the connection breaks, the commands on the wire go back to the
 //! front of the line and the thread dials again; commands wait up to
 //! `reconnect-delay` for a new connection, then fail with EIO, as do the
@@ -23,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_engine::{Completion, IoVecs, Mailbox};
-use vsd_nbd_proto::{BadMagic, Request, SimpleReply, cmd, errno};
+use vsd_nbd_proto::{BadMagic, ChunkHeader, ReplyStart, Request, SimpleReply, chunk, cmd, errno};
 
 use vsd_net::Wire;
 
@@ -66,6 +72,42 @@ pub(crate) enum Data {
     },
     /// Zeroes (WRITE_ZEROES for a server without it).
     Zeroes,
+    /// Where a BLOCK_STATUS puts the first `base:allocation` extent the
+    /// server gives: its length and flags.
+    Status(Arc<Mutex<Option<(u32, u32)>>>),
+}
+
+/// A reply's payload being consumed: read data going to the command's
+/// buffers from `at` (bytes from the command's offset), or bytes skipped;
+/// `last` if the reply ends with it.
+#[derive(Clone, Copy)]
+enum Payload {
+    Data { cookie: usize, at: u64, left: u32, last: bool },
+    Skip { cookie: usize, left: u32, last: bool },
+}
+
+/// What the chunks of a command's reply have said so far.
+#[derive(Clone, Copy, Default)]
+struct Progress {
+    /// The first error.
+    errno: i32,
+    /// Bytes of a read filled (data and holes).
+    got: u64,
+}
+
+/// The bytes of a chunk's payload read before the chunk is handled (the
+/// rest is data or skipped): at most 12.
+fn chunk_prefix(kind: u16) -> u32 {
+    match kind {
+        chunk::OFFSET_DATA => 8,
+        chunk::OFFSET_HOLE | chunk::BLOCK_STATUS => 12,
+        kind if kind & chunk::ERROR_BIT != 0 => 4,
+        _ => 0,
+    }
+}
+
+fn be32(b: &[u8]) -> u32 {
+    u32::from_be_bytes([b[0], b[1], b[2], b[3]])
 }
 
 /// What the node, its queues and the thread share.
@@ -112,16 +154,21 @@ pub(crate) struct Link {
     socket: Option<Box<dyn Wire>>,
     /// Taken from the line, not on the wire yet.
     waiting: VecDeque<Command>,
-    /// On the wire, by cookie; `free` lists the unused cookies.
+    /// On the wire, by cookie, with what their replies said so far;
+    /// `free` lists the unused cookies.
     sent: Vec<Option<Command>>,
+    progress: Vec<Progress>,
     free: Vec<usize>,
+    /// This connection's structured replies and `base:allocation` id.
+    structured: bool,
+    context: Option<u32>,
     out: Vec<u8>,
     out_pos: usize,
     input: Box<[u8]>,
     in_start: usize,
     in_end: usize,
-    /// A read reply whose data is being copied: its cookie and the bytes done.
-    reading: Option<(usize, u32)>,
+    /// The reply payload being consumed.
+    payload: Option<Payload>,
     /// When the connection broke, until a reply shows a new one works.
     lost: Option<Instant>,
     next_dial: Instant,
@@ -130,19 +177,23 @@ pub(crate) struct Link {
 
 impl Link {
     pub(crate) fn new(shared: Arc<Shared>, config: Config, socket: Box<dyn Wire>) -> Self {
+        let Export { structured, allocation_context: context, .. } = shared.export;
         Self {
             shared,
             config,
             socket: Some(socket),
             waiting: VecDeque::new(),
             sent: Vec::new(),
+            progress: Vec::new(),
             free: Vec::new(),
+            structured,
+            context,
             out: Vec::new(),
             out_pos: 0,
             input: vec![0; IN_BUFFER].into_boxed_slice(),
             in_start: 0,
             in_end: 0,
-            reading: None,
+            payload: None,
             lost: None,
             next_dial: Instant::now(),
             retry: FIRST_RETRY,
@@ -220,10 +271,20 @@ impl Link {
         while self.out.len() - self.out_pos < OUT_HIGH
             && let Some(command) = self.waiting.pop_front()
         {
+            if command.kind == cmd::BLOCK_STATUS && self.context.is_none() {
+                // This connection cannot say: the caller takes it all as data.
+                command.mailbox.post(Completion { tag: command.tag, errno: 0 });
+                continue;
+            }
+            if let Data::Status(slot) = &command.data {
+                *slot.lock().unwrap_or_else(PoisonError::into_inner) = None;
+            }
             let cookie = self.free.pop().unwrap_or_else(|| {
                 self.sent.push(None);
+                self.progress.push(Progress::default());
                 self.sent.len() - 1
             });
+            self.progress[cookie] = Progress::default();
             let header = Request {
                 flags: command.flags,
                 kind: command.kind,
@@ -294,42 +355,152 @@ impl Link {
     /// Consumes whole replies and read data from the input buffer.
     fn parse(&mut self) -> Result<(), LinkError> {
         loop {
+            if let Some(payload) = self.payload {
+                if !self.consume(payload)? {
+                    return Ok(());
+                }
+                continue;
+            }
             let available = &self.input[self.in_start..self.in_end];
-            if let Some((cookie, done)) = self.reading {
+            let Some(start) = ReplyStart::parse(available, self.structured).map_err(LinkError::Magic)? else {
+                return Ok(());
+            };
+            match start {
+                ReplyStart::Simple(reply) => {
+                    self.in_start += SimpleReply::SIZE;
+                    let cookie = self.on_wire(reply.cookie)?;
+                    let len = self.sent[cookie].as_ref().map_or(0, |c| if c.kind == cmd::READ { c.len } else { 0 });
+                    if reply.error == 0 && len > 0 {
+                        self.payload = Some(Payload::Data { cookie, at: 0, left: len, last: true });
+                    } else {
+                        self.complete(cookie, if reply.error == 0 { 0 } else { errno::to_host(reply.error) });
+                    }
+                }
+                ReplyStart::Chunk(header) => {
+                    let need = chunk_prefix(header.kind).min(header.len) as usize;
+                    if available.len() < ChunkHeader::SIZE + need {
+                        return Ok(());
+                    }
+                    let mut prefix = [0u8; 12];
+                    prefix[..need].copy_from_slice(&available[ChunkHeader::SIZE..ChunkHeader::SIZE + need]);
+                    self.in_start += ChunkHeader::SIZE + need;
+                    let cookie = self.on_wire(header.cookie)?;
+                    self.payload = Some(self.chunk(cookie, header, &prefix[..need]));
+                }
+            }
+        }
+    }
+
+    /// The cookie of a command on the wire, from a reply.
+    fn on_wire(&self, cookie: u64) -> Result<usize, LinkError> {
+        usize::try_from(cookie)
+            .ok()
+            .filter(|&c| self.sent.get(c).is_some_and(Option::is_some))
+            .ok_or(LinkError::Cookie(cookie))
+    }
+
+    /// Handles a chunk of `cookie`'s reply, its header and the first bytes
+    /// of its payload: what is left of the payload is data or skipped.
+    fn chunk(&mut self, cookie: usize, header: ChunkHeader, prefix: &[u8]) -> Payload {
+        let last = header.flags & chunk::FLAG_DONE != 0;
+        let rest = header.len - prefix.len() as u32;
+        let skip = Payload::Skip { cookie, left: rest, last };
+        let Some(command) = self.sent[cookie].as_ref() else { return skip };
+        let progress = &mut self.progress[cookie];
+        // Where a read chunk at `offset` for `len` bytes lands, if inside.
+        let inside = |offset: u64, len: u64| {
+            let at = offset.checked_sub(command.offset)?;
+            (command.kind == cmd::READ && at.checked_add(len)? <= u64::from(command.len)).then_some(at)
+        };
+        let mut bad = false;
+        match header.kind {
+            chunk::NONE => bad = header.len != 0 || !last,
+            chunk::OFFSET_DATA if prefix.len() == 8 => {
+                let offset = u64::from_be_bytes(prefix.try_into().unwrap_or_default());
+                match inside(offset, u64::from(rest)) {
+                    Some(at) => return Payload::Data { cookie, at, left: rest, last },
+                    None => bad = true,
+                }
+            }
+            chunk::OFFSET_HOLE if header.len == 12 => {
+                let offset = u64::from_be_bytes(prefix[..8].try_into().unwrap_or_default());
+                let len = be32(&prefix[8..]);
+                match (inside(offset, u64::from(len)), &command.data) {
+                    (Some(at), Data::Buffers { iov, pos }) => {
+                        // SAFETY: the range is inside the command's part of
+                        // the request's buffers, valid until it completes.
+                        unsafe { iov.fill(pos + at, u64::from(len), None) };
+                        progress.got += u64::from(len);
+                    }
+                    _ => bad = true,
+                }
+            }
+            chunk::BLOCK_STATUS if header.len >= 12 && (header.len - 4).is_multiple_of(8) => match &command.data {
+                Data::Status(slot) if Some(be32(prefix)) == self.context => {
+                    let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
+                    slot.get_or_insert((be32(&prefix[4..]), be32(&prefix[8..])));
+                }
+                _ => bad = true,
+            },
+            kind if kind & chunk::ERROR_BIT != 0 => {
+                let wire = if prefix.len() == 4 { be32(prefix) } else { 0 };
+                if progress.errno == 0 {
+                    progress.errno = if wire == 0 { libc::EIO } else { errno::to_host(wire) };
+                }
+            }
+            // An unknown chunk, or a known one that makes no sense.
+            _ => bad = true,
+        }
+        if bad && progress.errno == 0 {
+            progress.errno = libc::EIO;
+        }
+        skip
+    }
+
+    /// Consumes what has come of `payload`; whether it is all in.
+    fn consume(&mut self, payload: Payload) -> Result<bool, LinkError> {
+        let available = (self.in_end - self.in_start) as u32;
+        let (cookie, last) = match payload {
+            Payload::Data { cookie, at, left, last } => {
                 // A read being copied is on the wire until its data is in.
                 let Some(command) = self.sent.get(cookie).and_then(Option::as_ref) else {
                     return Err(LinkError::Cookie(cookie as u64));
                 };
-                let n = (command.len - done).min(available.len() as u32);
+                let n = left.min(available);
                 if let Data::Buffers { iov, pos } = command.data {
+                    let bytes = &self.input[self.in_start..self.in_start + n as usize];
                     // SAFETY: the buffers are the request's, valid and
-                    // untouched by anyone else until it completes.
-                    unsafe { iov.fill(pos + u64::from(done), u64::from(n), Some(&available[..n as usize])) };
+                    // untouched by anyone else until it completes, and the
+                    // range was checked to be inside the command's part.
+                    unsafe { iov.fill(pos + at, u64::from(n), Some(bytes)) };
                 }
                 self.in_start += n as usize;
-                if done + n < command.len {
-                    self.reading = Some((cookie, done + n));
-                    return Ok(());
+                self.progress[cookie].got += u64::from(n);
+                if n < left {
+                    self.payload = Some(Payload::Data { cookie, at: at + u64::from(n), left: left - n, last });
+                    return Ok(false);
                 }
-                self.reading = None;
-                self.complete(cookie, 0);
-                continue;
+                (cookie, last)
             }
-            if available.len() < SimpleReply::SIZE {
-                return Ok(());
+            Payload::Skip { cookie, left, last } => {
+                let n = left.min(available);
+                self.in_start += n as usize;
+                if n < left {
+                    self.payload = Some(Payload::Skip { cookie, left: left - n, last });
+                    return Ok(false);
+                }
+                (cookie, last)
             }
-            let reply = SimpleReply::parse(available).map_err(LinkError::Magic)?;
-            self.in_start += SimpleReply::SIZE;
-            let cookie = usize::try_from(reply.cookie).unwrap_or(usize::MAX);
-            let Some(command) = self.sent.get(cookie).and_then(Option::as_ref) else {
-                return Err(LinkError::Cookie(reply.cookie));
-            };
-            if command.kind == cmd::READ && reply.error == 0 && command.len > 0 {
-                self.reading = Some((cookie, 0));
-            } else {
-                self.complete(cookie, if reply.error == 0 { 0 } else { errno::to_host(reply.error) });
-            }
+        };
+        self.payload = None;
+        if last {
+            let progress = self.progress[cookie];
+            let short =
+                self.sent[cookie].as_ref().is_some_and(|c| c.kind == cmd::READ && progress.got < u64::from(c.len));
+            let errno = if progress.errno == 0 && short { libc::EIO } else { progress.errno };
+            self.complete(cookie, errno);
         }
+        Ok(true)
     }
 
     /// Finishes the command on the wire under `cookie`.
@@ -358,7 +529,7 @@ impl Link {
     fn lose(&mut self, why: LinkError) {
         log::warn!("NBD connection to {} (export '{}') lost: {why}", self.config.server, self.config.export);
         self.socket = None;
-        self.reading = None;
+        self.payload = None;
         (self.in_start, self.in_end) = (0, 0);
         self.out.clear();
         self.out_pos = 0;
@@ -383,6 +554,7 @@ impl Link {
                 Ok((socket, export)) if export.size == self.shared.export.size => {
                     log::info!("NBD connection to {} (export '{}') is back", self.config.server, self.config.export);
                     self.socket = Some(socket);
+                    (self.structured, self.context) = (export.structured, export.allocation_context);
                     return;
                 }
                 Ok((_, export)) => log::warn!(

@@ -135,13 +135,23 @@ pub mod cmd {
 }
 
 /// Structured reply chunk types.
-mod chunk {
+pub mod chunk {
+    /// No payload: ends a reply (with [`FLAG_DONE`]).
     pub const NONE: u16 = 0;
+    /// A read's data at an offset.
     pub const OFFSET_DATA: u16 = 1;
+    /// A read's zeroes at an offset.
     pub const OFFSET_HOLE: u16 = 2;
+    /// A block status: a context id and extents.
     pub const BLOCK_STATUS: u16 = 5;
+    /// A block status with 64-bit extents (extended headers).
     pub const BLOCK_STATUS_EXT: u16 = 6;
-    pub const ERROR: u16 = (1 << 15) + 1;
+    /// Error chunks have this bit set.
+    pub const ERROR_BIT: u16 = 1 << 15;
+    /// An error: errno and message.
+    pub const ERROR: u16 = ERROR_BIT + 1;
+    /// An error at an offset: errno, message and offset.
+    pub const ERROR_OFFSET: u16 = ERROR_BIT + 2;
     /// The last chunk of a reply.
     pub const FLAG_DONE: u16 = 1;
 }
@@ -259,6 +269,59 @@ impl SimpleReply {
     pub fn parse(buf: &[u8]) -> Result<Self, BadMagic> {
         match be32(buf) {
             SIMPLE_REPLY_MAGIC => Ok(Self { error: be32(&buf[4..]), cookie: be64(&buf[8..]) }),
+            magic => Err(BadMagic(magic)),
+        }
+    }
+}
+
+/// A structured reply chunk's header, as a client reads it: 20 bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChunkHeader {
+    /// Chunk flags ([`chunk::FLAG_DONE`]).
+    pub flags: u16,
+    /// Chunk type ([`chunk`]).
+    pub kind: u16,
+    /// The request's cookie.
+    pub cookie: u64,
+    /// The payload's length.
+    pub len: u32,
+}
+
+impl ChunkHeader {
+    /// The size of the header.
+    pub const SIZE: usize = 20;
+}
+
+/// A reply's header as a client reads it, simple or a chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReplyStart {
+    /// A simple reply.
+    Simple(SimpleReply),
+    /// A structured reply's chunk.
+    Chunk(ChunkHeader),
+}
+
+impl ReplyStart {
+    /// Parses the reply header at the start of `buf`: `None` if `buf` holds
+    /// less than a whole header. Chunks are taken only if `structured`
+    /// replies were negotiated; another magic is a stream the client
+    /// cannot follow.
+    pub fn parse(buf: &[u8], structured: bool) -> Result<Option<Self>, BadMagic> {
+        if buf.len() < 4 {
+            return Ok(None);
+        }
+        match be32(buf) {
+            SIMPLE_REPLY_MAGIC if buf.len() >= SimpleReply::SIZE => Ok(Some(Self::Simple(SimpleReply::parse(buf)?))),
+            STRUCTURED_REPLY_MAGIC if structured && buf.len() >= ChunkHeader::SIZE => {
+                Ok(Some(Self::Chunk(ChunkHeader {
+                    flags: be16(&buf[4..]),
+                    kind: be16(&buf[6..]),
+                    cookie: be64(&buf[8..]),
+                    len: be32(&buf[16..]),
+                })))
+            }
+            SIMPLE_REPLY_MAGIC => Ok(None),
+            STRUCTURED_REPLY_MAGIC if structured => Ok(None),
             magic => Err(BadMagic(magic)),
         }
     }

@@ -518,10 +518,23 @@ enum Hostile {
     UnknownCookie,
     /// Half a read's data, then the connection closes.
     ShortRead,
+    /// Structured replies: a read's data chunk past the request's end.
+    ChunkOutside,
+    /// Structured replies: a chunk of a type NBD does not have.
+    UnknownChunk,
+    /// Structured replies: a block status for a context never given.
+    WrongContext,
 }
 
-/// A server that negotiates properly (1 MiB, flush) and then answers
-/// every connection's first request as `how` says.
+impl Hostile {
+    fn structured(self) -> bool {
+        matches!(self, Hostile::ChunkOutside | Hostile::UnknownChunk | Hostile::WrongContext)
+    }
+}
+
+/// A server that negotiates properly (1 MiB, flush; structured replies and
+/// `base:allocation` with id 1 if `how` is structured, else neither) and
+/// then answers every connection's first request as `how` says.
 fn hostile_server(socket: &Path, how: Hostile) -> std::thread::JoinHandle<()> {
     use std::io::{Read, Write};
     let listener = std::os::unix::net::UnixListener::bind(socket).unwrap();
@@ -530,29 +543,52 @@ fn hostile_server(socket: &Path, how: Hostile) -> std::thread::JoinHandle<()> {
             let Ok(mut s) = stream else { return };
             let mut greeting = b"NBDMAGICIHAVEOPT".to_vec();
             greeting.extend_from_slice(&3u16.to_be_bytes());
-            let mut header = [0u8; 16];
             let mut flags = [0u8; 4];
-            if s.write_all(&greeting)
-                .and_then(|()| s.read_exact(&mut flags))
-                .and_then(|()| s.read_exact(&mut header))
-                .is_err()
-            {
+            if s.write_all(&greeting).and_then(|()| s.read_exact(&mut flags)).is_err() {
                 continue;
             }
-            let mut data = vec![0; u32::from_be_bytes(header[12..16].try_into().unwrap()) as usize];
-            let _ = s.read_exact(&mut data);
-            let reply = |kind: u32, body: &[u8]| {
+            let reply = |option: u32, kind: u32, body: &[u8]| {
                 let mut out = 0x0003_e889_0455_65a9u64.to_be_bytes().to_vec();
-                out.extend_from_slice(&7u32.to_be_bytes());
+                out.extend_from_slice(&option.to_be_bytes());
                 out.extend_from_slice(&kind.to_be_bytes());
                 out.extend_from_slice(&(body.len() as u32).to_be_bytes());
                 out.extend_from_slice(body);
                 out
             };
-            let mut info = 0u16.to_be_bytes().to_vec();
-            info.extend_from_slice(&MIB.to_be_bytes());
-            info.extend_from_slice(&(1u16 | 4).to_be_bytes());
-            let _ = s.write_all(&reply(3, &info)).and_then(|()| s.write_all(&reply(1, &[])));
+            // Options until GO: STRUCTURED_REPLY and SET_META_CONTEXT
+            // granted or refused as `how` says, any other refused.
+            let negotiated = loop {
+                let mut header = [0u8; 16];
+                if s.read_exact(&mut header).is_err() {
+                    break false;
+                }
+                let option = u32::from_be_bytes(header[8..12].try_into().unwrap());
+                let mut data = vec![0; u32::from_be_bytes(header[12..16].try_into().unwrap()) as usize];
+                let _ = s.read_exact(&mut data);
+                let answer = match option {
+                    7 => {
+                        let mut info = 0u16.to_be_bytes().to_vec();
+                        info.extend_from_slice(&MIB.to_be_bytes());
+                        info.extend_from_slice(&(1u16 | 4).to_be_bytes());
+                        [reply(7, 3, &info), reply(7, 1, &[])].concat()
+                    }
+                    8 if how.structured() => reply(8, 1, &[]),
+                    10 if how.structured() => {
+                        let context = [&1u32.to_be_bytes()[..], b"base:allocation"].concat();
+                        [reply(10, 4, &context), reply(10, 1, &[])].concat()
+                    }
+                    _ => reply(option, 0x8000_0001, &[]),
+                };
+                if s.write_all(&answer).is_err() {
+                    break false;
+                }
+                if option == 7 {
+                    break true;
+                }
+            };
+            if !negotiated {
+                continue;
+            }
             let mut request = [0u8; 28];
             if s.read_exact(&mut request).is_err() {
                 continue;
@@ -561,7 +597,24 @@ fn hostile_server(socket: &Path, how: Hostile) -> std::thread::JoinHandle<()> {
             let len = u32::from_be_bytes(request[24..28].try_into().unwrap()) as usize;
             let mut simple = 0x6744_6698u32.to_be_bytes().to_vec();
             simple.extend_from_slice(&0u32.to_be_bytes());
+            let offset = u64::from_be_bytes(request[16..24].try_into().unwrap());
+            let chunk = |kind: u16, body: &[u8]| {
+                let mut out = 0x668e_33efu32.to_be_bytes().to_vec();
+                out.extend_from_slice(&1u16.to_be_bytes()); // DONE
+                out.extend_from_slice(&kind.to_be_bytes());
+                out.extend_from_slice(&cookie.to_be_bytes());
+                out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+                out.extend_from_slice(body);
+                out
+            };
             let answer = match how {
+                Hostile::ChunkOutside => {
+                    chunk(1, &[&(offset + len as u64 - 4096).to_be_bytes()[..], &vec![0x5a; 8192]].concat())
+                }
+                Hostile::UnknownChunk => chunk(77, &[0x5a; 12]),
+                Hostile::WrongContext => {
+                    chunk(5, &[&99u32.to_be_bytes()[..], &(len as u32).to_be_bytes(), &3u32.to_be_bytes()].concat())
+                }
                 Hostile::BadMagic => vec![0xee; 16],
                 Hostile::UnknownCookie => [simple, (cookie + 12345).to_be_bytes().to_vec()].concat(),
                 Hostile::ShortRead => [simple, cookie.to_be_bytes().to_vec(), vec![0x5a; len / 2]].concat(),
@@ -573,9 +626,13 @@ fn hostile_server(socket: &Path, how: Hostile) -> std::thread::JoinHandle<()> {
 
 /// A server that breaks the protocol fails the request with an I/O
 /// error, and only it: vsd keeps running and keeps asking the server.
+/// With structured replies, a data chunk outside the request and a chunk
+/// of an unknown type fail the read.
 #[test]
 fn a_server_that_breaks_the_protocol_fails_requests_not_vsd() {
-    for how in [Hostile::BadMagic, Hostile::UnknownCookie, Hostile::ShortRead] {
+    let all =
+        [Hostile::BadMagic, Hostile::UnknownCookie, Hostile::ShortRead, Hostile::ChunkOutside, Hostile::UnknownChunk];
+    for how in all {
         let dir = Scratch::new("nbdc-hostile");
         let socket = dir.path("evil.sock");
         let _server = hostile_server(&socket, how);
@@ -621,4 +678,180 @@ fn fast_zeroing_goes_through_or_is_refused_as_the_server_can() {
         let zeroed = !String::from_utf8_lossy(&read.stdout).contains("verification failed");
         assert_eq!(zeroed, fast, "{filters:?}: the refused fast zeroing changed nothing");
     }
+}
+
+/// A block status for a metadata context the server never gave fails the
+/// request (here, NBD's block status through vsd's export), and only it.
+#[test]
+fn a_block_status_in_a_context_never_given_fails_the_request_not_vsd() {
+    let dir = Scratch::new("nbdc-hostile-context");
+    let socket = dir.path("evil.sock");
+    let _server = hostile_server(&socket, Hostile::WrongContext);
+    let mut vsd = vsd_over(&dir, nbd_node(&socket, "", ""), "");
+    let out = run("nbdinfo", &["--map", &uri(&dir.path("vsd-nbd.sock"), "x")]);
+    assert!(!out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(vsd.is_running(), "vsd runs on");
+    assert!(vsd.stop().success(), "vsd stops cleanly");
+}
+
+/// `nbdinfo --map` of `uri`, adjacent extents of one type merged:
+/// (offset, length, type: 0 data, 3 hole and zeroes).
+fn map(uri: &str) -> Vec<(u64, u64, u32)> {
+    let out = ok("nbdinfo", &["--map", uri]);
+    let mut extents: Vec<(u64, u64, u32)> = Vec::new();
+    for line in out.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let [offset, len, kind, ..] = fields[..] else { continue };
+        let (offset, len, kind) = (offset.parse().unwrap(), len.parse().unwrap(), kind.parse().unwrap());
+        match extents.last_mut() {
+            Some(last) if last.2 == kind && last.0 + last.1 == offset => last.1 += len,
+            _ => extents.push((offset, len, kind)),
+        }
+    }
+    extents
+}
+
+/// The bytes of NBD export `uri`, every one read (no block status).
+fn read_all(dir: &Scratch, uri: &str, name: &str) -> Vec<u8> {
+    let out = dir.path(name);
+    ok("nbdcopy", &["--no-extents", uri, out.to_str().unwrap()]);
+    std::fs::read(&out).unwrap()
+}
+
+/// A sparse 8 MiB qcow2 image written by qemu-io (0x11 at 0 for 192 KiB,
+/// zero clusters at 1 MiB for 512 KiB, 0x22 at 3 MiB for 64 KiB, 0x33 at
+/// 5 MiB for 1 MiB whose first 128 KiB are zeroed again), exported as
+/// `disk` by qemu-storage-daemon on `qsd.sock`; and its bytes.
+fn sparse_qcow2_on_qsd(dir: &Scratch) -> (Daemon, Vec<u8>) {
+    let image = dir.path("sparse.qcow2");
+    let img = image.to_str().unwrap();
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", img, "8M"]);
+    let writes = ["write -P 0x11 0 192k", "write -z 1M 512k", "write -P 0x22 3M 64k", "write -P 0x33 5M 1M"];
+    let mut args = vec!["-f", "qcow2"];
+    for w in writes.iter().chain(&["write -z 5M 128k"]) {
+        args.extend(["-c", w]);
+    }
+    args.push(img);
+    ok("qemu-io", &args);
+    let raw = dir.path("sparse.raw");
+    ok("qemu-img", &["convert", "-O", "raw", img, raw.to_str().unwrap()]);
+    let bytes = std::fs::read(&raw).unwrap();
+    let qsd = Daemon::qsd(
+        dir,
+        &[
+            "--blockdev".into(),
+            format!("driver=file,node-name=f0,filename={img}"),
+            "--blockdev".into(),
+            "driver=qcow2,node-name=q0,file=f0".into(),
+            "--nbd-server".into(),
+            format!("addr.type=unix,addr.path={}", dir.path("qsd.sock").display()),
+            "--export".into(),
+            "type=nbd,id=e0,node-name=q0,name=disk,writable=on".into(),
+        ],
+    );
+    (qsd, bytes)
+}
+
+/// The sparse qcow2 image exported by qemu-storage-daemon: vsd's
+/// `driver=nbd` asks it for block status, so vsd's own export maps as
+/// qemu-storage-daemon's does, and reads over structured replies (data
+/// and hole chunks) return exactly what qemu-io wrote.
+#[test]
+fn block_status_and_sparse_reads_of_a_qemu_storage_daemon_export() {
+    let dir = Scratch::new("nbdc-status-qsd");
+    let (_qsd, bytes) = sparse_qcow2_on_qsd(&dir);
+    let qsd_sock = dir.path("qsd.sock");
+    let vsd = vsd_over(&dir, nbd_node(&qsd_sock, "disk", ""), "");
+    let (theirs, ours) = (uri(&qsd_sock, "disk"), uri(&dir.path("vsd-nbd.sock"), "x"));
+
+    let expected = map(&theirs);
+    assert_eq!(expected[0], (0, 192 << 10, 0), "qemu-storage-daemon maps the data: {expected:?}");
+    assert!(expected.iter().any(|&(o, l, k)| o <= MIB && MIB + (512 << 10) <= o + l && k == 3), "{expected:?}");
+    assert!(expected.iter().any(|&(o, l, k)| o <= 5 * MIB && 5 * MIB + (128 << 10) <= o + l && k == 3));
+    assert_eq!(map(&ours), expected, "vsd's export maps as qemu-storage-daemon's");
+
+    assert!(read_all(&dir, &ours, "ours.raw") == bytes, "vsd reads what qemu-io wrote");
+    // Pattern reads, data and holes alternating through the same buffers.
+    let reads = [
+        "read -P 0x11 0 192k",
+        "read -P 0 192k 832k",
+        "read -P 0x22 3M 64k",
+        "read -P 0 1M 512k",
+        "read -P 0x33 5248k 896k",
+        "read -P 0 5M 128k",
+        "read -P 0 6M 2M",
+    ];
+    let mut args = vec!["-r", "-f", "raw"];
+    for r in &reads {
+        args.extend(["-c", r]);
+    }
+    args.push(&ours);
+    let out = ok("qemu-io", &args);
+    assert!(!out.contains("Pattern verification failed"), "{out}");
+    drop(vsd);
+}
+
+/// nbdkit's sparse-random plugin answers block status: vsd's export maps
+/// as nbdkit does and reads the same bytes, also when nbdkit refuses
+/// requests not in whole 4 KiB blocks. With `--no-sr` (no structured
+/// replies, so no block status) vsd reads the same and calls it all data.
+#[test]
+fn block_status_of_nbdkit_with_and_without_structured_replies() {
+    let strict = "blocksize-policy blocksize-minimum=4096 blocksize-error-policy=error";
+    for filters in [&[][..], &[strict], &["--no-sr"]] {
+        let no_sr = filters == ["--no-sr"];
+        let dir = Scratch::new("nbdc-status-kit");
+        let kit_sock = dir.path("kit.sock");
+        let _kit =
+            Nbdkit::serving(&kit_sock, filters, &["sparse-random", "32M", "seed=7", "percent=30", "runlength=65536"]);
+        let vsd = vsd_over(&dir, nbd_node(&kit_sock, "", ""), "");
+        let (theirs, ours) = (uri(&kit_sock, ""), uri(&dir.path("vsd-nbd.sock"), "x"));
+        if no_sr {
+            assert_eq!(map(&ours), [(0, 32 * MIB, 0)], "all data");
+        } else {
+            let kit_map = map(&theirs);
+            assert!(kit_map.iter().filter(|e| e.2 == 3).count() > 3, "nbdkit has holes: {kit_map:?}");
+            assert_eq!(map(&ours), kit_map, "vsd's export maps as nbdkit's");
+        }
+        let want = read_all(&dir, &theirs, "theirs.raw");
+        assert!(read_all(&dir, &ours, "ours.raw") == want, "{filters:?}: vsd reads what nbdkit serves");
+        drop(vsd);
+    }
+}
+
+/// A full backup whose source is the sparse image on qemu-storage-daemon,
+/// through `driver=nbd`, skips its holes: the qcow2 target holds data
+/// clusters only where the source has data, and the source's bytes.
+#[test]
+fn a_backup_from_an_nbd_source_skips_its_holes() {
+    let dir = Scratch::new("nbdc-status-backup");
+    let (_qsd, bytes) = sparse_qcow2_on_qsd(&dir);
+    let target = dir.path("target.qcow2");
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", target.to_str().unwrap(), "8M"]);
+    let qmp_socket = dir.path("qmp.sock");
+    let mut args = vec![
+        "--blockdev".into(),
+        nbd_node(&dir.path("qsd.sock"), "disk", ""),
+        "--blockdev".into(),
+        format!("driver=file,node-name=tf,filename={}", target.display()),
+        "--blockdev".into(),
+        "driver=qcow2,node-name=t0,file=tf".into(),
+    ];
+    args.extend(common::monitor(&qmp_socket));
+    let vsd = Daemon::vsd(&dir, &args);
+    let mut qmp = common::qmp::Qmp::connect(&qmp_socket);
+    let backup = serde_json::json!({"job-id": "b", "device": "n0", "target": "t0", "sync": "full"});
+    qmp.ok("blockdev-backup", backup);
+    let done = qmp.await_event("BLOCK_JOB_COMPLETED", serde_json::json!({"device": "b"}));
+    assert!(done.get("error").is_none(), "{done}");
+    drop(qmp);
+    assert!(vsd.stop().success());
+    let map: serde_json::Value =
+        serde_json::from_str(&ok("qemu-img", &["map", "--output=json", target.to_str().unwrap()])).unwrap();
+    let data: u64 =
+        map.as_array().unwrap().iter().filter(|e| e["data"] == true).map(|e| e["length"].as_u64().unwrap()).sum();
+    assert_eq!(data, (192 + 64 + 896) << 10, "data clusters only where the source has data: {map}");
+    let copy = dir.path("target.raw");
+    ok("qemu-img", &["convert", "-O", "raw", target.to_str().unwrap(), copy.to_str().unwrap()]);
+    assert!(std::fs::read(&copy).unwrap() == bytes, "the target holds the source's bytes");
 }

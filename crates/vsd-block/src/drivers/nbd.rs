@@ -5,10 +5,10 @@ use std::time::Duration;
 
 use vsd_engine::IoQueue;
 use vsd_nbd_client::{Address, Config, NbdClient, Tls};
-use vsd_nbd_proto::tx_flag;
+use vsd_nbd_proto::{state, tx_flag};
 
 use crate::options::OptionMap;
-use crate::{BlockGraph, BlockNode, GraphError};
+use crate::{Allocation, BlockGraph, BlockNode, GraphError};
 
 pub(crate) struct NbdNode {
     name: String,
@@ -69,5 +69,32 @@ impl BlockNode for NbdNode {
 
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
         Ok(Box::new(self.client.open_queue(depth)?))
+    }
+
+    /// The server's `base:allocation`, when it has it. A hole is what reads
+    /// as zeroes and is not allocated (HOLE and ZERO); zeroes that are
+    /// allocated (ZERO alone) and holes that may not read as zeroes (HOLE
+    /// alone, over a backing file) are data, which is never wrong: the
+    /// enum has no allocated-zero kind, and a hole there would let a copy
+    /// skip bytes that are not zeroes.
+    ///
+    /// The server may refuse a range that is not in whole blocks of its
+    /// minimum size (QEMU's client only asks such ranges): bytes up to the
+    /// next block are data without asking, and a range is asked in whole
+    /// blocks (the export's end excepted) and the answer cut to it.
+    fn block_status(&self, offset: u64, len: u64) -> io::Result<(Allocation, u64)> {
+        let export = self.client.export();
+        let align = u64::from(export.min_block.max(1));
+        if !offset.is_multiple_of(align) {
+            return Ok((Allocation::Data, len.min(align - offset % align)));
+        }
+        let ask = len.next_multiple_of(align).min(export.size.saturating_sub(offset)).max(len);
+        Ok(match self.client.block_status(offset, ask)? {
+            Some((n, flags)) if flags & (state::HOLE | state::ZERO) == state::HOLE | state::ZERO => {
+                (Allocation::Hole, n.min(len))
+            }
+            Some((n, _)) => (Allocation::Data, n.min(len)),
+            None => (Allocation::Data, len),
+        })
     }
 }
