@@ -4,9 +4,10 @@ serve, over vhost-user-blk, a `driver=nbd` node on the same nbdkit export
 (the memory plugin, 1 GiB). The daemon is pinned to CPU 0; vsd-bench
 (libblkio) and nbdkit share CPU 1. Workloads: 4k random reads at iodepth 1
 and 32, 4k random writes at iodepth 32. Peers are interleaved within each
-repetition; reported are medians, and the daemon's CPU per I/O.
+repetition; reported are medians, and the daemon's CPU per I/O. With
+--baseline, an earlier vsd binary runs as a third peer, "base".
 
-usage: scripts/bench-nbd-client.py [--reps 3] [--seconds 5]
+usage: scripts/bench-nbd-client.py [--reps 3] [--seconds 5] [--target-dir DIR] [--baseline VSD]
 """
 import argparse
 import json
@@ -17,7 +18,7 @@ import subprocess
 import tempfile
 import time
 
-from benchlib import QSD, VSD, serve_and_bench
+import benchlib
 
 WORKLOADS = {"4k randread qd1": ("randread", 1), "4k randread qd32": ("randread", 32),
              "4k randwrite qd32": ("randwrite", 32)}
@@ -38,18 +39,21 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seconds", type=int, default=5)
+    parser.add_argument("--target-dir", help="a cargo target directory with a release build (default: the repo's)")
+    parser.add_argument("--baseline", help="an earlier vsd binary, run as a third peer")
     args = parser.parse_args()
+    benchlib.use_build(args.target_dir)
     work = tempfile.mkdtemp(prefix="vsd-bench-nbdc-")
     kit, sock = start_nbdkit(work)
     node = f"driver=nbd,node-name=n0,server.type=unix,server.path={sock}"
-    peers = {"vsd": VSD, "qsd": QSD}
+    peers = benchlib.daemons(args.baseline)
     results = {(w, p): [] for w in WORKLOADS for p in peers}
     try:
         for rep in range(args.reps):
             order = list(peers) if rep % 2 == 0 else list(reversed(peers))
             for workload, (rw, qd) in WORKLOADS.items():
                 for name in order:
-                    res = serve_and_bench(peers[name], [node, "driver=raw,node-name=disk0,file=n0"],
+                    res = benchlib.serve_and_bench(peers[name], [node, "driver=raw,node-name=disk0,file=n0"],
                                           ["--rw", rw, "--bs", "4k", "--iodepth", str(qd)], args.seconds, work)
                     results[(workload, name)].append(res)
                     print(f"rep {rep + 1} {workload} {name}: {json.dumps(res)}", flush=True)
