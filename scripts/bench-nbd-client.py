@@ -6,8 +6,11 @@ serve, over vhost-user-blk, a `driver=nbd` node on the same nbdkit export
 and 32, 4k random writes at iodepth 32. Peers are interleaved within each
 repetition; reported are medians, and the daemon's CPU per I/O. With
 --baseline, an earlier vsd binary runs as a third peer, "base".
+--callgrind instead counts the instructions per request of vsd's busiest
+thread (the client's connection thread; and the baseline's), 4k random
+reads and writes at iodepth 8: repeatable where IOPS here are not.
 
-usage: scripts/bench-nbd-client.py [--reps 3] [--seconds 5] [--target-dir DIR] [--baseline VSD]
+usage: scripts/bench-nbd-client.py [--reps 3] [--seconds 5] [--target-dir DIR] [--baseline VSD] [--callgrind]
 """
 import argparse
 import json
@@ -41,20 +44,30 @@ def main():
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--target-dir", help="a cargo target directory with a release build (default: the repo's)")
     parser.add_argument("--baseline", help="an earlier vsd binary, run as a third peer")
+    parser.add_argument("--callgrind", action="store_true", help="instructions per request instead of IOPS")
     args = parser.parse_args()
     benchlib.use_build(args.target_dir)
     work = tempfile.mkdtemp(prefix="vsd-bench-nbdc-")
     kit, sock = start_nbdkit(work)
     node = f"driver=nbd,node-name=n0,server.type=unix,server.path={sock}"
     peers = benchlib.daemons(args.baseline)
+    blockdevs = [node, "driver=raw,node-name=disk0,file=n0"]
+    if args.callgrind:
+        try:
+            count_instructions(peers, blockdevs, work)
+        finally:
+            kit.terminate()
+            kit.wait()
+            shutil.rmtree(work)
+        return
     results = {(w, p): [] for w in WORKLOADS for p in peers}
     try:
         for rep in range(args.reps):
             order = list(peers) if rep % 2 == 0 else list(reversed(peers))
             for workload, (rw, qd) in WORKLOADS.items():
                 for name in order:
-                    res = benchlib.serve_and_bench(peers[name], [node, "driver=raw,node-name=disk0,file=n0"],
-                                          ["--rw", rw, "--bs", "4k", "--iodepth", str(qd)], args.seconds, work)
+                    res = benchlib.serve_and_bench(peers[name], blockdevs,
+                                                   ["--rw", rw, "--bs", "4k", "--iodepth", str(qd)], args.seconds, work)
                     results[(workload, name)].append(res)
                     print(f"rep {rep + 1} {workload} {name}: {json.dumps(res)}", flush=True)
     finally:
@@ -70,6 +83,16 @@ def main():
             print(f"| {workload} | {name} | {m['iops']:.0f} | {m['p50_us']:.0f} | {m['p99_us']:.0f} | "
                   f"{m['cpu_us_per_io']:.1f} | {m['iops'] / med['qsd']['iops']:.2f} | "
                   f"{m['cpu_us_per_io'] / med['qsd']['cpu_us_per_io']:.2f} |")
+
+
+def count_instructions(peers, blockdevs, work):
+    print("| vsd | 4k, iodepth 8 | instructions per request (busiest thread) |")
+    print("|---|---|---|")
+    for name in (p for p in peers if p != "qsd"):
+        for rw in ("randread", "randwrite"):
+            per_io, _, _ = benchlib.callgrind_worker(peers[name], benchlib.BENCH, work, f"{name}-{rw}", blockdevs,
+                                                     ["--rw", rw, "--iodepth", "8"], 4)
+            print(f"| {name} | {rw} | {per_io:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
