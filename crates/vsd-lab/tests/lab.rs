@@ -27,8 +27,16 @@ fn scratch(name: &str) -> TempDir {
     tempfile::Builder::new().prefix(&format!("vsd-lab-test-{name}-")).tempdir().unwrap()
 }
 
+/// vsd-lab run in `dir`. It finds the guest script above itself, which a
+/// build outside the source tree (`CARGO_TARGET_DIR`) is not: it is named.
+fn lab_command(dir: &TempDir) -> Command {
+    let mut command = Command::new(VSD_LAB);
+    command.current_dir(dir.path()).env("VSD_GUEST_SCRIPT", repo().join("scripts/guest/run-guest.sh"));
+    command
+}
+
 fn lab(dir: &TempDir, args: &[&str]) -> Output {
-    let out = Command::new(VSD_LAB).args(args).current_dir(dir.path()).output().unwrap();
+    let out = lab_command(dir).args(args).output().unwrap();
     eprintln!("{}", String::from_utf8_lossy(&out.stderr));
     out
 }
@@ -118,12 +126,7 @@ fn interrupted_lab_resumes() {
     )
     .unwrap();
     let results = dir.path().join("lab-results/resume.jsonl");
-    let mut child = Command::new(VSD_LAB)
-        .args(["run", spec.to_str().unwrap()])
-        .current_dir(dir.path())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = lab_command(&dir).args(["run", spec.to_str().unwrap()]).stderr(Stdio::null()).spawn().unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
     while read_rows(&results).unwrap().is_empty() {
         assert!(Instant::now() < deadline, "no run finished");
