@@ -6,17 +6,17 @@
 //! off the list ends the daemon with SIGSYS, as QEMU's `-sandbox on` does,
 //! after a line naming it.
 //!
-//! The list was taken from what the test suite makes the daemon do
-//! (`strace -f -c` over every test), QEMU's and Cloud Hypervisor's lists
-//! for the libraries' calls, and kept to calls without which a served disk
-//! would fail. What it leaves out: starting programs (`execve`, and
-//! `clone` without `CLONE_THREAD`), tracing, mounting, module loading,
-//! changing ids or keys, raw and packet sockets, signals to other
-//! processes.
+//! The list is what the test suite makes the daemon do (`strace -f` over
+//! every test: the calls, and the arguments checked below), with the other
+//! spellings the C library and Rust's may use for them. What it leaves
+//! out: starting programs (`execve`, and `clone` without `CLONE_THREAD`),
+//! tracing, mounting, module loading, changing ids or keys, raw and packet
+//! sockets, signals to other processes.
 //!
-//! io_uring requests are not system calls: seccomp does not see them, so
-//! what a ring reaches is bounded by the user the daemon runs as
-//! (`--run-with`), not by this list.
+//! io_uring requests are not system calls: seccomp does not see them.
+//! vsd's own rings are restricted to their file (vsd-engine's `uring`),
+//! but a ring set up by code running inside the daemon reaches what the
+//! daemon's user may (`--run-with` bounds that), not what this list says.
 
 use std::collections::BTreeMap;
 
