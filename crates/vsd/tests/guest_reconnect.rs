@@ -17,6 +17,9 @@ use common::{Scratch, VSD, file_export};
 
 const MIB: u64 = 1 << 20;
 const KILLS: usize = 8;
+/// Whether a kill catches requests in flight is chance: while none has,
+/// the kills go on, up to this many, as long as fio's write pass lasts.
+const MAX_KILLS: usize = 16;
 
 /// One vsd process, its log appended to `log`.
 struct Vsd(Child);
@@ -116,12 +119,17 @@ fn guest_fio_verify_survives_back_end_kills_mid_io() {
     }
     let mut kills = Vec::new();
     let mut written = allocated(&image);
-    'kills: for n in 0..KILLS {
+    'kills: for n in 0..MAX_KILLS {
+        let caught =
+            || std::fs::read_to_string(&vsd_log).unwrap_or_default().lines().filter_map(takeover).any(|t| t[0] > 0);
+        if n >= KILLS && caught() {
+            break;
+        }
         // Let the new back-end reconnect (QEMU retries every 500 ms) and
         // serve a while: fio's writes allocate the sparse image's blocks.
         // Kills come often enough for several to land in the write pass:
         // whether one catches requests in flight is chance, per kill.
-        std::thread::sleep(Duration::from_millis(800 + 200 * n as u64));
+        std::thread::sleep(Duration::from_millis(800 + 200 * n.min(4) as u64));
         while allocated(&image) == written {
             if console_has(&console, "fio_verify_status=") || guest.is_finished() {
                 break 'kills;
