@@ -10,8 +10,9 @@ scripts/setup.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # Every program, not only the test harnesses: `vsd-lab`'s test runs the vsd
-# and vsd-bench built beside it.
-cargo build --workspace --locked
+# and vsd-bench built beside it. With `--all-targets` the programs get the
+# features the tests unify, so `cargo test` below builds nothing twice.
+cargo build --workspace --all-targets --locked
 log=$(mktemp)
 # The RBD tests start the test Ceph clusters (the shared one, and one with
 # cephx); stop each after them unless it was running before.
