@@ -157,12 +157,36 @@ impl ThrottleQueue {
         Ok(Self { inner, dirty, group, member, waiting, forwarded: 0, timer, armed: None, epoll })
     }
 
+    #[inline(always)]
     fn forward(&mut self, tag: u32, op: IoOp) {
         self.forwarded += 1;
         self.dirty.record(tag, &op);
         // SAFETY: the owner's guarantee for `op`, given at push, holds until
         // its completion is reaped, which is after it reaches the child.
         unsafe { self.inner.push(tag, op) }
+    }
+
+    /// Forwards a request the group admits now, in order after those of
+    /// its direction already waiting; holds it back otherwise.
+    #[inline(never)]
+    fn admit(&mut self, tag: u32, op: IoOp, direction: Direction, bytes: u64) {
+        let lane = direction as usize;
+        let now = Instant::now();
+        if !self.waiting[lane].is_empty() {
+            return self.waiting[lane].push_back((tag, op, now));
+        }
+        match self.group.admit(&self.member, direction, bytes, now) {
+            Ok(()) => {
+                self.group.count(direction, bytes, Duration::ZERO);
+                self.forward(tag, op);
+            }
+            Err(refusal) => {
+                self.waiting[lane].push_back((tag, op, now));
+                if let Refusal::Wait(wait) = refusal {
+                    self.arm(now, wait);
+                }
+            }
+        }
     }
 
     /// Forwards the waiting requests the group admits now, in order; arms
@@ -238,29 +262,14 @@ impl ThrottleQueue {
 
 impl IoQueue for ThrottleQueue {
     unsafe fn push(&mut self, tag: u32, op: IoOp) {
-        if !self.group.limited() {
-            return self.forward(tag, op);
+        if self.group.limited()
+            && let Some((direction, bytes)) = direction(&op)
+        {
+            return self.admit(tag, op, direction, bytes);
         }
-        let Some((direction, bytes)) = direction(&op) else {
-            return self.forward(tag, op);
-        };
-        let lane = direction as usize;
-        let now = Instant::now();
-        if !self.waiting[lane].is_empty() {
-            return self.waiting[lane].push_back((tag, op, now));
-        }
-        match self.group.admit(&self.member, direction, bytes, now) {
-            Ok(()) => {
-                self.group.count(direction, bytes, Duration::ZERO);
-                self.forward(tag, op);
-            }
-            Err(refusal) => {
-                self.waiting[lane].push_back((tag, op, now));
-                if let Refusal::Wait(wait) = refusal {
-                    self.arm(now, wait);
-                }
-            }
-        }
+        // Without limits the request only passes through: kept apart from
+        // the admission above, this path needs no stack frame of its own.
+        self.forward(tag, op)
     }
 
     fn submit(&mut self) -> io::Result<()> {
