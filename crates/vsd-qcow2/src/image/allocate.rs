@@ -204,12 +204,13 @@ impl Image {
     /// [`Allocation::to_write`] (or, without contents, the request's
     /// [`Allocation::request_bytes`]), then hands it to
     /// [`Image::finish_allocation`] (which it must, written or not: until
-    /// then the cluster stays in flight). No data is read or written under
-    /// the metadata mutex.
+    /// then the cluster stays in flight). No data, table or refcount block
+    /// is read or written under the metadata mutex (but as
+    /// [`Image::loading_apart`] says).
     ///
     /// Fails with [`Busy`] if a cluster of the range is in flight.
     pub fn start_write(&self, io: &mut ImageIo, offset: u64, len: u64) -> io::Result<Vec<Piece>> {
-        self.begin_write(io, offset, len, true)
+        self.loading_apart(io, |io, may_load| self.begin_write(io, offset, len, may_load))
     }
 
     /// [`Image::start_write`] that reads no refcount block under the

@@ -262,4 +262,29 @@ mod tests {
         let map = qemu_agrees("compress-ext", &file, 1 << 20, &contents);
         assert_eq!(compressed_bytes(&map), 2 * 64 * KIB, "{map}");
     }
+
+    /// Zeroing whole subclusters of a compressed cluster decompresses it
+    /// into a cluster of its own, without the metadata mutex held while it
+    /// reads; the other bytes stay, and QEMU agrees.
+    #[test]
+    fn zeroing_part_of_a_compressed_cluster_reads_it_without_the_mutex() {
+        let mut file = MemFile::made_by_qemu_img_with("compress-zero", &["-o", "extended_l2=on"], "1M");
+        let image = open(&mut file);
+        let mut bytes = cluster(5, 30000);
+        image
+            .write_compressed(&mut io(&mut file), 0, 64 * KIB, &mut |p, buf| {
+                buf.copy_from_slice(&bytes[p as usize..][..buf.len()])
+            })
+            .unwrap();
+        // Subclusters of 2 KiB: 4 KiB..12 KiB are four of them.
+        let mut watched = super::super::tests::Watched { file: &mut file, image: &image, reads: 0, under_mutex: 0 };
+        let mut through = ImageIo { meta: &mut watched, data: None, backing: None };
+        image.write_zeroes(&mut through, 4 * KIB, 8 * KIB, true, false).unwrap();
+        assert!(watched.reads > 0, "the compressed cluster was read");
+        assert_eq!(watched.under_mutex, 0, "of {} reads", watched.reads);
+        bytes[4 * KIB as usize..12 * KIB as usize].fill(0);
+        image.close(&mut io(&mut file)).unwrap();
+        let map = qemu_agrees("compress-zero", &file, 1 << 20, &[(0, bytes)]);
+        assert_eq!(compressed_bytes(&map), 0, "{map}");
+    }
 }

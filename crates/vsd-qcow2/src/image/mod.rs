@@ -503,6 +503,50 @@ impl Image {
         true
     }
 
+    /// Reads the table `missing` names from the image file in blocking
+    /// steps, without the metadata mutex, and caches it (unless it went
+    /// stale meanwhile: then the caller finds it missing again).
+    pub(super) fn load(&self, io: &mut ImageIo, missing: MissingTable) -> io::Result<()> {
+        let mut load = TableLoad::new(self);
+        self.start_load(&mut load, missing);
+        let (buf, len) = load.buffer();
+        // SAFETY: `buf` names `len` bytes `load` owns, used here only;
+        // zeroed first, a slice's memory is initialised before it is seen
+        // as bytes.
+        let buf = unsafe {
+            buf.write_bytes(0, len);
+            std::slice::from_raw_parts_mut(buf, len)
+        };
+        io.meta.read_at(buf, load.at())?;
+        // SAFETY: the read filled the whole buffer.
+        unsafe { self.finish_load(&mut load) };
+        Ok(())
+    }
+
+    /// Runs `change(io, may_load)`, which takes the metadata mutex, first
+    /// with `may_load` false: a table slice or refcount block it needs and
+    /// the cache lacks then fails it with [`NeedsLoad`], and is read here
+    /// without the mutex before it runs again. After a few such rounds
+    /// (other writers may evict what this one loads) it runs with
+    /// `may_load`, loading under the mutex.
+    pub(super) fn loading_apart<T>(
+        &self,
+        io: &mut ImageIo,
+        mut change: impl FnMut(&mut ImageIo, bool) -> io::Result<T>,
+    ) -> io::Result<T> {
+        const ROUNDS: usize = 4;
+        for _ in 0..ROUNDS {
+            match change(io, false) {
+                Err(e) => match NeedsLoad::of(&e) {
+                    Some(missing) => self.load(io, missing)?,
+                    None => return Err(e),
+                },
+                done => return done,
+            }
+        }
+        change(io, true)
+    }
+
     /// Marks the tables in the file as changed (under the metadata mutex,
     /// once the change is written): loads in flight are stale.
     fn tables_written(&self) {
@@ -684,6 +728,9 @@ impl Image {
         let table = self.cached_table(meta, l2_offset);
         let bytes = self.slice_bytes;
         for slice in slices.filter(|&slice| !table.is_loaded(slice)) {
+            if !meta.refcounts.may_load {
+                return Err(io::Error::other(NeedsLoad(MissingTable::slice(l2_offset, slice))));
+            }
             let mut raw = AlignedBuf::zeroed(bytes);
             io.read_at(&mut raw, l2_offset + (slice * bytes) as u64)?;
             let (words, _) = raw.as_chunks::<8>();
@@ -814,6 +861,56 @@ mod tests {
         image.close(&mut io).unwrap();
         let len = file.bytes.len() as u64;
         (Image::open(&mut file, len, opts).unwrap(), file)
+    }
+
+    /// An image file that counts the reads made with the image's metadata
+    /// mutex held (the tests use one thread: a held mutex is this one's).
+    pub(super) struct Watched<'a> {
+        pub(super) file: &'a mut MemFile,
+        pub(super) image: &'a Image,
+        pub(super) reads: usize,
+        pub(super) under_mutex: usize,
+    }
+
+    impl SyncIo for Watched<'_> {
+        fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+            self.reads += 1;
+            self.under_mutex += usize::from(self.image.meta.try_lock().is_err());
+            self.file.read_at(buf, offset)
+        }
+        fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
+            self.file.write_at(buf, offset)
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            self.file.flush()
+        }
+        fn discard(&mut self, offset: u64, len: u64) -> io::Result<()> {
+            self.file.discard(offset, len)
+        }
+    }
+
+    /// The blocking changes of metadata (a write, write-zeroes, discard)
+    /// read the table slices and the refcount block they lack without the
+    /// metadata mutex, and make their change once they have them.
+    #[test]
+    fn blocking_changes_read_what_they_lack_without_the_metadata_mutex() {
+        let (image, mut file) = cold_image("blocking-loads");
+        let mut watched = Watched { file: &mut file, image: &image, reads: 0, under_mutex: 0 };
+        let mut io = ImageIo { meta: &mut watched, data: None, backing: None };
+        // A new cluster in an uncached slice, from the uncached refcount block.
+        image.write(&mut io, 64 * MIB, 4096, &mut |_, buf| buf.fill(0x77)).unwrap();
+        image.write_zeroes(&mut io, 128 * MIB, 64 << 10, false, false).unwrap();
+        image.discard(&mut io, 0, 64 << 10).unwrap();
+        // Past the only L2 table: a new one is allocated.
+        image.write_zeroes(&mut io, 600 * MIB, 64 << 10, false, false).unwrap();
+        assert!(watched.reads >= 4, "slices and the refcount block were read: {}", watched.reads);
+        assert_eq!(watched.under_mutex, 0, "of {} reads", watched.reads);
+        let mut memo = MapMemo::default();
+        let mut map = |at| image.map(&mut memo, &mut file.clone(), at, 4096).unwrap().mapping;
+        assert!(matches!(map(64 * MIB), Mapping::Data { in_place: true, .. }));
+        for at in [0, 128 * MIB, 600 * MIB] {
+            assert!(matches!(map(at), Mapping::Zero), "{at:#x}: {:?}", map(at));
+        }
     }
 
     /// Reads what `load` asks for from `file`, as a queue's child request would.

@@ -43,18 +43,19 @@ pub(super) struct Refcounts {
     /// without the metadata mutex ([`BlockLoad`]) is current only if this
     /// did not change meanwhile.
     written: u64,
-    /// Whether a block the cache lacks may be read here, under the
-    /// metadata mutex; if not, [`NeedsLoad`] names it.
+    /// Whether a block (or table slice) the cache lacks may be read here,
+    /// under the metadata mutex; if not, [`NeedsLoad`] names it.
     pub(super) may_load: bool,
 }
 
-/// An allocation would scan a refcount block the cache lacks: load it
+/// A change of metadata needs a table slice or refcount block the cache
+/// lacks (asked not to read one under the metadata mutex): load it
 /// ([`Image::start_load`]) and try again.
 ///
 /// [`Image::start_load`]: super::Image::start_load
 #[derive(Debug, thiserror::Error)]
-#[error("a refcount block an allocation scans is not cached")]
-pub struct NeedsLoad(MissingTable);
+#[error("a table a change of metadata needs is not cached")]
+pub struct NeedsLoad(pub(super) MissingTable);
 
 impl NeedsLoad {
     /// The block `e` names, if it is this error.

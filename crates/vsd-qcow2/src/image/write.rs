@@ -2,7 +2,8 @@
 //! from the backing file, compressed clusters and snapshot-shared
 //! clusters), write-zeroes and discard. A write holds the metadata mutex
 //! to plan and to link, not across its data I/O; write-zeroes and discard
-//! change only metadata, under it. All fail with [`super::Busy`] if a
+//! change only metadata, under it (the tables they lack are read without
+//! it, see `change`). All fail with [`super::Busy`] if a
 //! cluster they touch has an allocation in flight (see `allocate.rs`).
 
 use std::collections::BTreeSet;
@@ -84,14 +85,16 @@ impl Image {
             self.write(io, offset, head_end - offset, zeroes)?;
         }
         if tail_start > head_end {
-            let mut meta = self.lock();
-            self.check_idle(&meta, head_end, tail_start - head_end)?;
-            self.prepare_change(&mut meta, io)?;
-            let result = self.for_each_cluster(head_end, tail_start - head_end, |image, cluster, within, n| {
-                image.zero_in_cluster(&mut meta, io, cluster, within, n, may_unmap)
-            });
-            self.note_dirty(&meta);
-            result?;
+            let mut rewrite = Vec::new();
+            self.change(io, head_end, tail_start - head_end, |image, meta, io, cluster, within, n| {
+                image.zero_in_cluster(meta, io, (cluster, within, n), may_unmap, &mut rewrite)
+            })?;
+            // A change made again (see `change`) names its parts again.
+            rewrite.sort_unstable();
+            rewrite.dedup();
+            for (at, n) in rewrite {
+                self.write(io, at, n, zeroes)?;
+            }
         }
         if end > tail_start { self.write(io, tail_start, end - tail_start, zeroes) } else { Ok(()) }
     }
@@ -113,13 +116,34 @@ impl Image {
             // zeroes is zeroes there too.
             return self.write(io, start, end - start, &mut |_, buf| buf.fill(0));
         }
-        let mut meta = self.lock();
-        self.check_idle(&meta, start, end - start)?;
-        self.prepare_change(&mut meta, io)?;
-        let result = self
-            .for_each_cluster(start, end - start, |image, cluster, _, _| image.discard_cluster(&mut meta, io, cluster));
-        self.note_dirty(&meta);
-        result
+        self.change(io, start, end - start, |image, meta, io, cluster, _, _| image.discard_cluster(meta, io, cluster))
+    }
+
+    /// Changes the metadata of each cluster of a range with `f(self, meta,
+    /// io, cluster, offset within it, length)`, under the metadata mutex.
+    /// A table slice or refcount block the change needs and the cache
+    /// lacks is read without the mutex, and the change made again (each
+    /// cluster's is idempotent): a few times, then loading under the mutex,
+    /// so that other writers evicting what this one loads cannot keep it
+    /// from progressing.
+    fn change(
+        &self,
+        io: &mut ImageIo,
+        offset: u64,
+        len: u64,
+        mut f: impl FnMut(&Self, &mut Meta, &mut ImageIo, u64, u64, u64) -> io::Result<()>,
+    ) -> io::Result<()> {
+        self.loading_apart(io, |io, may_load| {
+            let mut meta = self.lock();
+            self.check_idle(&meta, offset, len)?;
+            self.prepare_change(&mut meta, io)?;
+            meta.refcounts.may_load = may_load;
+            let result = self
+                .for_each_cluster(offset, len, |image, cluster, within, n| f(image, &mut meta, io, cluster, within, n));
+            meta.refcounts.may_load = true;
+            self.note_dirty(&meta);
+            result
+        })
     }
 
     /// Calls `f(self, cluster, offset within it, length)` for each cluster
@@ -196,14 +220,18 @@ impl Image {
         }
     }
 
+    /// Makes bytes `within..within + n` of guest `cluster` read as zeroes
+    /// with metadata. Part of a compressed cluster cannot be: its guest
+    /// range goes to `rewrite`, for the caller to write zeroes to once the
+    /// metadata mutex is dropped (the cluster is decompressed into one of
+    /// its own, which is I/O).
     fn zero_in_cluster(
         &self,
         meta: &mut Meta,
         io: &mut ImageIo,
-        cluster: u64,
-        within: u64,
-        n: u64,
+        (cluster, within, n): (u64, u64, u64),
         may_unmap: bool,
+        rewrite: &mut Vec<(u64, u64)>,
     ) -> io::Result<()> {
         let (table, index, old) = self.entry_for_write(meta, io, cluster)?;
         let touched = self.touched(within, n);
@@ -212,14 +240,8 @@ impl Image {
         let new = if whole && (may_unmap || !owned) {
             L2Entry { zero: touched, ..L2Entry::UNALLOCATED }
         } else if old.compressed.is_some() {
-            // Part of a compressed cluster: decompress it into a cluster of
-            // its own, zeroes included (under the mutex: rare enough).
-            let mut a = self.allocate(meta, io, (cluster, within, n), (table.offset, index, old))?;
-            if let Err(e) = self.fill_and_write(io, &mut a, &mut |_, buf| buf.fill(0)) {
-                self.give_back(meta, &a);
-                return Err(e);
-            }
-            return self.link(meta, io.meta, &a);
+            rewrite.push((cluster + within, n));
+            return Ok(());
         } else {
             // Keep the allocation (or the other subclusters' state).
             L2Entry { alloc: old.alloc & !touched, zero: old.zero | touched, ..old }
