@@ -1122,8 +1122,10 @@ fn direct_uncached_and_qcow2_reads_are_not_spliced_and_still_right() {
 fn a_slow_reader_gets_long_spliced_replies_whole_among_others() {
     let dir = Scratch::new_in(Path::new("/dev/shm"), "nbd-splice-slow");
     let (image, bytes) = cached_image(&dir, "disk.img", 26, 32 * MIB);
-    let (socket, log) = (dir.path("nbd.sock"), dir.path("splice.log"));
-    let daemon = Daemon::vsd_tracing_splices(&dir, &unix_export(&image, &socket, ""), &log);
+    let (socket, log, qmp_socket) = (dir.path("nbd.sock"), dir.path("splice.log"), dir.path("qmp.sock"));
+    let mut args = unix_export(&image, &socket, "");
+    args.extend(common::monitor(&qmp_socket));
+    let daemon = Daemon::vsd_tracing_splices(&dir, &args, &log);
     // 1 MiB (spliced), 4 KiB (too short: read into a buffer), 200000 bytes
     // at an odd offset (spliced), and 1 MiB at an odd offset (its pages one
     // more than the pipe holds: buffered): more than the server's 16 slots.
@@ -1150,6 +1152,14 @@ fn a_slow_reader_gets_long_spliced_replies_whole_among_others() {
             assert!(!std::mem::replace(&mut seen[cookie as usize], true), "cookie {cookie} twice");
         }
     }
+    // Spliced or not, every read counts, with its bytes.
+    let mut qmp = QmpClient::connect(&qmp_socket).unwrap();
+    let stats = qmp.execute("query-blockstats", Value::Null).unwrap();
+    let entry = stats.as_array().unwrap().iter().find(|e| e["qdev"] == "e0").unwrap().clone();
+    let read: usize = requests.iter().map(|&(_, n)| n).sum();
+    let counted = (&entry["stats"]["rd_operations"], &entry["stats"]["rd_bytes"]);
+    assert_eq!(counted, (&json!(2 * requests.len()), &json!(2 * read)), "{entry}");
+    drop(qmp);
     daemon.stop_traced();
     let calls = common::splices(&log);
     assert_eq!(spliced_reads(&calls, &image, MIB), 2 * 12, "the aligned 1 MiB reads: {calls:?}");
