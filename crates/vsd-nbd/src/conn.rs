@@ -63,6 +63,11 @@ use vsd_net::{Stream, TlsStream, Wire};
 use crate::proto::{self, Command, Limits, Mode, Refusal, ReplyHeader, Request, errno, state};
 use crate::server::{Export, Orders};
 
+/// A spliced read found no pipe or no socket to splice to: a bug.
+fn no_pipe() -> io::Error {
+    io::Error::other("a spliced read on a connection without a pipe")
+}
+
 /// Requests in flight per connection, as QEMU's server allows.
 const SLOTS: usize = 16;
 /// The largest read or write payload (QEMU's `NBD_MAX_BUFFER_SIZE`).
@@ -644,10 +649,28 @@ impl<W: Wire> Transmission<W> {
     /// Where a read's bytes can be spliced from, if they can: see the
     /// module's comment.
     fn splice_source(&mut self, offset: u64, len: u64) -> Option<(Arc<File>, u64)> {
-        if len < SPLICE_MIN || matches!(self.splicing, Splicing::Off) {
-            return None;
+        let too_long = |splicer: &Splicer| len > splicer.capacity;
+        match &self.splicing {
+            _ if len < SPLICE_MIN => return None,
+            Splicing::Off => return None,
+            Splicing::Ready(splicer) if too_long(splicer) => return None,
+            _ => {}
         }
         let (file, at) = self.node.host_file(offset, len)?;
+        match vsd_sys::fully_cached(file.as_fd(), at, len) {
+            Ok(true) => {}
+            Ok(false) => return None,
+            // Before Linux 6.5: not for this connection. (It answered before
+            // the pipe was made, if there is one: never ENOSYS then.)
+            Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
+                if matches!(self.splicing, Splicing::Untried) {
+                    self.splicing = Splicing::Off;
+                }
+                return None;
+            }
+            // EPERM on a file vsd cannot write, on kernels that say so.
+            Err(_) => return None,
+        }
         let splicer = self.splicer()?;
         // The pipe holds one page of the file per slot, whatever the bytes
         // used of it: the pages the range spans must fit.
@@ -655,16 +678,7 @@ impl<W: Wire> Transmission<W> {
         if (at % page + len).div_ceil(page) * page > splicer.capacity {
             return None;
         }
-        match vsd_sys::fully_cached(file.as_fd(), at, len) {
-            Ok(true) => Some((file, at)),
-            Ok(false) => None,
-            Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
-                self.splicing = Splicing::Off;
-                None
-            }
-            // EPERM on a file vsd cannot write, on kernels that say so.
-            Err(_) => None,
-        }
+        Some((file, at))
     }
 
     /// The connection's pipe, made the first time; `None` if it cannot be.
@@ -815,7 +829,7 @@ impl<W: Wire> Transmission<W> {
         for at in 0..window {
             let index = self.replies[at];
             // Staging may turn the reply into a buffered one: then the next.
-            if self.slots[index].splice.is_some() && self.stage(index) {
+            if self.slots[index].splice.is_some() && self.stage(index)? {
                 break;
             }
         }
@@ -866,7 +880,8 @@ impl<W: Wire> Transmission<W> {
     /// Puts the bytes of spliced read `index`, the first spliced reply in
     /// line, into the pipe, unless they are there already: before its
     /// header goes out, so that a failure can still be answered. True if
-    /// the reply stays spliced.
+    /// the reply stays spliced; an error (the pipe could not be read back,
+    /// which should not happen) ends the connection.
     ///
     /// If the pipe takes less than the whole range, the reply becomes a
     /// buffered one: what the pipe took, then the rest read from the file
@@ -874,15 +889,15 @@ impl<W: Wire> Transmission<W> {
     /// fewer than it should), zeroes past the end of a file made shorter
     /// by another process (as the queue's reads), or, if the file cannot
     /// be read, an error reply.
-    fn stage(&mut self, index: usize) -> bool {
-        let Splicing::Ready(splicer) = &mut self.splicing else { unreachable!("a spliced read without a pipe") };
+    fn stage(&mut self, index: usize) -> io::Result<bool> {
+        let Splicing::Ready(splicer) = &mut self.splicing else { return Err(no_pipe()) };
         if splicer.staged.is_some() {
             debug_assert_eq!(splicer.staged, Some(index));
-            return true;
+            return Ok(true);
         }
         debug_assert_eq!(splicer.piped, 0);
         let slot = &mut self.slots[index];
-        let Some((file, at)) = &slot.splice else { return false };
+        let Some((file, at)) = &slot.splice else { return Ok(false) };
         let (at, len) = (*at, slot.request.len as usize);
         let mut filled = 0;
         while filled < len {
@@ -898,7 +913,7 @@ impl<W: Wire> Transmission<W> {
         }
         if filled == len {
             (splicer.piped, splicer.staged) = (len, Some(index));
-            return true;
+            return Ok(true);
         }
         // The pipe is emptied into the buffer, which the file fills up.
         let mut taken = 0;
@@ -906,7 +921,7 @@ impl<W: Wire> Transmission<W> {
             match splicer.pipe.read(&mut slot.buf[taken..filled]) {
                 Ok(n) => taken += n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => unreachable!("a pipe holding {} bytes could not be read: {e}", filled - taken),
+                Err(e) => return Err(io::Error::other(format!("a pipe holding {} bytes: {e}", filled - taken))),
             }
         }
         let read = loop {
@@ -936,14 +951,15 @@ impl<W: Wire> Transmission<W> {
                 op.bytes.add((len as u64).wrapping_neg());
             }
         }
-        false
+        Ok(false)
     }
 
     /// Sends what the pipe holds of spliced read `index`, whose header is
     /// out; the slot is free once all of it is. True if any byte went out.
     fn drain_pipe(&mut self, index: usize) -> io::Result<bool> {
-        let Splicing::Ready(splicer) = &mut self.splicing else { unreachable!("a spliced read without a pipe") };
-        let socket = self.stream.splice_fd().expect("spliced reads only on a plain socket");
+        let (Splicing::Ready(splicer), Some(socket)) = (&mut self.splicing, self.stream.splice_fd()) else {
+            return Err(no_pipe());
+        };
         let mut progress = false;
         while splicer.piped > 0 {
             match splicer.pipe.drain_to(socket, splicer.piped) {
