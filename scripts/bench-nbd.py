@@ -7,7 +7,14 @@ connections (numjobs=4, iodepth 8 each), and 64k sequential reads at
 iodepth 8. Servers are interleaved within each repetition; reported are
 the medians of IOPS and of the server's CPU time per I/O.
 
+`--workloads` picks others by name, among them sequential reads of 4k, 16k
+and 256k at iodepth 8 (`--workloads "64k read qd8,256k read qd8"`);
+`--servers` picks servers; `--baseline PATH` adds another vsd binary
+(`vsd-base`), interleaved with the rest; `--target-dir T` takes vsd from a
+cargo target directory's release build.
+
 usage: scripts/bench-nbd.py [--reps 3] [--seconds 5] [--work /dev/shm/vsd-bench-nbd]
+       [--workloads NAME,...] [--servers NAME,...] [--baseline PATH] [--target-dir T]
 """
 import argparse
 import json
@@ -16,7 +23,8 @@ import statistics
 import subprocess
 import time
 
-from benchlib import TICK_US, VSD, cpu_ticks
+import benchlib
+from benchlib import TICK_US, cpu_ticks
 
 IMAGE_BYTES = 1 << 30
 WORKLOADS = {
@@ -24,16 +32,26 @@ WORKLOADS = {
     "4k randread 4 conns x qd8": ["--rw=randread", "--bs=4k", "--iodepth=8", "--numjobs=4"],
     "64k read qd8": ["--rw=read", "--bs=64k", "--iodepth=8", "--numjobs=1"],
 }
+# Run only when named (--workloads).
+MORE_WORKLOADS = {
+    "4k read qd8": ["--rw=read", "--bs=4k", "--iodepth=8", "--numjobs=1"],
+    "16k read qd8": ["--rw=read", "--bs=16k", "--iodepth=8", "--numjobs=1"],
+    "256k read qd8": ["--rw=read", "--bs=256k", "--iodepth=8", "--numjobs=1"],
+}
+ALL_WORKLOADS = {**WORKLOADS, **MORE_WORKLOADS}
 
 
-def servers(image, sock):
-    """Each server's command line, exporting `image` as 'disk' on `sock`."""
+def servers(image, sock, baseline=None):
+    """Each server's command line, exporting `image` as 'disk' on `sock`;
+    `baseline`, another vsd binary, as `vsd-base`."""
     blockdevs = ["--blockdev", f"driver=file,node-name=f0,filename={image},aio=io_uring",
                  "--blockdev", "driver=raw,node-name=disk,file=f0",
                  "--nbd-server", f"addr.type=unix,addr.path={sock}",
                  "--export", "type=nbd,id=e0,node-name=disk,name=disk,writable=on"]
+    base = {"vsd-base": [baseline, *blockdevs]} if baseline else {}
     return {
-        "vsd": [VSD, *blockdevs],
+        "vsd": [benchlib.VSD, *blockdevs],
+        **base,
         "qsd": ["qemu-storage-daemon", *blockdevs],
         "qemu-nbd": ["qemu-nbd", "-f", "raw", "--aio=io_uring", "-k", sock, "-x", "disk", "--persistent",
                      "--shared=8", image],
@@ -55,7 +73,7 @@ def run(command, sock, workload, seconds):
         before = cpu_ticks(server.pid)
         out = subprocess.run(
             ["taskset", "-c", "1", "fio", "--name=nbd", "--ioengine=nbd", f"--uri=nbd+unix:///disk?socket={sock}",
-             *WORKLOADS[workload], "--time_based", f"--runtime={seconds}", "--group_reporting",
+             *ALL_WORKLOADS[workload], "--time_based", f"--runtime={seconds}", "--group_reporting",
              "--output-format=json"], check=True, capture_output=True, text=True).stdout
         ticks = cpu_ticks(server.pid) - before
     finally:
@@ -72,24 +90,35 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--work", default="/dev/shm/vsd-bench-nbd")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--servers", help="comma-separated names (default: all)")
+    parser.add_argument("--baseline", help="another vsd binary, run as vsd-base")
+    parser.add_argument("--target-dir", help="take vsd from this cargo target directory's release build")
     args = parser.parse_args()
+    benchlib.use_build(args.target_dir)
+    workloads = args.workloads.split(",")
+    for workload in workloads:
+        if workload not in ALL_WORKLOADS:
+            parser.error(f"no workload '{workload}' (there are: {', '.join(ALL_WORKLOADS)})")
     os.makedirs(args.work, exist_ok=True)
     image, sock = os.path.join(args.work, "disk.img"), os.path.join(args.work, "nbd.sock")
     if not os.path.exists(image):
         subprocess.run(["dd", "if=/dev/urandom", f"of={image}", "bs=1M", f"count={IMAGE_BYTES >> 20}",
                         "status=none"], check=True)
-    commands = servers(image, sock)
-    results = {(w, s): [] for w in WORKLOADS for s in commands}
+    commands = servers(image, sock, args.baseline)
+    if args.servers:
+        commands = {name: commands[name] for name in args.servers.split(",")}
+    results = {(w, s): [] for w in workloads for s in commands}
     for rep in range(args.reps):
         order = list(commands) if rep % 2 == 0 else list(reversed(commands))
-        for workload in WORKLOADS:
+        for workload in workloads:
             for name in order:
                 res = run(commands[name], sock, workload, args.seconds)
                 results[(workload, name)].append(res)
                 print(f"rep {rep + 1} {workload} {name}: {json.dumps(res)}", flush=True)
     print("| workload | server | IOPS (median) | server CPU µs per I/O (median) | IOPS / QSD | CPU / QSD |")
     print("|---|---|---|---|---|---|")
-    for workload in WORKLOADS:
+    for workload in workloads:
         med = {s: (statistics.median(r["iops"] for r in results[(workload, s)]),
                    statistics.median(r["cpu_us_per_io"] for r in results[(workload, s)])) for s in commands}
         for name, (iops, cpu) in med.items():

@@ -122,6 +122,9 @@ impl BlockNode for AccountedNode {
     fn children(&self) -> Vec<(&'static str, Arc<dyn BlockNode>)> {
         self.inner.children()
     }
+    fn host_file(&self, offset: u64, len: u64) -> Option<(Arc<std::fs::File>, u64)> {
+        self.inner.host_file(offset, len)
+    }
     fn resize(&self, size: u64) -> io::Result<()> {
         self.inner.resize(size)?;
         self.bitmaps.resize(size);

@@ -69,6 +69,17 @@ pub trait BlockNode: Send + Sync {
     fn filename(&self) -> Option<&str> {
         None
     }
+    /// The host file that holds the node's `len` bytes at `offset` as they
+    /// are, and where in it, for a reader that takes them from the host's
+    /// page cache itself (the NBD server splices them to its socket):
+    /// answered by `file` and `host_device` nodes without
+    /// `cache.direct=on`, and by `raw` over such a node, within its window.
+    /// Every other driver answers `None` (the default), so that what it
+    /// does to a read (limits, formats, injected errors, a job's filter)
+    /// is never bypassed.
+    fn host_file(&self, _offset: u64, _len: u64) -> Option<(Arc<std::fs::File>, u64)> {
+        None
+    }
     /// The nodes this one reads and writes through, with the role QEMU
     /// names them by (`file`, `backing`, `data-file`).
     fn children(&self) -> Vec<(&'static str, Arc<dyn BlockNode>)> {
@@ -749,6 +760,34 @@ mod tests {
         assert_eq!(zeroes.block_status(4096, 8192).unwrap(), (Allocation::Hole, 8192));
         let null = add(&mut graph, "driver=null-co,node-name=n,size=1M").unwrap();
         assert_eq!(null.block_status(0, 8192).unwrap(), (Allocation::Data, 8192), "buffers left as they were");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn only_page_cached_files_and_raw_windows_over_them_name_their_host_file() {
+        let dir = std::env::temp_dir().join(format!("vsd-host-file-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let image = dir.join("img");
+        std::fs::write(&image, [0u8; 1 << 20]).unwrap();
+        let mut graph = BlockGraph::new();
+        let f = add(&mut graph, &format!("driver=file,node-name=f,filename={}", image.display())).unwrap();
+        let at = |node: &Arc<dyn BlockNode>, offset, len| node.host_file(offset, len).map(|(_, at)| at);
+        assert_eq!(at(&f, 4096, 8192), Some(4096));
+        assert_eq!(at(&f, (1 << 20) - 4096, 8192), None, "past the end");
+        let raw = add(&mut graph, "driver=raw,node-name=r,file=f,offset=128K,size=512K").unwrap();
+        assert_eq!(at(&raw, 0, 4096), Some(128 << 10), "shifted by the window");
+        assert_eq!(at(&raw, (512 << 10) - 4096, 4096), Some(636 << 10));
+        assert_eq!(at(&raw, (512 << 10) - 4096, 8192), None, "past the window, though inside the file");
+        assert_eq!(at(&raw, u64::MAX, 2), None, "a range that wraps");
+        let direct =
+            format!("driver=raw,node-name=d,cache.direct=on,file.driver=file,file.filename={}", image.display());
+        if let Ok(direct) = add(&mut graph, &direct) {
+            assert_eq!(at(&direct, 0, 4096), None, "O_DIRECT bypasses the page cache");
+        }
+        let null = add(&mut graph, "driver=null-co,node-name=n,size=1M").unwrap();
+        assert_eq!(at(&null, 0, 4096), None);
+        let over_null = add(&mut graph, "driver=raw,node-name=rn,file=n").unwrap();
+        assert_eq!(at(&over_null, 0, 4096), None, "raw over a node without a host file");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

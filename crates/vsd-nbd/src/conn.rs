@@ -26,10 +26,27 @@
 //! The socket is a [`Wire`] type parameter: a TLS connection reads and
 //! writes through rustls' bounded buffers (`vsd_net::TlsStream`), a plain one
 //! straight through the socket, with no TLS branch compiled in.
+//!
+//! Spliced reads. On a plain socket, a read of [`SPLICE_MIN`] bytes or
+//! more whose node names the host file holding them
+//! ([`BlockNode::host_file`]: a page-cached file, or a raw window over
+//! one) and whose pages are all in the page cache (`cachestat(2)`) is not
+//! read into the slot's buffer: its reply is queued at once, and when it
+//! is its turn to go out the file's pages are spliced into the
+//! connection's pipe (by reference), the reply's header written, and the
+//! pipe spliced to the socket: the data is never copied by the server.
+//! Uncached pages would make the splice wait for the disk on the
+//! connection's thread: those reads take the queue, as do reads too long
+//! for the pipe. The pages are referenced, not copied: what the client
+//! receives is what the file holds when the kernel sends it, so a write
+//! landing on those pages after the reply was queued (from another
+//! connection, say) may show in it, as with any read that overlaps a
+//! write in flight.
 
 use std::collections::VecDeque;
+use std::fs::File;
 use std::io::{self, IoSlice};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -37,6 +54,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vsd_block::dirty::DirtyRecorder;
 use vsd_block::{Allocation, BlockNode, Completion, IoOp, IoQueue, IoVecs};
 use vsd_qcow2::buf::AlignedBuf;
+use vsd_sys::Pipe;
 use vsd_trace::{Clock, OpKind, QueueStats};
 
 use crate::negotiate::{Agreement, Context};
@@ -44,6 +62,11 @@ use vsd_net::{Stream, TlsStream, Wire};
 
 use crate::proto::{self, Command, Limits, Mode, Refusal, ReplyHeader, Request, errno, state};
 use crate::server::{Export, Orders};
+
+/// A spliced read found no pipe or no socket to splice to: a bug.
+fn no_pipe() -> io::Error {
+    io::Error::other("a spliced read on a connection without a pipe")
+}
 
 /// Requests in flight per connection, as QEMU's server allows.
 const SLOTS: usize = 16;
@@ -59,6 +82,12 @@ const INPUT: usize = 64 << 10;
 const MAX_EXTENTS: usize = 8192;
 /// The most buffers one `writev` sends.
 const MAX_IOV: usize = 64;
+
+/// The shortest read that is spliced: below it, the system calls a
+/// splice takes (cachestat, two splices) cost more than the copy saves.
+const SPLICE_MIN: u64 = 16 << 10;
+/// The pipe capacity asked for: the longest read spliced, if granted.
+const PIPE_CAPACITY: usize = 1 << 20;
 
 const TOKEN_SOCKET: u64 = 0;
 const TOKEN_ENGINE: u64 = 1;
@@ -80,6 +109,30 @@ struct Slot {
     then_flush: bool,
     /// The round the request was parsed in, in clock ticks.
     started: u64,
+    /// A spliced read: the host file and offset its bytes come from; its
+    /// `data_len` is 0, the bytes follow the header from the pipe.
+    splice: Option<(Arc<File>, u64)>,
+}
+
+/// The connection's pipe for spliced reads, made at the first one.
+struct Splicer {
+    pipe: Pipe,
+    /// What the pipe holds at most, in bytes (pages of the file).
+    capacity: u64,
+    /// Bytes of the first reply in the pipe, not yet sent.
+    piped: usize,
+    /// The reply whose bytes are in the pipe (the first spliced one).
+    staged: Option<usize>,
+}
+
+/// Whether reads may be spliced, and with what.
+enum Splicing {
+    /// Not tried yet: the pipe is made at the first candidate.
+    Untried,
+    Ready(Splicer),
+    /// Never on this connection: TLS, no pipe, or no `cachestat` (Linux
+    /// before 6.5).
+    Off,
 }
 
 /// One connection in the transmission phase. The queue is declared before
@@ -128,6 +181,7 @@ struct Transmission<W: Wire> {
     stats: Arc<QueueStats>,
     clock: Clock,
     now: u64,
+    splicing: Splicing,
 }
 
 /// Serves a connection that negotiated `agreement`, over `tls` if the
@@ -214,10 +268,12 @@ impl<W: Wire> Transmission<W> {
                 data_len: 0,
                 then_flush: false,
                 started: 0,
+                splice: None,
             })
             .collect();
         let mut input = vec![0u8; INPUT].into_boxed_slice();
         input[..early.len()].copy_from_slice(early);
+        let splicing = if stream.splice_fd().is_some() { Splicing::Untried } else { Splicing::Off };
         Ok(Self {
             queue,
             node,
@@ -248,6 +304,7 @@ impl<W: Wire> Transmission<W> {
             stats,
             clock,
             now: clock.now(),
+            splicing,
         })
     }
 
@@ -477,7 +534,12 @@ impl<W: Wire> Transmission<W> {
             Command::Trim { len: 0, .. } | Command::WriteZeroes { len: 0, .. } => return self.reply_done(index),
             // Zeroing here may fall back to writing zeroes: not fast.
             Command::BlockStatus { offset, len, one } => return self.block_status(index, offset, len, one),
-            Command::Read { offset, len, .. } => IoOp::Read { offset, len, iov: self.iovecs(index, len) },
+            Command::Read { offset, len, .. } => {
+                if let Some(host) = self.splice_source(offset, len) {
+                    return self.reply_spliced(index, len, host);
+                }
+                IoOp::Read { offset, len, iov: self.iovecs(index, len) }
+            }
             Command::Write { offset, len, fua } => {
                 IoOp::Write { offset, len, iov: self.iovecs(index, len), durable: fua || durable }
             }
@@ -584,6 +646,73 @@ impl<W: Wire> Transmission<W> {
         self.queue_reply(index, 0);
     }
 
+    /// Where a read's bytes can be spliced from, if they can: see the
+    /// module's comment.
+    fn splice_source(&mut self, offset: u64, len: u64) -> Option<(Arc<File>, u64)> {
+        let too_long = |splicer: &Splicer| len > splicer.capacity;
+        match &self.splicing {
+            _ if len < SPLICE_MIN => return None,
+            Splicing::Off => return None,
+            Splicing::Ready(splicer) if too_long(splicer) => return None,
+            _ => {}
+        }
+        let (file, at) = self.node.host_file(offset, len)?;
+        match vsd_sys::fully_cached(file.as_fd(), at, len) {
+            Ok(true) => {}
+            Ok(false) => return None,
+            // Before Linux 6.5: not for this connection. (It answered before
+            // the pipe was made, if there is one: never ENOSYS then.)
+            Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
+                if matches!(self.splicing, Splicing::Untried) {
+                    self.splicing = Splicing::Off;
+                }
+                return None;
+            }
+            // EPERM on a file vsd cannot write, on kernels that say so.
+            Err(_) => return None,
+        }
+        let splicer = self.splicer()?;
+        // The pipe holds one page of the file per slot, whatever the bytes
+        // used of it: the pages the range spans must fit.
+        let page = vsd_sys::page_size();
+        if (at % page + len).div_ceil(page) * page > splicer.capacity {
+            return None;
+        }
+        Some((file, at))
+    }
+
+    /// The connection's pipe, made the first time; `None` if it cannot be.
+    fn splicer(&mut self) -> Option<&mut Splicer> {
+        if matches!(self.splicing, Splicing::Untried) {
+            let made = Pipe::new().and_then(|pipe| Ok((pipe.set_capacity(PIPE_CAPACITY)?, pipe)));
+            self.splicing = match made {
+                Ok((capacity, pipe)) => {
+                    Splicing::Ready(Splicer { pipe, capacity: capacity as u64, piped: 0, staged: None })
+                }
+                Err(e) => {
+                    log::warn!("NBD export '{}': no pipe for spliced reads: {e}", self.export.config.id);
+                    Splicing::Off
+                }
+            };
+        }
+        match &mut self.splicing {
+            Splicing::Ready(splicer) => Some(splicer),
+            _ => None,
+        }
+    }
+
+    /// Answers a read that [`Self::splice_source`] found a host file for:
+    /// its reply goes in line now (counted as any read), its bytes are
+    /// spliced when it goes out. Always one data chunk: the bytes are never
+    /// looked at, so zeroes are not told apart as a hole.
+    fn reply_spliced(&mut self, index: usize, len: u64, host: (Arc<File>, u64)) {
+        let slot = &mut self.slots[index];
+        slot.reply = ReplyHeader::read_data(self.limits.mode, &slot.request, len);
+        slot.data_len = 0;
+        slot.splice = Some(host);
+        self.queue_reply(index, 0);
+    }
+
     fn reply_done(&mut self, index: usize) {
         let slot = &mut self.slots[index];
         slot.reply = ReplyHeader::done(self.limits.mode, &slot.request);
@@ -684,15 +813,30 @@ impl<W: Wire> Transmission<W> {
 
     /// Writes the replies ready, as many as one `writev` takes; true if
     /// any byte went out.
+    ///
+    /// A spliced read ends the `writev` at its header: its bytes are in the
+    /// pipe by then ([`Self::stage`]), and go out from there, all of them
+    /// before any byte of a later reply.
     fn send(&mut self) -> io::Result<bool> {
-        if self.replies.is_empty() {
+        let Some(&front) = self.replies.front() else {
             // A TLS wire may still hold records of replies it took.
             return self.stream.flush_held();
+        };
+        if self.slots[front].splice.is_some() && self.sent == self.slots[front].reply.as_bytes().len() {
+            return self.drain_pipe(front);
+        }
+        let window = self.replies.len().min(MAX_IOV / 2);
+        for at in 0..window {
+            let index = self.replies[at];
+            // Staging may turn the reply into a buffered one: then the next.
+            if self.slots[index].splice.is_some() && self.stage(index)? {
+                break;
+            }
         }
         let mut iov = [IoSlice::new(&[]); MAX_IOV];
         let mut count = 0;
         let mut skip = self.sent;
-        for &index in self.replies.iter().take(MAX_IOV / 2) {
+        for &index in self.replies.iter().take(window) {
             let slot = &self.slots[index];
             for part in [slot.reply.as_bytes(), &slot.buf[..slot.data_len]] {
                 let from = skip.min(part.len());
@@ -701,6 +845,9 @@ impl<W: Wire> Transmission<W> {
                     iov[count] = IoSlice::new(&part[from..]);
                     count += 1;
                 }
+            }
+            if slot.splice.is_some() {
+                break;
             }
         }
         let mut n = match self.stream.write_vectored(&iov[..count]) {
@@ -711,12 +858,18 @@ impl<W: Wire> Transmission<W> {
         };
         while let Some(&index) = self.replies.front() {
             let slot = &self.slots[index];
-            let left = slot.reply.as_bytes().len() + slot.data_len - self.sent;
+            let header = slot.reply.as_bytes().len();
+            let left = header + slot.data_len - self.sent;
             if n < left {
                 self.sent += n;
                 break;
             }
             n -= left;
+            if slot.splice.is_some() {
+                // Its header is out: its bytes follow from the pipe.
+                self.sent = header;
+                return self.drain_pipe(index).map(|_| true);
+            }
             self.sent = 0;
             self.replies.pop_front();
             self.release(index);
@@ -724,10 +877,114 @@ impl<W: Wire> Transmission<W> {
         Ok(true)
     }
 
+    /// Puts the bytes of spliced read `index`, the first spliced reply in
+    /// line, into the pipe, unless they are there already: before its
+    /// header goes out, so that a failure can still be answered. True if
+    /// the reply stays spliced; an error (the pipe could not be read back,
+    /// which should not happen) ends the connection.
+    ///
+    /// If the pipe takes less than the whole range, the reply becomes a
+    /// buffered one: what the pipe took, then the rest read from the file
+    /// on this thread (rare: the pages left the cache or the pipe holds
+    /// fewer than it should), zeroes past the end of a file made shorter
+    /// by another process (as the queue's reads), or, if the file cannot
+    /// be read, an error reply.
+    fn stage(&mut self, index: usize) -> io::Result<bool> {
+        let Splicing::Ready(splicer) = &mut self.splicing else { return Err(no_pipe()) };
+        if splicer.staged.is_some() {
+            debug_assert_eq!(splicer.staged, Some(index));
+            return Ok(true);
+        }
+        debug_assert_eq!(splicer.piped, 0);
+        let slot = &mut self.slots[index];
+        let Some((file, at)) = &slot.splice else { return Ok(false) };
+        let (at, len) = (*at, slot.request.len as usize);
+        let mut filled = 0;
+        while filled < len {
+            match splicer.pipe.fill_from(file.as_fd(), at + filled as u64, len - filled) {
+                Ok(0) => break,
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    log::debug!("NBD export '{}': splicing a read: {e}", self.export.config.id);
+                    break;
+                }
+            }
+        }
+        if filled == len {
+            (splicer.piped, splicer.staged) = (len, Some(index));
+            return Ok(true);
+        }
+        // The pipe is emptied into the buffer, which the file fills up.
+        let mut taken = 0;
+        while taken < filled {
+            match splicer.pipe.read(&mut slot.buf[taken..filled]) {
+                Ok(n) => taken += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(io::Error::other(format!("a pipe holding {} bytes: {e}", filled - taken))),
+            }
+        }
+        let read = loop {
+            match std::os::unix::fs::FileExt::read_at(&**file, &mut slot.buf[filled..len], at + filled as u64) {
+                Ok(0) => break Ok(()),
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => break Err(e),
+            }
+            if filled == len {
+                break Ok(());
+            }
+        };
+        slot.splice = None;
+        match read {
+            Ok(()) => {
+                slot.buf[filled..len].fill(0);
+                slot.data_len = len;
+            }
+            Err(e) => {
+                log::warn!("NBD export '{}': a read failed: {e}", self.export.config.id);
+                let code = errno::from_host(e.raw_os_error().unwrap_or(libc::EIO));
+                slot.reply = ReplyHeader::error(self.limits.mode, &slot.request, code);
+                // Counted as a failed read, not as bytes read.
+                let op = self.stats.op(OpKind::Read);
+                op.failed.add(1);
+                op.bytes.add((len as u64).wrapping_neg());
+            }
+        }
+        Ok(false)
+    }
+
+    /// Sends what the pipe holds of spliced read `index`, whose header is
+    /// out; the slot is free once all of it is. True if any byte went out.
+    fn drain_pipe(&mut self, index: usize) -> io::Result<bool> {
+        let (Splicing::Ready(splicer), Some(socket)) = (&mut self.splicing, self.stream.splice_fd()) else {
+            return Err(no_pipe());
+        };
+        let mut progress = false;
+        while splicer.piped > 0 {
+            match splicer.pipe.drain_to(socket, splicer.piped) {
+                Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "the socket took no bytes")),
+                Ok(n) => {
+                    splicer.piped -= n;
+                    progress = true;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(progress),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        splicer.staged = None;
+        self.sent = 0;
+        self.replies.pop_front();
+        self.release(index);
+        Ok(true)
+    }
+
     /// Frees a slot; a large buffer goes back to the allocator.
     fn release(&mut self, index: usize) {
         let slot = &mut self.slots[index];
         slot.data_len = 0;
+        slot.splice = None;
         if slot.buf.len() > KEEP {
             self.buffered -= slot.buf.len();
             slot.buf = AlignedBuf::zeroed(0);

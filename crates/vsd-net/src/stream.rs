@@ -3,7 +3,7 @@
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
@@ -92,6 +92,12 @@ pub trait Wire: AsRawFd + Send {
     }
     /// Ends the session politely, without waiting.
     fn close(&mut self) {}
+    /// The socket itself, if bytes may be written to it directly (by
+    /// `splice(2)`, between the wire's writes): a plain socket. A wire
+    /// that transforms what it sends (TLS) answers `None`.
+    fn splice_fd(&self) -> Option<BorrowedFd<'_>> {
+        None
+    }
 }
 
 impl Wire for Stream {
@@ -102,5 +108,8 @@ impl Wire for Stream {
     #[inline]
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         Write::write_vectored(&mut &*self, bufs)
+    }
+    fn splice_fd(&self) -> Option<BorrowedFd<'_>> {
+        Some(both!(self, s => s.as_fd()))
     }
 }

@@ -1,7 +1,8 @@
 //! Thin wrappers around the Linux system calls vsd makes directly, by
-//! subject: files, event counters, unix sockets, users, CPUs, the daemon's
-//! termination signals, interrupting a blocked thread, and confinement
-//! (no new privileges, no capabilities, the sandbox's SIGSYS).
+//! subject: files, pipes and splice, event counters, unix sockets, users,
+//! CPUs, the daemon's termination signals, interrupting a blocked thread,
+//! and confinement (no new privileges, no capabilities, the sandbox's
+//! SIGSYS).
 //!
 //! Every call returns `io::Result`, so callers never look at `errno`
 //! themselves, and every `unsafe` block of that kind lives here. Also the
@@ -15,6 +16,7 @@ pub mod cpu;
 pub mod file;
 pub mod interrupt;
 pub mod lock;
+pub mod pipe;
 pub mod process;
 pub mod size;
 pub mod socket;
@@ -29,6 +31,7 @@ pub use file::{
     Residence, dio_alignment, falloc, fallocate, fdatasync, file_size, logical_block_size, memfd, preadv2, pwritev2,
     residence, seek_data_or_hole,
 };
+pub use pipe::{Pipe, fully_cached, page_size};
 pub use socket::{ListenError, listen_unix, listen_unix_owned, peek};
 pub use termination::{block_termination_signals, raise_termination, wait_for_termination};
 pub use user::{UserIds, drop_privileges, group_by_name, group_list, user_by_name};

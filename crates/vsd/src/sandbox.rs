@@ -196,6 +196,9 @@ const ANY_ARGUMENTS: &[libc::c_long] = &[
     libc::SYS_dup,
     libc::SYS_dup3,
     libc::SYS_pipe2,
+    // the NBD server's spliced reads: page cache -> pipe -> socket
+    libc::SYS_splice,
+    vsd_sys::pipe::SYS_CACHESTAT,
     // waiting and waking
     libc::SYS_eventfd2,
     libc::SYS_epoll_create1,

@@ -329,6 +329,8 @@ fn qmp_starts_serves_lists_deletes_and_stops() {
 #[derive(Clone, Copy, PartialEq)]
 enum Mode {
     Simple,
+    /// Structured replies with compact headers.
+    Structured,
     Extended,
 }
 
@@ -356,6 +358,11 @@ impl RawClient {
     fn connect(socket: &Path, export: &str, mode: Mode) -> Self {
         match mode {
             Mode::Simple => Self::go(Self::greeted(socket), export),
+            Mode::Structured => {
+                let mut client = Self::greeted(socket);
+                assert_eq!(client.option(8, &[])[0].0, 1, "structured replies acknowledged");
+                Self::go(client, export)
+            }
             Mode::Extended => Self::connect_with(socket, export, &["base:allocation"]),
         }
     }
@@ -435,6 +442,60 @@ impl RawClient {
         (be16(4), be16(6), u64::from_be_bytes(r[8..16].try_into().unwrap()), payload)
     }
 
+    /// A compact structured reply chunk: (flags, type, cookie, payload).
+    fn structured_reply(&mut self) -> (u16, u16, u64, Vec<u8>) {
+        let r = self.read_exact(20);
+        assert_eq!(&r[..4], &0x668e_33efu32.to_be_bytes());
+        let len = u32::from_be_bytes(r[16..20].try_into().unwrap()) as usize;
+        let payload = self.read_exact(len);
+        let be16 = |at: usize| u16::from_be_bytes(r[at..at + 2].try_into().unwrap());
+        (be16(4), be16(6), u64::from_be_bytes(r[8..16].try_into().unwrap()), payload)
+    }
+
+    /// Sends a read in `mode`'s request format.
+    fn read_request(&mut self, mode: Mode, cookie: u64, offset: u64, len: u32) {
+        match mode {
+            Mode::Extended => self.extended_request(0, READ, cookie, offset, u64::from(len)),
+            _ => self.request(0, READ, cookie, offset, len, &[]),
+        }
+    }
+
+    /// Reads the reply to a read, whichever comes next: (cookie, bytes).
+    /// `asked` gives the length its cookie asked for (a simple reply does
+    /// not say it). vsd answers a read in one chunk: data, or a hole.
+    fn read_reply(&mut self, mode: Mode, asked: impl Fn(u64) -> usize) -> (u64, Vec<u8>) {
+        if mode == Mode::Simple {
+            let (error, cookie) = self.simple_reply();
+            assert_eq!(error, 0, "the read of cookie {cookie} failed");
+            return (cookie, self.read_exact(asked(cookie)));
+        }
+        let (flags, kind, cookie, payload) =
+            if mode == Mode::Extended { self.extended_reply() } else { self.structured_reply() };
+        assert_eq!(flags & 1, 1, "one chunk, done, for cookie {cookie}");
+        match kind {
+            1 => (cookie, payload[8..].to_vec()),
+            2 => (cookie, vec![0; u32::from_be_bytes(payload[8..12].try_into().unwrap()) as usize]),
+            other => panic!("chunk type {other} for cookie {cookie}: {payload:?}"),
+        }
+    }
+
+    /// Reads `image` (its bytes) whole in reads of `len`, `depth` of them
+    /// in flight, and checks every reply against it.
+    fn read_all(&mut self, mode: Mode, image: &[u8], len: usize, depth: usize) {
+        let requests: Vec<(usize, usize)> =
+            (0..image.len()).step_by(len).map(|at| (at, len.min(image.len() - at))).collect();
+        for window in requests.chunks(depth) {
+            for (&(at, n), cookie) in window.iter().zip(0u64..) {
+                self.read_request(mode, cookie, at as u64, n as u32);
+            }
+            for _ in window {
+                let (cookie, data) = self.read_reply(mode, |cookie| window[cookie as usize].1);
+                let (at, n) = window[cookie as usize];
+                assert!(data == image[at..at + n], "{n} bytes at {at} differ ({} replies)", mode_name(mode));
+            }
+        }
+    }
+
     /// Whether the server closes the connection within `limit`.
     fn closed_within(&mut self, limit: Duration) -> bool {
         self.s.set_read_timeout(Some(limit)).unwrap();
@@ -449,6 +510,14 @@ impl RawClient {
             }
         }
         false
+    }
+}
+
+fn mode_name(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Simple => "simple",
+        Mode::Structured => "structured",
+        Mode::Extended => "extended",
     }
 }
 
@@ -909,4 +978,194 @@ fn fast_zero_answers_as_qemu_storage_daemon() {
     let vsd = answers("vsd");
     assert!(vsd.iter().any(|line| line.contains("error 95")), "some fast zeroing is refused: {vsd:#?}");
     assert_eq!(vsd, answers("qsd"));
+}
+
+/// A raw image of random bytes on tmpfs, whose pages are always in the
+/// page cache: what the NBD server splices.
+fn cached_image(dir: &Scratch, name: &str, seed: u64, size: u64) -> (std::path::PathBuf, Vec<u8>) {
+    let image = dir.path(name);
+    let bytes = pattern(seed, size as usize);
+    std::fs::write(&image, &bytes).unwrap();
+    (image, bytes)
+}
+
+/// How many reads of `len` bytes of `image` were spliced whole into a
+/// pipe, and whether every byte spliced into a pipe went out of one.
+fn spliced_reads(calls: &[common::Splice], image: &Path, len: u64) -> usize {
+    calls.iter().filter(|c| c.reads(image) && c.len == len && c.result == Ok(len)).count()
+}
+
+fn assert_pipes_drained(calls: &[common::Splice]) {
+    let moved = |from_pipe: bool| -> u64 {
+        calls.iter().filter(|c| c.drains_pipe() == from_pipe).filter_map(|c| c.result.as_ref().ok()).sum()
+    };
+    assert_eq!(moved(false), moved(true), "every byte spliced into the pipe went out of it");
+}
+
+#[test]
+fn page_cached_reads_are_spliced_and_arrive_whole_in_every_reply_mode() {
+    let dir = Scratch::new_in(Path::new("/dev/shm"), "nbd-splice");
+    let (image, bytes) = cached_image(&dir, "disk.img", 21, 16 * MIB);
+    let (socket, log) = (dir.path("nbd.sock"), dir.path("splice.log"));
+    let daemon = Daemon::vsd_tracing_splices(&dir, &unix_export(&image, &socket, ""), &log);
+    // libnbd: structured replies, compact headers.
+    for size in [64 << 10, MIB] {
+        let copy = dir.path("copy.img");
+        ok("nbdcopy", &[&format!("--request-size={size}"), &uri(&socket, "disk"), copy.to_str().unwrap()]);
+        assert!(std::fs::read(&copy).unwrap() == bytes, "nbdcopy's reads of {size} bytes are the image");
+    }
+    // QEMU's client: extended headers (reads of up to 2 MiB: some too long to splice).
+    ok("qemu-img", &["compare", "-f", "raw", "-F", "raw", image.to_str().unwrap(), &uri(&socket, "disk")]);
+    // The test's own client, in each mode, 64 KiB and 1 MiB at a time.
+    for mode in [Mode::Simple, Mode::Structured, Mode::Extended] {
+        let mut c = RawClient::connect(&socket, "disk", mode);
+        c.read_all(mode, &bytes, 64 << 10, 16);
+        c.read_all(mode, &bytes, MIB as usize, 8);
+    }
+    daemon.stop_traced();
+    let calls = common::splices(&log);
+    // nbdcopy's pass and the raw client's three, every read spliced.
+    assert!(spliced_reads(&calls, &image, 64 << 10) >= 4 * 256, "64 KiB reads spliced: {calls:?}");
+    assert!(spliced_reads(&calls, &image, MIB) >= 4 * 16, "1 MiB reads spliced");
+    assert_pipes_drained(&calls);
+}
+
+#[test]
+fn page_cached_reads_are_spliced_over_tcp() {
+    let dir = Scratch::new_in(Path::new("/dev/shm"), "nbd-splice-tcp");
+    let (image, bytes) = cached_image(&dir, "disk.img", 22, 16 * MIB);
+    let log = dir.path("splice.log");
+    let port = free_port();
+    let args = vec![
+        "--blockdev".into(),
+        format!("driver=file,node-name=f0,filename={}", image.display()),
+        "--nbd-server".into(),
+        format!("addr.type=inet,addr.host=127.0.0.1,addr.port={port}"),
+        "--export".into(),
+        "type=nbd,id=e0,node-name=f0,name=disk".into(),
+    ];
+    let daemon = Daemon::vsd_tracing_splices(&dir, &args, &log);
+    let tcp = format!("nbd://127.0.0.1:{port}/disk");
+    let copy = dir.path("copy.img");
+    ok("nbdcopy", &["--request-size=65536", &tcp, copy.to_str().unwrap()]);
+    assert!(std::fs::read(&copy).unwrap() == bytes, "nbdcopy's copy over TCP is the image");
+    ok("qemu-img", &["convert", "-f", "raw", "-O", "raw", &tcp, copy.to_str().unwrap()]);
+    assert!(std::fs::read(&copy).unwrap() == bytes, "qemu-img's copy over TCP is the image");
+    daemon.stop_traced();
+    let calls = common::splices(&log);
+    assert!(spliced_reads(&calls, &image, 64 << 10) >= 256, "64 KiB reads spliced: {calls:?}");
+    assert_pipes_drained(&calls);
+}
+
+#[test]
+fn direct_uncached_and_qcow2_reads_are_not_spliced_and_still_right() {
+    use std::os::fd::AsFd;
+    let shm = Scratch::new_in(Path::new("/dev/shm"), "nbd-splice-not");
+    // On a disk's file system (the temporary directory), which O_DIRECT needs.
+    let disk = Scratch::new("nbd-splice-not");
+    let (cached, cached_bytes) = cached_image(&shm, "cached.img", 23, 8 * MIB);
+    let (direct, direct_bytes) = cached_image(&disk, "direct.img", 24, 8 * MIB);
+    let (cold, cold_bytes) = cached_image(&disk, "cold.img", 25, 8 * MIB);
+    let qcow2 = shm.path("disk.qcow2");
+    ok("qemu-img", &["convert", "-f", "raw", "-O", "qcow2", cached.to_str().unwrap(), qcow2.to_str().unwrap()]);
+    let (socket, log) = (shm.path("nbd.sock"), shm.path("splice.log"));
+    let node = |name: &str, image: &Path, opts: &str| {
+        ["--blockdev".into(), format!("driver=file,node-name={name},filename={}{opts}", image.display())]
+    };
+    let mut args: Vec<String> = [
+        node("fc", &cached, ""),
+        node("fd", &direct, ",cache.direct=on"),
+        node("fu", &cold, ""),
+        node("fq", &qcow2, ""),
+    ]
+    .concat();
+    args.extend(["--blockdev".into(), "driver=qcow2,node-name=q,file=fq".into()]);
+    args.extend(["--nbd-server".into(), format!("addr.type=unix,addr.path={}", socket.display())]);
+    for (id, name) in [("e0", "fc"), ("e1", "fd"), ("e2", "fu"), ("e3", "q")] {
+        args.extend(["--export".into(), format!("type=nbd,id={id},node-name={name}")]);
+    }
+    let daemon = Daemon::vsd_tracing_splices(&shm, &args, &log);
+    let qcow2_bytes = cached_bytes.clone();
+    for (export, bytes) in [("fc", &cached_bytes), ("fd", &direct_bytes), ("q", &qcow2_bytes)] {
+        for size in ["65536", "1048576"] {
+            let copy = shm.path("copy.img");
+            ok("nbdcopy", &[&format!("--request-size={size}"), &uri(&socket, export), copy.to_str().unwrap()]);
+            assert!(std::fs::read(&copy).unwrap() == *bytes, "export {export}, reads of {size}");
+        }
+    }
+    // Its pages out of the page cache: the first read of them cannot be
+    // spliced (it would wait for the disk); it brings them in, the second can.
+    let file = std::fs::File::open(&cold).unwrap();
+    file.sync_all().unwrap();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+    // SAFETY: posix_fadvise reads no memory of ours; the file keeps fd open.
+    let advised = unsafe { libc::posix_fadvise(fd, 0, 0, libc::POSIX_FADV_DONTNEED) };
+    assert_eq!(advised, 0);
+    assert!(!vsd_sys::fully_cached(file.as_fd(), 0, MIB).unwrap(), "the pages were dropped");
+    let mut c = RawClient::connect(&socket, "fu", Mode::Structured);
+    c.read_all(Mode::Structured, &cold_bytes[..MIB as usize], MIB as usize, 1);
+    c.read_all(Mode::Structured, &cold_bytes[..MIB as usize], MIB as usize, 1);
+    drop(c);
+    daemon.stop_traced();
+    let calls = common::splices(&log);
+    assert!(spliced_reads(&calls, &cached, MIB) >= 8, "the page-cached raw file's reads were: {calls:?}");
+    for image in [&direct, &qcow2] {
+        assert!(!calls.iter().any(|c| c.reads(image)), "{} spliced: {calls:?}", image.display());
+    }
+    let cold_reads: Vec<_> = calls.iter().filter(|c| c.reads(&cold)).collect();
+    assert_eq!(cold_reads.len(), 1, "only the second read of the dropped pages: {cold_reads:?}");
+    assert_eq!((cold_reads[0].offset, cold_reads[0].result.clone()), (Some(0), Ok(MIB)));
+    assert_pipes_drained(&calls);
+}
+
+#[test]
+fn a_slow_reader_gets_long_spliced_replies_whole_among_others() {
+    let dir = Scratch::new_in(Path::new("/dev/shm"), "nbd-splice-slow");
+    let (image, bytes) = cached_image(&dir, "disk.img", 26, 32 * MIB);
+    let (socket, log, qmp_socket) = (dir.path("nbd.sock"), dir.path("splice.log"), dir.path("qmp.sock"));
+    let mut args = unix_export(&image, &socket, "");
+    args.extend(common::monitor(&qmp_socket));
+    let daemon = Daemon::vsd_tracing_splices(&dir, &args, &log);
+    // 1 MiB (spliced), 4 KiB (too short: read into a buffer), 200000 bytes
+    // at an odd offset (spliced), and 1 MiB at an odd offset (its pages one
+    // more than the pipe holds: buffered): more than the server's 16 slots.
+    let mut requests = Vec::new();
+    for i in 0..12u64 {
+        requests.push((i * MIB, MIB as usize));
+        requests.push((i * MIB + 777 * 512, 4096));
+        requests.push((12345 + i * 1_000_003, 200_000));
+    }
+    requests.push((20 * MIB + 100, MIB as usize));
+    for mode in [Mode::Simple, Mode::Structured] {
+        let mut c = RawClient::connect(&socket, "disk", mode);
+        for (cookie, &(at, n)) in requests.iter().enumerate() {
+            c.read_request(mode, cookie as u64, at, n as u32);
+        }
+        // The replies fill the socket, then wait in the pipe and the slots.
+        std::thread::sleep(Duration::from_millis(300));
+        let mut seen = vec![false; requests.len()];
+        for _ in 0..requests.len() {
+            std::thread::sleep(Duration::from_millis(20));
+            let (cookie, data) = c.read_reply(mode, |cookie| requests[cookie as usize].1);
+            let (at, n) = requests[cookie as usize];
+            assert!(data == bytes[at as usize..at as usize + n], "{n} bytes at {at} ({})", mode_name(mode));
+            assert!(!std::mem::replace(&mut seen[cookie as usize], true), "cookie {cookie} twice");
+        }
+    }
+    // Spliced or not, every read counts, with its bytes.
+    let mut qmp = QmpClient::connect(&qmp_socket).unwrap();
+    let stats = qmp.execute("query-blockstats", Value::Null).unwrap();
+    let entry = stats.as_array().unwrap().iter().find(|e| e["qdev"] == "e0").unwrap().clone();
+    let read: usize = requests.iter().map(|&(_, n)| n).sum();
+    let counted = (&entry["stats"]["rd_operations"], &entry["stats"]["rd_bytes"]);
+    assert_eq!(counted, (&json!(2 * requests.len()), &json!(2 * read)), "{entry}");
+    drop(qmp);
+    daemon.stop_traced();
+    let calls = common::splices(&log);
+    assert_eq!(spliced_reads(&calls, &image, MIB), 2 * 12, "the aligned 1 MiB reads: {calls:?}");
+    assert_eq!(spliced_reads(&calls, &image, 200_000), 2 * 12, "the odd 200000-byte reads");
+    assert!(!calls.iter().any(|c| c.reads(&image) && c.len == 4096), "4 KiB reads are not spliced");
+    let held = calls.iter().filter(|c| c.drains_pipe() && c.result != Ok(c.len)).count();
+    assert!(held > 0, "the socket was full: the rest of a reply waited in the pipe");
+    assert_pipes_drained(&calls);
 }

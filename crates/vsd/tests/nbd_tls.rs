@@ -233,6 +233,37 @@ fn nbdinfo_and_nbdcopy_work_over_tls() {
 }
 
 #[test]
+fn reads_over_tls_are_never_spliced() {
+    // On tmpfs, every page cached: a plain socket would splice these reads.
+    let dir = Scratch::new_in(Path::new("/dev/shm"), "nbd-tls-splice");
+    let pki = make_pki(&dir);
+    let image = dir.path("disk.img");
+    let bytes = pattern(11, 8 * MIB as usize);
+    std::fs::write(&image, &bytes).unwrap();
+    let (socket, log) = (dir.path("nbd.sock"), dir.path("splice.log"));
+    let args = vec![
+        "--object".into(),
+        format!("tls-creds-x509,id=tls0,dir={},endpoint=server", pki.server.display()),
+        "--blockdev".into(),
+        format!("driver=file,node-name=f0,filename={}", image.display()),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={},tls-creds=tls0", socket.display()),
+        "--export".into(),
+        "type=nbd,id=e0,node-name=f0,name=disk".into(),
+    ];
+    let daemon = Daemon::vsd_tracing_splices(&dir, &args, &log);
+    let uri = tls_uri(&socket, &pki.client);
+    for size in ["65536", "1048576"] {
+        let back = dir.path("back.img");
+        ok("nbdcopy", &[&format!("--request-size={size}"), &uri, back.to_str().unwrap()]);
+        assert!(std::fs::read(&back).unwrap() == bytes, "what nbdcopy read over TLS in {size} is the image");
+    }
+    daemon.stop_traced();
+    let calls = common::splices(&log);
+    assert!(calls.is_empty(), "TLS writes records, never raw pages: {calls:?}");
+}
+
+#[test]
 fn tls_over_tcp_with_the_server_s_name_checked() {
     let dir = Scratch::new("nbd-tls-tcp");
     let pki = make_pki(&dir);

@@ -222,6 +222,15 @@ impl BlockNode for FileNode {
         Ok(())
     }
 
+    /// The open file itself, unless it bypasses the page cache (O_DIRECT),
+    /// for ranges inside the node's size.
+    fn host_file(&self, offset: u64, len: u64) -> Option<(Arc<File>, u64)> {
+        if self.direct || offset.checked_add(len)? > self.size() {
+            return None;
+        }
+        Some((self.lock.file(), offset))
+    }
+
     fn request_alignment(&self) -> u32 {
         self.alignment.request
     }

@@ -105,6 +105,14 @@ impl BlockNode for RawNode {
         Ok(())
     }
 
+    /// The child's, shifted by the window, for ranges inside it.
+    fn host_file(&self, offset: u64, len: u64) -> Option<(Arc<std::fs::File>, u64)> {
+        if offset.checked_add(len)? > self.size() {
+            return None;
+        }
+        self.child.host_file(offset.checked_add(self.window.offset)?, len)
+    }
+
     fn block_status(&self, offset: u64, len: u64) -> io::Result<(Allocation, u64)> {
         self.child.block_status(offset + self.window.offset, len)
     }

@@ -65,6 +65,8 @@ impl Drop for Scratch {
 pub struct Daemon {
     child: Child,
     pub socket: PathBuf,
+    /// The pidfile of vsd running under `strace` (the child).
+    traced: Option<PathBuf>,
 }
 
 impl Daemon {
@@ -89,6 +91,31 @@ impl Daemon {
             false => a.clone(),
         }));
         Self::start(VSD, dir, &shared)
+    }
+
+    /// Starts vsd as [`Daemon::vsd`] does (sandboxed), under `strace -f`,
+    /// which logs its `splice` calls, with the files they name, to `log`
+    /// (read it with [`splices`] once [`Daemon::stop_traced`] returned).
+    pub fn vsd_tracing_splices(dir: &Scratch, args: &[String], log: &Path) -> Self {
+        let mut traced: Vec<String> =
+            ["-f", "-qq", "--seccomp-bpf", "-y", "-e", "trace=splice", "-o"].map(String::from).into();
+        traced.push(log.display().to_string());
+        traced.push(VSD.into());
+        traced.extend(sandboxed(args));
+        let mut daemon = Self::start("strace", dir, &traced);
+        daemon.traced = Some(dir.path("strace.pid"));
+        daemon
+    }
+
+    /// Stops a daemon started by [`Daemon::vsd_tracing_splices`]: SIGTERM to
+    /// vsd itself, then strace ends with it, its log complete.
+    pub fn stop_traced(mut self) {
+        self.terminate_traced();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.is_running() {
+            assert!(Instant::now() < deadline, "vsd did not stop under strace");
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     /// Starts qemu-storage-daemon the same way.
@@ -120,7 +147,7 @@ impl Daemon {
             assert!(Instant::now() < deadline, "{program} did not become ready");
             std::thread::sleep(Duration::from_millis(10));
         }
-        Self { child, socket }
+        Self { child, socket, traced: None }
     }
 
     pub fn pid(&self) -> u32 {
@@ -146,7 +173,21 @@ impl Daemon {
         self.terminate()
     }
 
+    /// SIGTERM to vsd under strace: strace, told, would leave it running.
+    fn terminate_traced(&mut self) {
+        let Some(pidfile) = self.traced.take() else { return };
+        let Some(pid) = std::fs::read_to_string(pidfile).ok().and_then(|pid| pid.trim().parse::<i32>().ok()) else {
+            return;
+        };
+        if self.is_running() {
+            // SAFETY: kill() with the pid vsd wrote, while it still runs
+            // (its tracer, our child, has not been reaped).
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+    }
+
     fn terminate(&mut self) -> std::process::ExitStatus {
+        self.terminate_traced();
         // SAFETY: kill() with a pid we spawned and have not reaped.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -169,6 +210,64 @@ impl Drop for Daemon {
             self.terminate();
         }
     }
+}
+
+/// One `splice(2)` call in a log of [`Daemon::vsd_tracing_splices`].
+#[derive(Debug)]
+pub struct Splice {
+    /// What the input descriptor names: a file's path, `pipe:[inode]`.
+    pub from: String,
+    /// The input's offset, for a file.
+    pub offset: Option<u64>,
+    /// The length asked for.
+    pub len: u64,
+    /// The bytes moved, or the error (`EAGAIN`...).
+    pub result: Result<u64, String>,
+}
+
+impl Splice {
+    /// Whether it moved bytes of `file` into a pipe.
+    pub fn reads(&self, file: &Path) -> bool {
+        self.offset.is_some() && Path::new(&self.from) == file
+    }
+
+    /// Whether it moved bytes from a pipe (to a socket).
+    pub fn drains_pipe(&self) -> bool {
+        self.from.starts_with("pipe:")
+    }
+}
+
+/// The splice calls strace logged (`-f -y`): a call another thread
+/// interrupted comes in two lines, put back together.
+pub fn splices(log: &Path) -> Vec<Splice> {
+    let text = std::fs::read_to_string(log).unwrap();
+    let mut unfinished: HashMap<&str, &str> = HashMap::new();
+    let mut calls = Vec::new();
+    for line in text.lines() {
+        let (pid, rest) = line.split_once(' ').unwrap_or(("", line));
+        let rest = rest.trim_start();
+        let whole = if let Some(start) = rest.strip_suffix(" <unfinished ...>") {
+            unfinished.insert(pid, start);
+            continue;
+        } else if let Some(end) = rest.strip_prefix("<... splice resumed>") {
+            format!("{}{end}", unfinished.remove(pid).unwrap_or_default())
+        } else {
+            rest.to_string()
+        };
+        let Some(call) = whole.strip_prefix("splice(") else { continue };
+        let (args, result) = call.rsplit_once(") = ").unwrap_or_else(|| panic!("strace's line: {line}"));
+        let args: Vec<&str> = args.split(", ").collect();
+        let named =
+            |arg: &str| arg.split_once('<').map_or(String::new(), |(_, name)| name.trim_end_matches('>').into());
+        let offset = args[1].strip_prefix('[').and_then(|o| o.strip_suffix(']')).map(|o| o.parse().unwrap());
+        let result = match result.split_whitespace().collect::<Vec<_>>()[..] {
+            [n] => Ok(n.parse().unwrap()),
+            [_, errno, ..] => Err(errno.to_string()),
+            _ => panic!("strace's line: {line}"),
+        };
+        calls.push(Splice { from: named(args[0]), offset, len: args[4].parse().unwrap(), result });
+    }
+    calls
 }
 
 /// Waits until no other open of `image` holds one of QEMU's lock bytes. A
