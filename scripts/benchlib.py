@@ -60,7 +60,8 @@ def thread_ticks(pid):
         try:
             with open(f"{task_dir}/{tid}/stat") as f:
                 head, fields = f.read().rsplit(")", 1)
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):
+            # The thread ended meanwhile (its stat vanishes or fails to read).
             continue
         name = head.split("(", 1)[1]
         fields = fields.split()
