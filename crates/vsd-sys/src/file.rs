@@ -169,7 +169,7 @@ pub fn memfd(name: &str) -> io::Result<File> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::io::Write;
     use std::os::fd::AsFd;
     use std::os::unix::fs::OpenOptionsExt;
@@ -208,11 +208,13 @@ mod tests {
         assert_eq!(err.raw_os_error(), Some(libc::EINVAL));
     }
 
-    fn tempfile() -> File {
+    pub(crate) fn tempfile() -> File {
         tempfile_in(&std::env::temp_dir(), 0)
     }
 
-    fn tempfile_in(dir: &Path, flags: i32) -> File {
+    /// An unlinked file open in `dir` with `flags` added (shared with the
+    /// other modules' tests).
+    pub(crate) fn tempfile_in(dir: &Path, flags: i32) -> File {
         let path = dir.join(format!("vsd-sys-{}-{:?}", std::process::id(), std::thread::current().id()));
         let file =
             File::options().read(true).write(true).create(true).truncate(true).custom_flags(flags).open(&path).unwrap();

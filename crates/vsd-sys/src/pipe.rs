@@ -149,24 +149,15 @@ pub fn page_size() -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use std::fs::File;
     use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
     use std::path::Path;
 
     use super::*;
-
-    fn tempfile_in(dir: &Path, flags: i32) -> File {
-        let path = dir.join(format!("vsd-sys-pipe-{}-{:?}", std::process::id(), std::thread::current().id()));
-        let file =
-            File::options().read(true).write(true).create(true).truncate(true).custom_flags(flags).open(&path).unwrap();
-        std::fs::remove_file(&path).unwrap();
-        file
-    }
+    use crate::file::tests::{tempfile, tempfile_in};
 
     #[test]
     fn file_pages_go_through_the_pipe_and_the_position_stays() {
-        let mut file = tempfile_in(&std::env::temp_dir(), 0);
+        let mut file = tempfile();
         let data: Vec<u8> = (0..3 * 4096u32).map(|i| (i * 7 + i / 4096) as u8).collect();
         file.write_all(&data).unwrap();
         let pipe = Pipe::new().unwrap();
@@ -188,7 +179,7 @@ mod tests {
 
     #[test]
     fn the_pipe_drains_into_a_socket() {
-        let mut file = tempfile_in(&std::env::temp_dir(), 0);
+        let mut file = tempfile();
         file.write_all(&[0x5a; 8192]).unwrap();
         let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
         let pipe = Pipe::new().unwrap();
