@@ -1001,6 +1001,57 @@ mod tests {
         assert_eq!(image.missing_table(0, 4096), None);
     }
 
+    /// With `discard-no-unref`, the discard passed down to the file skips
+    /// a cluster a snapshot shares (its bytes are the snapshot's too) and
+    /// drops one the image owns alone.
+    #[test]
+    fn a_kept_cluster_is_discarded_in_the_file_only_if_no_snapshot_shares_it() {
+        struct Discards {
+            file: MemFile,
+            discarded: Vec<(u64, u64)>,
+        }
+        impl SyncIo for Discards {
+            fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+                self.file.read_at(buf, offset)
+            }
+            fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
+                self.file.write_at(buf, offset)
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+            fn discard(&mut self, offset: u64, len: u64) -> io::Result<()> {
+                self.discarded.push((offset, len));
+                Ok(())
+            }
+        }
+        let path = std::env::temp_dir().join(format!("vsd-qcow2-no-unref-{}.qcow2", std::process::id()));
+        let name = path.to_str().unwrap();
+        for args in [
+            &["qemu-img", "create", "-q", "-f", "qcow2", name, "1G"][..],
+            &["qemu-io", "-c", "write -q 0 64k", name],
+            &["qemu-img", "snapshot", "-c", "s1", name],
+            &["qemu-io", "-c", "write -q 64k 64k", name],
+        ] {
+            assert!(std::process::Command::new(args[0]).args(&args[1..]).status().unwrap().success(), "{args:?}");
+        }
+        let file = MemFile::new(std::fs::read(&path).unwrap(), 64 << 20);
+        std::fs::remove_file(&path).unwrap();
+        let opts = Options { writable: true, discard_no_unref: true, pass_discard: true, ..Options::default() };
+        let len = file.bytes.len() as u64;
+        let mut recorder = Discards { file, discarded: Vec::new() };
+        let image = Image::open(&mut recorder, len, opts).unwrap();
+        let host = |at| match image.map(&mut MapMemo::default(), &mut recorder.file.clone(), at, 4096) {
+            Ok(Extent { mapping: Mapping::Data { host, in_place }, .. }) => (host, in_place),
+            other => panic!("{at:#x}: {other:?}"),
+        };
+        let ((shared, shared_in_place), (owned, owned_in_place)) = (host(0), host(64 << 10));
+        assert!(!shared_in_place && owned_in_place, "cluster 0 is the snapshot's too, cluster 1 the image's alone");
+        let mut io = ImageIo { meta: &mut recorder, data: None, backing: None };
+        image.discard(&mut io, 0, 128 << 10).unwrap();
+        assert_eq!(recorder.discarded, [(owned, 64 << 10)], "not {shared:#x}");
+    }
+
     #[test]
     fn a_slice_read_while_tables_were_written_is_read_again() {
         let (image, mut file) = cold_image("slice-stale");

@@ -270,7 +270,9 @@ impl Image {
         }
         match old.host {
             Some(host) if keep => {
-                if self.opts.pass_discard {
+                // Not a cluster a snapshot shares: its bytes are the
+                // snapshot's too.
+                if self.opts.pass_discard && old.copied {
                     let _ = io.data().discard(host, self.cluster_size());
                 }
                 Ok(())
