@@ -237,7 +237,10 @@ impl Image {
         let touched = self.touched(within, n);
         let whole = touched == self.all_subclusters();
         let owned = old.host.is_some() && old.copied;
-        let new = if whole && (may_unmap || !owned) {
+        // `discard-no-unref` keeps the cluster of an unmapping zeroing, as
+        // it does a discard's.
+        let keep = self.opts.discard_no_unref && old.host.is_some();
+        let new = if whole && (may_unmap || !owned) && !keep {
             L2Entry { zero: touched, ..L2Entry::UNALLOCATED }
         } else if old.compressed.is_some() {
             rewrite.push((cluster + within, n));
@@ -251,8 +254,19 @@ impl Image {
         }
         if new.host != old.host || new.compressed != old.compressed {
             self.release(meta, &old);
+        } else if keep && whole && may_unmap {
+            self.discard_kept(io, &old);
         }
         Ok(())
+    }
+
+    /// Drops from the file the data of a cluster `discard-no-unref` keeps,
+    /// if `pass-discard-request` asks, unless a snapshot shares the cluster
+    /// (its bytes are the snapshot's too).
+    fn discard_kept(&self, io: &mut ImageIo, old: &L2Entry) {
+        if let Some(host) = old.host.filter(|_| self.opts.pass_discard && old.copied) {
+            let _ = io.data().discard(host, self.cluster_size());
+        }
     }
 
     fn discard_cluster(&self, meta: &mut Meta, io: &mut ImageIo, cluster: u64) -> io::Result<()> {
@@ -269,12 +283,8 @@ impl Image {
             self.set_l2(meta, &table, index, &new)?;
         }
         match old.host {
-            Some(host) if keep => {
-                // Not a cluster a snapshot shares: its bytes are the
-                // snapshot's too.
-                if self.opts.pass_discard && old.copied {
-                    let _ = io.data().discard(host, self.cluster_size());
-                }
+            Some(_) if keep => {
+                self.discard_kept(io, &old);
                 Ok(())
             }
             _ => {
