@@ -160,7 +160,9 @@ fn a_kill_during_a_stream_leaves_every_image_consistent() {
     let dir = Scratch::new("stream-kill");
     let images = qcow2_chain(&dir);
     let (daemon, mut qmp) = served_chain(&dir, &images);
-    let last = Writer::start(&daemon, SIZE / BLOCK, Duration::ZERO);
+    // Over the first quarter only: however fast the writer, the overlay
+    // then lacks the rest, which the stream is still copying when killed.
+    let last = Writer::start(&daemon, SIZE / BLOCK / 4, Duration::ZERO);
     std::thread::sleep(Duration::from_millis(200));
     let last = last.finish();
     qmp.ok("block-stream", json!({"job-id": "s", "device": "top", "speed": 2 * MIB}));
