@@ -976,21 +976,28 @@ mod tests {
         assert_eq!(image.missing_table(512 * MIB, 256 * MIB), None, "no table maps 512 MiB on");
     }
 
+    /// A 1 GiB image made by QEMU: `before` written (qemu-io commands), an
+    /// internal snapshot taken, then `after` written.
+    fn with_snapshot(name: &str, before: &[&str], after: &[&str]) -> MemFile {
+        let path = std::env::temp_dir().join(format!("vsd-qcow2-{name}-{}.qcow2", std::process::id()));
+        let image = path.to_str().unwrap();
+        let run = |args: &[&str]| {
+            assert!(std::process::Command::new(args[0]).args(&args[1..]).status().unwrap().success(), "{args:?}");
+        };
+        run(&["qemu-img", "create", "-q", "-f", "qcow2", image, "1G"]);
+        before.iter().for_each(|c| run(&["qemu-io", "-c", c, image]));
+        run(&["qemu-img", "snapshot", "-c", "s1", image]);
+        after.iter().for_each(|c| run(&["qemu-io", "-c", c, image]));
+        let file = MemFile::new(std::fs::read(&path).unwrap(), 64 << 20);
+        std::fs::remove_file(&path).unwrap();
+        file
+    }
+
     /// A change to a table shared with a snapshot copies all of it: every
     /// slice is needed, whatever the range.
     #[test]
     fn a_change_to_a_table_shared_with_a_snapshot_needs_all_its_slices() {
-        let path = std::env::temp_dir().join(format!("vsd-qcow2-shared-table-{}.qcow2", std::process::id()));
-        let name = path.to_str().unwrap();
-        for args in [
-            &["qemu-img", "create", "-q", "-f", "qcow2", name, "1G"][..],
-            &["qemu-io", "-c", "write -q 0 4k", name],
-            &["qemu-img", "snapshot", "-c", "s1", name],
-        ] {
-            assert!(std::process::Command::new(args[0]).args(&args[1..]).status().unwrap().success(), "{args:?}");
-        }
-        let file = MemFile::new(std::fs::read(&path).unwrap(), 64 << 20);
-        std::fs::remove_file(&path).unwrap();
+        let file = with_snapshot("shared-table", &["write -q 0 4k"], &[]);
         let image = Image::open(&mut file.clone(), file.bytes.len() as u64, Options::default()).unwrap();
         let slices = image.all_slices().len() as u64;
         for expected in 0..slices {
@@ -1026,18 +1033,7 @@ mod tests {
                 Ok(())
             }
         }
-        let path = std::env::temp_dir().join(format!("vsd-qcow2-no-unref-{}.qcow2", std::process::id()));
-        let name = path.to_str().unwrap();
-        for args in [
-            &["qemu-img", "create", "-q", "-f", "qcow2", name, "1G"][..],
-            &["qemu-io", "-c", "write -q 0 64k", name],
-            &["qemu-img", "snapshot", "-c", "s1", name],
-            &["qemu-io", "-c", "write -q 64k 128k", name],
-        ] {
-            assert!(std::process::Command::new(args[0]).args(&args[1..]).status().unwrap().success(), "{args:?}");
-        }
-        let file = MemFile::new(std::fs::read(&path).unwrap(), 64 << 20);
-        std::fs::remove_file(&path).unwrap();
+        let file = with_snapshot("no-unref", &["write -q 0 64k"], &["write -q 64k 128k"]);
         let opts = Options { writable: true, discard_no_unref: true, pass_discard: true, ..Options::default() };
         let len = file.bytes.len() as u64;
         let mut recorder = Discards { file, discarded: Vec::new() };
