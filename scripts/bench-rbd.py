@@ -45,10 +45,10 @@ def bench_conf(conf, work):
     return path
 
 
-def daemon_run(program, conf, rw, qd, seconds, work):
+def daemon_run(program, conf, rw, qd, seconds, work, export_opts=""):
     node = f"driver=rbd,node-name=r0,pool=rbd,image={IMAGE},conf={conf}"
     return serve_and_bench(program, [node, "driver=raw,node-name=disk0,file=r0"],
-                           ["--rw", rw, "--bs", "4k", "--iodepth", str(qd)], seconds, work)
+                           ["--rw", rw, "--bs", "4k", "--iodepth", str(qd)], seconds, work, export_opts=export_opts)
 
 
 def fio_run(conf, rw, qd, seconds):
@@ -85,7 +85,10 @@ def main():
     osd = osd_pid(conf)
     work = tempfile.mkdtemp(prefix="vsd-bench-rbd-")
     conf = bench_conf(conf, work)
+    # vsd polls its ring for a while after a completion (its default); "vsd
+    # poll-us=0" sleeps instead, as QSD's main loop does: what polling costs.
     peers = {"vsd": lambda rw, qd, work: daemon_run(VSD, conf, rw, qd, args.seconds, work),
+             "vsd poll-us=0": lambda rw, qd, work: daemon_run(VSD, conf, rw, qd, args.seconds, work, ",poll-us=0"),
              "qsd": lambda rw, qd, work: daemon_run(QSD, conf, rw, qd, args.seconds, work),
              "fio-rbd": lambda rw, qd, work: fio_run(conf, rw, qd, args.seconds)}
     results = {(w, p): [] for w in WORKLOADS for p in peers}

@@ -2,6 +2,7 @@
 
 use std::ffi::{CString, c_int};
 use std::io;
+use std::num::NonZero;
 use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
@@ -117,6 +118,21 @@ impl Connecting {
         check(ret).map_err(|source| OpenError::Cluster { what: format!("invalid conf option {option}"), source })
     }
 
+    /// Sizes librados' thread pool, on which librbd dispatches and
+    /// completes every request, to one thread when the threads librados
+    /// starts (they inherit this one's CPUs, and the cgroup's quota) have
+    /// one CPU's worth to run on. The two default threads cannot run at
+    /// once there; they only hand requests to each other, at twice the
+    /// switches per request. A size ceph.conf sets stays, unless it is the
+    /// default's 2, which librados does not tell apart from the default.
+    fn fit_thread_pool(&self) -> Result<(), OpenError> {
+        let cpus = std::thread::available_parallelism().map_or(1, NonZero::get);
+        if cpus == 1 && self.get("librados_thread_count") == LIBRADOS_THREAD_COUNT {
+            self.set("librados_thread_count", "1")?;
+        }
+        Ok(())
+    }
+
     /// An option's value as librados has it now ("" if it cannot say).
     fn get(&self, option: &'static str) -> String {
         let Ok(name) = text(option, option) else { return String::new() };
@@ -134,6 +150,8 @@ impl Connecting {
 
 /// librados waits this long for an unreachable cluster before `rados_connect` fails.
 const LIBRADOS_MOUNT_TIMEOUT: &str = "300";
+/// The threads of librados' pool, unless ceph.conf says.
+const LIBRADOS_THREAD_COUNT: &str = "2";
 
 impl Image {
     /// Connects to the cluster and opens the image (read-only if
@@ -160,6 +178,7 @@ impl Image {
         if c.get("client_mount_timeout") == LIBRADOS_MOUNT_TIMEOUT {
             c.set("client_mount_timeout", "30")?;
         }
+        c.fit_thread_pool()?;
         c.set("rbd_cache", if location.cache { "true" } else { "false" })?;
         for (option, value) in [
             ("mon_host", &location.mon_host),

@@ -642,3 +642,37 @@ fn requests_complete_across_an_osd_restart() {
         assert!(exported[slot(s) as usize..][..back.len()] == pattern(last(s), back.len())[..], "slot {s}");
     }
 }
+
+/// librados' pool of threads that dispatch and complete librbd's requests
+/// has one thread when vsd runs on one CPU (two could not run at once and
+/// would only hand requests to each other), librados' two with more, and
+/// what ceph.conf says whenever it says.
+#[test]
+fn the_librados_pool_fits_the_cpus_unless_ceph_conf_sizes_it() {
+    let dir = Scratch::new("rbd-pool");
+    let image = ceph().image("pool", 16 * MIB);
+    let sized_conf = dir.path("sized.conf");
+    let conf = std::fs::read_to_string(&ceph().conf).unwrap();
+    std::fs::write(&sized_conf, conf.replacen("[global]\n", "[global]\nlibrados_thread_count = 3\n", 1)).unwrap();
+    let sized = format!("driver=rbd,node-name=r0,pool=rbd,image={},conf={}", image.name, sized_conf.display());
+    let cpus = vsd_sys::allowed_cpus().unwrap();
+    for (node, on, expected) in [
+        (image.node("r0"), &cpus[..1], 1),
+        (sized.clone(), &cpus[..1], 3),
+        (image.node("r0"), &cpus[..], if cpus.len() > 1 { 2 } else { 1 }),
+    ] {
+        // The daemon's threads inherit this thread's CPUs.
+        vsd_sys::set_thread_affinity(on).unwrap();
+        let daemon = serve(&dir, node.clone(), "");
+        vsd_sys::set_thread_affinity(&cpus).unwrap();
+        let pool = std::fs::read_dir(format!("/proc/{}/task", daemon.pid()))
+            .unwrap()
+            .filter(|task| {
+                let comm = std::fs::read_to_string(task.as_ref().unwrap().path().join("comm"));
+                comm.is_ok_and(|name| name.trim() == "io_context_pool")
+            })
+            .count();
+        daemon.stop();
+        assert_eq!(pool, expected, "{node} on CPUs {on:?}");
+    }
+}
