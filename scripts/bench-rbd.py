@@ -8,7 +8,11 @@ both cores with the rest, and their CPU per I/O is reported too.
 Workloads: 4k random reads and writes at iodepth 1 and 32. Peers are
 interleaved within each repetition; reported are medians.
 
-usage: scripts/bench-rbd.py [--reps 3] [--seconds 5]
+`--workloads` and `--peers` pick by name; `--baseline PATH` adds another
+vsd binary (another build), as "vsd-base".
+
+usage: scripts/bench-rbd.py [--reps 3] [--seconds 5] [--workloads NAME,...]
+                            [--peers vsd,vsd poll-us=0,qsd,fio-rbd] [--baseline PATH]
 """
 import argparse
 import json
@@ -70,11 +74,28 @@ def fio_run(conf, rw, qd, seconds):
             "cpu_us_per_io": cpu_us / ios_with_ramp}
 
 
+def librbd_threads(res):
+    """CPU per I/O of librbd's messenger and completion threads in a
+    daemon's run (None for fio, whose threads are not told apart)."""
+    threads = res.get("threads_cpu_us_per_io")
+    if threads is None:
+        return None
+    return sum(us for name, us in threads.items() if name.startswith(("msgr-worker", "io_context_pool")))
+
+
+def ratio(value, reference):
+    return f"{value / reference:.2f}" if reference else "-"
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seconds", type=int, default=5)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated names")
+    parser.add_argument("--peers", help="comma-separated names (default: all)")
+    parser.add_argument("--baseline", help="another vsd binary, run as vsd-base")
     args = parser.parse_args()
+    workloads = {name: WORKLOADS[name] for name in args.workloads.split(",")}
     conf = subprocess.run([os.path.join(ROOT, "scripts/ceph.sh"), "start"], check=True, capture_output=True,
                           text=True).stdout.strip()
     subprocess.run(["rbd", "-c", conf, "rm", "--no-progress", IMAGE], capture_output=True)
@@ -91,11 +112,15 @@ def main():
              "vsd poll-us=0": lambda rw, qd, work: daemon_run(VSD, conf, rw, qd, args.seconds, work, ",poll-us=0"),
              "qsd": lambda rw, qd, work: daemon_run(QSD, conf, rw, qd, args.seconds, work),
              "fio-rbd": lambda rw, qd, work: fio_run(conf, rw, qd, args.seconds)}
-    results = {(w, p): [] for w in WORKLOADS for p in peers}
+    if args.baseline:
+        peers["vsd-base"] = lambda rw, qd, work: daemon_run(args.baseline, conf, rw, qd, args.seconds, work)
+    if args.peers:
+        peers = {name: peers[name] for name in args.peers.split(",")}
+    results = {(w, p): [] for w in workloads for p in peers}
     try:
         for rep in range(args.reps):
             order = list(peers) if rep % 2 == 0 else list(reversed(peers))
-            for workload, (rw, qd) in WORKLOADS.items():
+            for workload, (rw, qd) in workloads.items():
                 for name in order:
                     before = cpu_ticks(osd)
                     res = peers[name](rw, qd, work)
@@ -107,15 +132,22 @@ def main():
         shutil.rmtree(work)
     # Best effort: the last client's watch on the image may still be closing.
     subprocess.run(["rbd", "-c", conf, "rm", "--no-progress", IMAGE], capture_output=True)
-    print("| workload | peer | IOPS | p50 µs | CPU µs/I/O | OSD CPU µs/I/O | IOPS / QSD | IOPS / fio-rbd | CPU / QSD |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for workload in WORKLOADS:
-        med = {p: {k: statistics.median(r[k] for r in results[(workload, p)])
-                   for k in ("iops", "p50_us", "cpu_us_per_io", "osd_cpu_us_per_io")} for p in peers}
+    print("| workload | peer | IOPS | p50 µs | CPU µs/I/O | of which librbd threads | OSD CPU µs/I/O | IOPS / QSD "
+          "| IOPS / fio-rbd | CPU / QSD |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for workload in workloads:
+        med = {}
+        for name in peers:
+            runs = results[(workload, name)]
+            med[name] = {k: statistics.median(r[k] for r in runs)
+                         for k in ("iops", "p50_us", "cpu_us_per_io", "osd_cpu_us_per_io")}
+            librbd = [us for us in map(librbd_threads, runs) if us is not None]
+            med[name]["librbd"] = f"{statistics.median(librbd):.1f}" if librbd else "-"
+        qsd, fio = med.get("qsd", {}), med.get("fio-rbd", {})
         for name, m in med.items():
             print(f"| {workload} | {name} | {m['iops']:.0f} | {m['p50_us']:.0f} | {m['cpu_us_per_io']:.1f} | "
-                  f"{m['osd_cpu_us_per_io']:.1f} | {m['iops'] / med['qsd']['iops']:.2f} | "
-                  f"{m['iops'] / med['fio-rbd']['iops']:.2f} | {m['cpu_us_per_io'] / med['qsd']['cpu_us_per_io']:.2f} |")
+                  f"{m['librbd']} | {m['osd_cpu_us_per_io']:.1f} | {ratio(m['iops'], qsd.get('iops'))} | "
+                  f"{ratio(m['iops'], fio.get('iops'))} | {ratio(m['cpu_us_per_io'], qsd.get('cpu_us_per_io'))} |")
 
 
 if __name__ == "__main__":

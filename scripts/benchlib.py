@@ -9,6 +9,7 @@ import statistics
 import os
 import re
 import subprocess
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,22 +119,44 @@ def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk
     try:
         wait_started(daemon, pidfile, program, timeout=10)
         run_qmp(qmp_sock, qmp)
-        before, threads_before = cpu_ticks(daemon.pid), thread_ticks(daemon.pid)
+        before = cpu_ticks(daemon.pid)
+        threads = {"first": {}, "last": {}, "seconds": 1.0}
+        sampler = threading.Thread(target=sample_threads, args=(daemon.pid, seconds, threads))
+        sampler.start()
         out = subprocess.run(
             ["taskset", "-c", client_cpu, BENCH, "--socket", sock, *bench_args,
              "--seconds", str(seconds), "--ramp-seconds", "1", "--json"],
             check=True, capture_output=True, text=True, timeout=seconds + 60).stdout
-        after, threads_after = cpu_ticks(daemon.pid), thread_ticks(daemon.pid)
+        after = cpu_ticks(daemon.pid)
+        sampler.join()
     finally:
         daemon.terminate()
         daemon.wait()
     res = json.loads(out)["results"]
     # The ramp second is not in `ios`, but its CPU is: count it in.
     ios_with_ramp = max(res["ios"], 1) * (seconds + 1) / seconds
+    window_ios = max(res["iops"] * threads["seconds"], 1)
     return {"iops": res["iops"], "bw_mib_s": res["bw_mib_s"], "p50_us": res["lat_us"]["p50"],
             "p99_us": res["lat_us"]["p99"], "cpu_us_per_io": (after - before) * TICK_US / ios_with_ramp,
-            "threads_cpu_us_per_io": {name: round((ticks - threads_before.get(name, 0)) * TICK_US / ios_with_ramp, 2)
-                                      for name, ticks in threads_after.items() if ticks > threads_before.get(name, 0)}}
+            "threads_cpu_us_per_io": {name: round((ticks - threads["first"].get(name, 0)) * TICK_US / window_ios, 2)
+                                      for name, ticks in threads["last"].items()
+                                      if ticks > threads["first"].get(name, 0)}}
+
+
+def sample_threads(pid, seconds, out):
+    """Each thread's CPU ticks of daemon `pid` (summed by name) at the end of
+    the client's ramp second and shortly before its run ends, into `out`
+    ("first", "last" and the "seconds" between): a thread that ends with
+    the client's connection (a vhost-user queue's worker) is gone once the
+    client exits."""
+    try:
+        time.sleep(1.1)
+        start, first = time.monotonic(), thread_ticks(pid)
+        time.sleep(max(seconds - 0.5, 0.1))
+        last = thread_ticks(pid)
+    except OSError:
+        return  # the daemon is gone: the client's failure says why
+    out.update(first=first, last=last, seconds=time.monotonic() - start)
 
 
 def callgrind_worker(vsd, bench, work, name, blockdevs, bench_args, seconds, export_opts="", qmp=(), extra_args=(),
