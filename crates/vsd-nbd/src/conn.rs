@@ -660,16 +660,16 @@ impl<W: Wire> Transmission<W> {
         match vsd_sys::fully_cached(file.as_fd(), at, len) {
             Ok(true) => {}
             Ok(false) => return None,
-            // Before Linux 6.5: not for this connection. (It answered before
-            // the pipe was made, if there is one: never ENOSYS then.)
-            Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
+            // ENOSYS before Linux 6.5, EPERM for a file vsd cannot write on
+            // kernels that say so: the connection's file would answer the
+            // same every time, so it stops asking. (It answered before the
+            // pipe was made, if there is one: never an error then.)
+            Err(_) => {
                 if matches!(self.splicing, Splicing::Untried) {
                     self.splicing = Splicing::Off;
                 }
                 return None;
             }
-            // EPERM on a file vsd cannot write, on kernels that say so.
-            Err(_) => return None,
         }
         let splicer = self.splicer()?;
         // The pipe holds one page of the file per slot, whatever the bytes
