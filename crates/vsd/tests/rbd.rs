@@ -658,7 +658,7 @@ fn the_librados_pool_fits_the_cpus_unless_ceph_conf_sizes_it() {
     let cpus = vsd_sys::allowed_cpus().unwrap();
     for (node, on, expected) in [
         (image.node("r0"), &cpus[..1], 1),
-        (sized.clone(), &cpus[..1], 3),
+        (sized, &cpus[..1], 3),
         (image.node("r0"), &cpus[..], if cpus.len() > 1 { 2 } else { 1 }),
     ] {
         // The daemon's threads inherit this thread's CPUs.
