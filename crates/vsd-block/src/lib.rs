@@ -14,11 +14,14 @@
 #![deny(missing_docs)]
 
 mod accounting;
+mod common;
 pub mod dirty;
 mod drivers;
+pub use drivers::DRIVERS;
 mod lock;
 pub mod options;
 pub mod throttle;
+mod zeroes;
 
 use std::io;
 use std::sync::Arc;
@@ -276,13 +279,14 @@ impl Cache {
 
 /// Gives a child defined inline, in `role`, the options of its parent it
 /// does not set itself, as QEMU's children inherit them: the cache
-/// options, `read-only`, and `active` (such a child is handed over with
-/// its parent); a backing file is read-only unless it says otherwise.
+/// options, `read-only`, `auto-read-only`, `force-share`, and `active`
+/// (such a child is handed over with its parent); a backing file is
+/// read-only unless it says otherwise.
 fn inherit(parent: &OptionMap, child: &mut OptionMap, role: &str) {
     if role == "backing" && !child.has("read-only") {
         child.insert("read-only", "on");
     }
-    for key in Cache::KEYS.into_iter().chain(["read-only", "active"]) {
+    for key in Cache::KEYS.into_iter().chain(["read-only", "active"]).chain(common::Common::INHERITED) {
         if let (Some(value), false) = (parent.get(key), child.has(key)) {
             child.insert(key, value);
         }
@@ -310,10 +314,8 @@ pub enum GraphError {
     /// The option string is wrong.
     #[error(transparent)]
     Options(#[from] OptionError),
-    /// `driver=` names no driver vsd has.
-    #[error(
-        "{context}: unknown driver '{driver}' (vsd has file, host_device, raw, qcow2, rbd, null-co, blkdebug, throttle)"
-    )]
+    /// `driver=` names no driver vsd has (QEMU's words, then vsd's drivers).
+    #[error("{context}: Parameter 'driver' does not accept value '{driver}' (one of {})", drivers::DRIVERS.join(", "))]
     UnknownDriver {
         /// Which option string.
         context: String,
@@ -527,13 +529,15 @@ impl BlockGraph {
             return Err(GraphError::DuplicateNode { context, name });
         }
         let cache = Cache::take(&mut opts)?;
+        let common = common::Common::take(&mut opts)?;
         let active = opts.take_bool("active")?.unwrap_or(true);
         if active {
             self.refuse_inactive_children(&opts, &name)?;
         }
         let bitmaps = Arc::default();
         let opened = drivers::open(&driver, name, cache, active, &bitmaps, &mut opts, self)?;
-        let node: Arc<dyn BlockNode> = Arc::new(accounting::AccountedNode::new(opened, cache, active, bitmaps));
+        let node: Arc<dyn BlockNode> = Arc::new(accounting::AccountedNode::new(opened, cache, common, active, bitmaps));
+        common::Common::drop_unused(&mut opts);
         opts.finish()?;
         self.nodes.push(node.clone());
         self.options.push(given);

@@ -6,7 +6,7 @@ use std::fmt;
 use vsd_sys::size::parse_size;
 
 /// A mistake in an option string; each names the option at fault.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum OptionError {
     /// The text is neither `key=value,...` nor a JSON object.
     #[error("{context}: {reason}")]
@@ -44,6 +44,28 @@ pub enum OptionError {
         /// Why.
         reason: String,
     },
+    /// A JSON value of the wrong type (QEMU's words).
+    #[error("{context}: Invalid parameter type for '{key}', expected: {expected}")]
+    Type {
+        /// Which option string.
+        context: String,
+        /// The key.
+        key: String,
+        /// QAPI's name of the type wanted.
+        expected: String,
+    },
+    /// A value that is none of an enum's (QEMU's words, then the choices).
+    #[error("{context}: Parameter '{key}' does not accept value '{value}' (one of {choices})")]
+    Value {
+        /// Which option string.
+        context: String,
+        /// The key.
+        key: String,
+        /// The value given.
+        value: String,
+        /// The values it accepts.
+        choices: String,
+    },
     /// A key nobody asked for.
     #[error("{context}: unknown parameter '{key}'")]
     Unknown {
@@ -61,7 +83,43 @@ pub enum OptionError {
 #[derive(Debug, Clone)]
 pub struct OptionMap {
     context: String,
-    entries: Vec<(String, String)>,
+    entries: Vec<Entry>,
+    /// A JSON value of the wrong type that [`OptionMap::take`] let
+    /// through, refused by [`OptionMap::finish`].
+    mistyped: Option<OptionError>,
+}
+
+/// One key, its value as text, and what JSON type it had.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Entry {
+    key: String,
+    value: String,
+    kind: Kind,
+}
+
+/// What a value was written as. `key=value` text takes any type, as
+/// QEMU's command line does; JSON (`--blockdev {...}`, QMP) is typed as
+/// QAPI types it, so `"read-only": "yes"` is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Text,
+    String,
+    Bool,
+    Number,
+    Null,
+}
+
+impl Kind {
+    /// Whether a value of this kind can be read as `wanted`.
+    fn fits(self, wanted: Kind) -> bool {
+        self == Kind::Text || self == wanted
+    }
+}
+
+impl Entry {
+    fn text(key: impl Into<String>, value: impl Into<String>) -> Self {
+        Self { key: key.into(), value: value.into(), kind: Kind::Text }
+    }
 }
 
 impl OptionMap {
@@ -76,21 +134,22 @@ impl OptionMap {
         } else {
             split_key_values(text).map_err(syntax)?
         };
-        for (i, (key, _)) in entries.iter().enumerate() {
-            if entries[..i].iter().any(|(k, _)| k == key) {
+        for (i, Entry { key, .. }) in entries.iter().enumerate() {
+            if entries[..i].iter().any(|e| e.key == *key) {
                 return Err(syntax(format!("parameter '{key}' appears twice")));
             }
         }
-        let context = match entries.iter().find(|(k, _)| k == "node-name" || k == "id") {
-            Some((k, v)) => format!("{flag} {k}={v}"),
+        let context = match entries.iter().find(|e| e.key == "node-name" || e.key == "id") {
+            Some(e) => format!("{flag} {}={}", e.key, e.value),
             None => flag.to_string(),
         };
-        Ok(Self { context, entries })
+        Ok(Self { context, entries, mistyped: None })
     }
 
     /// Parses `text` whose first item may be a bare value for `implied`, as
-    /// QEMU writes `--object secret,id=...` (`qom-type=secret`) and
-    /// `--chardev socket,id=...` (`backend=socket`).
+    /// QEMU writes `--object secret,id=...` (`qom-type=secret`),
+    /// `--blockdev file,...` (`driver=file`), `--export nbd,...`
+    /// (`type=nbd`) and `--chardev socket,id=...` (`backend=socket`).
     pub fn parse_implied(flag: &str, text: &str, implied: &str) -> Result<Self, OptionError> {
         match text.split(',').next() {
             Some(first) if !text.trim_start().starts_with('{') && !first.contains('=') => {
@@ -105,34 +164,58 @@ impl OptionMap {
         &self.context
     }
 
-    /// Removes and returns `key`'s value.
+    /// Removes `key`'s entry, which must be of kind `wanted` if it came
+    /// from JSON (QAPI's `type` names it in the error).
+    fn take_kind(&mut self, key: &str, wanted: Kind, type_name: &str) -> Result<Option<String>, OptionError> {
+        let Some(at) = self.entries.iter().position(|e| e.key == key) else { return Ok(None) };
+        if !self.entries[at].kind.fits(wanted) {
+            return Err(self.type_error(key, type_name));
+        }
+        Ok(Some(self.entries.remove(at).value))
+    }
+
+    /// Removes and returns `key`'s value. A JSON value that is not a
+    /// string is refused, by [`OptionMap::finish`]; a JSON `null` reads as
+    /// `"null"` (`"backing": null`).
     pub fn take(&mut self, key: &str) -> Option<String> {
-        let at = self.entries.iter().position(|(k, _)| k == key)?;
-        Some(self.entries.remove(at).1)
+        let at = self.entries.iter().position(|e| e.key == key)?;
+        let entry = self.entries.remove(at);
+        if !matches!(entry.kind, Kind::Text | Kind::String | Kind::Null) && self.mistyped.is_none() {
+            self.mistyped = Some(self.type_error(key, "string"));
+        }
+        Some(entry.value)
+    }
+
+    /// Removes and returns `key`'s value, which must be a string in JSON.
+    fn try_take(&mut self, key: &str) -> Result<Option<String>, OptionError> {
+        self.take_kind(key, Kind::String, "string")
     }
 
     /// Removes and returns `key`'s value, which must be present.
     pub fn require(&mut self, key: &str) -> Result<String, OptionError> {
-        self.take(key).ok_or_else(|| OptionError::Missing { context: self.context.clone(), key: key.into() })
+        self.try_take(key)?.ok_or_else(|| OptionError::Missing { context: self.context.clone(), key: key.into() })
     }
 
-    /// A boolean: on/off, true/false, yes/no.
+    /// A boolean: on/off, true/false, yes/no; in JSON, `true` or `false`.
     pub fn take_bool(&mut self, key: &str) -> Result<Option<bool>, OptionError> {
-        self.take_parsed(key, "on or off", |v| match v {
+        self.take_typed(key, Kind::Bool, "boolean", "on or off", |v| match v {
             "on" | "true" | "yes" => Some(true),
             "off" | "false" | "no" => Some(false),
             _ => None,
         })
     }
 
-    /// A byte count, with an optional k/M/G/T suffix (powers of 1024).
+    /// A byte count, with an optional k/M/G/T suffix (powers of 1024); in
+    /// JSON, a number of bytes.
     pub fn take_size(&mut self, key: &str) -> Result<Option<u64>, OptionError> {
-        self.take_parsed(key, "a size in bytes (suffixes k, M, G, T allowed)", |v| parse_size(v).ok())
+        self.take_typed(key, Kind::Number, "integer", "a size in bytes (suffixes k, M, G, T allowed)", |v| {
+            parse_size(v).ok()
+        })
     }
 
-    /// A plain unsigned integer.
+    /// A plain unsigned integer; in JSON, a number.
     pub fn take_u64(&mut self, key: &str) -> Result<Option<u64>, OptionError> {
-        self.take_parsed(key, "an unsigned integer", |v| v.parse().ok())
+        self.take_typed(key, Kind::Number, "integer", "an unsigned integer", |v| v.parse().ok())
     }
 
     /// A socket as QEMU's `SocketAddress` spells it: `PREFIX.type=unix` and
@@ -152,23 +235,46 @@ impl OptionMap {
         })
     }
 
-    /// One of `choices`.
+    /// One of `choices` (a QAPI enum); anything else is refused in QEMU's
+    /// words, with the choices listed.
     pub fn take_choice(&mut self, key: &str, choices: &[&'static str]) -> Result<Option<&'static str>, OptionError> {
-        let expected = format!("one of {}", choices.join(", "));
-        self.take_parsed(key, &expected, |v| choices.iter().copied().find(|c| *c == v))
+        let Some(value) = self.try_take(key)? else { return Ok(None) };
+        match choices.iter().copied().find(|c| *c == value) {
+            Some(choice) => Ok(Some(choice)),
+            None => Err(OptionError::Value {
+                context: self.context.clone(),
+                key: key.into(),
+                value,
+                choices: choices.join(", "),
+            }),
+        }
     }
 
-    fn take_parsed<T>(
+    /// One of `choices`, which must be given.
+    pub fn require_choice(&mut self, key: &str, choices: &[&'static str]) -> Result<&'static str, OptionError> {
+        self.take_choice(key, choices)?
+            .ok_or_else(|| OptionError::Missing { context: self.context.clone(), key: key.into() })
+    }
+
+    /// `key`'s value of QAPI type `type_name` (`kind` in JSON), parsed.
+    fn take_typed<T>(
         &mut self,
         key: &str,
+        kind: Kind,
+        type_name: &str,
         expected: &str,
         parse: impl FnOnce(&str) -> Option<T>,
     ) -> Result<Option<T>, OptionError> {
-        let Some(value) = self.take(key) else { return Ok(None) };
+        let Some(value) = self.take_kind(key, kind, type_name)? else { return Ok(None) };
         match parse(&value) {
             Some(parsed) => Ok(Some(parsed)),
             None => Err(self.invalid(key, &value, expected)),
         }
+    }
+
+    /// QEMU's error for a JSON value of the wrong type.
+    fn type_error(&self, key: &str, expected: &str) -> OptionError {
+        OptionError::Type { context: self.context.clone(), key: key.into(), expected: expected.into() }
     }
 
     /// An error for a value that parsed but is not acceptable.
@@ -193,13 +299,14 @@ impl OptionMap {
     pub fn take_group(&mut self, prefix: &str) -> Option<OptionMap> {
         let (inner, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.entries)
             .into_iter()
-            .partition(|(k, _)| k.starts_with(prefix) && k[prefix.len()..].starts_with('.'));
+            .partition(|e| e.key.starts_with(prefix) && e.key[prefix.len()..].starts_with('.'));
         self.entries = rest;
         if inner.is_empty() {
             return None;
         }
-        let entries: Vec<_> = inner.into_iter().map(|(k, v)| (k[prefix.len() + 1..].to_string(), v)).collect();
-        Some(OptionMap { context: format!("{} {prefix}", self.context), entries })
+        let entries: Vec<_> =
+            inner.into_iter().map(|e| Entry { key: e.key[prefix.len() + 1..].to_string(), ..e }).collect();
+        Some(OptionMap { context: format!("{} {prefix}", self.context), entries, mistyped: None })
     }
 
     /// Removes the items of list `key`, written `key.0=...,key.1=...` (QEMU's
@@ -216,30 +323,33 @@ impl OptionMap {
 
     /// `key`'s value, left in place.
     pub fn get(&self, key: &str) -> Option<&str> {
-        self.entries.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+        self.entries.iter().find(|e| e.key == key).map(|e| e.value.as_str())
     }
 
     /// Whether `key` is present.
     pub fn has(&self, key: &str) -> bool {
-        self.entries.iter().any(|(k, _)| k == key)
+        self.entries.iter().any(|e| e.key == key)
     }
 
     /// Sets `key` (which must be absent) to `value`.
     pub fn insert(&mut self, key: &str, value: impl Into<String>) {
         debug_assert!(!self.has(key));
-        self.entries.push((key.into(), value.into()));
+        self.entries.push(Entry::text(key, value));
     }
 
-    /// Fails if a key was not consumed.
+    /// Fails if a key was not consumed, or a taken one had the wrong type.
     pub fn finish(self) -> Result<(), OptionError> {
+        if let Some(mistyped) = self.mistyped {
+            return Err(mistyped);
+        }
         match self.entries.into_iter().next() {
-            Some((key, _)) => Err(OptionError::Unknown { context: self.context, key }),
+            Some(Entry { key, .. }) => Err(OptionError::Unknown { context: self.context, key }),
             None => Ok(()),
         }
     }
 }
 
-fn split_key_values(text: &str) -> Result<Vec<(String, String)>, String> {
+fn split_key_values(text: &str) -> Result<Vec<Entry>, String> {
     let mut entries = Vec::new();
     let mut chars = text.chars().peekable();
     while chars.peek().is_some() {
@@ -260,12 +370,12 @@ fn split_key_values(text: &str) -> Result<Vec<(String, String)>, String> {
         if key.is_empty() {
             return Err(format!("'{item}' has an empty key"));
         }
-        entries.push((key.to_string(), value.to_string()));
+        entries.push(Entry::text(key, value));
     }
     Ok(entries)
 }
 
-fn flatten_json(prefix: &str, value: &serde_json::Value, out: &mut Vec<(String, String)>) -> Result<(), String> {
+fn flatten_json(prefix: &str, value: &serde_json::Value, out: &mut Vec<Entry>) -> Result<(), String> {
     use serde_json::Value;
     let Value::Object(map) = value else {
         return Err("the JSON form must be an object".into());
@@ -279,20 +389,22 @@ fn flatten_json(prefix: &str, value: &serde_json::Value, out: &mut Vec<(String, 
 
 /// One JSON value under `key`; array items go under `key.0`, `key.1`, ...
 /// as QEMU's dotted keys write lists (`server.0.host=...`).
-fn flatten_value(key: String, value: &serde_json::Value, out: &mut Vec<(String, String)>) -> Result<(), String> {
+fn flatten_value(key: String, value: &serde_json::Value, out: &mut Vec<Entry>) -> Result<(), String> {
     use serde_json::Value;
-    match value {
-        Value::Object(_) => flatten_json(&key, value, out)?,
-        Value::String(s) => out.push((key, s.clone())),
-        Value::Bool(b) => out.push((key, if *b { "on" } else { "off" }.into())),
-        Value::Number(n) => out.push((key, n.to_string())),
-        Value::Null => out.push((key, "null".into())),
+    let (value, kind) = match value {
+        Value::Object(_) => return flatten_json(&key, value, out),
         Value::Array(items) => {
             for (i, item) in items.iter().enumerate() {
                 flatten_value(format!("{key}.{i}"), item, out)?;
             }
+            return Ok(());
         }
-    }
+        Value::String(s) => (s.clone(), Kind::String),
+        Value::Bool(b) => (if *b { "on" } else { "off" }.to_string(), Kind::Bool),
+        Value::Number(n) => (n.to_string(), Kind::Number),
+        Value::Null => ("null".to_string(), Kind::Null),
+    };
+    out.push(Entry { key, value, kind });
     Ok(())
 }
 
@@ -315,7 +427,7 @@ mod tests {
         assert!(o.take_group("backing").is_none());
         let mut o = OptionMap::parse("--blockdev", "driver=raw,file.driver=file,filename-x=1,files.x=2").unwrap();
         let group = o.take_group("file").unwrap();
-        assert_eq!(group.entries, [("driver".to_string(), "file".to_string())]);
+        assert_eq!(group.entries, [Entry::text("driver", "file")]);
         assert!(o.has("filename-x") && o.has("files.x"), "only keys under 'file.'");
         o.insert("file", "f0");
         assert_eq!(o.take("file").as_deref(), Some("f0"));
@@ -372,6 +484,63 @@ mod tests {
         let err = o.take_bool("cache.direct").unwrap_err();
         assert!(err.to_string().contains("'maybe'"), "{err}");
         assert!(o.take_size("size").is_err());
+    }
+
+    #[test]
+    fn json_values_are_typed_as_qapi_types_them() {
+        let err = |json: &str, take: fn(&mut OptionMap) -> Result<(), OptionError>| {
+            let mut o = OptionMap::parse("--blockdev", json).unwrap();
+            take(&mut o).and_then(|()| o.finish()).unwrap_err().to_string()
+        };
+        let expected = "--blockdev: Invalid parameter type for 'read-only', expected: boolean";
+        assert_eq!(err(r#"{"read-only": "yes"}"#, |o| o.take_bool("read-only").map(drop)), expected);
+        assert_eq!(err(r#"{"read-only": 1}"#, |o| o.take_bool("read-only").map(drop)), expected);
+        let size = "--blockdev: Invalid parameter type for 'size', expected: integer";
+        assert_eq!(err(r#"{"size": "1M"}"#, |o| o.take_size("size").map(drop)), size);
+        assert!(err(r#"{"queues": true}"#, |o| o.take_u64("queues").map(drop)).ends_with("expected: integer"));
+        let string = "--blockdev: Invalid parameter type for 'filename', expected: string";
+        assert_eq!(err(r#"{"filename": 5}"#, |o| o.require("filename").map(drop)), string);
+        assert_eq!(
+            err(r#"{"filename": false}"#, |o| {
+                o.take("filename");
+                Ok(())
+            }),
+            string,
+            "refused by finish"
+        );
+        assert!(err(r#"{"aio": 1}"#, |o| o.take_choice("aio", &["threads"]).map(drop)).ends_with("expected: string"));
+        // The command line's text takes any type.
+        let mut o = OptionMap::parse("--blockdev", "read-only=yes,size=1M,filename=5").unwrap();
+        assert_eq!(o.take_bool("read-only").unwrap(), Some(true));
+        assert_eq!(o.take_size("size").unwrap(), Some(1 << 20));
+        assert_eq!(o.take("filename").as_deref(), Some("5"));
+        o.finish().unwrap();
+        let mut o = OptionMap::parse("--blockdev", r#"{"backing": null, "cache": {"direct": true}}"#).unwrap();
+        assert_eq!(o.take("backing").as_deref(), Some("null"));
+        let mut cache = o.take_group("cache").unwrap();
+        assert!(cache.take_bool("direct").unwrap().unwrap(), "a group keeps its types");
+        o.finish().unwrap();
+    }
+
+    #[test]
+    fn enum_values_are_refused_in_qemus_words_with_the_choices() {
+        let mut o = OptionMap::parse("--blockdev", "node-name=n,aio=posix").unwrap();
+        let err = o.take_choice("aio", &["io_uring", "threads"]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "--blockdev node-name=n: Parameter 'aio' does not accept value 'posix' (one of io_uring, threads)"
+        );
+    }
+
+    #[test]
+    fn the_first_item_may_be_the_implied_key() {
+        let mut o = OptionMap::parse_implied("--blockdev", "file,node-name=f,filename=/x", "driver").unwrap();
+        assert_eq!(o.require("driver").unwrap(), "file");
+        let mut o = OptionMap::parse_implied("--export", "type=nbd,id=e", "type").unwrap();
+        assert_eq!(o.require("type").unwrap(), "nbd", "given by name, as before");
+        let mut o = OptionMap::parse_implied("--blockdev", r#"{"driver": "raw"}"#, "driver").unwrap();
+        assert_eq!(o.require("driver").unwrap(), "raw", "JSON has no implied key");
+        assert!(OptionMap::parse_implied("--blockdev", "node-name=a,file", "driver").is_err(), "only first");
     }
 
     #[test]

@@ -14,6 +14,9 @@ use vsd_trace::HistogramSnapshot;
 
 use crate::objects::Objects;
 
+/// The export types `--export` and `block-export-add` take.
+pub const EXPORT_TYPES: &[&str] = &["vhost-user-blk", "nbd"];
+
 /// Everything the daemon serves.
 pub struct Daemon {
     /// Shared with the jobs that change the graph from their own thread
@@ -116,12 +119,14 @@ impl Daemon {
         Ok(())
     }
 
-    /// Starts an export (`--export`, `block-export-add`) of either type.
+    /// Starts an export (`--export`, `block-export-add`) of any type.
     pub fn add_export(&self, mut opts: OptionMap) -> Result<()> {
-        let config = if opts.get("type") == Some("nbd") {
-            ExportOptions::Nbd(vsd_nbd::ExportConfig::from_options(&mut opts)?)
-        } else {
-            ExportOptions::VhostUserBlk(ExportConfig::from_options(&mut opts)?)
+        let kind = opts.require_choice("type", EXPORT_TYPES)?;
+        // Each type's options read it again.
+        opts.insert("type", kind);
+        let config = match kind {
+            "nbd" => ExportOptions::Nbd(vsd_nbd::ExportConfig::from_options(&mut opts)?),
+            _ => ExportOptions::VhostUserBlk(ExportConfig::from_options(&mut opts)?),
         };
         opts.finish()?;
         let mut state = self.state();

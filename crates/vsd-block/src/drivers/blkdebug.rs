@@ -331,7 +331,10 @@ mod tests {
         let cases = [
             ("", "parameter 'image' is missing"),
             (",image=nowhere", "no node named 'nowhere'"),
-            (",inject-error.0.iotype=block-status", "'inject-error.0.iotype' expects one of read, write"),
+            (
+                ",inject-error.0.iotype=block-status",
+                "'inject-error.0.iotype' does not accept value 'block-status' (one of read, write",
+            ),
             (",inject-error.0.errno=0", "'inject-error.0.errno' expects an errno from 1 to 4095, not '0'"),
             (",inject-error.0.errno=-5", "'inject-error.0.errno' expects an unsigned integer"),
             (",inject-error.0.sector=36028797018963968", "'inject-error.0.sector' expects a sector number"),

@@ -19,6 +19,10 @@ use crate::dirty::DirtyBitmaps;
 use crate::options::OptionMap;
 use crate::{BlockGraph, BlockNode, Cache, GraphError};
 
+/// Every driver a `--blockdev` can name, as QEMU names them.
+pub const DRIVERS: &[&str] =
+    &["file", "host_device", "raw", "qcow2", "rbd", "nbd", "null-co", "null-aio", "blkdebug", "throttle"];
+
 /// Opens a `driver` node; `active` is false for a node opened inactive
 /// (`active=off`), which must write nothing to its image; `bitmaps` are the
 /// graph node's, which a format may keep in its image.
@@ -37,7 +41,9 @@ pub(crate) fn open(
         "raw" => Ok(Arc::new(raw::RawNode::open(name, opts, graph)?)),
         "qcow2" => Ok(Arc::new(qcow2::Qcow2Node::open(name, cache, active, bitmaps, opts, graph)?)),
         "nbd" => Ok(Arc::new(nbd::NbdNode::open(name, opts, graph)?)),
-        "null-co" => Ok(Arc::new(null::NullNode::open(name, opts)?)),
+        "null-co" => Ok(Arc::new(null::NullNode::open(name, "null-co", opts)?)),
+        // QEMU's two null drivers differ only in how QEMU completes requests.
+        "null-aio" => Ok(Arc::new(null::NullNode::open(name, "null-aio", opts)?)),
         "blkdebug" => Ok(Arc::new(blkdebug::BlkdebugNode::open(name, opts, graph)?)),
         "rbd" => Ok(Arc::new(rbd::RbdNode::open(name, cache, opts, graph)?)),
         "throttle" => Ok(Arc::new(throttle::ThrottleNode::open(name, opts, graph)?)),

@@ -1,4 +1,5 @@
-//! `driver=null-co`: a device that does no I/O, to measure everything else.
+//! `driver=null-co` and `driver=null-aio`: a device that does no I/O, to
+//! measure everything else.
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,6 +12,7 @@ use crate::{Allocation, BlockNode, GraphError};
 
 pub(crate) struct NullNode {
     name: String,
+    driver: &'static str,
     size: AtomicU64,
     read_zeroes: bool,
     latency: Duration,
@@ -18,13 +20,13 @@ pub(crate) struct NullNode {
 }
 
 impl NullNode {
-    pub(crate) fn open(name: String, opts: &mut OptionMap) -> Result<Self, GraphError> {
+    pub(crate) fn open(name: String, driver: &'static str, opts: &mut OptionMap) -> Result<Self, GraphError> {
         // QEMU's defaults: 1 GiB, buffers left as they are, no latency.
         let size = opts.take_size("size")?.unwrap_or(1 << 30);
         let read_zeroes = opts.take_bool("read-zeroes")?.unwrap_or(false);
         let latency = Duration::from_nanos(opts.take_u64("latency-ns")?.unwrap_or(0));
         let read_only = opts.take_bool("read-only")?.unwrap_or(false);
-        Ok(Self { name, size: AtomicU64::new(size), read_zeroes, latency, read_only })
+        Ok(Self { name, driver, size: AtomicU64::new(size), read_zeroes, latency, read_only })
     }
 }
 
@@ -34,7 +36,7 @@ impl BlockNode for NullNode {
     }
 
     fn driver(&self) -> &'static str {
-        "null-co"
+        self.driver
     }
 
     fn size(&self) -> u64 {
