@@ -79,6 +79,8 @@ pub(crate) struct AccountedNode {
     stats: Arc<NodeStats>,
     /// The node's cache options, which the graph parses for every driver.
     cache: crate::Cache,
+    /// And the other options QEMU gives every node.
+    common: crate::common::Common,
     /// Whether the node is active ([`BlockNode::active`]): the graph keeps
     /// this for every driver.
     active: AtomicBool,
@@ -90,10 +92,11 @@ impl AccountedNode {
     pub(crate) fn new(
         inner: Arc<dyn BlockNode>,
         cache: crate::Cache,
+        common: crate::common::Common,
         active: bool,
         bitmaps: Arc<DirtyBitmaps>,
     ) -> Self {
-        Self { inner, stats: Arc::default(), cache, active: AtomicBool::new(active), bitmaps }
+        Self { inner, stats: Arc::default(), cache, common, active: AtomicBool::new(active), bitmaps }
     }
 }
 
@@ -138,8 +141,10 @@ impl BlockNode for AccountedNode {
         self.bitmaps.resize(size);
         Ok(size)
     }
+    /// With `force-share=on`, nothing is refused to other processes.
     fn claim(&self, claim: crate::Claim) -> Result<Vec<crate::ClaimGuard>, crate::LockError> {
-        self.inner.claim(claim)
+        let unshared = if self.common.force_share { crate::Perms::NONE } else { claim.unshared };
+        self.inner.claim(crate::Claim { unshared, ..claim })
     }
     fn active(&self) -> bool {
         self.active.load(Ordering::Acquire)
@@ -197,11 +202,11 @@ impl BlockNode for AccountedNode {
         self.inner.persistent_bitmap_removed()
     }
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
-        let inner = self.inner.open_queue(depth)?;
+        let inner = self.open_uncounted_queue(depth)?;
         Ok(Box::new(AccountedQueue::new(inner, self.stats.lease(), self.bitmaps.recorder(), depth)))
     }
     fn open_uncounted_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
-        self.inner.open_queue(depth)
+        Ok(self.common.detect_zeroes.wrap(self.inner.open_queue(depth)?))
     }
     fn stats(&self) -> Option<QueueSnapshot> {
         Some(self.stats.snapshot())

@@ -96,7 +96,12 @@ pub struct ImageLock {
     /// `locking=off`: claims are kept but nothing is locked.
     enabled: bool,
     state: Mutex<State>,
+    /// Told each time a claim goes, after its bytes are dropped.
+    released: std::sync::OnceLock<ReleaseHook>,
 }
+
+/// What [`ImageLock::on_release`] calls.
+pub type ReleaseHook = Box<dyn Fn(&ImageLock) + Send + Sync>;
 
 struct State {
     /// The open the bytes are locked on.
@@ -134,6 +139,10 @@ impl Drop for ClaimGuard {
         // Dropping locks cannot conflict; a failure leaves a byte locked
         // until the file closes, as QEMU tolerates (NFS).
         let _ = self.lock.apply(&mut state);
+        drop(state);
+        if let Some(hook) = self.lock.released.get() {
+            hook(&self.lock);
+        }
     }
 }
 
@@ -142,7 +151,17 @@ impl ImageLock {
     /// (`locking=off`); `active` false for a node opened inactive.
     pub fn new(file: Arc<File>, path: String, enabled: bool, active: bool) -> Arc<Self> {
         let state = State { file, claims: Vec::new(), next_id: 0, applied: Claim::default(), inactive: !active };
-        Arc::new(Self { path, enabled, state: Mutex::new(state) })
+        Arc::new(Self { path, enabled, state: Mutex::new(state), released: Default::default() })
+    }
+
+    /// Calls `hook` each time a claim goes (once; later hooks are ignored).
+    pub fn on_release(&self, hook: ReleaseHook) {
+        let _ = self.released.set(hook);
+    }
+
+    /// What the claims hold, active or not.
+    pub fn held(&self) -> Perms {
+        self.state().claims.iter().fold(Perms::NONE, |all, (_, c)| all.with(c.held))
     }
 
     /// The open of the file the bytes are locked on, for I/O.

@@ -296,6 +296,16 @@ macro_rules! forward_to_inner {
     ($inner:ident: $($method:ident),+ $(,)?) => {
         $($crate::forward_to_inner!(@ $inner $method);)+
     };
+    (@ $inner:ident submit) => {
+        fn submit(&mut self) -> ::std::io::Result<()> {
+            self.$inner.submit()
+        }
+    };
+    (@ $inner:ident reap) => {
+        fn reap(&mut self, out: &mut ::std::vec::Vec<$crate::Completion>) {
+            self.$inner.reap(out)
+        }
+    };
     (@ $inner:ident wait) => {
         fn wait(&mut self) -> ::std::io::Result<()> {
             self.$inner.wait()

@@ -5,15 +5,15 @@ use std::fs::File;
 use std::io;
 use std::os::fd::AsFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use vsd_engine::{AlignedQueue, Alignment, EdgeLeases, IoOp, IoQueue, PoolQueue, ThreadPool, UringQueue};
 
 use super::{Filter, FilteredQueue, Route, out_of_bounds};
 use crate::lock::ImageLock;
 use crate::options::OptionMap;
-use crate::{Allocation, BlockNode, Cache, Claim, ClaimGuard, GraphError, LockError};
+use crate::{Allocation, BlockNode, Cache, Claim, ClaimGuard, GraphError, LockError, Perms};
 
 /// How requests reach the file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +42,8 @@ pub(crate) struct FileNode {
     alignment: Alignment,
     /// The edge blocks its queues read-modify-write.
     leases: Arc<EdgeLeases>,
+    /// `auto-read-only=on` made it open the file read-only.
+    fallback: Option<Arc<ReadOnlyFallback>>,
 }
 
 /// What the file driver answers without I/O.
@@ -75,8 +77,18 @@ impl FileNode {
         let Cache { direct, .. } = cache;
         let policy = FilePolicy { device, ..FilePolicy::take(cache, opts)? };
         let read_only = opts.take_bool("read-only")?.unwrap_or(false);
-        let aio = match opts.take_choice("aio", &["io_uring", "threads"])? {
+        let auto_read_only = opts.take_bool("auto-read-only")?.unwrap_or(false) && !read_only;
+        let aio = match opts.take_choice("aio", &["io_uring", "threads", "native"])? {
             Some("threads") => Aio::Threads,
+            // QEMU's Linux AIO needs O_DIRECT; vsd's io_uring engine
+            // submits the same way without it, and serves both.
+            Some("native") if !direct => {
+                return Err(GraphError::Invalid {
+                    context,
+                    reason: "aio=native was specified, but it requires cache.direct=on, which was not specified."
+                        .into(),
+                });
+            }
             _ => Aio::IoUring,
         };
         // QEMU's `auto` locks where the file system supports OFD locks:
@@ -84,7 +96,12 @@ impl FileNode {
         let locking = opts.take_choice("locking", &["auto", "on", "off"])? != Some("off");
 
         let host = |what: String, source: io::Error| GraphError::Host { context: context.clone(), what, source };
-        let file = open_file(&filename, read_only, direct).map_err(|e| {
+        let (file, fell_back) = match open_file(&filename, read_only, direct) {
+            // QEMU's auto-read-only: a file that refuses writers is opened read-only.
+            Err(e) if auto_read_only && write_refused(&e) => (open_file(&filename, true, direct), true),
+            other => (other, false),
+        };
+        let file = file.map_err(|e| {
             let hint = if direct && e.raw_os_error() == Some(libc::EINVAL) {
                 " (the file system may not support cache.direct=on)"
             } else {
@@ -111,8 +128,11 @@ impl FileNode {
             UringQueue::probe().map_err(|e| host("aio=io_uring".into(), e))?;
         }
         let file = Arc::new(file);
+        let lock = ImageLock::new(file.clone(), filename.clone(), locking, active);
+        let fallback = fell_back.then(|| ReadOnlyFallback::watch(&lock, &filename, direct));
         Ok(Self {
-            lock: ImageLock::new(file.clone(), filename.clone(), locking, active),
+            lock,
+            fallback,
             device,
             alignment,
             leases: EdgeLeases::new(),
@@ -127,6 +147,12 @@ impl FileNode {
     }
 }
 
+/// Whether an open for writing failed because the file or its file system
+/// refuses writers, where `auto-read-only` opens it read-only instead.
+fn write_refused(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM | libc::EROFS))
+}
+
 /// Opens `filename` for reading, and for writing unless `read_only`.
 fn open_file(filename: &str, read_only: bool, direct: bool) -> io::Result<File> {
     let mut open = File::options();
@@ -137,24 +163,81 @@ fn open_file(filename: &str, read_only: bool, direct: bool) -> io::Result<File> 
     open.open(filename)
 }
 
-impl FileNode {
-    /// Opens the file again, with the access `read_only` says, and moves
-    /// the image's locks onto the new open (see [`ImageLock::move_to`]).
-    fn reopen(&self, read_only: bool) -> io::Result<()> {
-        let file = open_file(&self.filename, read_only, self.direct)?;
-        let (old, new) = (self.lock.file().metadata()?, file.metadata()?);
-        if (old.dev(), old.ino()) != (new.dev(), new.ino()) {
-            return Err(io::Error::other(format!("'{}' is no longer the file the node opened", self.filename)));
+/// Opens `filename` again, with the access `read_only` says, and moves the
+/// image's locks onto the new open (see [`ImageLock::move_to`]).
+fn reopen(lock: &ImageLock, filename: &str, read_only: bool, direct: bool) -> io::Result<()> {
+    let file = open_file(filename, read_only, direct)?;
+    let (old, new) = (lock.file().metadata()?, file.metadata()?);
+    if (old.dev(), old.ino()) != (new.dev(), new.ino()) {
+        return Err(io::Error::other(format!("'{filename}' is no longer the file the node opened")));
+    }
+    lock.move_to(Arc::new(file)).map_err(io::Error::other)
+}
+
+/// A file that `auto-read-only=on` opened read-only because it refused
+/// writers: it is opened for writing again while a user's claim writes to
+/// it or resizes it (a commit into a backing file, say), and read-only
+/// once none does, as QEMU's file driver reopens it.
+struct ReadOnlyFallback {
+    filename: String,
+    direct: bool,
+    /// Whether the open is writable; held while it changes, so that a
+    /// claim and a release never cross.
+    writable: Mutex<bool>,
+}
+
+/// The permissions that need a writable open.
+const WRITING: [Perms; 3] = [Perms::WRITE, Perms::WRITE_UNCHANGED, Perms::RESIZE];
+
+fn writes(held: Perms) -> bool {
+    WRITING.iter().any(|&perm| held.contains(perm))
+}
+
+impl ReadOnlyFallback {
+    /// Follows the claims on `lock` from now on.
+    fn watch(lock: &ImageLock, filename: &str, direct: bool) -> Arc<Self> {
+        let fallback = Arc::new(Self { filename: filename.to_string(), direct, writable: Mutex::new(false) });
+        let watcher = fallback.clone();
+        lock.on_release(Box::new(move |lock| watcher.settle(lock, &mut watcher.writable())));
+        fallback
+    }
+
+    fn writable(&self) -> std::sync::MutexGuard<'_, bool> {
+        self.writable.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes `claim`, writable first if it writes.
+    fn claim(&self, lock: &Arc<ImageLock>, claim: Claim) -> Result<ClaimGuard, LockError> {
+        let mut writable = self.writable();
+        if writes(claim.held) && !*writable {
+            reopen(lock, &self.filename, false, self.direct)
+                .map_err(|source| LockError::Io { path: self.filename.clone(), source })?;
+            *writable = true;
         }
-        self.lock.move_to(Arc::new(file)).map_err(io::Error::other)
+        let claimed = lock.claim(claim);
+        self.settle(lock, &mut writable);
+        claimed
+    }
+
+    /// Read-only again once no claim writes. A failure keeps the writable
+    /// open, which is still a correct one.
+    fn settle(&self, lock: &ImageLock, writable: &mut bool) {
+        if *writable && !writes(lock.held()) && reopen(lock, &self.filename, true, self.direct).is_ok() {
+            *writable = false;
+        }
+    }
+}
+
+impl FileNode {
+    fn reopen(&self, read_only: bool) -> io::Result<()> {
+        reopen(&self.lock, &self.filename, read_only, self.direct)
     }
 }
 
 impl FilePolicy {
     /// The policy of a node with `cache` options and `discard=` in `opts`.
     pub(super) fn take(cache: Cache, opts: &mut OptionMap) -> Result<Self, GraphError> {
-        let unmap =
-            opts.take_choice("discard", &["ignore", "off", "unmap", "on"])?.is_some_and(|d| d == "unmap" || d == "on");
+        let unmap = opts.take_choice("discard", crate::common::DISCARD)?.is_some_and(|d| d == "unmap" || d == "on");
         Ok(Self { no_flush: cache.no_flush, unmap, device: false })
     }
 }
@@ -242,7 +325,11 @@ impl BlockNode for FileNode {
     }
 
     fn claim(&self, claim: Claim) -> Result<Vec<ClaimGuard>, LockError> {
-        self.lock.claim(claim).map(|guard| vec![guard])
+        match &self.fallback {
+            Some(fallback) => fallback.claim(&self.lock, claim),
+            None => self.lock.claim(claim),
+        }
+        .map(|guard| vec![guard])
     }
 
     fn inactivate(&self) -> io::Result<()> {
