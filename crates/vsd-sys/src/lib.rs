@@ -1,8 +1,8 @@
 //! Thin wrappers around the Linux system calls vsd makes directly, by
 //! subject: files, pipes and splice, event counters, unix sockets, users,
-//! CPUs, the daemon's termination signals, interrupting a blocked thread,
-//! and confinement (no new privileges, no capabilities, the sandbox's
-//! SIGSYS).
+//! CPUs, becoming a daemon, its termination signals, interrupting a
+//! blocked thread, and confinement (no new privileges, no capabilities,
+//! the sandbox's SIGSYS).
 //!
 //! Every call returns `io::Result`, so callers never look at `errno`
 //! themselves, and every `unsafe` block of that kind lives here. Also the
@@ -13,6 +13,7 @@
 pub mod confine;
 pub mod counter;
 pub mod cpu;
+pub mod daemon;
 pub mod file;
 pub mod interrupt;
 pub mod lock;

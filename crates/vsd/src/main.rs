@@ -21,6 +21,7 @@ mod sandbox;
 mod snapshot;
 mod stat;
 mod stream;
+mod trace;
 mod transaction;
 mod writers;
 
@@ -59,13 +60,13 @@ enum Command {
 
 #[derive(clap::Args, Debug)]
 struct DaemonArgs {
-    /// An object others refer to by id: secret,id=ID,data=TEXT|file=PATH, iothread,id=ID or tls-creds-x509,id=ID,dir=DIR,endpoint=server
+    /// An object others refer to by id: [qom-type=]secret|iothread|tls-creds-x509|throttle-group,id=ID,... (`--object help` lists them)
     #[arg(long, value_name = "OPTIONS")]
     object: Vec<String>,
-    /// A block node: driver=file|raw|qcow2|null-co,node-name=NAME,... (or a JSON object)
+    /// A block node: [driver=]DRIVER,node-name=NAME,... or a JSON object (`--blockdev help` lists the drivers)
     #[arg(long, value_name = "OPTIONS")]
     blockdev: Vec<String>,
-    /// An export: type=vhost-user-blk,id=ID,node-name=NAME,addr.type=unix,addr.path=SOCKET,... or type=nbd,id=ID,node-name=NAME,... (with --nbd-server)
+    /// An export: [type=]vhost-user-blk,id=ID,node-name=NAME,addr.type=unix,addr.path=SOCKET,... or [type=]nbd,id=ID,node-name=NAME,... (with --nbd-server)
     #[arg(long, value_name = "OPTIONS")]
     export: Vec<String>,
     /// The NBD server: addr.type=unix,addr.path=SOCKET or addr.type=inet,addr.host=HOST,addr.port=PORT[,tls-creds=ID]
@@ -91,10 +92,17 @@ struct DaemonArgs {
     /// no new privileges, no capabilities, a seccomp list of system calls.
     #[arg(long, value_name = "on|off")]
     sandbox: Option<String>,
+    /// Run in the background; the command returns once every export
+    /// serves (0), or with the error that stopped the daemon (1).
+    #[arg(long)]
+    daemonize: bool,
+    /// Log what the layers behind QEMU's trace events do: QEMU's
+    /// [enable=]PATTERN[,events=FILE][,file=FILE] (`-T help` lists them).
+    #[arg(short = 'T', long, value_name = "OPTIONS")]
+    trace: Vec<String>,
 }
 
 fn main() -> ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => {
@@ -110,8 +118,14 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
-        Some(Command::Stat(args)) => stat::run(args),
-        None => run(cli.daemon),
+        Some(Command::Stat(args)) => start_logging(&trace::Trace::default()).and_then(|()| stat::run(args)),
+        None => match help(&cli.daemon) {
+            Some(text) => {
+                print!("{text}");
+                Ok(())
+            }
+            None => run(cli.daemon),
+        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -122,7 +136,43 @@ fn main() -> ExitCode {
     }
 }
 
+/// The lists QEMU's `help` values ask for (`--object help`, `-T help`),
+/// and vsd's drivers and export types, which QSD does not list.
+fn help(args: &DaemonArgs) -> Option<String> {
+    let lines = |items: &[&str]| items.iter().map(|item| format!("  {item}\n")).collect::<String>();
+    if args.object.iter().any(|o| o == "help") {
+        return Some(format!("List of user creatable objects:\n{}", lines(objects::TYPES)));
+    }
+    if args.blockdev.iter().any(|b| b == "help") {
+        return Some(format!("Block drivers:\n{}", lines(vsd_block::DRIVERS)));
+    }
+    if args.export.iter().any(|e| e == "help") {
+        return Some(format!("Export types:\n{}", lines(daemon::EXPORT_TYPES)));
+    }
+    args.trace.iter().any(|t| t == "help").then(trace::help)
+}
+
+/// The log on standard error (or `-T file=`), at `warn` unless RUST_LOG
+/// says otherwise, and in full for the layers `-T` names.
+fn start_logging(trace: &trace::Trace) -> Result<()> {
+    let mut logger = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"));
+    for target in &trace.targets {
+        logger.filter_module(target, log::LevelFilter::Trace);
+    }
+    if let Some(file) = trace.open_file()? {
+        logger.target(env_logger::Target::Pipe(Box::new(file)));
+    }
+    logger.init();
+    if let Some(warning) = trace.warning() {
+        eprintln!("vsd: {warning}");
+    }
+    Ok(())
+}
+
 fn run(args: DaemonArgs) -> Result<()> {
+    start_logging(&trace::Trace::parse(&args.trace)?)?;
+    // First of all: no thread may run yet when the daemon forks.
+    let detached = args.daemonize.then(vsd_sys::daemon::daemonize).transpose().context("--daemonize")?;
     // Before any thread starts, so all of them inherit the mask and the
     // signals reach the sigwait below.
     vsd_sys::block_termination_signals().context("blocking signals")?;
@@ -142,8 +192,15 @@ fn run(args: DaemonArgs) -> Result<()> {
     if let Some(run_as) = &run_as {
         run_as.drop_privileges()?;
     }
+    if detached.is_some() {
+        // As QEMU's daemon: it holds no directory of the caller's.
+        std::env::set_current_dir("/").context("--daemonize")?;
+    }
     if sandbox {
         sandbox::enter()?;
+    }
+    if let Some(detached) = detached {
+        detached.ready().context("--daemonize")?;
     }
     let signal = vsd_sys::wait_for_termination().context("waiting for signals")?;
     log::info!("signal {signal}: shutting down");
@@ -166,7 +223,7 @@ fn start(args: &DaemonArgs, daemon: &Arc<Daemon>) -> Result<Serving> {
         daemon.objects.add(OptionMap::parse_implied("--object", text, "qom-type")?).map_err(anyhow::Error::msg)?;
     }
     for text in &args.blockdev {
-        daemon.add_blockdev(OptionMap::parse("--blockdev", text)?)?;
+        daemon.add_blockdev(OptionMap::parse_implied("--blockdev", text, "driver")?)?;
     }
     let monitors = monitor::sockets(&args.chardev, &args.monitor)?;
     if args.export.is_empty() && monitors.is_empty() && args.nbd_server.is_none() {
@@ -176,7 +233,7 @@ fn start(args: &DaemonArgs, daemon: &Arc<Daemon>) -> Result<Serving> {
         daemon.start_nbd_server(OptionMap::parse("--nbd-server", text)?)?;
     }
     for text in &args.export {
-        daemon.add_export(OptionMap::parse("--export", text)?)?;
+        daemon.add_export(OptionMap::parse_implied("--export", text, "type")?)?;
     }
     let monitors = monitors
         .iter()

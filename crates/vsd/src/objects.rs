@@ -59,6 +59,9 @@ impl Object {
     }
 }
 
+/// The object types `--object` and `object-add` create, as QOM names them.
+pub const TYPES: &[&str] = &["iothread", "secret", "throttle-group", "tls-creds-x509"];
+
 impl Objects {
     fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Object>> {
         // Objects are inserted and removed whole: a panic cannot leave one half-made.
