@@ -13,7 +13,8 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use base64::Engine;
+use cbc::cipher::block_padding::NoPadding;
+use cbc::cipher::{BlockModeDecrypt, KeyIvInit};
 use vsd_block::NodeObjects;
 use vsd_block::options::OptionMap;
 use vsd_block::throttle::{Limits, ThrottleGroup};
@@ -28,7 +29,7 @@ pub struct Objects {
 }
 
 enum Object {
-    /// A `secret`'s bytes (decoded, if given as base64).
+    /// A `secret`'s bytes (decoded or decrypted, if given so).
     Secret(Vec<u8>),
     IoThread(Arc<IoThread>),
     TlsServer(Arc<ServerCreds>),
@@ -79,7 +80,7 @@ impl Objects {
             return Err(duplicate());
         }
         let object = match qom_type.as_str() {
-            "secret" => Object::Secret(secret(&mut opts)?),
+            "secret" => Object::Secret(secret(&mut opts, |key| self.secret(key))?),
             "iothread" => Object::IoThread(iothread(&id, &mut opts)?),
             "tls-creds-x509" => tls_creds_x509(&mut opts)?,
             "throttle-group" => {
@@ -172,7 +173,7 @@ impl NodeObjects for Objects {
     fn secret(&self, id: &str) -> Result<Vec<u8>, String> {
         match self.lock().get(id) {
             Some(Object::Secret(bytes)) => Ok(bytes.clone()),
-            Some(_) => Err(format!("object '{id}' is not a secret")),
+            Some(_) => Err(format!("Object with id '{id}' is not a secret")),
             None => Err(format!("No secret with id '{id}'")),
         }
     }
@@ -251,25 +252,95 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 /// A secret's bytes from `data=` or `file=` (read now, used as is, with no
-/// newline trimmed), decoded when `format=base64`.
-fn secret(opts: &mut OptionMap) -> Result<Vec<u8>, String> {
-    if opts.has("keyid") || opts.has("iv") {
-        return Err("secrets encrypted with 'keyid' are not supported: give the secret in the clear".into());
-    }
+/// newline trimmed). With `keyid` (libvirt's way) they are AES-256-CBC
+/// ciphertext, in base64 if `format=base64`, decrypted with secret `keyid`;
+/// without, `format=base64` data is decoded. An `iv` without `keyid` is
+/// ignored, as QEMU ignores it.
+fn secret(opts: &mut OptionMap, key: impl Fn(&str) -> Result<Vec<u8>, String>) -> Result<Vec<u8>, String> {
     let base64 = opts.take_choice("format", &["raw", "base64"]).map_err(|e| e.to_string())? == Some("base64");
     let given = match (opts.take("data"), opts.take("file")) {
-        (Some(_), Some(_)) => return Err("'data' and 'file' are mutually exclusive".into()),
-        (None, None) => return Err("'file' or 'data' must be provided".into()),
+        (Some(_), Some(_)) => return Err("'file' and 'data' are mutually exclusive".into()),
+        (None, None) => return Err("Either 'file' or 'data' must be provided".into()),
         (Some(data), None) => data.into_bytes(),
-        (None, Some(path)) => std::fs::read(&path).map_err(|e| format!("Unable to read {path}: {e}"))?,
+        (None, Some(path)) => read_secret_file(&path)?,
     };
-    if !base64 {
-        return Ok(given);
+    let iv = opts.take("iv");
+    match opts.take("keyid") {
+        Some(keyid) => decrypt(&key(&keyid)?, iv.as_deref(), given, base64),
+        None if base64 => decode_base64(&given),
+        None => Ok(given),
     }
-    // Newlines are skipped, as QEMU's decoder skips them: a key file
-    // written by `ceph-authtool -p` ends with one.
-    let text: Vec<u8> = given.into_iter().filter(|&b| b != b'\n').collect();
-    base64::engine::general_purpose::STANDARD.decode(&text).map_err(|e| format!("Invalid base64 secret: {e}"))
+}
+
+/// The whole file, or QEMU's words (GLib's, within) for why not.
+fn read_secret_file(path: &str) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    let failed = |what: &str, e: std::io::Error| {
+        let why = vsd_job::strerror(e.raw_os_error().unwrap_or(libc::EIO));
+        format!("Unable to read {path}: {what} \u{201c}{path}\u{201d}: {why}")
+    };
+    let mut file = std::fs::File::open(path).map_err(|e| failed("Failed to open file", e))?;
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes).map_err(|e| failed("Error reading file", e))?;
+    Ok(bytes)
+}
+
+/// Decrypts an encrypted secret's data (base64 first if `base64`) as QEMU
+/// does: the key must be 32 bytes and the IV base64 of 16; the last byte of
+/// the plaintext says how many to drop (PKCS#7 padding, of which QEMU checks
+/// only that count, 0 to 16, so vsd takes what QEMU takes).
+fn decrypt(key: &[u8], iv: Option<&str>, given: Vec<u8>, base64: bool) -> Result<Vec<u8>, String> {
+    type Aes256CbcDec = cbc::Decryptor<aes::Aes256>;
+    let key: &cbc::cipher::Key<Aes256CbcDec> = key.try_into().map_err(|_| "Key should be 32 bytes in length")?;
+    let iv = decode_base64(iv.ok_or("IV is required to decrypt secret")?.as_bytes())?;
+    let iv: &cbc::cipher::Iv<Aes256CbcDec> =
+        iv.as_slice().try_into().map_err(|_| format!("IV should be 16 bytes in length not {}", iv.len()))?;
+    let mut data = if base64 { decode_base64(&given)? } else { given };
+    let len = data.len();
+    // Without padding to remove, the only error is a partial block.
+    Aes256CbcDec::new(key, iv)
+        .decrypt_padded::<NoPadding>(&mut data)
+        .map_err(|_| format!("Length {len} must be a multiple of block size 16"))?;
+    // Whole blocks: a count up to 16 is never more than the bytes there.
+    // No ciphertext is an empty secret (QEMU, reading the byte before its
+    // buffer for the count, took it too).
+    let padding = data.last().copied().unwrap_or(0);
+    if padding > 16 {
+        return Err(format!("Incorrect number of padding bytes ({padding}) found on decrypted data"));
+    }
+    data.truncate(len - usize::from(padding));
+    Ok(data)
+}
+
+/// Base64 as QEMU reads it: only the alphabet, `=` and newlines (a key file
+/// of `ceph-authtool -p` ends with one) pass; then, as GLib decodes,
+/// newlines are skipped, each four characters give three
+/// bytes but those where the third or fourth is `=`, and a last group of
+/// fewer than four gives nothing.
+fn decode_base64(text: &[u8]) -> Result<Vec<u8>, String> {
+    if text.contains(&0) {
+        return Err("Base64 data contains embedded NUL characters".into());
+    }
+    let sextet = |c: u8| match c {
+        b'A'..=b'Z' => Some(c - b'A'),
+        b'a'..=b'z' => Some(c - b'a' + 26),
+        b'0'..=b'9' => Some(c - b'0' + 52),
+        b'+' => Some(62),
+        b'/' => Some(63),
+        b'=' => Some(0),
+        _ => None,
+    };
+    let chars: Vec<u8> = text.iter().copied().filter(|&c| c != b'\n').collect();
+    let sextets: Vec<u8> =
+        chars.iter().map(|&c| sextet(c)).collect::<Option<_>>().ok_or("Base64 data contains invalid characters")?;
+    let mut bytes = Vec::with_capacity(chars.len() / 4 * 3);
+    for (group, values) in chars.chunks_exact(4).zip(sextets.chunks_exact(4)) {
+        let [_, a, b, c] = values.iter().fold(0u32, |v, &sextet| v << 6 | u32::from(sextet)).to_be_bytes();
+        bytes.push(a);
+        bytes.extend((group[2] != b'=').then_some(b));
+        bytes.extend((group[3] != b'=').then_some(c));
+    }
+    Ok(bytes)
 }
 
 #[cfg(test)]
@@ -306,16 +377,110 @@ mod tests {
             "attempt to add duplicate property 's' to object (type 'container')"
         );
         assert_eq!(add(&objects, "iothread2,id=t").unwrap_err(), "invalid object type: iothread2");
-        assert_eq!(add(&objects, "secret,id=t").unwrap_err(), "'file' or 'data' must be provided");
-        assert_eq!(add(&objects, "secret,id=t,data=a,file=b").unwrap_err(), "'data' and 'file' are mutually exclusive");
-        assert!(add(&objects, "secret,id=t,data=%%,format=base64").unwrap_err().starts_with("Invalid base64 secret"));
-        assert!(add(&objects, "secret,id=t,file=/nonexistent").unwrap_err().starts_with("Unable to read /nonexistent"));
+        assert_eq!(add(&objects, "secret,id=t").unwrap_err(), "Either 'file' or 'data' must be provided");
+        assert_eq!(add(&objects, "secret,id=t,data=a,file=b").unwrap_err(), "'file' and 'data' are mutually exclusive");
+        assert_eq!(
+            add(&objects, "secret,id=t,data=a%,format=base64").unwrap_err(),
+            "Base64 data contains invalid characters"
+        );
+        assert_eq!(
+            add(&objects, "secret,id=t,file=/nonexistent").unwrap_err(),
+            "Unable to read /nonexistent: Failed to open file \u{201c}/nonexistent\u{201d}: No such file or directory"
+        );
+        assert_eq!(
+            add(&objects, "secret,id=t,file=/").unwrap_err(),
+            "Unable to read /: Error reading file \u{201c}/\u{201d}: Is a directory"
+        );
         assert!(add(&objects, "secret,id=t,data=a,colour=red").unwrap_err().contains("unknown parameter 'colour'"));
         // A failed add leaves nothing behind.
         assert_eq!(objects.secret("t").unwrap_err(), "No secret with id 't'");
         assert_eq!(objects.remove("t").unwrap_err(), "object 't' not found");
         objects.remove("s").unwrap();
         assert_eq!(objects.secret("s").unwrap_err(), "No secret with id 's'");
+    }
+
+    /// The key of these vectors is bytes 0 to 31, the IV bytes 0xa0 to 0xaf;
+    /// the ciphertexts are `openssl enc -aes-256-cbc -K .. -iv .. -base64`'s
+    /// (with `-nopad` for a last byte of 17 or 0 in place of padding).
+    const KEY: &str = "secret,id=key,format=base64,data=AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+    const IV: &str = "oKGio6SlpqeoqaqrrK2urw==";
+
+    fn encrypted(data: &str, format: &str) -> String {
+        format!("secret,id=s,data={data},keyid=key,iv={IV},format={format}")
+    }
+
+    #[test]
+    fn secrets_encrypted_with_a_key_secret_decrypt_as_qemus() {
+        let cases: [(&str, &[u8]); 4] = [
+            (
+                "Sq+rn3Uo5wjzkOXcmE9HpFbl6zmD2AYkVX1oVGGxS0bqVeZoXy4ztgDBPGwu0Z3p",
+                b"AQD9kltipjBfHhAArt2hXYn7bZP7Mbb+M6h6hw==",
+            ),
+            ("q+vr2UaEM48l0zYn5sLNZ+vZ8e2ifnumhd2YnFeMrBo=", b"sixteen bytes!!!"),
+            ("YA0Ho7myxOQIIVPW0XB6pg==", b""),
+            // QEMU checks only the count: 0 drops nothing.
+            ("XvbVFzjR5kUK5fEW0GCR7w==", b"fifteen bytes..\0"),
+        ];
+        for (ciphertext, plaintext) in cases {
+            let objects = Objects::default();
+            add(&objects, KEY).unwrap();
+            add(&objects, &encrypted(ciphertext, "base64")).unwrap();
+            assert_eq!(objects.secret("s").unwrap(), plaintext, "{ciphertext}");
+        }
+        // With format=raw, the ciphertext is the file's bytes as they are.
+        let objects = Objects::default();
+        add(&objects, KEY).unwrap();
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), decode_base64(b"q+vr2UaEM48l0zYn5sLNZ+vZ8e2ifnumhd2YnFeMrBo=").unwrap()).unwrap();
+        add(&objects, &format!("secret,id=s,file={},keyid=key,iv={IV}", file.path().display())).unwrap();
+        assert_eq!(objects.secret("s").unwrap(), b"sixteen bytes!!!");
+        // No key needed without keyid: the IV is ignored, as by QEMU.
+        add(&objects, "secret,id=plain,data=x,iv=%%").unwrap();
+        assert_eq!(objects.secret("plain").unwrap(), b"x");
+    }
+
+    #[test]
+    fn encrypted_secrets_are_refused_in_qemus_order_and_words() {
+        let objects = Objects::default();
+        add(&objects, KEY).unwrap();
+        add(&objects, "secret,id=short,data=0123456789abcdef0123456789abcde").unwrap();
+        add(&objects, "iothread,id=thread").unwrap();
+        let refused = |text: &str| add(&objects, text).unwrap_err();
+        let good = "YA0Ho7myxOQIIVPW0XB6pg==";
+        assert_eq!(refused("secret,id=s,data=x,keyid=nokey"), "No secret with id 'nokey'");
+        assert_eq!(refused("secret,id=s,data=x,keyid=thread"), "Object with id 'thread' is not a secret");
+        assert_eq!(refused("secret,id=s,data=x,keyid=short,iv=%"), "Key should be 32 bytes in length");
+        assert_eq!(refused("secret,id=s,data=x,keyid=key"), "IV is required to decrypt secret");
+        assert_eq!(refused("secret,id=s,data=x,keyid=key,iv=%"), "Base64 data contains invalid characters");
+        assert_eq!(refused("secret,id=s,data=x,keyid=key,iv=AAAA"), "IV should be 16 bytes in length not 3");
+        // GLib drops a last group of fewer than four characters.
+        assert_eq!(
+            refused("secret,id=s,data=x,keyid=key,iv=oKGio6SlpqeoqaqrrK2urw"),
+            "IV should be 16 bytes in length not 15"
+        );
+        assert_eq!(refused(&encrypted("%", "base64")), "Base64 data contains invalid characters");
+        assert_eq!(refused(&encrypted(good, "raw")), "Length 24 must be a multiple of block size 16");
+        assert_eq!(
+            refused(&encrypted("ObsefVbF4HNMvbAygHaCbg==", "base64")),
+            "Incorrect number of padding bytes (17) found on decrypted data"
+        );
+        // The data is read before the key is looked for.
+        assert_eq!(refused("secret,id=s,keyid=nokey"), "Either 'file' or 'data' must be provided");
+        assert_eq!(objects.secret("s").unwrap_err(), "No secret with id 's'");
+    }
+
+    #[test]
+    fn base64_is_read_as_glib_reads_it() {
+        let decoded = |text: &str| decode_base64(text.as_bytes()).unwrap();
+        assert_eq!(decoded("aGVsbG8="), b"hello");
+        assert_eq!(decoded("aGVs\nbG8=\n"), b"hello");
+        assert_eq!(decoded("aGVsbG8"), b"hel");
+        assert_eq!(decoded("aGVsbG8=aGk="), b"hellohi");
+        assert_eq!(decoded("AB=C"), [0, 2]);
+        assert_eq!(decoded("QQ=="), b"A");
+        assert_eq!(decoded("QQ"), b"");
+        assert_eq!(decode_base64(b"aGVs bG8=").unwrap_err(), "Base64 data contains invalid characters");
+        assert_eq!(decode_base64(b"aGVs\0bG8=").unwrap_err(), "Base64 data contains embedded NUL characters");
     }
 
     #[test]
