@@ -79,6 +79,16 @@ pub enum LockError {
         /// The image.
         path: String,
     },
+    /// A file opened read-only (`auto-read-only`) could not be opened for
+    /// a writer (QEMU's words).
+    #[error("Could not open '{path}'")]
+    Reopen {
+        /// The image.
+        path: String,
+        /// The host's answer.
+        #[source]
+        source: io::Error,
+    },
     /// The host refused a lock operation.
     #[error("cannot lock '{path}'")]
     Io {

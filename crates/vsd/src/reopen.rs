@@ -80,6 +80,7 @@ fn refusal(node: &dyn BlockNode, e: &io::Error) -> String {
         Some(LockError::Held { perm, .. }) => format!("Failed to get \"{perm}\" lock"),
         Some(LockError::Shared { perm, .. }) => format!("Failed to get shared \"{perm}\" lock"),
         Some(LockError::Io { path, source }) => format!("cannot lock '{path}': {source}"),
+        Some(e @ LockError::Reopen { source, .. }) => format!("{e}: {source}"),
         None => match (node.filename(), e.raw_os_error()) {
             (Some(file), Some(errno)) => format!("Could not open '{file}': {}", vsd_job::strerror(errno)),
             _ => e.to_string(),

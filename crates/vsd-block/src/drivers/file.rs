@@ -211,7 +211,7 @@ impl ReadOnlyFallback {
         let mut writable = self.writable();
         if writes(claim.held) && !*writable {
             reopen(lock, &self.filename, false, self.direct)
-                .map_err(|source| LockError::Io { path: self.filename.clone(), source })?;
+                .map_err(|source| LockError::Reopen { path: self.filename.clone(), source })?;
             *writable = true;
         }
         let claimed = lock.claim(claim);
