@@ -71,6 +71,10 @@ pub struct ExportConfig {
     pub allow_inactive: bool,
 }
 
+/// QEMU's refusal of a TCP socket: vhost-user passes descriptors, which
+/// only unix sockets carry.
+pub(crate) const UNIX_OR_FD_ONLY: &str = "Only socket address types 'unix' and 'fd' are supported";
+
 /// The default `poll-us`: Cloud Hypervisor's fixed window, here a ceiling.
 pub const DEFAULT_POLL_US: u32 = 50;
 /// The largest `poll-us` and `call-batch-us` accepted.
@@ -87,7 +91,7 @@ impl ExportConfig {
         let node_name = opts.require("node-name")?;
         let addr = opts.take_address("addr")?;
         if let Address::Inet { .. } = addr {
-            return Err(opts.rejected("Only socket address types 'unix' and 'fd' are supported"));
+            return Err(opts.rejected(UNIX_OR_FD_ONLY));
         }
         if let Address::Fd(_) = addr
             && let Some(key) = ["socket-mode", "socket-owner", "socket-group"].into_iter().find(|key| opts.has(key))

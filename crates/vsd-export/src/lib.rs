@@ -255,21 +255,15 @@ impl Drop for VhostUserBlkExport {
 /// does not block: a front-end gone before it is accepted, or taken by
 /// another holder of a passed socket, leaves nothing to wait for.
 fn bind(config: &ExportConfig) -> Result<UnixListener, ExportError> {
-    let listener = match &config.addr {
+    let listen_error = |source| ExportError::Listen { id: config.id.clone(), addr: config.addr.clone(), source };
+    let listener: UnixListener = match &config.addr {
         Address::Unix(path) => bind_path(config, path)?,
-        Address::Fd(name) => activation::take_listener(name, &[Family::Unix])
-            .map(|(fd, _)| fd.into())
-            .map_err(|source| ExportError::Listen { id: config.id.clone(), addr: config.addr.clone(), source })?,
+        Address::Fd(name) => activation::take_listener(name, &[Family::Unix]).map_err(listen_error)?.0.into(),
         Address::Inet { .. } => {
-            let reason = "Only socket address types 'unix' and 'fd' are supported".into();
-            return Err(ExportError::Invalid { id: config.id.clone(), reason });
+            return Err(ExportError::Invalid { id: config.id.clone(), reason: config::UNIX_OR_FD_ONLY.into() });
         }
     };
-    listener.set_nonblocking(true).map_err(|source| ExportError::Listen {
-        id: config.id.clone(),
-        addr: config.addr.clone(),
-        source,
-    })?;
+    listener.set_nonblocking(true).map_err(listen_error)?;
     Ok(listener)
 }
 

@@ -92,10 +92,11 @@ fn from_env() -> Activation {
         other => other,
     };
     for name in VARIABLES {
-        // SAFETY: Rust's own readers of the environment take the lock
-        // this takes; vsd reads no variable from C after startup, and
-        // glibc's unsetenv only moves pointers within `environ`, freeing
-        // nothing a C reader elsewhere could be holding.
+        // SAFETY: Rust's readers of the environment take the lock this
+        // takes. C code on another thread (the resolver, librados) may
+        // read it meanwhile: glibc's unsetenv only moves pointers within
+        // `environ` and frees nothing, so such a reader sees the variable
+        // or not, never freed memory.
         unsafe { std::env::remove_var(name) };
     }
     activation
