@@ -219,7 +219,8 @@ impl OptionMap {
     }
 
     /// A socket as QEMU's `SocketAddress` spells it: `PREFIX.type=unix` and
-    /// `PREFIX.path`, or `PREFIX.type=inet`, `PREFIX.host` and `PREFIX.port`.
+    /// `PREFIX.path`, `PREFIX.type=inet`, `PREFIX.host` and `PREFIX.port`, or
+    /// `PREFIX.type=fd` and `PREFIX.str` (a descriptor number or name).
     pub fn take_address(&mut self, prefix: &str) -> Result<vsd_nbd_client::Address, OptionError> {
         use vsd_nbd_client::Address;
         let key = |name: &str| format!("{prefix}.{name}");
@@ -231,7 +232,8 @@ impl OptionMap {
                 let port = text.parse().map_err(|_| self.invalid(&key("port"), &text, "a port number"))?;
                 Address::Inet { host, port }
             }
-            other => return Err(self.invalid(&key("type"), other, "unix or inet")),
+            "fd" => Address::Fd(self.require(&key("str"))?),
+            other => return Err(self.invalid(&key("type"), other, "unix, inet or fd")),
         })
     }
 

@@ -1,8 +1,7 @@
 //! `--export type=vhost-user-blk,...` options.
 
-use std::path::PathBuf;
-
 use vsd_block::options::{OptionError, OptionMap};
+pub use vsd_nbd_proto::Address;
 
 pub use vsd_virtio::MAX_QUEUE_SIZE;
 /// Queues an export may offer.
@@ -15,8 +14,9 @@ pub struct ExportConfig {
     pub id: String,
     /// `node-name=`: the block node it serves.
     pub node_name: String,
-    /// `addr.path=`: the listening socket.
-    pub socket: PathBuf,
+    /// `addr.*`: the listening socket, a path to bind (`type=unix`) or one
+    /// passed (`type=fd`).
+    pub addr: Address,
     /// `writable=`: whether the guest may write (default off, as in QEMU).
     pub writable: bool,
     /// `writethrough=`: every write is durable before it completes, and the
@@ -71,6 +71,10 @@ pub struct ExportConfig {
     pub allow_inactive: bool,
 }
 
+/// QEMU's refusal of a TCP socket: vhost-user passes descriptors, which
+/// only unix sockets carry.
+pub(crate) const UNIX_OR_FD_ONLY: &str = "Only socket address types 'unix' and 'fd' are supported";
+
 /// The default `poll-us`: Cloud Hypervisor's fixed window, here a ceiling.
 pub const DEFAULT_POLL_US: u32 = 50;
 /// The largest `poll-us` and `call-batch-us` accepted.
@@ -85,11 +89,16 @@ impl ExportConfig {
         }
         let id = opts.require("id")?;
         let node_name = opts.require("node-name")?;
-        let addr_type = opts.require("addr.type")?;
-        if addr_type != "unix" {
-            return Err(opts.invalid("addr.type", addr_type, "unix"));
+        let addr = opts.take_address("addr")?;
+        if let Address::Inet { .. } = addr {
+            return Err(opts.rejected(UNIX_OR_FD_ONLY));
         }
-        let socket = PathBuf::from(opts.require("addr.path")?);
+        if let Address::Fd(_) = addr
+            && let Some(key) = ["socket-mode", "socket-owner", "socket-group"].into_iter().find(|key| opts.has(key))
+        {
+            let why = format!("{key} cannot be set with addr.type=fd: vsd binds no socket file, its owner did");
+            return Err(opts.rejected(why));
+        }
         let writable = opts.take_bool("writable")?.unwrap_or(false);
         let writethrough = opts.take_bool("writethrough")?.unwrap_or(false);
         let num_queues = match opts.take_u64("num-queues")?.unwrap_or(1) {
@@ -141,7 +150,7 @@ impl ExportConfig {
         Ok(Self {
             id,
             node_name,
-            socket,
+            addr,
             writable,
             writethrough,
             num_queues,
@@ -317,6 +326,18 @@ mod tests {
     }
 
     const BASE: &str = "type=vhost-user-blk,id=e,node-name=n,addr.type=unix,addr.path=/s";
+
+    #[test]
+    fn the_socket_is_a_path_or_passed_never_tcp() {
+        let c = parse("type=vhost-user-blk,id=e,node-name=n,addr.type=fd,addr.str=e0").unwrap();
+        assert_eq!(c.addr, Address::Fd("e0".into()));
+        let err = |text: &str| parse(&format!("type=vhost-user-blk,id=e,node-name=n,{text}")).unwrap_err().to_string();
+        assert!(err("addr.type=inet,addr.host=::,addr.port=1").contains("Only socket address types 'unix' and 'fd'"));
+        assert!(err("addr.type=fd").contains("'addr.str' is missing"));
+        assert!(
+            err("addr.type=fd,addr.str=3,socket-mode=0660").contains("socket-mode cannot be set with addr.type=fd")
+        );
+    }
 
     #[test]
     fn num_threads_is_from_one_to_num_queues() {

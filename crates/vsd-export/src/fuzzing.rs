@@ -176,7 +176,7 @@ pub fn run(input: &[u8]) -> Outcome {
     let config = ExportConfig {
         id: "fuzz".into(),
         node_name: "n".into(),
-        socket: PathBuf::new(),
+        addr: crate::config::Address::Unix(PathBuf::new()),
         writable: setup & 4 != 0,
         writethrough: false,
         num_queues,

@@ -28,18 +28,19 @@ mod worker;
 
 use std::io;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use vhost::vhost_user::BackendReqHandler;
 use vsd_block::BlockNode;
 use vsd_sys::ListenError;
+use vsd_sys::activation::{self, Family};
 pub use vsd_trace::ExportSnapshot;
 
 use acceptor::{Acceptor, Listening};
 use channel::{BackendChannel, Intercepted};
-pub use config::{ExportConfig, MAX_QUEUE_SIZE, MAX_QUEUES};
+pub use config::{Address, ExportConfig, MAX_QUEUE_SIZE, MAX_QUEUES};
 use device::BlkDevice;
 pub use iothread::IoThread;
 pub use poll::PollConfig;
@@ -64,13 +65,13 @@ pub enum ExportError {
         /// The path.
         path: PathBuf,
     },
-    /// The socket could not be created.
-    #[error("export '{id}': cannot listen on '{path}'")]
+    /// The socket could not be created or taken over.
+    #[error("export '{id}': cannot listen on {addr}")]
     Listen {
         /// The export.
         id: String,
-        /// The path.
-        path: PathBuf,
+        /// Its socket.
+        addr: Address,
         /// The host's answer.
         #[source]
         source: io::Error,
@@ -135,7 +136,7 @@ impl VhostUserBlkExport {
                 )));
             }
         }
-        let listen_error = |source| ExportError::Listen { id: config.id.clone(), path: config.socket.clone(), source };
+        let listen_error = |source| ExportError::Listen { id: config.id.clone(), addr: config.addr.clone(), source };
         let acceptor = Acceptor::get().map_err(listen_error)?;
         let listener = bind(&config)?;
         let shared = Arc::new(Shared { stopping: AtomicBool::new(false), client: Mutex::default() });
@@ -146,7 +147,7 @@ impl VhostUserBlkExport {
         let token = match acceptor.add(Listening::new(listener, device.clone(), shared.clone())) {
             Ok(token) => token,
             Err(e) => {
-                let _ = std::fs::remove_file(&config.socket);
+                remove_socket_file(&config.addr);
                 return Err(listen_error(e));
             }
         };
@@ -223,7 +224,8 @@ impl VhostUserBlkExport {
     }
 
     /// Stops accepting front-ends, disconnects the one being served (its
-    /// requests in flight complete first) and removes the socket.
+    /// requests in flight complete first) and removes the socket file it
+    /// bound.
     pub fn stop(mut self) {
         self.shutdown();
     }
@@ -238,7 +240,7 @@ impl VhostUserBlkExport {
         if let Some(listening) = listening {
             listening.join_connection();
         }
-        let _ = std::fs::remove_file(&self.config().socket);
+        remove_socket_file(&self.config().addr);
     }
 }
 
@@ -249,9 +251,24 @@ impl Drop for VhostUserBlkExport {
 }
 
 /// Creates the listening socket with the configured mode, replacing only
-/// a stale socket file of this user.
+/// a stale socket file of this user, or takes over the one passed. It
+/// does not block: a front-end gone before it is accepted, or taken by
+/// another holder of a passed socket, leaves nothing to wait for.
 fn bind(config: &ExportConfig) -> Result<UnixListener, ExportError> {
-    let (id, path) = (config.id.clone(), config.socket.clone());
+    let listen_error = |source| ExportError::Listen { id: config.id.clone(), addr: config.addr.clone(), source };
+    let listener: UnixListener = match &config.addr {
+        Address::Unix(path) => bind_path(config, path)?,
+        Address::Fd(name) => activation::take_listener(name, &[Family::Unix]).map_err(listen_error)?.0.into(),
+        Address::Inet { .. } => {
+            return Err(ExportError::Invalid { id: config.id.clone(), reason: config::UNIX_OR_FD_ONLY.into() });
+        }
+    };
+    listener.set_nonblocking(true).map_err(listen_error)?;
+    Ok(listener)
+}
+
+fn bind_path(config: &ExportConfig, path: &Path) -> Result<UnixListener, ExportError> {
+    let (id, path) = (config.id.clone(), path.to_path_buf());
     let listening = vsd_sys::listen_unix_owned(&path, config.socket_mode, config.socket_owner, config.socket_group);
     listening.map_err(|e| match e {
         ListenError::NotASocket => ExportError::NotASocket { id, path },
@@ -260,8 +277,16 @@ fn bind(config: &ExportConfig) -> Result<UnixListener, ExportError> {
             reason: format!("'{}' is a stale socket of user {uid}; vsd replaces only its own", path.display()),
             id,
         },
-        ListenError::Io(source) => ExportError::Listen { id, path, source },
+        ListenError::Io(source) => ExportError::Listen { id, addr: config.addr.clone(), source },
     })
+}
+
+/// Removes the socket file vsd bound; a passed socket's file, if it has
+/// one, is its owner's.
+fn remove_socket_file(addr: &Address) {
+    if let Address::Unix(path) = addr {
+        let _ = std::fs::remove_file(path);
+    }
 }
 
 /// Serves one front-end until it disconnects or the export stops.

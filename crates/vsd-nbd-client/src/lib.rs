@@ -171,5 +171,12 @@ fn connect(server: &Address) -> io::Result<Stream> {
             stream.set_nodelay(true)?;
             Stream::Tcp(stream)
         }
+        // A connected socket serves one connection; the client dials again
+        // whenever the server goes away.
+        Address::Fd(_) => {
+            let why = "vsd's NBD client cannot use a passed socket: it dials the server itself, again after each \
+                       disconnect (server.type=unix or inet)";
+            return Err(io::Error::new(io::ErrorKind::Unsupported, why));
+        }
     })
 }

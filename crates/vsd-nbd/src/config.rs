@@ -112,11 +112,15 @@ mod tests {
         let inet = parse(inet, ServerConfig::from_options).unwrap();
         assert_eq!(inet.addr, Address::Inet { host: "127.0.0.1".into(), port: 10809 });
         assert_eq!((inet.max_connections, inet.handshake_max), (0, None));
+        let passed = parse("addr.type=fd,addr.str=nbd", ServerConfig::from_options).unwrap();
+        assert_eq!(passed.addr, Address::Fd("nbd".into()));
         for bad in [
             "addr.type=vsock,addr.cid=3",
             "addr.type=inet,addr.host=h,addr.port=http",
             "addr.type=unix,addr.path=p,tls-creds=t,tls-authz=a",
             "addr.type=unix",
+            "addr.type=fd",
+            "addr.type=fd,addr.str=3,addr.path=p",
         ] {
             assert!(parse(bad, ServerConfig::from_options).is_err(), "{bad}");
         }

@@ -31,6 +31,7 @@ use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use vsd_block::BlockNode;
 use vsd_block::dirty::{Bitmap, BusyGuard};
 use vsd_sys::ListenError;
+use vsd_sys::activation::{self, Family};
 use vsd_trace::{ExportSnapshot, QueueSnapshot, QueueStats};
 
 use crate::config::{Address, ExportConfig, ServerConfig};
@@ -500,8 +501,10 @@ fn find_bitmap(node: &Arc<dyn BlockNode>, name: &str) -> Option<Arc<Bitmap>> {
     })
 }
 
+/// The server's listening socket. A unix socket vsd bound has its path,
+/// removed when it stops; a passed one (`addr.type=fd`) is its owner's.
 enum Listener {
-    Unix(UnixListener, PathBuf),
+    Unix(UnixListener, Option<PathBuf>),
     Tcp(TcpListener),
 }
 
@@ -517,9 +520,13 @@ impl Listener {
                         io::Error::other(format!("a stale socket of user {uid} is there; vsd replaces only its own"))
                     }
                 })?;
-                Listener::Unix(listener, path.clone())
+                Listener::Unix(listener, Some(path.clone()))
             }
             Address::Inet { host, port } => Listener::Tcp(TcpListener::bind((host.as_str(), *port))?),
+            Address::Fd(name) => match activation::take_listener(name, &[Family::Unix, Family::Inet])? {
+                (fd, Family::Unix) => Listener::Unix(fd.into(), None),
+                (fd, Family::Inet) => Listener::Tcp(fd.into()),
+            },
         };
         match &listener {
             Listener::Unix(l, _) => l.set_nonblocking(true)?,
@@ -551,7 +558,7 @@ impl Listener {
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        if let Listener::Unix(_, path) = self {
+        if let Listener::Unix(_, Some(path)) = self {
             let _ = std::fs::remove_file(path);
         }
     }

@@ -10,6 +10,7 @@
 
 #![deny(missing_docs)]
 
+pub mod activation;
 pub mod confine;
 pub mod counter;
 pub mod cpu;

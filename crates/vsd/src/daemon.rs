@@ -149,7 +149,7 @@ impl Daemon {
             ExportOptions::VhostUserBlk(config) => {
                 let iothreads = config.iothreads.iter().map(|id| self.objects.iothread(id)).collect::<Result<_, _>>();
                 let export = VhostUserBlkExport::start(config, node, iothreads.map_err(anyhow::Error::msg)?)?;
-                log::info!("export '{id}' listening on {}", export.config().socket.display());
+                log::info!("export '{id}' listening on {}", export.config().addr);
                 Export::VhostUserBlk(export)
             }
             ExportOptions::Nbd(config) => {

@@ -29,7 +29,7 @@ impl NbdNode {
                 let creds = graph.tls_client_creds(&id).map_err(&invalid)?;
                 let hostname = hostname.or_else(|| match &server {
                     Address::Inet { host, .. } => Some(host.clone()),
-                    Address::Unix(_) => None,
+                    Address::Unix(_) | Address::Fd(_) => None,
                 });
                 Some(Tls { creds, hostname })
             }

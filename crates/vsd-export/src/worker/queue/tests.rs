@@ -118,7 +118,7 @@ fn config(writable: bool) -> ExportConfig {
     ExportConfig {
         id: "unit".into(),
         node_name: "n".into(),
-        socket: PathBuf::new(),
+        addr: crate::config::Address::Unix(PathBuf::new()),
         writable,
         writethrough: false,
         num_queues: 1,
