@@ -62,6 +62,13 @@ pub fn take_listener(text: &str, families: &[Family]) -> io::Result<(OwnedFd, Fa
     Ok((unsafe { OwnedFd::from_raw_fd(fd) }, family))
 }
 
+/// Reads the socket activation variables now: call it before any thread
+/// starts (they leave the environment) and before the process forks to
+/// become a daemon (`LISTEN_PID` names the process systemd started).
+pub fn read_environment() {
+    drop(registry());
+}
+
 /// What has been learnt of the passed sockets.
 struct Registry {
     activation: Activation,
@@ -92,11 +99,10 @@ fn from_env() -> Activation {
         other => other,
     };
     for name in VARIABLES {
-        // SAFETY: Rust's readers of the environment take the lock this
-        // takes. C code on another thread (the resolver, librados) may
-        // read it meanwhile: glibc's unsetenv only moves pointers within
-        // `environ` and frees nothing, so such a reader sees the variable
-        // or not, never freed memory.
+        // SAFETY: the daemon reads them before any thread starts
+        // (`read_environment`). Were another thread to run, Rust's readers
+        // take the lock this takes, and glibc's unsetenv frees nothing that
+        // a C reader (the resolver, librados) could still hold.
         unsafe { std::env::remove_var(name) };
     }
     activation

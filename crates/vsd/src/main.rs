@@ -171,6 +171,8 @@ fn start_logging(trace: &trace::Trace) -> Result<()> {
 
 fn run(args: DaemonArgs) -> Result<()> {
     start_logging(&trace::Trace::parse(&args.trace)?)?;
+    // While the process is systemd's child alone.
+    vsd_sys::activation::read_environment();
     // First of all: no thread may run yet when the daemon forks.
     let detached = args.daemonize.then(vsd_sys::daemon::daemonize).transpose().context("--daemonize")?;
     // Before any thread starts, so all of them inherit the mask and the
