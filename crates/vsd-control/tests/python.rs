@@ -32,7 +32,7 @@ fn qemu_python_client() {
     let (server, events) = common::server("python");
     let mut python = Command::new("python3")
         .args(["-c", SCRIPT])
-        .arg(server.path())
+        .arg(server.path().unwrap())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

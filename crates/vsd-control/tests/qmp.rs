@@ -279,9 +279,9 @@ fn stale_socket_is_replaced() {
 #[test]
 fn socket_in_use_is_not_taken_over() {
     let (server, events) = server("in-use");
-    let error = QmpServer::listen(server.path(), Arc::new(common::FakeDispatch), events).err().unwrap();
+    let error = QmpServer::listen(server.path().unwrap(), Arc::new(common::FakeDispatch), events).err().unwrap();
     assert_eq!(error.kind(), std::io::ErrorKind::AddrInUse);
-    assert!(error.to_string().contains(&*server.path().to_string_lossy()), "{error}");
+    assert!(error.to_string().contains(&*server.path().unwrap().to_string_lossy()), "{error}");
     RawClient::negotiated(&server);
 }
 
@@ -298,7 +298,7 @@ fn path_that_is_not_a_socket_is_left_alone() {
 #[test]
 fn dropping_the_server_removes_its_socket() {
     let (server, _) = server("drop");
-    let path = server.path().to_owned();
+    let path = server.path().unwrap().to_owned();
     let mut client = RawClient::negotiated(&server);
     drop(server);
     assert!(!path.exists());
@@ -310,7 +310,7 @@ fn dropping_the_server_removes_its_socket() {
 fn socat_session() {
     let (server, _) = server("socat");
     let mut socat = Command::new("socat")
-        .args(["-t", "10", "-", &format!("UNIX-CONNECT:{}", server.path().display())])
+        .args(["-t", "10", "-", &format!("UNIX-CONNECT:{}", server.path().unwrap().display())])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -327,7 +327,7 @@ fn socat_session() {
 #[test]
 fn client_runs_commands() {
     let (server, events) = server("client");
-    let mut client = QmpClient::connect(server.path()).expect("connect");
+    let mut client = QmpClient::connect(server.path().unwrap()).expect("connect");
     assert_eq!(client.execute("echo", json!({"a": 1})).unwrap(), json!({"a": 1}));
     assert_eq!(client.execute("nothing", Value::Null).unwrap(), json!({}));
     events.emit("SKIPPED", json!({}));

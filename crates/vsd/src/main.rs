@@ -72,10 +72,10 @@ struct DaemonArgs {
     /// The NBD server: addr.type=unix,addr.path=SOCKET or addr.type=inet,addr.host=HOST,addr.port=PORT[,tls-creds=ID]
     #[arg(long, value_name = "OPTIONS")]
     nbd_server: Option<String>,
-    /// A socket for a monitor: socket,id=ID,path=PATH,server=on,wait=off
+    /// Where a monitor talks: stdio,id=ID, or socket,id=ID,server=on[,wait=off] with path=PATH, host=HOST,port=PORT or fd=N
     #[arg(long, value_name = "OPTIONS")]
     chardev: Vec<String>,
-    /// A QMP monitor on a --chardev: chardev=ID
+    /// A QMP monitor on a --chardev: [chardev=]ID[,pretty=on]
     #[arg(long, value_name = "OPTIONS")]
     monitor: Vec<String>,
     /// Serve Prometheus metrics at http://ADDR:PORT/metrics
@@ -227,7 +227,7 @@ fn start(args: &DaemonArgs, daemon: &Arc<Daemon>) -> Result<Serving> {
     for text in &args.blockdev {
         daemon.add_blockdev(OptionMap::parse_implied("--blockdev", text, "driver")?)?;
     }
-    let monitors = monitor::sockets(&args.chardev, &args.monitor)?;
+    let monitors = monitor::plan(&args.chardev, &args.monitor)?;
     if args.export.is_empty() && monitors.is_empty() && args.nbd_server.is_none() {
         anyhow::bail!("nothing to serve: give at least one --export, --nbd-server or --monitor");
     }
@@ -237,13 +237,7 @@ fn start(args: &DaemonArgs, daemon: &Arc<Daemon>) -> Result<Serving> {
     for text in &args.export {
         daemon.add_export(OptionMap::parse_implied("--export", text, "type")?)?;
     }
-    let monitors = monitors
-        .iter()
-        .map(|path| {
-            QmpServer::listen(path, daemon.clone(), daemon.events.clone())
-                .with_context(|| format!("cannot open the QMP socket '{}'", path.display()))
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let monitors = monitor::start(monitors, daemon.clone(), &daemon.events)?;
     let metrics = match &args.metrics {
         Some(addr) => {
             let source = daemon.clone();

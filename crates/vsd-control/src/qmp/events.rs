@@ -23,11 +23,11 @@ impl Events {
 
     /// Sends the event `event` with `data` to every negotiated connection.
     pub fn emit(&self, event: &str, data: Value) {
-        let line = format!("{}\n", json!({"event": event, "data": data, "timestamp": timestamp()}));
+        let event = json!({"event": event, "data": data, "timestamp": timestamp()});
         // Writing under the lock keeps events in the same order on every
         // connection.
         let mut listeners = self.listeners.lock().unwrap_or_else(PoisonError::into_inner);
-        listeners.retain(|listener| listener.upgrade().is_some_and(|output| output.send_event(&line).is_ok()));
+        listeners.retain(|listener| listener.upgrade().is_some_and(|output| output.send_event(&event).is_ok()));
     }
 
     /// Adds a connection; events reach it once it has negotiated.

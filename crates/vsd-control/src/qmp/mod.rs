@@ -1,7 +1,7 @@
 //! The QMP monitor: QEMU's machine protocol (`docs/interop/qmp-spec.rst`).
 //!
 //! ```text
-//!  client ── unix socket ──▶ JsonStreamer ──▶ Session ──▶ Dispatch::execute
+//!  client ── Transport ────▶ JsonStreamer ──▶ Session ──▶ Dispatch::execute
 //!         ◀── replies ────────────── Output ◀──────────┘
 //!         ◀── events ─────────────── Output ◀── Events::emit
 //! ```
@@ -15,15 +15,18 @@ mod events;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 mod output;
+mod pretty;
 mod server;
 mod session;
 mod stream;
+mod transport;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 pub use events::Events;
-pub use server::QmpServer;
+pub use server::{Monitor, QmpListener, QmpServer};
+pub use transport::{Stdio, Transport};
 
 /// A QMP error: class + description, serialized as `{"class": "...", "desc": "..."}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, thiserror::Error)]

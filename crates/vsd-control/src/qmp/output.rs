@@ -8,12 +8,13 @@
 
 use std::collections::VecDeque;
 use std::io::{self, Write};
-use std::net::Shutdown;
-use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread;
 
 use serde_json::Value;
+
+use super::pretty::render;
+use super::transport::Transport;
 
 /// The most bytes that may wait for one client: QEMU's monitor keeps all it
 /// owes a client; vsd keeps this much, which is thousands of events.
@@ -25,9 +26,11 @@ pub(crate) struct Output {
     queued: Condvar,
     /// Wakes a reply's sender: lines were written, or the connection ended.
     written: Condvar,
-    /// For ending the connection from any thread (the writer may be blocked
-    /// in a write, the reader in a read).
-    socket: UnixStream,
+    /// Ends the connection from any thread (the writer may be blocked in a
+    /// write, the reader in a read).
+    hang_up: Box<dyn Fn() + Send + Sync>,
+    /// Messages are pretty-printed (`--monitor pretty=on`).
+    pretty: bool,
 }
 
 struct State {
@@ -49,7 +52,7 @@ struct State {
 
 impl Output {
     /// The writing half of `stream`, with its writer thread started.
-    pub(crate) fn start(stream: UnixStream, name: String) -> io::Result<Arc<Self>> {
+    pub(crate) fn start<T: Transport>(stream: T, name: String, pretty: bool) -> io::Result<Arc<Self>> {
         let state = State {
             lines: VecDeque::new(),
             bytes: 0,
@@ -59,9 +62,15 @@ impl Output {
             finishing: false,
             closed: false,
         };
-        let socket = stream.try_clone()?;
-        let output =
-            Arc::new(Self { state: Mutex::new(state), queued: Condvar::new(), written: Condvar::new(), socket });
+        let handle = stream.duplicate()?;
+        let hang_up = Box::new(move || handle.hang_up());
+        let output = Arc::new(Self {
+            state: Mutex::new(state),
+            queued: Condvar::new(),
+            written: Condvar::new(),
+            hang_up,
+            pretty,
+        });
         let writer = output.clone();
         thread::Builder::new().name(name).spawn(move || writer.write_all(stream))?;
         Ok(output)
@@ -74,7 +83,7 @@ impl Output {
     /// one before.
     pub(crate) fn send(&self, message: &Value, negotiated: bool) -> io::Result<()> {
         let mut state = self.lock();
-        self.queue(&mut state, format!("{message}\n"))?;
+        self.queue(&mut state, render(message, self.pretty))?;
         state.negotiated = negotiated;
         let line = state.queued_lines;
         while state.written_lines < line && !state.closed {
@@ -86,11 +95,10 @@ impl Output {
         }
     }
 
-    /// Queues a serialized event, newline included, if negotiation is
-    /// complete.
-    pub(crate) fn send_event(&self, line: &str) -> io::Result<()> {
+    /// Queues an event if negotiation is complete.
+    pub(crate) fn send_event(&self, event: &Value) -> io::Result<()> {
         let mut state = self.lock();
-        if state.negotiated { self.queue(&mut state, line.to_owned()) } else { Ok(()) }
+        if state.negotiated { self.queue(&mut state, render(event, self.pretty)) } else { Ok(()) }
     }
 
     /// The client is done sending: what waits is written, then the
@@ -127,14 +135,14 @@ impl Output {
         state.lines.clear();
         state.bytes = 0;
         // Frees the writer from a write and the reader from a read.
-        let _ = self.socket.shutdown(Shutdown::Both);
+        (self.hang_up)();
         self.queued.notify_one();
         self.written.notify_all();
     }
 
     /// The writer thread: sends the queued lines in order until the
     /// connection ends.
-    fn write_all(&self, mut stream: UnixStream) {
+    fn write_all(&self, mut stream: impl Write) {
         loop {
             let line = {
                 let mut state = self.lock();
@@ -146,7 +154,8 @@ impl Output {
                     _ => return self.end(&mut state),
                 }
             };
-            let written = stream.write_all(line.as_bytes());
+            // Flushed for standard output, which buffers.
+            let written = stream.write_all(line.as_bytes()).and_then(|()| stream.flush());
             let mut state = self.lock();
             state.bytes = state.bytes.saturating_sub(line.len());
             state.written_lines += 1;

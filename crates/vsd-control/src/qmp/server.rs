@@ -1,8 +1,10 @@
-//! The monitor socket and its connections.
+//! A monitor's clients: the connections its socket accepts, or the
+//! daemon's standard input and output, each served by the same session.
 
 use std::fs;
 use std::io::{self, Read};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::net::TcpListener;
+use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread;
@@ -13,52 +15,145 @@ use vsd_sys::ListenError;
 use super::output::Output;
 use super::session::{Session, reply};
 use super::stream::JsonStreamer;
+use super::transport::Transport;
 use super::{Dispatch, Events, QmpError};
-use crate::listener::AcceptLoop;
+use crate::listener::{AcceptLoop, Listener};
 
 /// The most read from a client at once.
 pub(crate) const READ_SIZE: usize = 16 * 1024;
 
-/// A listening QMP monitor socket: one thread accepts, one thread serves each
-/// connection. Dropping it stops accepting and removes the socket file;
-/// open connections live on until they close.
+/// What a monitor's clients share: the commands they run, the events they
+/// receive and how their JSON is laid out.
+#[derive(Clone)]
+pub struct Monitor {
+    dispatch: Arc<dyn Dispatch>,
+    events: Events,
+    pretty: bool,
+}
+
+impl Monitor {
+    /// A monitor writing one line per message.
+    pub fn new(dispatch: Arc<dyn Dispatch>, events: Events) -> Self {
+        Self { dispatch, events, pretty: false }
+    }
+
+    /// Pretty-prints messages as QEMU's `pretty=on` does.
+    pub fn pretty(self, pretty: bool) -> Self {
+        Self { pretty, ..self }
+    }
+
+    /// Serves one client on threads of its own, `name` reading and
+    /// `name-out` writing, until its input ends.
+    pub fn serve<T: Transport>(&self, client: T, name: String) -> io::Result<()> {
+        let output = Output::start(client.duplicate()?, format!("{name}-out"), self.pretty)?;
+        let session = (self.dispatch.clone(), self.events.clone(), output.clone());
+        let spawned = thread::Builder::new().name(name).spawn(move || {
+            let (dispatch, events, output) = session;
+            run_connection(client, &output, dispatch, events)
+        });
+        if spawned.is_err() {
+            output.close();
+        }
+        spawned.map(drop)
+    }
+}
+
+/// A listening socket for a monitor.
+pub struct QmpListener {
+    socket: Socket,
+    /// The socket file vsd created for it, removed when done.
+    file: Option<SocketFile>,
+}
+
+enum Socket {
+    Unix(UnixListener),
+    Tcp(TcpListener),
+}
+
+impl QmpListener {
+    /// Binds a unix socket at `path`, readable and writable by the daemon's
+    /// user only. A stale socket file is replaced; a socket in use, or a
+    /// path that is not a socket, is an error naming the path.
+    pub fn bind_unix(path: &Path) -> io::Result<Self> {
+        let listener = bind(path)?;
+        Ok(Self { socket: Socket::Unix(listener), file: Some(SocketFile(path.to_owned())) })
+    }
+}
+
+impl From<UnixListener> for QmpListener {
+    fn from(listener: UnixListener) -> Self {
+        Self { socket: Socket::Unix(listener), file: None }
+    }
+}
+
+impl From<TcpListener> for QmpListener {
+    fn from(listener: TcpListener) -> Self {
+        Self { socket: Socket::Tcp(listener), file: None }
+    }
+}
+
+/// A socket file to remove once its server stops.
+struct SocketFile(PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        if let Err(e) = fs::remove_file(&self.0) {
+            log::warn!("QMP: cannot remove '{}': {e}", self.0.display());
+        }
+    }
+}
+
+/// A monitor's listening socket: one thread accepts, and each connection
+/// is served as [`Monitor::serve`] does. Dropping it stops accepting and
+/// removes the socket file vsd created; open connections live on until
+/// they close.
 pub struct QmpServer {
-    path: PathBuf,
-    _accept: AcceptLoop<UnixListener>,
+    /// The accept thread's [`AcceptLoop`], of whichever socket, kept for
+    /// its `Drop`: accepting stops before the file goes.
+    _accept: Box<dyn Send>,
+    file: Option<SocketFile>,
 }
 
 impl QmpServer {
-    /// Binds `path` and serves it on background threads. A stale socket file
-    /// is replaced; a socket in use, or a path that is not a socket, is an
-    /// error naming the path.
+    /// Binds `path` as [`QmpListener::bind_unix`] does and serves it as
+    /// `Monitor::new(dispatch, events)` on background threads.
     pub fn listen(path: &Path, dispatch: Arc<dyn Dispatch>, events: Events) -> io::Result<Self> {
-        let listener = bind(path)?;
-        let mut connections = 0u64;
-        let accept = AcceptLoop::spawn("vsd-qmp", listener, move |stream| {
-            connections += 1;
-            let (dispatch, events) = (dispatch.clone(), events.clone());
-            let name = format!("vsd-qmp-{connections}");
-            let spawned =
-                thread::Builder::new().name(name.clone()).spawn(move || run_connection(stream, dispatch, events, name));
-            if let Err(e) = spawned {
-                log::error!("QMP: cannot serve a connection: {e}");
-            }
-        })?;
-        Ok(Self { path: path.to_owned(), _accept: accept })
+        Self::start(QmpListener::bind_unix(path)?, Monitor::new(dispatch, events), false)
     }
 
-    /// The socket's path.
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// Serves every connection `listener` accepts. With `wait` (QEMU's
+    /// `wait=on`), it first waits for a client, and returns once that one
+    /// is being served.
+    pub fn start(listener: QmpListener, monitor: Monitor, wait: bool) -> io::Result<Self> {
+        let accept: Box<dyn Send> = match listener.socket {
+            Socket::Unix(socket) => Box::new(accept(socket, monitor, wait)?),
+            Socket::Tcp(socket) => Box::new(accept(socket, monitor, wait)?),
+        };
+        Ok(Self { _accept: accept, file: listener.file })
+    }
+
+    /// The socket file's path, for a socket vsd bound at one.
+    pub fn path(&self) -> Option<&Path> {
+        self.file.as_ref().map(|file| file.0.as_path())
     }
 }
 
-impl Drop for QmpServer {
-    fn drop(&mut self) {
-        if let Err(e) = fs::remove_file(&self.path) {
-            log::warn!("QMP: cannot remove '{}': {e}", self.path.display());
+/// Starts the accept thread, each connection on threads named after it.
+fn accept<L: Listener>(listener: L, monitor: Monitor, wait: bool) -> io::Result<AcceptLoop<L>>
+where
+    L::Stream: Transport,
+{
+    let mut connections = 0u64;
+    let mut serve = move |stream| {
+        connections += 1;
+        if let Err(e) = monitor.serve(stream, format!("vsd-qmp-{connections}")) {
+            log::error!("QMP: cannot serve a connection: {e}");
         }
+    };
+    if wait {
+        serve(listener.accept_stream()?);
     }
+    AcceptLoop::spawn("vsd-qmp", listener, serve)
 }
 
 /// Creates the listening socket, readable and writable by the daemon's
@@ -80,12 +175,8 @@ fn bind(path: &Path) -> io::Result<UnixListener> {
     })
 }
 
-fn run_connection(stream: UnixStream, dispatch: Arc<dyn Dispatch>, events: Events, name: String) {
-    let output = match stream.try_clone().and_then(|writer| Output::start(writer, format!("{name}-out"))) {
-        Ok(output) => output,
-        Err(e) => return log::error!("QMP: cannot serve a connection: {e}"),
-    };
-    match serve(stream, &output, dispatch, events) {
+fn run_connection<T: Transport>(client: T, output: &Arc<Output>, dispatch: Arc<dyn Dispatch>, events: Events) {
+    match serve(client, output, dispatch, events) {
         Ok(()) => {
             log::debug!("QMP: client done");
             output.finish();
@@ -97,15 +188,15 @@ fn run_connection(stream: UnixStream, dispatch: Arc<dyn Dispatch>, events: Event
     }
 }
 
-/// Serves one client until it disconnects, its replies and events going
+/// Serves one client until its input ends, its replies and events going
 /// out through `output`.
-fn serve(mut stream: UnixStream, output: &Arc<Output>, dispatch: Arc<dyn Dispatch>, events: Events) -> io::Result<()> {
+fn serve(mut input: impl Read, output: &Arc<Output>, dispatch: Arc<dyn Dispatch>, events: Events) -> io::Result<()> {
     output.send(&greeting(), false)?;
     events.listen(output);
     let mut inbound = Inbound::new(dispatch, JsonStreamer::default());
     let mut chunk = [0; READ_SIZE];
     loop {
-        let len = match stream.read(&mut chunk) {
+        let len = match input.read(&mut chunk) {
             Ok(0) => return Ok(()),
             Ok(len) => len,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,

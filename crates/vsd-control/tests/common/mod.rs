@@ -51,7 +51,7 @@ pub struct RawClient {
 impl RawClient {
     /// Connects and reads the greeting.
     pub fn connect(server: &QmpServer) -> Self {
-        let stream = UnixStream::connect(server.path()).expect("connect");
+        let stream = UnixStream::connect(server.path().unwrap()).expect("connect");
         stream.set_read_timeout(Some(TIMEOUT)).unwrap();
         let reader = BufReader::new(stream.try_clone().unwrap());
         let mut client = Self { stream, reader, greeting: Value::Null };
