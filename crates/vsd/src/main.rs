@@ -227,7 +227,7 @@ fn start(args: &DaemonArgs, daemon: &Arc<Daemon>) -> Result<Serving> {
     for text in &args.blockdev {
         daemon.add_blockdev(OptionMap::parse_implied("--blockdev", text, "driver")?)?;
     }
-    let monitors = monitor::plan(&args.chardev, &args.monitor)?;
+    let monitors = monitor::plan(&args.chardev, &args.monitor, args.daemonize)?;
     if args.export.is_empty() && monitors.is_empty() && args.nbd_server.is_none() {
         anyhow::bail!("nothing to serve: give at least one --export, --nbd-server or --monitor");
     }

@@ -52,11 +52,15 @@ pub struct Planned {
     pretty: bool,
 }
 
-/// Reads every `--chardev` and `--monitor`; nothing is opened yet.
-pub fn plan(chardevs: &[String], monitors: &[String]) -> Result<Vec<Planned>> {
+/// Reads every `--chardev` and `--monitor`; nothing is opened yet. A
+/// daemon (`--daemonize`) has no standard input and output to serve.
+pub fn plan(chardevs: &[String], monitors: &[String], daemon: bool) -> Result<Vec<Planned>> {
     let mut defined: Vec<Chardev> = Vec::new();
     for text in chardevs {
         let chardev = chardev(text)?;
+        if chardev.backend == Backend::Stdio && daemon {
+            bail!("--chardev {text}: cannot use stdio with --daemonize");
+        }
         if defined.iter().any(|c| c.id == chardev.id) {
             bail!("--chardev {text}: Duplicate ID '{}' for chardev", chardev.id);
         }
@@ -245,11 +249,11 @@ mod tests {
     }
 
     fn planned(chardevs: &[&str], monitors: &[&str]) -> Vec<Planned> {
-        plan(&strings(chardevs), &strings(monitors)).unwrap()
+        plan(&strings(chardevs), &strings(monitors), false).unwrap()
     }
 
     fn error(chardevs: &[&str], monitors: &[&str]) -> String {
-        plan(&strings(chardevs), &strings(monitors)).unwrap_err().to_string()
+        plan(&strings(chardevs), &strings(monitors), false).unwrap_err().to_string()
     }
 
     fn backend(chardev: &str) -> Backend {
@@ -303,6 +307,8 @@ mod tests {
         assert!(error(&[open], &["a", "a"]).contains("chardev 'a' is already in use"));
         assert!(error(&[open, open], &[]).contains("Duplicate ID 'a' for chardev"));
         assert!(error(&["stdio,id=a", "stdio,id=b"], &[]).contains("cannot use stdio by multiple character devices"));
+        let daemon = plan(&strings(&["stdio,id=m"]), &strings(&["m"]), true).unwrap_err().to_string();
+        assert_eq!(daemon, "--chardev stdio,id=m: cannot use stdio with --daemonize");
         assert!(error(&["socket,id=a,path=/p,wait=off"], &[]).contains("incompatible with socket in client connect"));
         assert!(error(&["socket,id=a,path=/p"], &[]).contains("server=on"));
         assert!(

@@ -88,7 +88,7 @@ const ACCEPTED: &[&[&str]] = &[
         "--blockdev",
         "driver=file,node-name=ro,filename={qcow2},read-only=on,force-share=on,detect-zeroes=on",
         "--blockdev",
-        "driver=null-aio,node-name=null,size=1M",
+        "driver=null-aio,node-name=null,size=1048576",
         "--nbd-server",
         "addr.type=unix,addr.path={dir}/nbd.sock",
         "--export",
@@ -213,8 +213,10 @@ fn written_with(program: &str, detect: &str) -> Vec<(u64, bool, bool)> {
     ]);
     let daemon = start(program, &dir, &args);
     let uri = format!("nbd+unix:///q?socket={}", socket.display());
+    // Writeback: qemu-io's own default, writethrough, asks for FUA, and
+    // vsd leaves durable writes as they are.
     for command in ["write -q -P 0 0 1M", "write -q -P 7 1M 1M"] {
-        ok("qemu-io", &["-f", "raw", "-c", command, &uri]);
+        ok("qemu-io", &["-t", "writeback", "-f", "raw", "-c", command, &uri]);
     }
     assert!(daemon.stop().success());
     map(&image)
@@ -258,7 +260,7 @@ fn force_share_opens_an_image_another_daemon_writes() {
         assert!(stderr.contains("Failed to get shared \"write\" lock"), "{program}: {stderr}");
         let mut shared = start(program, &dir, &reader(",force-share=on", "s.sock"));
         assert!(shared.is_running());
-        let uri = format!("nbd+unix:///?socket={}", dir.path("s.sock").display());
+        let uri = format!("nbd+unix:///q?socket={}", dir.path("s.sock").display());
         ok("qemu-io", &["-r", "-f", "raw", "-c", "read -q 0 64k", &uri]);
         assert!(shared.stop().success());
     }
