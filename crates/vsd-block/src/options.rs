@@ -178,12 +178,11 @@ impl OptionMap {
     /// string is refused, by [`OptionMap::finish`]; a JSON `null` reads as
     /// `"null"` (`"backing": null`).
     pub fn take(&mut self, key: &str) -> Option<String> {
-        let at = self.entries.iter().position(|e| e.key == key)?;
-        let entry = self.entries.remove(at);
-        if !matches!(entry.kind, Kind::Text | Kind::String | Kind::Null) && self.mistyped.is_none() {
+        let kind = self.entries.iter().find(|e| e.key == key)?.kind;
+        if !matches!(kind, Kind::Text | Kind::String | Kind::Null) && self.mistyped.is_none() {
             self.mistyped = Some(self.type_error(key, "string"));
         }
-        Some(entry.value)
+        self.take_any(key)
     }
 
     /// Removes and returns `key`'s value, which must be a string in JSON.
@@ -235,6 +234,12 @@ impl OptionMap {
             "fd" => Address::Fd(self.require(&key("str"))?),
             other => return Err(self.invalid(&key("type"), other, "unix, inet or fd")),
         })
+    }
+
+    /// `key`'s value as written, which must be a number in JSON, for a
+    /// caller that reads numbers of its own kind (signed, bounded).
+    pub fn take_number(&mut self, key: &str) -> Result<Option<String>, OptionError> {
+        self.take_kind(key, Kind::Number, "integer")
     }
 
     /// One of `choices` (a QAPI enum); anything else is refused in QEMU's
@@ -312,9 +317,15 @@ impl OptionMap {
     }
 
     /// Removes the items of list `key`, written `key.0=...,key.1=...` (QEMU's
-    /// dotted form of a JSON array of plain values).
+    /// dotted form of a JSON array of plain values), of any JSON type: the
+    /// caller reads each as the list's type (`"vqs": [0, 3]`).
     pub fn take_values(&mut self, key: &str) -> Vec<String> {
-        (0..).map_while(|i| self.take(&format!("{key}.{i}"))).collect()
+        (0..).map_while(|i| self.take_any(&format!("{key}.{i}"))).collect()
+    }
+
+    fn take_any(&mut self, key: &str) -> Option<String> {
+        let at = self.entries.iter().position(|e| e.key == key)?;
+        Some(self.entries.remove(at).value)
     }
 
     /// Removes the items of list `key` whose items are objects, written

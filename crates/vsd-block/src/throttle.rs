@@ -76,7 +76,7 @@ impl Limits {
         let mut value = Map::new();
         for prefix in ["limits.", "x-"] {
             for key in Self::keys() {
-                if let Some(text) = opts.take(&format!("{prefix}{key}")) {
+                if let Some(text) = opts.take_number(&format!("{prefix}{key}")).map_err(|e| e.to_string())? {
                     let number: i128 = text.parse().map_err(|_| format!("Parameter '{key}' expects an integer"))?;
                     value.insert(key, json!(number));
                 }
