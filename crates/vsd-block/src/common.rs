@@ -46,7 +46,7 @@ impl Common {
     /// Drops those the node's driver left: it has no use for them.
     pub(crate) fn drop_unused(opts: &mut OptionMap) {
         for key in Self::LEFT_TO_DRIVERS {
-            opts.take(key);
+            opts.remove(key);
         }
     }
 }
@@ -74,10 +74,12 @@ mod tests {
         assert!(take("discard=unmap,auto-read-only=on").is_ok());
         assert!(take("discard=sometimes").unwrap_err().contains("does not accept value 'sometimes'"));
         assert!(take("auto-read-only=maybe").unwrap_err().contains("'auto-read-only'"));
-        let mut opts = OptionMap::parse("--blockdev", "discard=unmap,auto-read-only=on").unwrap();
-        Common::take(&mut opts).unwrap();
-        assert!(opts.has("discard") && opts.has("auto-read-only"), "left for the driver");
-        Common::drop_unused(&mut opts);
-        opts.finish().unwrap();
+        for text in ["discard=unmap,auto-read-only=on", r#"{"discard": "unmap", "auto-read-only": true}"#] {
+            let mut opts = OptionMap::parse("--blockdev", text).unwrap();
+            Common::take(&mut opts).unwrap();
+            assert!(opts.has("discard") && opts.has("auto-read-only"), "left for the driver");
+            Common::drop_unused(&mut opts);
+            opts.finish().unwrap();
+        }
     }
 }

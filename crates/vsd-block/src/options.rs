@@ -328,6 +328,17 @@ impl OptionMap {
         Some(self.entries.remove(at).value)
     }
 
+    /// Drops `key`, whatever its type: for a caller that has read it
+    /// another way.
+    pub fn remove(&mut self, key: &str) {
+        self.take_any(key);
+    }
+
+    /// The keys left, in order.
+    pub fn keys(&self) -> Vec<String> {
+        self.entries.iter().map(|e| e.key.clone()).collect()
+    }
+
     /// Removes the items of list `key` whose items are objects, written
     /// `key.0.a=...,key.0.b=...,key.1.a=...`, each as a map of its own.
     pub fn take_groups(&mut self, key: &str) -> Vec<OptionMap> {

@@ -438,14 +438,14 @@ fn entry(state: &State, given: OptionMap) -> Result<Entry, QmpError> {
 fn unchanged(node: &Node, mut added: OptionMap, mut given: OptionMap) -> Result<(), QmpError> {
     same_state(node, &mut added, &mut given)?;
     for key in ["node-name", "read-only"] {
-        added.take(key);
-        given.take(key);
+        added.remove(key);
+        given.remove(key);
     }
     // QEMU looks for options left out before options changed.
-    if let Some(key) = keys(&added).into_iter().find(|key| !given.has(key)) {
+    if let Some(key) = added.keys().into_iter().find(|key| !given.has(key)) {
         return Err(reset(&key));
     }
-    match keys(&given).into_iter().find(|key| !same(&added, &given, key)) {
+    match given.keys().into_iter().find(|key| !same(&added, &given, key)) {
         Some(key) => Err(changed(&key)),
         None => Ok(()),
     }
@@ -476,10 +476,10 @@ fn backing_given(node: &Node, given: &OptionMap) -> Result<(), QmpError> {
 fn same_children(at: usize, node: &Node, added: &mut OptionMap, given: &mut OptionMap) -> Result<(), QmpError> {
     let children = node.children();
     for role in CHILD_ROLES {
-        added.take(role);
+        added.remove(role);
         let current = children.iter().find(|(r, _)| *r == role).map(|(_, child)| child.name());
         if let Some(inline) = given.take_group(role) {
-            let key = keys(&inline).into_iter().next().unwrap_or_default();
+            let key = inline.keys().into_iter().next().unwrap_or_default();
             return Err(changed(&format!("{role}.{key}")));
         }
         match (given.take(role), current) {
@@ -504,7 +504,7 @@ fn same_children(at: usize, node: &Node, added: &mut OptionMap, given: &mut Opti
 fn same_state(node: &Node, added: &mut OptionMap, given: &mut OptionMap) -> Result<(), QmpError> {
     let cache = node.cache();
     for (key, now) in [("cache.direct", cache.direct), ("cache.no-flush", cache.no_flush)] {
-        added.take(key);
+        added.remove(key);
         match given.take_bool(key) {
             Ok(None) if now => return Err(reset(key)),
             Ok(None) => {}
@@ -512,7 +512,7 @@ fn same_state(node: &Node, added: &mut OptionMap, given: &mut OptionMap) -> Resu
             _ => return Err(changed(key)),
         }
     }
-    added.take("active");
+    added.remove("active");
     match given.take_bool("active") {
         Ok(None) => Ok(()),
         Ok(Some(active)) if active == node.active() => Ok(()),
@@ -534,18 +534,6 @@ fn same(added: &OptionMap, given: &OptionMap, key: &str) -> bool {
     added.get(key) == given.get(key)
         || parsed(added, given, |m| m.take_bool(key))
         || parsed(added, given, |m| m.take_size(key))
-}
-
-/// The keys of `options`, in order: an option map shows them only as the
-/// leftovers [`OptionMap::finish`] refuses.
-fn keys(options: &OptionMap) -> Vec<String> {
-    let mut rest = options.clone();
-    let mut keys = Vec::new();
-    while let Err(OptionError::Unknown { key, .. }) = rest.clone().finish() {
-        rest.take(&key);
-        keys.push(key);
-    }
-    keys
 }
 
 #[cfg(test)]
