@@ -20,10 +20,12 @@ With --poll, vsd-bench runs libblkio's poll mode (the client spins on
 its completions instead of sleeping on the call eventfd). With --baseline,
 a second vsd binary (an earlier build) runs in the same interleave, as a
 fourth column; each --variant NAME=PROGRAM adds one more (a build, or a
-wrapper script that sets an environment variable and execs vsd).
+wrapper script that sets an environment variable and execs vsd). With
+--aio io_uring,native each daemon runs with each `aio=` mode (libvirt's
+io='native' is aio=native), the others named DAEMON-MODE.
 
 Usage: scripts/bench-disk.py [--seconds 5] [--reps 5] [--cases randread:32,...]
-       [--poll] [--placements 0/1,1/0] [--baseline VSD] [--variant NAME=VSD ...]
+       [--poll] [--placements 0/1,1/0] [--baseline VSD] [--variant NAME=VSD ...] [--aio io_uring,native]
        [--disk-dir /var/tmp]
        [--out FILE.jsonl]
        scripts/bench-disk.py --report ROWS.jsonl
@@ -102,8 +104,8 @@ def run_fio(image, rw, depth, seconds, cpu):
     return {"iops": iops, "p50_us": side["clat_ns"]["percentile"]["50.000000"] / 1000, "cpu_us_per_io": None}
 
 
-def run_daemon(program, image, rw, depth, seconds, workdir, placement, poll):
-    blockdevs = [f"driver=file,node-name=file0,filename={image},aio=io_uring,cache.direct=on",
+def run_daemon(program, aio, image, rw, depth, seconds, workdir, placement, poll):
+    blockdevs = [f"driver=file,node-name=file0,filename={image},aio={aio},cache.direct=on",
                  "driver=raw,node-name=disk0,file=file0"]
     bench = ["--rw", rw, "--bs", "4k", "--iodepth", str(depth)] + (["--poll"] if poll else [])
     return serve_and_bench(program, blockdevs, bench, seconds, workdir, cpus=placement)
@@ -120,6 +122,7 @@ def main():
     parser.add_argument("--baseline", metavar="VSD", help="another vsd binary to run as target 'base'")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=VSD",
                         help="one more vsd program to run as target NAME (repeatable)")
+    parser.add_argument("--aio", default="io_uring", help="comma-separated aio= modes every daemon runs with")
     parser.add_argument("--disk-dir", default="/var/tmp")
     parser.add_argument("--out", default=None)
     parser.add_argument("--report", metavar="ROWS.jsonl", help="only print the table of an earlier run")
@@ -137,7 +140,10 @@ def main():
     irqs = disk_irqs(block)
     placements = [tuple(p.split("/")) for p in opts.placements.split(",")]
     variants = dict(v.split("=", 1) for v in opts.variant)
-    programs = {"vsd": VSD, **({"base": opts.baseline} if opts.baseline else {}), **variants, "qsd": QSD}
+    binaries = {"vsd": VSD, **({"base": opts.baseline} if opts.baseline else {}), **variants, "qsd": QSD}
+    aios = opts.aio.split(",")
+    programs = {name if i == 0 else f"{name}-{aio}": (program, aio)
+                for name, program in binaries.items() for i, aio in enumerate(aios)}
     names = (*programs, "fio")
     targets = [(name, placement) for placement in placements for name in names]
     lines = []
@@ -151,7 +157,7 @@ def main():
                     if name == "fio":
                         result = run_fio(image, rw, depth, opts.seconds, placement[1])
                     else:
-                        result = run_daemon(programs[name], image, rw, depth, opts.seconds, workdir, placement,
+                        result = run_daemon(*programs[name], image, rw, depth, opts.seconds, workdir, placement,
                                             opts.poll)
                     irq = [a - b for a, b in zip(irq_counts(irqs), before)]
                     line = {"rep": rep, "rw": rw, "iodepth": depth, "target": name, "daemon_cpu": placement[0],
