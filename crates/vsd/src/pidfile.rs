@@ -10,11 +10,12 @@ use anyhow::{Context, Result};
 pub(crate) struct Pidfile(PathBuf);
 
 impl Pidfile {
-    /// Writes this process' id and a newline to `path`.
+    /// Writes this process' id and a newline to `path`, kept absolute: a
+    /// daemon (`--daemonize`) leaves its working directory before it exits.
     pub(crate) fn write(path: &Path) -> Result<Self> {
         std::fs::write(path, format!("{}\n", std::process::id()))
             .with_context(|| format!("cannot write pidfile '{}'", path.display()))?;
-        Ok(Self(path.to_path_buf()))
+        Ok(Self(std::path::absolute(path)?))
     }
 }
 

@@ -335,8 +335,10 @@ fn daemonize_returns_once_serving_or_with_the_error() {
         let image = dir.image("disk.img", 1 << 20);
         let (socket, pidfile) = (dir.path("v.sock"), dir.path("d.pid"));
         let mut args = common::file_export(&image, &socket, "", "");
-        args.extend(strings(&["--daemonize", "--pidfile", &pidfile.display().to_string()]));
-        let out = Command::new(program).args(&args).stdin(Stdio::null()).output().unwrap();
+        // Relative: the daemon leaves its working directory, and removes
+        // the pidfile all the same when it stops.
+        args.extend(strings(&["--daemonize", "--pidfile", "d.pid"]));
+        let out = Command::new(program).args(&args).current_dir(&dir.0).stdin(Stdio::null()).output().unwrap();
         assert!(out.status.success(), "{program}: {}", String::from_utf8_lossy(&out.stderr));
         // Once the command returned, the export serves.
         assert!(socket.exists() && pidfile.exists(), "{program}: not serving when it returned");
@@ -350,6 +352,7 @@ fn daemonize_returns_once_serving_or_with_the_error() {
             assert!(Instant::now() < deadline, "{program}: the daemon did not stop");
             std::thread::sleep(Duration::from_millis(10));
         }
+        assert!(!pidfile.exists(), "{program}: the pidfile is removed");
 
         let missing = common::file_export(&dir.path("missing.img"), &socket, "", "");
         let out = Command::new(program).args(&missing).arg("--daemonize").stdin(Stdio::null()).output().unwrap();
