@@ -206,7 +206,7 @@ impl BlockNode for AccountedNode {
         Ok(Box::new(AccountedQueue::new(inner, self.stats.lease(), self.bitmaps.recorder(), depth)))
     }
     fn open_uncounted_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
-        Ok(self.common.detect_zeroes.wrap(self.inner.open_queue(depth)?))
+        Ok(self.common.detect_zeroes.wrap(self.inner.open_queue(depth)?, depth))
     }
     fn stats(&self) -> Option<QueueSnapshot> {
         Some(self.stats.snapshot())

@@ -6,9 +6,12 @@
 //!
 //! A node without it has no queue of this kind in its path, so the normal
 //! write path pays nothing; with it, a write of data costs a look at its
-//! first bytes, which are nonzero almost always.
+//! first bytes, which are nonzero almost always. A durable write of zeroes
+//! (FUA, writethrough) becomes a write-zeroes and then a flush.
 
-use vsd_engine::{IoOp, IoQueue, IoVecs};
+use std::io;
+
+use vsd_engine::{Completion, IoOp, IoQueue, IoVecs};
 
 use crate::options::{OptionError, OptionMap};
 
@@ -40,12 +43,17 @@ impl DetectZeroes {
         Ok(mode)
     }
 
-    /// `queue`, with zero writes turned into write-zeroes if the node
-    /// detects them.
-    pub(crate) fn wrap(self, queue: Box<dyn IoQueue>) -> Box<dyn IoQueue> {
+    /// `queue` (opened `depth` deep), with zero writes turned into
+    /// write-zeroes if the node detects them.
+    pub(crate) fn wrap(self, queue: Box<dyn IoQueue>, depth: u16) -> Box<dyn IoQueue> {
         match self {
             Self::Off => queue,
-            Self::On | Self::Unmap => Box::new(ZeroDetectingQueue { inner: queue, may_unmap: self == Self::Unmap }),
+            Self::On | Self::Unmap => Box::new(ZeroDetectingQueue {
+                inner: queue,
+                may_unmap: self == Self::Unmap,
+                flush_after: vec![false; usize::from(depth)],
+                flushes: Vec::new(),
+            }),
         }
     }
 }
@@ -53,17 +61,26 @@ impl DetectZeroes {
 struct ZeroDetectingQueue {
     inner: Box<dyn IoQueue>,
     may_unmap: bool,
+    /// By tag: a durable write turned into write-zeroes, which has no such
+    /// flag, is followed by a flush under the same tag before it completes.
+    flush_after: Vec<bool>,
+    /// Tags whose flush is to be pushed.
+    flushes: Vec<u32>,
 }
 
 impl IoQueue for ZeroDetectingQueue {
     unsafe fn push(&mut self, tag: u32, op: IoOp) {
         let op = match op {
-            // A write that must be durable keeps its way down: write-zeroes
-            // has no such flag.
             // SAFETY: the caller's guarantee: the buffers are live and
             // not written while the request is in flight.
-            IoOp::Write { offset, len, iov, durable: false } if unsafe { only_zeroes(&iov) } => {
-                IoOp::WriteZeroes { offset, len, may_unmap: self.may_unmap, fast: false }
+            IoOp::Write { offset, len, iov, durable } if unsafe { only_zeroes(&iov) } => {
+                match self.flush_after.get_mut(tag as usize) {
+                    Some(flush) => {
+                        *flush = durable;
+                        IoOp::WriteZeroes { offset, len, may_unmap: self.may_unmap, fast: false }
+                    }
+                    None => IoOp::Write { offset, len, iov, durable },
+                }
             }
             op => op,
         };
@@ -72,7 +89,56 @@ impl IoQueue for ZeroDetectingQueue {
         unsafe { self.inner.push(tag, op) }
     }
 
-    vsd_engine::forward_to_inner!(inner: submit, reap, wait, notify_fd, rearm, max_batch, held, kernel_entries);
+    fn submit(&mut self) -> io::Result<()> {
+        self.inner.submit()
+    }
+
+    /// A durable zero write that completed its write-zeroes goes on to its
+    /// flush, and completes with it. The flushes are submitted here (no
+    /// other push may come to carry them), and what completed meanwhile
+    /// is reaped again.
+    fn reap(&mut self, out: &mut Vec<Completion>) {
+        loop {
+            let start = out.len();
+            self.inner.reap(out);
+            self.hold_back_for_flush(out, start);
+            if self.flushes.is_empty() {
+                return;
+            }
+            for tag in self.flushes.drain(..) {
+                // SAFETY: a flush names no buffers.
+                unsafe { self.inner.push(tag, IoOp::Flush) };
+            }
+            if let Err(e) = self.inner.submit() {
+                log::error!("detect-zeroes: cannot submit the flush of a durable write of zeroes: {e}");
+            }
+        }
+    }
+
+    vsd_engine::forward_to_inner!(inner: wait, notify_fd, rearm, max_batch, held, kernel_entries);
+}
+
+impl ZeroDetectingQueue {
+    /// Takes out of `out[start..]` the durable write-zeroes that succeeded,
+    /// whose flush comes next.
+    fn hold_back_for_flush(&mut self, out: &mut Vec<Completion>, start: usize) {
+        let mut at = 0;
+        out.retain(|done| {
+            at += 1;
+            at <= start || !self.flush_next(*done)
+        });
+    }
+
+    /// Whether `done` is the write-zeroes of a durable zero write that
+    /// succeeded: its flush is queued.
+    fn flush_next(&mut self, done: Completion) -> bool {
+        let Some(flush) = self.flush_after.get_mut(done.tag as usize).filter(|flush| **flush) else { return false };
+        *flush = false;
+        if done.errno == 0 {
+            self.flushes.push(done.tag);
+        }
+        done.errno == 0
+    }
 }
 
 /// Whether every byte of the buffers is zero.
@@ -115,6 +181,74 @@ mod tests {
             assert!(!is_zero(&buf[..=at]), "a one at the end, {at}");
             buf[at] = 0;
         }
+    }
+
+    /// An engine that completes at once, recording what reached it.
+    #[derive(Default)]
+    struct Recorder {
+        seen: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+        done: Vec<Completion>,
+    }
+
+    impl IoQueue for Recorder {
+        unsafe fn push(&mut self, tag: u32, op: IoOp) {
+            let kind = match op {
+                IoOp::Write { durable, .. } => format!("write durable={durable}"),
+                IoOp::WriteZeroes { may_unmap, .. } => format!("write-zeroes unmap={may_unmap}"),
+                IoOp::Flush => "flush".into(),
+                _ => "other".into(),
+            };
+            self.seen.lock().unwrap().push(format!("{tag}: {kind}"));
+            self.done.push(Completion { tag, errno: 0 });
+        }
+        fn submit(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+        fn reap(&mut self, out: &mut Vec<Completion>) {
+            out.append(&mut self.done);
+        }
+        fn wait(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+        fn notify_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+            None
+        }
+    }
+
+    #[test]
+    fn zero_writes_become_write_zeroes_and_durable_ones_a_flush_too() {
+        let recorder = Recorder::default();
+        let seen = recorder.seen.clone();
+        let mut queue = DetectZeroes::Unmap.wrap(Box::new(recorder), 8);
+        let (zeroes, data) = ([0u8; 4096], [7u8; 4096]);
+        let iovec = |buf: &[u8; 4096]| libc::iovec { iov_base: buf.as_ptr() as *mut _, iov_len: buf.len() };
+        let (zero_iov, data_iov) = ([iovec(&zeroes)], [iovec(&data)]);
+        for (tag, iov, durable) in
+            [(0, &zero_iov, false), (1, &zero_iov, true), (2, &data_iov, true), (3, &data_iov, false)]
+        {
+            // SAFETY: the buffers outlive the requests, which the recorder
+            // completes without touching them.
+            unsafe {
+                queue.push(tag, IoOp::Write { offset: 0, len: 4096, iov: IoVecs::new(iov.as_ptr(), 1), durable })
+            };
+        }
+        queue.submit().unwrap();
+        let mut out = Vec::new();
+        queue.reap(&mut out);
+        let mut tags: Vec<u32> = out.iter().map(|c| c.tag).collect();
+        tags.sort();
+        assert_eq!(tags, [0, 1, 2, 3], "each completes once, the durable zero write after its flush");
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(
+            seen,
+            [
+                "0: write-zeroes unmap=true",
+                "1: write-zeroes unmap=true",
+                "2: write durable=true",
+                "3: write durable=false",
+                "1: flush"
+            ]
+        );
     }
 
     #[test]
