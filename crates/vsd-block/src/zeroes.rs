@@ -52,6 +52,7 @@ impl DetectZeroes {
                 inner: queue,
                 may_unmap: self == Self::Unmap,
                 flush_after: vec![false; usize::from(depth)],
+                durable_zeroes: 0,
                 flushes: Vec::new(),
             }),
         }
@@ -64,6 +65,9 @@ struct ZeroDetectingQueue {
     /// By tag: a durable write turned into write-zeroes, which has no such
     /// flag, is followed by a flush under the same tag before it completes.
     flush_after: Vec<bool>,
+    /// How many of `flush_after` are set: while none is, completions pass
+    /// without a look.
+    durable_zeroes: usize,
     /// Tags whose flush is to be pushed.
     flushes: Vec<u32>,
 }
@@ -77,6 +81,7 @@ impl IoQueue for ZeroDetectingQueue {
                 match self.flush_after.get_mut(tag as usize) {
                     Some(flush) => {
                         *flush = durable;
+                        self.durable_zeroes += usize::from(durable);
                         IoOp::WriteZeroes { offset, len, may_unmap: self.may_unmap, fast: false }
                     }
                     None => IoOp::Write { offset, len, iov, durable },
@@ -101,7 +106,9 @@ impl IoQueue for ZeroDetectingQueue {
         loop {
             let start = out.len();
             self.inner.reap(out);
-            self.hold_back_for_flush(out, start);
+            if self.durable_zeroes > 0 {
+                self.hold_back_for_flush(out, start);
+            }
             if self.flushes.is_empty() {
                 return;
             }
@@ -134,6 +141,7 @@ impl ZeroDetectingQueue {
     fn flush_next(&mut self, done: Completion) -> bool {
         let Some(flush) = self.flush_after.get_mut(done.tag as usize).filter(|flush| **flush) else { return false };
         *flush = false;
+        self.durable_zeroes -= 1;
         if done.errno == 0 {
             self.flushes.push(done.tag);
         }
