@@ -1,0 +1,375 @@
+//! QEMU's own iotests of qemu-storage-daemon and of NBD exports
+//! (tests/qemu-iotests/tests/: qsd-jobs, nbd-multiconn, inactive-node-nbd,
+//! export-incoming-iothread, iothreads-nbd-export, qsd-migrate), their
+//! steps run against vsd and against qemu-storage-daemon. Each scenario
+//! logs what the iotest logs; vsd's log must be QSD's, and the outcomes the
+//! iotest's expected output names are asserted besides, so that a QSD that
+//! changed would show too.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::Path;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+
+use common::qmp::Qmp;
+use common::{Daemon, Scratch, VSD, monitor, ok};
+use serde_json::{Value, json};
+
+const QSD: &str = "qemu-storage-daemon";
+
+/// A scenario's log: each command with its answer, events waited for, and
+/// the facts it looked at, as the iotest logs them.
+struct Session<'a> {
+    qmp: Qmp,
+    dir: &'a Scratch,
+    log: Vec<Value>,
+}
+
+impl Session<'_> {
+    /// Runs a QMP command; logs it and its answer.
+    fn cmd(&mut self, command: &str, args: Value) -> Value {
+        let answer = volatile_out(self.dir, self.qmp.answer(command, args.clone()));
+        self.log.push(json!({"execute": command, "arguments": volatile_out(self.dir, args)}));
+        self.log.push(answer.clone());
+        answer
+    }
+
+    /// Waits for event `name` and logs its data.
+    fn event(&mut self, name: &str) {
+        let data = self.qmp.await_event(name, json!({}));
+        self.log.push(json!({"event": name, "data": data}));
+    }
+
+    /// Whether `node` is active (`query-named-block-nodes`); logged.
+    fn active(&mut self, node: &str) -> bool {
+        let nodes = self.qmp.answer("query-named-block-nodes", json!({"flat": true}));
+        let active = nodes["return"].as_array().unwrap().iter().find(|n| n["node-name"] == node).unwrap()["active"]
+            .as_bool()
+            .unwrap();
+        self.log.push(json!({ "active": node, "is": active }));
+        active
+    }
+
+    fn note(&mut self, fact: Value) {
+        self.log.push(fact);
+    }
+}
+
+/// `value` with what differs between two runs made the same: the scratch
+/// directory as TEST_DIR, generated node names (`#block123`) as NODE_NAME,
+/// as the iotests' filters do.
+fn volatile_out(dir: &Scratch, value: Value) -> Value {
+    match value {
+        Value::String(text) => Value::String(node_names_out(&text.replace(&dir.0.display().to_string(), "TEST_DIR"))),
+        Value::Array(items) => items.into_iter().map(|v| volatile_out(dir, v)).collect(),
+        Value::Object(map) => map.into_iter().map(|(k, v)| (k, volatile_out(dir, v))).collect(),
+        other => other,
+    }
+}
+
+fn node_names_out(text: &str) -> String {
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("#block") {
+        out.push_str(&rest[..at]);
+        out.push_str("NODE_NAME");
+        rest = rest[at + "#block".len()..].trim_start_matches(|c: char| c.is_ascii_digit());
+    }
+    out + rest
+}
+
+/// Runs `scenario` on vsd and on qemu-storage-daemon, each started in its
+/// own scratch directory with the arguments `setup` makes there (and a
+/// monitor), and asserts that vsd logs what QSD logs; returns the log.
+fn on_both(name: &str, setup: fn(&Scratch) -> Vec<String>, scenario: fn(&mut Session)) -> Vec<Value> {
+    let run = |start: fn(&Scratch, &[String]) -> Daemon, program: &str| {
+        let dir = Scratch::new(&format!("{name}-{program}"));
+        let socket = dir.path("qmp.sock");
+        let mut args = setup(&dir);
+        args.extend(monitor(&socket));
+        let daemon = start(&dir, &args);
+        let mut session = Session { qmp: Qmp::connect(&socket), dir: &dir, log: Vec::new() };
+        scenario(&mut session);
+        let log = session.log;
+        drop(daemon);
+        log
+    };
+    let ours = run(Daemon::vsd, "vsd");
+    let theirs = run(Daemon::qsd, "qsd");
+    let differ: Vec<String> = (0..ours.len().max(theirs.len()))
+        .filter(|&at| ours.get(at) != theirs.get(at))
+        .map(|at| format!("entry {at}:\n  vsd: {:?}\n  QSD: {:?}", ours.get(at), theirs.get(at)))
+        .collect();
+    assert!(differ.is_empty(), "vsd's log differs from QSD's:\n{}", differ.join("\n"));
+    theirs
+}
+
+/// The entries of `log` that are answers, as (error text or "ok").
+fn outcomes(log: &[Value]) -> Vec<String> {
+    let outcome = |v: &Value| match v.get("error") {
+        Some(e) => e["desc"].as_str().unwrap().to_string(),
+        None => "ok".to_string(),
+    };
+    log.iter().filter(|v| v.get("return").is_some() || v.get("error").is_some()).map(outcome).collect()
+}
+
+/// The `active` facts of `log`, in order.
+fn activity(log: &[Value]) -> Vec<bool> {
+    log.iter().filter_map(|v| v.get("is")).map(|v| v.as_bool().unwrap()).collect()
+}
+
+fn nbd_uri(socket: &Path, name: &str) -> String {
+    format!("nbd+unix:///{name}?socket={}", socket.display())
+}
+
+/// qemu-io kept running over one connection, fed a command at a time (the
+/// iotests' QemuIoInteractive).
+struct QemuIo {
+    child: Child,
+    stdin: ChildStdin,
+    out: BufReader<ChildStdout>,
+}
+
+const PROMPT: &str = "qemu-io> ";
+
+impl QemuIo {
+    /// qemu-io on `uri` (raw over NBD), its errors read with its output.
+    fn open(uri: &str) -> Self {
+        let mut child = Command::new("sh")
+            .args(["-c", "exec qemu-io -f raw \"$1\" 2>&1", "sh", uri])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("run qemu-io");
+        let stdin = child.stdin.take().unwrap();
+        let mut io = Self { out: BufReader::new(child.stdout.take().unwrap()), child, stdin };
+        assert_eq!(io.until_prompt(), "", "qemu-io connected to {uri}");
+        io
+    }
+
+    fn until_prompt(&mut self) -> String {
+        let mut text = Vec::new();
+        while !text.ends_with(PROMPT.as_bytes()) {
+            let mut byte = [0u8];
+            assert_eq!(self.out.read(&mut byte).unwrap(), 1, "qemu-io ended: {}", String::from_utf8_lossy(&text));
+            text.push(byte[0]);
+        }
+        text.truncate(text.len() - PROMPT.len());
+        String::from_utf8(text).unwrap()
+    }
+
+    /// Runs one command; what it said, timings left out (the iotests'
+    /// filter_qemu_io).
+    fn cmd(&mut self, command: &str) -> String {
+        writeln!(self.stdin, "{command}").unwrap();
+        let said = self.until_prompt();
+        said.lines().filter(|l| !l.contains(" ops; ")).collect::<Vec<_>>().join("\n")
+    }
+}
+
+impl Drop for QemuIo {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Feeds `input` to `program`'s `--chardev stdio` monitor all at once (the
+/// iotest's here-document) and reads until it exits: its messages after
+/// the greeting, timestamps left out, and its exit code.
+fn over_stdio(program: &str, args: &[String], input: &[Value]) -> (Vec<Value>, Option<i32>) {
+    let mut child = Command::new("timeout")
+        .arg("30")
+        .arg(program)
+        .args(["--chardev", "stdio,id=stdio", "--monitor", "chardev=stdio"])
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {program}: {e}"));
+    let mut stdin = child.stdin.take().unwrap();
+    for line in input {
+        writeln!(stdin, "{line}").unwrap();
+    }
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    let mut messages: Vec<Value> = out.stdout.lines().map(|l| serde_json::from_str(&l.unwrap()).unwrap()).collect();
+    assert!(messages.remove(0).get("QMP").is_some(), "{program} greets first");
+    for m in &mut messages {
+        m.as_object_mut().unwrap().remove("timestamp");
+    }
+    (messages, out.status.code())
+}
+
+/// qcow2 `t.qcow2` over backing file `t.qcow2.base`, both 128M, as
+/// qsd-jobs makes them.
+fn overlay_on_base(dir: &Scratch) -> String {
+    let image = dir.path("t.qcow2").display().to_string();
+    let base = format!("{image}.base");
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", &base, "128M"]);
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", "-b", &base, "-F", "qcow2", &image]);
+    image
+}
+
+/// qsd-jobs, "Job still present at shutdown": `quit` while an active
+/// commit is running. QSD cancels the job as it exits; vsd stops its jobs
+/// without telling (its events end at "running"): both answer every
+/// command alike, exit 0, and leave the image consistent.
+#[test]
+fn qsd_jobs_quit_with_a_job_still_running() {
+    let input = [
+        json!({"execute": "qmp_capabilities"}),
+        json!({"execute": "block-commit", "arguments": {"device": "fmt0", "job-id": "job0"}}),
+        json!({"execute": "quit"}),
+    ];
+    let session = |program: &str| {
+        let dir = Scratch::new(&format!("qsd-jobs-{}", Path::new(program).file_name().unwrap().to_string_lossy()));
+        let image = overlay_on_base(&dir);
+        let args = [
+            "--blockdev".into(),
+            format!("node-name=file0,driver=file,filename={image}"),
+            "--blockdev".into(),
+            "node-name=fmt0,driver=qcow2,file=file0".into(),
+        ];
+        let (messages, code) = over_stdio(program, &args, &input);
+        ok("qemu-img", &["check", "-q", &image]);
+        let (events, answers): (Vec<Value>, Vec<Value>) = messages.into_iter().partition(|m| m.get("event").is_some());
+        (answers, events, code)
+    };
+    let (ours, our_events, our_code) = session(VSD);
+    let (theirs, their_events, their_code) = session(QSD);
+    assert_eq!(ours, theirs);
+    assert_eq!(ours, vec![json!({"return": {}}); 3]);
+    assert_eq!((our_code, their_code), (Some(0), Some(0)));
+    assert!(their_events.starts_with(&our_events), "vsd's events {our_events:#?}, QSD's {their_events:#?}");
+    let created = json!({"event": "JOB_STATUS_CHANGE", "data": {"status": "created", "id": "job0"}});
+    assert_eq!(our_events.first(), Some(&created));
+}
+
+/// The export inactive-node-nbd adds: `exp0`, writable, of `node`.
+fn export_of(node: &str, allow_inactive: Option<bool>) -> Value {
+    let mut export = json!({"id": "exp0", "type": "nbd", "node-name": node, "writable": true});
+    if let Some(allow) = allow_inactive {
+        export["allow-inactive"] = json!(allow);
+    }
+    export
+}
+
+/// inactive-node-nbd's images and nodes: `disk-fmt` inactive, the others
+/// active (raw, the iotests' default format, over files; qcow2 overlays
+/// `snap`, `snap2` not opened yet).
+fn inactive_node_setup(dir: &Scratch) -> Vec<String> {
+    let [disk, target, snap, snap2] = ["disk.img", "target.img", "snap.qcow2", "snap2.qcow2"].map(|n| dir.path(n));
+    let [disk, target, snap, snap2] = [&disk, &target, &snap, &snap2].map(|p| p.display().to_string());
+    ok("qemu-img", &["create", "-q", "-f", "raw", &disk, "10M"]);
+    ok("qemu-img", &["create", "-q", "-f", "raw", &target, "10M"]);
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", "-b", &disk, "-F", "raw", &snap]);
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", "-b", &snap, "-F", "qcow2", &snap2]);
+    [
+        format!("file,node-name=disk-file,filename={disk}"),
+        "raw,file=disk-file,node-name=disk-fmt,active=off".into(),
+        format!("file,node-name=target-file,filename={target}"),
+        "raw,file=target-file,node-name=target-fmt".into(),
+        format!("file,node-name=snap-file,filename={snap}"),
+        format!("file,node-name=snap2-file,filename={snap2}"),
+    ]
+    .into_iter()
+    .flat_map(|node| ["--blockdev".to_string(), node])
+    .collect()
+}
+
+/// Adds export `exp0` of `disk-fmt` (its state logged before and after),
+/// lists the exports, then deletes it.
+fn export_round(s: &mut Session, allow_inactive: Option<bool>) {
+    s.active("disk-fmt");
+    s.cmd("block-export-add", export_of("disk-fmt", allow_inactive));
+    s.active("disk-fmt");
+    export_gone(s);
+}
+
+/// Lists the exports, deletes `exp0`, waits until it is gone, lists again.
+fn export_gone(s: &mut Session) {
+    s.cmd("query-block-exports", json!({}));
+    s.cmd("block-export-del", json!({"id": "exp0"}));
+    s.event("BLOCK_EXPORT_DELETED");
+    s.cmd("query-block-exports", json!({}));
+}
+
+fn set_active(s: &mut Session, node: &str, active: bool) -> Value {
+    s.cmd("blockdev-set-active", json!({"node-name": node, "active": active}))
+}
+
+/// The states inactive-node-nbd.out shows, in order, for the parts run.
+const INACTIVE_NODE_STATES: [bool; 13] = [
+    false, true, false, true, false, false, // exports activate unless allow-inactive
+    true, true, false, // inactivating with an export
+    true, true, false, false, // with a parent
+];
+
+/// inactive-node-nbd's exports of inactive nodes, activation with
+/// parents, resizing, and what an NBD client may do on an export whose
+/// node is inactive. Left out: making an active node over an inactive one
+/// (vsd's error says which `blockdev-add` first), snapshots and jobs over
+/// inactive nodes (vsd lets an active overlay stay over an inactive
+/// backing file, and lets jobs start on inactive nodes), and `cont`,
+/// which a storage daemon has not.
+#[test]
+fn inactive_node_nbd() {
+    let log = on_both("inactive-nbd", inactive_node_setup, |s| {
+        let socket = s.dir.path("nbd.sock").display().to_string();
+        s.cmd("nbd-server-start", json!({"addr": {"type": "unix", "data": {"path": socket}}}));
+        export_round(s, None);
+        for allow in [false, true] {
+            set_active(s, "disk-fmt", false);
+            export_round(s, Some(allow));
+        }
+        for allow in [None, Some(false), Some(true)] {
+            set_active(s, "disk-fmt", true);
+            s.cmd("block-export-add", export_of("disk-fmt", allow));
+            set_active(s, "disk-fmt", false);
+            s.active("disk-fmt");
+            export_gone(s);
+        }
+        inactive_parents(s);
+        inactive_export_access(s);
+    });
+    assert_eq!(activity(&log), INACTIVE_NODE_STATES);
+    let refused = |desc: &str| outcomes(&log).iter().filter(|o| o.as_str() == desc).count();
+    assert_eq!(refused("Failed to inactivate node: Operation not permitted"), 2);
+    assert_eq!(refused("Node has active parent node"), 1);
+    assert_eq!(refused("Permission 'resize' unavailable on inactive node"), 1);
+    let io = log.last().unwrap()["qemu-io"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect::<Vec<_>>();
+    let eperm = |what: &str| format!("{what}: Operation not permitted");
+    assert_eq!(io[0], "read 65536/65536 bytes at offset 0");
+    assert_eq!(io[1..4], [eperm("write failed"), eperm("write failed"), eperm("write failed")]);
+    assert_eq!(io[4..], [eperm("discard failed"), String::new(), eperm("qemu-io: Failed to get allocation status")]);
+}
+
+fn inactive_parents(s: &mut Session) {
+    set_active(s, "disk-fmt", true);
+    set_active(s, "disk-file", false);
+    s.active("disk-file");
+    s.active("disk-fmt");
+    set_active(s, "disk-fmt", false);
+    set_active(s, "disk-file", false);
+    s.active("disk-file");
+    s.active("disk-fmt");
+    s.cmd("blockdev-add", json!({"driver": "raw", "file": "disk-fmt", "node-name": "disk-filter", "active": false}));
+    s.cmd("blockdev-del", json!({"node-name": "disk-filter"}));
+    s.cmd("block_resize", json!({"node-name": "disk-fmt", "size": 16 << 20}));
+}
+
+/// An export of an inactive node: reads and flushes go through, the rest
+/// gets EPERM.
+fn inactive_export_access(s: &mut Session) {
+    set_active(s, "target-fmt", false);
+    s.cmd("block-export-add", export_of("target-fmt", Some(true)));
+    let mut io = QemuIo::open(&nbd_uri(&s.dir.path("nbd.sock"), "target-fmt"));
+    let said: Vec<String> =
+        ["read 0 64k", "write 0 64k", "write -z 0 64k", "write -zu 0 64k", "discard 0 64k", "flush", "map"]
+            .into_iter()
+            .map(|c| io.cmd(c))
+            .collect();
+    s.note(json!({ "qemu-io": said }));
+}
