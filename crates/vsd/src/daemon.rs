@@ -153,6 +153,9 @@ impl Daemon {
                 Export::VhostUserBlk(export)
             }
             ExportOptions::Nbd(config) => {
+                if let Some(thread) = &config.iothread {
+                    self.objects.iothread(thread).map_err(anyhow::Error::msg)?;
+                }
                 let server = state.nbd.as_ref().context("NBD server not running")?;
                 let export = server.add_export(config, node)?;
                 log::info!("export '{id}' offered over NBD as '{}'", export.config().name);
