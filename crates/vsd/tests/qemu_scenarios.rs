@@ -119,6 +119,11 @@ fn activity(log: &[Value]) -> Vec<bool> {
     log.iter().filter_map(|v| v.get("is")).map(|v| v.as_bool().unwrap()).collect()
 }
 
+/// The last fact of `log` noted under `key`.
+fn noted<'a>(log: &'a [Value], key: &str) -> &'a Value {
+    log.iter().rev().find_map(|v| v.get(key)).unwrap_or_else(|| panic!("no {key} in {log:#?}"))
+}
+
 fn nbd_uri(socket: &Path, name: &str) -> String {
     format!("nbd+unix:///{name}?socket={}", socket.display())
 }
@@ -136,8 +141,13 @@ const PROMPT: &str = "qemu-io> ";
 impl QemuIo {
     /// qemu-io on `uri` (raw over NBD), its errors read with its output.
     fn open(uri: &str) -> Self {
+        Self::open_with(uri, "")
+    }
+
+    /// [`Self::open`] with more options of qemu-io's (`-r`).
+    fn open_with(uri: &str, options: &str) -> Self {
         let mut child = Command::new("sh")
-            .args(["-c", "exec qemu-io -f raw \"$1\" 2>&1", "sh", uri])
+            .args(["-c", "exec qemu-io -f raw $2 \"$1\" 2>&1", "sh", uri, options])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -339,7 +349,7 @@ fn inactive_node_nbd() {
     assert_eq!(refused("Failed to inactivate node: Operation not permitted"), 2);
     assert_eq!(refused("Node has active parent node"), 1);
     assert_eq!(refused("Permission 'resize' unavailable on inactive node"), 1);
-    let io = log.last().unwrap()["qemu-io"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect::<Vec<_>>();
+    let io = noted(&log, "qemu-io").as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect::<Vec<_>>();
     let eperm = |what: &str| format!("{what}: Operation not permitted");
     assert_eq!(io[0], "read 65536/65536 bytes at offset 0");
     assert_eq!(io[1..4], [eperm("write failed"), eperm("write failed"), eperm("write failed")]);
@@ -372,4 +382,105 @@ fn inactive_export_access(s: &mut Session) {
             .map(|c| io.cmd(c))
             .collect();
     s.note(json!({ "qemu-io": said }));
+}
+
+/// nbd-multiconn's disk: qcow2, 4M, 1s then 2s.
+fn multiconn_disk(dir: &Scratch) -> Vec<String> {
+    let disk = dir.path("disk").display().to_string();
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", &disk, "4M"]);
+    ok("qemu-io", &["-c", "w -P 1 0 2M", "-c", "w -P 2 2M 2M", &disk]);
+    Vec::new()
+}
+
+/// Starts the NBD server (`max-connections` if given), runs `serve`, stops it.
+fn with_server(s: &mut Session, max_connections: Option<u64>, serve: impl FnOnce(&mut Session)) {
+    let socket = s.dir.path("nbd_sock").display().to_string();
+    let mut args = json!({"addr": {"type": "unix", "data": {"path": socket}}});
+    if let Some(max) = max_connections {
+        args["max-connections"] = json!(max);
+    }
+    s.cmd("nbd-server-start", args);
+    serve(s);
+    s.cmd("nbd-server-stop", json!({}));
+}
+
+fn add_export(s: &mut Session, name: &str, writable: Option<bool>) {
+    let mut args = json!({"type": "nbd", "id": name, "node-name": "n", "name": name});
+    if let Some(writable) = writable {
+        args["writable"] = json!(writable);
+    }
+    s.cmd("block-export-add", args);
+}
+
+/// Whether export `name` offers multi-conn, as nbdinfo sees it; logged.
+fn multi_conn(s: &mut Session, name: &str) -> bool {
+    let info: Value =
+        serde_json::from_str(&ok("nbdinfo", &["--json", &nbd_uri(&s.dir.path("nbd_sock"), name)])).unwrap();
+    let can = info["exports"][0]["can_multi_conn"].as_bool().unwrap();
+    s.note(json!({ "multi-conn": name, "is": can }));
+    can
+}
+
+/// nbd-multiconn: exports offer multi-conn, read-only or writable, unless
+/// the server takes one client at a time; a write on one connection,
+/// flushed by another, is what a third reads.
+#[test]
+fn nbd_multiconn() {
+    let log = on_both("nbd-multiconn", multiconn_disk, |s| {
+        let disk = s.dir.path("disk").display().to_string();
+        s.cmd(
+            "blockdev-add",
+            json!({"driver": "qcow2", "node-name": "n", "file": {"driver": "file", "filename": disk}}),
+        );
+        for max_connections in [None, Some(1)] {
+            with_server(s, max_connections, |s| {
+                add_export(s, "r", None);
+                add_export(s, "w", Some(true));
+                multi_conn(s, "r");
+                multi_conn(s, "w");
+            });
+        }
+        with_server(s, None, |s| {
+            add_export(s, "w", Some(true));
+            let uri = nbd_uri(&s.dir.path("nbd_sock"), "w");
+            let mut clients: Vec<QemuIo> = (0..3).map(|_| QemuIo::open(&uri)).collect();
+            multi_conn(s, "w");
+            let said = [(0, "read -P 1 0 1M"), (1, "write -P 3 0 1M"), (2, "flush"), (0, "read -P 3 0 1M")]
+                .map(|(client, command)| clients[client].cmd(command));
+            s.note(json!({ "qemu-io": said }));
+        });
+    });
+    let multi: Vec<bool> = log.iter().filter(|v| v.get("multi-conn").is_some()).map(|v| v["is"] == true).collect();
+    assert_eq!(multi, [true, true, false, false, true]);
+    assert!(outcomes(&log).iter().all(|o| o == "ok"), "{log:#?}");
+    let said = noted(&log, "qemu-io");
+    let expected = ["read 1048576/1048576 bytes at offset 0", "wrote 1048576/1048576 bytes at offset 0", ""];
+    assert_eq!(said, &json!([expected[0], expected[1], expected[2], expected[0]]));
+}
+
+/// export-incoming-iothread, on a daemon: an NBD export with its own I/O
+/// thread added on a node that is inactive, as an incoming QEMU's nodes
+/// are (issue 945: this used to fail an assertion), then read; an I/O
+/// thread that does not exist is refused.
+#[test]
+fn export_incoming_iothread() {
+    let setup = |dir: &Scratch| {
+        let image = dir.path("test.img").display().to_string();
+        ok("qemu-img", &["create", "-q", "-f", "raw", &image, "1M"]);
+        let node = format!("driver=raw,node-name=node0,file.driver=file,file.filename={image},active=off");
+        ["--object", "iothread,id=iothr0", "--blockdev", &node].map(String::from).into()
+    };
+    let log = on_both("export-incoming-iothread", setup, |s| {
+        let socket = s.dir.path("nbd.sock").display().to_string();
+        s.cmd("nbd-server-start", json!({"addr": {"type": "unix", "data": {"path": socket}}}));
+        s.cmd("block-export-add", json!({"type": "nbd", "id": "exp0", "node-name": "node0", "iothread": "iothr0"}));
+        s.active("node0");
+        let read = QemuIo::open_with(&nbd_uri(&s.dir.path("nbd.sock"), "node0"), "-r").cmd("read -P 0 0 64k");
+        s.note(json!({ "qemu-io": read }));
+        let unknown = json!({"type": "nbd", "id": "exp1", "node-name": "node0", "name": "n1", "iothread": "nope"});
+        s.cmd("block-export-add", unknown);
+    });
+    assert_eq!(outcomes(&log), ["ok", "ok", "iothread \"nope\" not found"]);
+    assert_eq!(activity(&log), [true], "the export took the node over");
+    assert_eq!(noted(&log, "qemu-io"), "read 65536/65536 bytes at offset 0");
 }
