@@ -11,6 +11,7 @@ mod common;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use common::qmp::Qmp;
 use common::{Daemon, Scratch, VSD, monitor, ok};
@@ -23,6 +24,8 @@ const QSD: &str = "qemu-storage-daemon";
 struct Session<'a> {
     qmp: Qmp,
     dir: &'a Scratch,
+    /// How the daemon was started, for a scenario that needs a second one.
+    start: fn(&Scratch, &[String]) -> Daemon,
     log: Vec<Value>,
 }
 
@@ -89,7 +92,7 @@ fn on_both(name: &str, setup: fn(&Scratch) -> Vec<String>, scenario: fn(&mut Ses
         let mut args = setup(&dir);
         args.extend(monitor(&socket));
         let daemon = start(&dir, &args);
-        let mut session = Session { qmp: Qmp::connect(&socket), dir: &dir, log: Vec::new() };
+        let mut session = Session { qmp: Qmp::connect(&socket), dir: &dir, start, log: Vec::new() };
         scenario(&mut session);
         let log = session.log;
         drop(daemon);
@@ -483,4 +486,230 @@ fn export_incoming_iothread() {
     assert_eq!(outcomes(&log), ["ok", "ok", "iothread \"nope\" not found"]);
     assert_eq!(activity(&log), [true], "the export took the node over");
     assert_eq!(noted(&log, "qemu-io"), "read 65536/65536 bytes at offset 0");
+}
+
+/// A QEMU without a guest OS (TCG, no default devices, no display): the
+/// block layer is what the scenarios look at. Its output (what HMP's
+/// qemu-io says) goes to a log; it is killed on drop.
+struct Vm {
+    child: Child,
+    qmp: Qmp,
+    log: std::path::PathBuf,
+}
+
+impl Vm {
+    fn launch(dir: &Scratch, name: &str, args: &[String]) -> Self {
+        let socket = dir.path(&format!("{name}.qmp"));
+        let log = dir.path(&format!("{name}.log"));
+        let output = std::fs::File::create(&log).unwrap();
+        let mut child = Command::new("qemu-system-x86_64")
+            .args(["-accel", "tcg", "-nodefaults", "-display", "none", "-qmp"])
+            .arg(format!("unix:{},server=on,wait=off", socket.display()))
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(output.try_clone().unwrap())
+            .stderr(output)
+            .spawn()
+            .expect("run qemu-system-x86_64");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !socket.exists() {
+            assert!(
+                child.try_wait().unwrap().is_none(),
+                "QEMU {name} exited: {}",
+                std::fs::read_to_string(&log).unwrap()
+            );
+            assert!(Instant::now() < deadline, "QEMU {name} did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Self { qmp: Qmp::connect(&socket), child, log }
+    }
+
+    /// Runs `command` (qemu-io's) on device `qdev`'s block backend over
+    /// HMP, as the iotests' hmp_qemu_io; its answer.
+    fn qemu_io(&mut self, qdev: &str, command: &str) -> Value {
+        let line = format!("qemu-io -d {qdev} \"{command}\"");
+        self.qmp.answer("human-monitor-command", json!({ "command-line": line }))
+    }
+
+    /// Quits; what it wrote, timings left out.
+    fn quit(mut self) -> Vec<String> {
+        self.qmp.answer("quit", json!({}));
+        let _ = self.child.wait();
+        let text = std::fs::read_to_string(&self.log).unwrap();
+        text.lines().filter(|l| !l.contains(" ops; ")).map(String::from).collect()
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The options that let QEMU share its RAM with a vhost-user back-end.
+fn shared_memory() -> Vec<String> {
+    ["-m", "128M", "-object", "memory-backend-memfd,id=mem,size=128M,share=on", "-machine", "memory-backend=mem"]
+        .map(String::from)
+        .into()
+}
+
+/// iothreads-nbd-export, with the guest's disk served by the daemon: a
+/// qcow2 node on an I/O thread, used by a guest over vhost-user-blk and
+/// exported over NBD to a qemu-io; the guest is reset ten times (its
+/// device stopped and started again each time); the guest, the daemon and
+/// the NBD client go on.
+#[test]
+fn iothreads_nbd_export() {
+    let setup = |dir: &Scratch| {
+        let disk = dir.path("disk1.img").display().to_string();
+        ok("qemu-img", &["create", "-q", "-f", "qcow2", &disk, "10M"]);
+        let vhost = format!(
+            "type=vhost-user-blk,id=v0,node-name=disk,addr.type=unix,addr.path={},writable=on,iothread=iothread0",
+            dir.path("vhost.sock").display()
+        );
+        [
+            "--object",
+            "iothread,id=iothread0",
+            "--blockdev",
+            &format!("file,node-name=disk-file,filename={disk}"),
+            "--blockdev",
+            "qcow2,node-name=disk,file=disk-file",
+            "--export",
+            &vhost,
+        ]
+        .map(String::from)
+        .into()
+    };
+    let log = on_both("iothreads-nbd-export", setup, |s| {
+        let socket = s.dir.path("nbd.sock").display().to_string();
+        s.cmd("nbd-server-start", json!({"addr": {"type": "unix", "data": {"path": socket}}}));
+        s.cmd("block-export-add", json!({"type": "nbd", "id": "exp0", "node-name": "disk", "writable": true}));
+        let mut qemu_io = QemuIo::open(&nbd_uri(&s.dir.path("nbd.sock"), "disk"));
+        let mut args = shared_memory();
+        let chardev = format!("socket,id=vu,path={}", s.dir.path("vhost.sock").display());
+        args.extend(["-chardev", &chardev, "-device", "vhost-user-blk-pci,chardev=vu,id=virtio0"].map(String::from));
+        let mut vm = Vm::launch(s.dir, "vm", &args);
+        for _ in 0..10 {
+            let reset = vm.qmp.answer("system_reset", json!({}));
+            s.note(json!({ "system_reset": reset }));
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let status = vm.qmp.answer("query-status", json!({}));
+        s.note(json!({ "status": status }));
+        let said = ["write -P 5 0 64k", "read -P 5 0 64k"].map(|c| qemu_io.cmd(c));
+        s.note(json!({ "qemu-io": said }));
+        drop(qemu_io);
+        vm.quit();
+        s.active("disk");
+    });
+    let resets = log.iter().filter(|v| v.get("system_reset") == Some(&json!({"return": {}}))).count();
+    assert_eq!(resets, 10);
+    assert_eq!(noted(&log, "status"), &json!({"return": {"running": true, "status": "running"}}));
+    let said = ["wrote 65536/65536 bytes at offset 0", "read 65536/65536 bytes at offset 0"];
+    assert_eq!(noted(&log, "qemu-io"), &json!(said));
+    assert_eq!(outcomes(&log), ["ok", "ok"]);
+}
+
+/// qsd-migrate's daemon: qcow2 `disk-fmt` on `image`, exported over NBD
+/// (`nbd-NAME.sock` in `dir`) with allow-inactive; `active` says whether
+/// its nodes start active (the source) or not (the destination).
+fn migrating_daemon(dir: &Scratch, image: &Path, name: &str, active: bool) -> Vec<String> {
+    let off = if active { "" } else { ",active=off" };
+    let socket = dir.path(&format!("nbd-{name}.sock"));
+    [
+        "--blockdev".into(),
+        format!("file,node-name=disk-file,filename={}{off}", image.display()),
+        "--blockdev".into(),
+        format!("qcow2,file=disk-file,node-name=disk-fmt{off}"),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", socket.display()),
+        "--export".into(),
+        "nbd,id=exp0,node-name=disk-fmt,writable=true,allow-inactive=true".into(),
+    ]
+    .into()
+}
+
+/// A QEMU whose virtio-blk disk `virtio0` is the NBD export on `socket`.
+fn nbd_guest(dir: &Scratch, name: &str, socket: &Path, incoming: Option<&Path>) -> Vm {
+    let mut args: Vec<String> = vec![
+        "-blockdev".into(),
+        format!("nbd,node-name=disk,server.type=unix,server.path={},export=disk-fmt", socket.display()),
+        "-device".into(),
+        "virtio-blk,drive=disk,id=virtio0".into(),
+    ];
+    if let Some(socket) = incoming {
+        args.extend(["-incoming".into(), format!("unix:{}", socket.display())]);
+    }
+    Vm::launch(dir, name, &args)
+}
+
+const BACKEND: &str = "virtio0/virtio-backend";
+
+/// Runs qemu-io `command` in `vm`'s disk; logs the HMP answer.
+fn guest_io(s: &mut Session, vm: &mut Vm, command: &str) {
+    let answer = vm.qemu_io(BACKEND, command);
+    s.note(json!({ "hmp": command, "answer": answer }));
+}
+
+/// qsd-migrate: a guest whose disk is an NBD export migrates to a QEMU
+/// served by a second daemon; before the switch-over the source's daemon
+/// hands the image over (inactivates it) and the destination's takes it
+/// (activates it): both sides read meanwhile, and afterwards the
+/// destination reads what the source wrote and writes on.
+#[test]
+fn qsd_migrate() {
+    let setup = |dir: &Scratch| {
+        let image = dir.path("disk.img");
+        ok("qemu-img", &["create", "-q", "-f", "qcow2", &image.display().to_string(), "10M"]);
+        migrating_daemon(dir, &image, "src", true)
+    };
+    let log = on_both("qsd-migrate", setup, |s| {
+        let mut src = nbd_guest(s.dir, "vm-src", &s.dir.path("nbd-src.sock"), None);
+        let qmp_dst = s.dir.path("qsd-dst.qmp");
+        let mut dst_args = migrating_daemon(s.dir, &s.dir.path("disk.img"), "dst", false);
+        dst_args.extend(monitor(&qmp_dst));
+        let dst_daemon_dir =
+            Scratch::new(&format!("qsd-migrate-dst-{}", s.dir.0.file_name().unwrap().to_string_lossy()));
+        let dst_daemon = (s.start)(&dst_daemon_dir, &dst_args);
+        let mut qsd_dst = Qmp::connect(&qmp_dst);
+        let migration = s.dir.path("migrate.sock");
+        let mut dst = nbd_guest(s.dir, "vm-dst", &s.dir.path("nbd-dst.sock"), Some(&migration));
+
+        guest_io(s, &mut src, "write -P 0x11 0 4k");
+        guest_io(s, &mut src, "read -P 0x11 0 4k");
+
+        let caps = json!({"capabilities": [
+            {"capability": "events", "state": true},
+            {"capability": "pause-before-switchover", "state": true},
+        ]});
+        for vm in [&mut src, &mut dst] {
+            let answer = vm.qmp.answer("migrate-set-capabilities", caps.clone());
+            s.note(answer);
+        }
+        let uri = format!("unix:{}", migration.display());
+        s.note(src.qmp.answer("migrate", json!({ "uri": uri })));
+        src.qmp.await_event("MIGRATION", json!({"status": "pre-switchover"}));
+
+        s.cmd("blockdev-set-active", json!({"active": false}));
+        guest_io(s, &mut src, "read -P 0x11 0 4k");
+        guest_io(s, &mut dst, "read 0 4k");
+        s.note(qsd_dst.answer("blockdev-set-active", json!({"active": true})));
+
+        s.note(src.qmp.answer("migrate-continue", json!({"state": "pre-switchover"})));
+        dst.qmp.await_event("MIGRATION", json!({"status": "completed"}));
+        guest_io(s, &mut dst, "read -P 0x11 0 4k");
+        guest_io(s, &mut dst, "write -P 0x22 0 4k");
+        guest_io(s, &mut dst, "read -P 0x22 0 4k");
+
+        s.note(json!({ "src-log": src.quit() }));
+        s.note(json!({ "dst-log": dst.quit() }));
+        drop(dst_daemon);
+    });
+    let answers: Vec<&Value> = log.iter().filter_map(|v| v.get("answer")).collect();
+    assert_eq!(answers, [&json!({"return": ""}); 7], "every qemu-io over HMP ran");
+    assert_eq!(outcomes(&log), ["ok"; 6]);
+    let (wrote, read) = ("wrote 4096/4096 bytes at offset 0", "read 4096/4096 bytes at offset 0");
+    assert_eq!(noted(&log, "src-log"), &json!([wrote, read, read]));
+    assert_eq!(noted(&log, "dst-log"), &json!([read, read, wrote, read]));
 }
