@@ -360,6 +360,8 @@ fn inactive_node_nbd() {
     assert_eq!(io[0], "read 65536/65536 bytes at offset 0");
     assert_eq!(io[1..4], [eperm("write failed"), eperm("write failed"), eperm("write failed")]);
     assert_eq!(io[4..], [eperm("discard failed"), String::new(), eperm("qemu-io: Failed to get allocation status")]);
+    let after = ["wrote 65536/65536 bytes at offset 0", "read 65536/65536 bytes at offset 0"];
+    assert_eq!(noted(&log, "after"), &json!(after));
 }
 
 fn inactive_parents(s: &mut Session) {
@@ -377,7 +379,7 @@ fn inactive_parents(s: &mut Session) {
 }
 
 /// An export of an inactive node: reads and flushes go through, the rest
-/// gets EPERM.
+/// gets EPERM, until the node is activated.
 fn inactive_export_access(s: &mut Session) {
     set_active(s, "target-fmt", false);
     s.cmd("block-export-add", export_of("target-fmt", Some(true)));
@@ -388,6 +390,11 @@ fn inactive_export_access(s: &mut Session) {
             .map(|c| io.cmd(c))
             .collect();
     s.note(json!({ "qemu-io": said }));
+    // Not in the iotest: once the node is active again, the same
+    // connection writes.
+    set_active(s, "target-fmt", true);
+    let said = ["write -P 7 0 64k", "read -P 7 0 64k"].map(|c| io.cmd(c));
+    s.note(json!({ "after": said }));
 }
 
 /// nbd-multiconn's disk: qcow2, 4M, 1s then 2s.
