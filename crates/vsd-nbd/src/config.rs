@@ -65,6 +65,14 @@ pub struct ExportConfig {
     pub bitmaps: Vec<String>,
     /// `allocation-depth=`: show the `qemu:allocation-depth` context.
     pub allocation_depth: bool,
+    /// `allow-inactive=`: the node may be inactive (the other end of a
+    /// live migration owns its image), so the export neither activates it
+    /// nor keeps it from being inactivated; meanwhile clients may read
+    /// and flush, other requests get EPERM, as QEMU's.
+    pub allow_inactive: bool,
+    /// `iothread=`: the id of a `--object iothread`, which must exist, as
+    /// in QEMU; vsd serves each connection on a thread of its own anyway.
+    pub iothread: Option<String>,
 }
 
 impl ExportConfig {
@@ -85,7 +93,20 @@ impl ExportConfig {
         let writethrough = opts.take_bool("writethrough")?.unwrap_or(false);
         let bitmaps = opts.take_values("bitmaps");
         let allocation_depth = opts.take_bool("allocation-depth")?.unwrap_or(false);
-        Ok(Self { id, node_name, name, description, writable, writethrough, bitmaps, allocation_depth })
+        let allow_inactive = opts.take_bool("allow-inactive")?.unwrap_or(false);
+        let iothread = opts.take("iothread");
+        Ok(Self {
+            id,
+            node_name,
+            name,
+            description,
+            writable,
+            writethrough,
+            bitmaps,
+            allocation_depth,
+            allow_inactive,
+            iothread,
+        })
     }
 }
 
@@ -138,5 +159,16 @@ mod tests {
         assert!(depth.allocation_depth && !e.allocation_depth);
         assert!(parse("type=nbd,id=e,node-name=n,allocation-depth=2", ExportConfig::from_options).is_err());
         assert!(parse("type=nbd,id=e,node-name=n,num-queues=2", ExportConfig::from_options).is_err());
+    }
+
+    #[test]
+    fn allow_inactive_and_iothread_are_off_unless_asked() {
+        let e = parse("type=nbd,id=e,node-name=n", ExportConfig::from_options).unwrap();
+        let on = parse("type=nbd,id=e,node-name=n,allow-inactive=true", ExportConfig::from_options).unwrap();
+        assert!(on.allow_inactive && !e.allow_inactive);
+        let threaded = parse("type=nbd,id=e,node-name=n,iothread=io0", ExportConfig::from_options).unwrap();
+        assert_eq!((threaded.iothread.as_deref(), e.iothread), (Some("io0"), None));
+        let err = parse("type=nbd,id=e,node-name=n,allow-inactive=2", ExportConfig::from_options).unwrap_err();
+        assert!(err.to_string().contains("allow-inactive"), "{err}");
     }
 }

@@ -528,6 +528,16 @@ impl<W: Wire> Transmission<W> {
                 self.closing = true;
                 return self.release(index);
             }
+            // An inactive node's image is another process's (allow-inactive):
+            // it may be read and flushed, nothing else, as in QEMU.
+            Command::Write { .. }
+            | Command::Trim { .. }
+            | Command::WriteZeroes { .. }
+            | Command::BlockStatus { .. }
+                if !self.node.active() =>
+            {
+                return self.reply_error(index, errno::EPERM);
+            }
             Command::Read { len: 0, .. } | Command::Write { len: 0, .. } | Command::Cache => {
                 return self.reply_done(index);
             }

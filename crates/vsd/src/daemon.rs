@@ -153,6 +153,9 @@ impl Daemon {
                 Export::VhostUserBlk(export)
             }
             ExportOptions::Nbd(config) => {
+                if let Some(thread) = &config.iothread {
+                    self.objects.iothread(thread).map_err(anyhow::Error::msg)?;
+                }
                 let server = state.nbd.as_ref().context("NBD server not running")?;
                 let export = server.add_export(config, node)?;
                 log::info!("export '{id}' offered over NBD as '{}'", export.config().name);
@@ -167,8 +170,10 @@ impl Daemon {
     /// Activates or inactivates node `name` (every node if `None`), with
     /// every vhost-user-blk export's queues stopped meanwhile, as QEMU
     /// drains all I/O first; queues of nodes left inactive stay stopped,
-    /// their requests waiting in the rings. A node served by an export
-    /// without `allow-inactive` cannot be inactivated.
+    /// their requests waiting in the rings; connections of NBD exports
+    /// with `allow-inactive` are stopped too, and open their queues again.
+    /// A node served by an export without `allow-inactive` cannot be
+    /// inactivated.
     pub(crate) fn set_active(&self, name: Option<&str>, active: bool) -> Result<(), ActivationError> {
         let state = self.state();
         let pinned = |node: &str| {
@@ -184,7 +189,17 @@ impl Daemon {
                 Export::Nbd(_) => None,
             })
             .collect();
-        with_queues_stopped(&queues, || state.graph.set_active(name, active, pinned))
+        let connections: Vec<&NbdExport> = state
+            .exports
+            .values()
+            .filter_map(|e| match e {
+                Export::Nbd(e) if e.config().allow_inactive => Some(e),
+                _ => None,
+            })
+            .collect();
+        with_queues_stopped(&queues, || {
+            with_connections_reopened(&connections, || state.graph.set_active(name, active, pinned))
+        })
     }
 
     /// Starts the NBD server (`--nbd-server`, `nbd-server-start`).
@@ -269,9 +284,12 @@ enum ExportOptions {
 }
 
 impl ExportOptions {
-    /// Whether the node may stay inactive (NBD exports: not yet).
+    /// Whether the node may stay inactive (`allow-inactive`).
     fn allows_inactive(&self) -> bool {
-        matches!(self, ExportOptions::VhostUserBlk(c) if c.allow_inactive)
+        match self {
+            ExportOptions::VhostUserBlk(c) => c.allow_inactive,
+            ExportOptions::Nbd(c) => c.allow_inactive,
+        }
     }
 
     /// Whether the guest or client may write.
@@ -330,7 +348,10 @@ impl Export {
 
     /// Whether its node may be inactive (`allow-inactive`).
     pub(crate) fn allows_inactive(&self) -> bool {
-        matches!(self, Export::VhostUserBlk(e) if e.config().allow_inactive)
+        match self {
+            Export::VhostUserBlk(e) => e.config().allow_inactive,
+            Export::Nbd(e) => e.config().allow_inactive,
+        }
     }
 
     pub(crate) fn has_client(&self) -> bool {
@@ -372,5 +393,15 @@ fn with_queues_stopped<T>(exports: &[&VhostUserBlkExport], f: impl FnOnce() -> T
     match exports.split_first() {
         None => f(),
         Some((first, rest)) => first.with_queues_stopped(|| with_queues_stopped(rest, f)),
+    }
+}
+
+/// Runs `f` with the connections of these NBD exports stopped; if it
+/// succeeds, they open their queues again (a node activated or
+/// inactivated keeps nothing a queue opened before may rely on).
+fn with_connections_reopened<E>(exports: &[&NbdExport], f: impl FnOnce() -> Result<(), E>) -> Result<(), E> {
+    match exports.split_first() {
+        None => f(),
+        Some((first, rest)) => first.replace_node_after(first.node(), || with_connections_reopened(rest, f)),
     }
 }
