@@ -187,3 +187,63 @@ fn a_bitmap_limits_the_snapshot_to_its_dirty_clusters() {
     assert_eq!(seen.before, in_bitmap);
     assert_eq!(seen.after, in_bitmap);
 }
+
+/// What qemu-io said of a failed command (empty if it passed).
+fn failure(args: &[&str]) -> String {
+    let out = run("qemu-io", args);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    text.lines().filter(|line| line.contains("failed")).collect::<Vec<_>>().join("\n")
+}
+
+/// A write through a filter whose target fails, under `policy`: what
+/// reading the snapshot before and after, and the write, said.
+fn failing_target(start: Start, policy: &str, qemu: bool) -> Vec<String> {
+    let dir = Scratch::new(&format!("fleecing-{policy}"));
+    let (base, fleece) = images(&dir, Mode::SnapshotAccess);
+    let daemon = start(&dir, &daemon_args(&dir, &base));
+    let mut qmp = Qmp::connect(&dir.path("qmp.sock"));
+    // QEMU's rules fire after an event; vsd's blkdebug has none, its rules fire on every write.
+    let rule = if qemu { json!({"event": "pwritev", "iotype": "write"}) } else { json!({"iotype": "write"}) };
+    qmp.ok(
+        "blockdev-add",
+        json!({"driver": "blkdebug", "node-name": "temp", "image": {"driver": "file", "filename": fleece},
+            "inject-error": [rule]}),
+    );
+    qmp.ok(
+        "blockdev-add",
+        json!({"driver": "copy-before-write", "node-name": "fl-cbw", "file": "source", "target": "temp",
+            "on-cbw-error": policy}),
+    );
+    qmp.ok("blockdev-add", json!({"driver": "snapshot-access", "node-name": "fl-access", "file": "fl-cbw"}));
+    qmp.ok("block-export-add", json!({"type": "nbd", "id": "fleece", "node-name": "fl-access"}));
+    qmp.ok("block-export-add", json!({"type": "nbd", "id": "guest", "node-name": "fl-cbw", "writable": true}));
+    let (snapshot, guest) = (nbd_uri(&dir, "fl-access"), nbd_uri(&dir, "fl-cbw"));
+    let read = |command: &str| failure(&["-r", "-f", "raw", "-c", command, &snapshot]);
+    let seen = vec![
+        read("read -P0x5d 0 64k"),
+        failure(&["-f", "raw", "-c", "write -P0xab 0 4k", &guest]),
+        read("read -P0x5d 0 64k"),
+        read("read -P0xd5 1M 64k"),
+    ];
+    drop(qmp);
+    daemon.stop();
+    seen
+}
+
+#[test]
+fn a_failed_copy_fails_the_guest_write_or_breaks_the_snapshot() {
+    for policy in ["break-guest-write", "break-snapshot"] {
+        let qsd = failing_target(Daemon::qsd, policy, true);
+        let vsd = failing_target(Daemon::vsd, policy, false);
+        // vsd's NBD server sends EIO for errnos QEMU's sends EINVAL for
+        // (the snapshot's EACCES): whether each failed is compared, and
+        // the guest write's error word for word.
+        let failed = |seen: &[String]| seen.iter().map(|s| !s.is_empty()).collect::<Vec<_>>();
+        assert_eq!(failed(&vsd), failed(&qsd), "{policy}: vsd {vsd:?}, qemu-storage-daemon {qsd:?}");
+        assert_eq!(vsd[1], qsd[1], "{policy}: the guest write");
+        match policy {
+            "break-guest-write" => assert_eq!(failed(&vsd), [false, true, false, false], "{vsd:?}"),
+            _ => assert_eq!(failed(&vsd), [false, false, true, true], "{vsd:?}"),
+        }
+    }
+}

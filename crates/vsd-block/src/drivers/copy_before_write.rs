@@ -15,6 +15,8 @@
 //! can stop waiting for it (`cbw-timeout`) without its buffers in flight.
 //! `bitmap=` limits the snapshot to the clusters dirty in it at the start:
 //! only those are copied, and reading the others fails (EACCES), as in QEMU.
+//! A target smaller than `file` is taken, as QEMU takes it: copies past its
+//! end fail, under `on-cbw-error`.
 
 use std::collections::{HashSet, VecDeque};
 use std::io;
@@ -130,6 +132,35 @@ impl Snapshot {
         list.iter()
             .filter_map(Weak::upgrade)
             .find(|s| s.name == node.name() && same(&s.file, &file) && same(&s.target, &target))
+    }
+
+    /// The snapshot of `file` now, kept in `target`: every cluster, or
+    /// those with bits dirty in `bitmap`.
+    fn new(
+        name: String,
+        file: Arc<dyn BlockNode>,
+        target: Arc<dyn BlockNode>,
+        bitmap: Option<&Bitmap>,
+        on_error: OnError,
+        timeout: Option<Duration>,
+    ) -> Self {
+        let size = file.size();
+        let cluster = CLUSTER.max(target.cluster_size().unwrap_or(0));
+        let in_snapshot = |i: u64| bitmap.is_none_or(|b| any_dirty(b, i * cluster, cluster.min(size - i * cluster)));
+        let clusters = (0..size.div_ceil(cluster))
+            .map(|i| if in_snapshot(i) { Cluster::Original } else { Cluster::Outside })
+            .collect();
+        let state = State {
+            clusters,
+            requests: VecDeque::new(),
+            next_id: 0,
+            outcomes: Vec::new(),
+            abandoned: HashSet::new(),
+            frozen: Vec::new(),
+            broken: false,
+            stop: false,
+        };
+        Self { name, file, target, size, cluster, on_error, timeout, state: Mutex::new(state), changed: Condvar::new() }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -345,57 +376,8 @@ impl CbwNode {
         let file = graph.child(opts, "file")?;
         let target = graph.child(opts, "target")?;
         let bitmap = Self::bitmap(opts, graph)?;
-        let on_error = match opts.take_choice("on-cbw-error", &["break-guest-write", "break-snapshot"])? {
-            Some("break-snapshot") => OnError::BreakSnapshot,
-            _ => OnError::BreakGuestWrite,
-        };
-        let timeout = match opts.take_number("cbw-timeout")? {
-            Some(text) => text.parse::<u32>().map_err(|_| opts.invalid("cbw-timeout", &text, "uint32_t"))?,
-            None => 0,
-        };
-        let invalid = |reason: String| GraphError::Invalid { context: opts.context().into(), reason };
-        let size = file.size();
-        if target.size() < size {
-            return Err(invalid(format!(
-                "target '{}' ({} bytes) is smaller than file '{}' ({size} bytes)",
-                target.name(),
-                target.size(),
-                file.name()
-            )));
-        }
-        let cluster = CLUSTER.max(target.cluster_size().unwrap_or(0));
-        let clusters = (0..size.div_ceil(cluster))
-            .map(|i| {
-                let (offset, len) = (i * cluster, cluster.min(size - i * cluster));
-                if bitmap.as_ref().is_none_or(|b| any_dirty(b, offset, len)) {
-                    Cluster::Original
-                } else {
-                    Cluster::Outside
-                }
-            })
-            .collect();
-        let state = State {
-            clusters,
-            requests: VecDeque::new(),
-            next_id: 0,
-            outcomes: Vec::new(),
-            abandoned: HashSet::new(),
-            frozen: Vec::new(),
-            broken: false,
-            stop: false,
-        };
-        let timeout = (timeout > 0).then(|| Duration::from_secs(timeout.into()));
-        let snapshot = Arc::new(Snapshot {
-            name: name.clone(),
-            file,
-            target,
-            size,
-            cluster,
-            on_error,
-            timeout,
-            state: Mutex::new(state),
-            changed: Condvar::new(),
-        });
+        let (on_error, timeout) = Self::policy(opts)?;
+        let snapshot = Arc::new(Snapshot::new(name.clone(), file, target, bitmap.as_deref(), on_error, timeout));
         let copier = {
             let snapshot = snapshot.clone();
             std::thread::Builder::new().name(format!("cbw {name}")).spawn(move || snapshot.copier()).map_err(|e| {
@@ -404,6 +386,19 @@ impl CbwNode {
         };
         SNAPSHOTS.lock().unwrap_or_else(PoisonError::into_inner).push(Arc::downgrade(&snapshot));
         Ok(Self { name, snapshot, copier: Some(copier) })
+    }
+
+    /// `on-cbw-error` and `cbw-timeout` (seconds, 0: none).
+    fn policy(opts: &mut OptionMap) -> Result<(OnError, Option<Duration>), GraphError> {
+        let on_error = match opts.take_choice("on-cbw-error", &["break-guest-write", "break-snapshot"])? {
+            Some("break-snapshot") => OnError::BreakSnapshot,
+            _ => OnError::BreakGuestWrite,
+        };
+        let timeout = match opts.take_number("cbw-timeout")? {
+            Some(text) => text.parse::<u32>().map_err(|_| opts.invalid("cbw-timeout", &text, "uint32_t"))?,
+            None => 0,
+        };
+        Ok((on_error, (timeout > 0).then(|| Duration::from_secs(timeout.into()))))
     }
 
     /// `bitmap.node` and `bitmap.name`: the bitmap whose dirty clusters
@@ -488,5 +483,49 @@ impl BlockNode for CbwNode {
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
         let inner = self.snapshot.file.open_queue(depth)?;
         Ok(Box::new(FilteredQueue::new(inner, CbwFilter(self.snapshot.clone()), depth)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A snapshot of a 1 MiB null disk into a null target, without a
+    /// copier: every copy a writer asks for waits forever.
+    fn stalled(on_error: OnError) -> Snapshot {
+        let mut graph = BlockGraph::new();
+        let mut add = |text: &str| graph.add(OptionMap::parse("--blockdev", text).unwrap()).unwrap();
+        let file = add("driver=null-co,node-name=f,size=1M,read-zeroes=on");
+        let target = add("driver=null-co,node-name=t,size=1M,read-zeroes=on");
+        Snapshot::new("cbw".into(), file, target, None, on_error, Some(Duration::from_millis(50)))
+    }
+
+    #[test]
+    fn a_copy_past_the_timeout_fails_the_write_or_breaks_the_snapshot() {
+        let guest = stalled(OnError::BreakGuestWrite);
+        assert_eq!(guest.before_write(4096, 512), Err(libc::ETIMEDOUT));
+        assert_eq!(guest.lock().abandoned.len(), 1, "the copy goes on, its outcome unwanted");
+        let mut readers = guest.readers().unwrap();
+        assert_eq!(guest.read(&mut readers, &mut [0; 512], 4096), Ok(()), "the snapshot stays whole");
+
+        let snapshot = stalled(OnError::BreakSnapshot);
+        assert_eq!(snapshot.before_write(4096, 512), Ok(()));
+        let mut readers = snapshot.readers().unwrap();
+        assert_eq!(snapshot.read(&mut readers, &mut [0; 512], CLUSTER * 3), Err(libc::EACCES), "every read fails");
+        assert_eq!(snapshot.before_write(CLUSTER * 3, 512), Ok(()), "nor do writes wait any more");
+    }
+
+    #[test]
+    fn a_discard_drops_whole_clusters_from_the_snapshot() {
+        let snapshot = stalled(OnError::BreakGuestWrite);
+        let mut readers = snapshot.readers().unwrap();
+        snapshot.discard(&mut readers, 100, 2 * CLUSTER).unwrap();
+        let readable = |at| snapshot.read(&mut snapshot.readers().unwrap(), &mut [0; 512], at);
+        assert_eq!(readable(0), Ok(()), "cluster 0 is only partly discarded");
+        assert_eq!(readable(CLUSTER), Err(libc::EACCES));
+        assert_eq!(readable(2 * CLUSTER), Ok(()));
+        assert_eq!(snapshot.before_write(CLUSTER, CLUSTER), Ok(()), "a dropped cluster is not copied");
+        snapshot.discard(&mut readers, 15 * CLUSTER + 1, CLUSTER).unwrap();
+        assert_eq!(readable(15 * CLUSTER + 4096), Ok(()), "the last cluster is only partly discarded");
     }
 }
