@@ -298,12 +298,7 @@ impl Snapshot {
             drop(state);
             let offset = start as u64 * self.cluster;
             let len = ((start + count) as u64 * self.cluster).min(self.size) - offset;
-            let mut buf = vec![0; len as usize];
-            readers
-                .file
-                .read_at(&mut buf, offset)
-                .and_then(|()| readers.target.write_at(&buf, offset))
-                .map_err(|e| errno(&e))?;
+            self.copy_bytes(readers, offset, len).map_err(|e| errno(&e))?;
             let mut state = self.lock();
             state.clusters[start..start + count]
                 .iter_mut()
@@ -314,38 +309,78 @@ impl Snapshot {
         Ok(())
     }
 
-    /// Reads the point-in-time bytes at `offset` into `buf`: EACCES for
-    /// bytes outside the snapshot, or all once it is broken.
+    /// Copies bytes `offset..offset + len` of `file` to `target`, holes as
+    /// zeroes (which keeps them sparse there, as QEMU's block-copy).
+    fn copy_bytes(&self, readers: &mut Readers, offset: u64, len: u64) -> io::Result<()> {
+        let end = offset + len;
+        let mut at = offset;
+        while at < end {
+            let (allocation, run) = self.file.block_status(at, end - at)?;
+            let run = run.clamp(1, end - at);
+            match allocation {
+                Allocation::Hole => readers.target.write_zeroes(at, run)?,
+                Allocation::Data => {
+                    let mut buf = vec![0; run as usize];
+                    readers.file.read_at(&mut buf, at)?;
+                    readers.target.write_at(&buf, at)?;
+                }
+            }
+            at += run;
+        }
+        Ok(())
+    }
+
+    /// Runs `f` on the first part of bytes `offset..offset + len` of the
+    /// snapshot that is in one place, `target` (true) or `file` (false),
+    /// with the part's length; a part in `file` is held against writes
+    /// until `f` returns. EACCES for bytes outside the snapshot, or for
+    /// all once it is broken.
+    fn in_place<T>(&self, offset: u64, len: u64, f: impl FnOnce(bool, u64) -> T) -> Result<(T, u64), i32> {
+        let Some((first, last)) = self.span(offset, len) else { return Err(libc::EIO) };
+        let mut state = self.lock();
+        if state.broken || state.clusters[first..=last].contains(&Cluster::Outside) {
+            return Err(libc::EACCES);
+        }
+        let copied = state.clusters[first] == Cluster::Copied;
+        let run = state.clusters[first..=last].iter().take_while(|&&c| (c == Cluster::Copied) == copied).count();
+        let part = ((first + run) as u64 * self.cluster).min(offset + len) - offset;
+        if copied {
+            drop(state);
+            return Ok((f(true, part), part));
+        }
+        let frozen = (first as u64, (first + run - 1) as u64);
+        state.frozen.push(frozen);
+        drop(state);
+        let result = f(false, part);
+        let mut state = self.lock();
+        if let Some(i) = state.frozen.iter().position(|&held| held == frozen) {
+            state.frozen.swap_remove(i);
+        }
+        self.changed.notify_all();
+        Ok((result, part))
+    }
+
+    /// Reads the point-in-time bytes at `offset` into `buf`.
     pub(crate) fn read(&self, readers: &mut Readers, buf: &mut [u8], offset: u64) -> Result<(), i32> {
         let mut done = 0;
         while done < buf.len() {
+            let rest = &mut buf[done..];
             let at = offset + done as u64;
-            let Some((first, last)) = self.span(at, (buf.len() - done) as u64) else { return Err(libc::EIO) };
-            let mut state = self.lock();
-            if state.broken || state.clusters[first..=last].contains(&Cluster::Outside) {
-                return Err(libc::EACCES);
-            }
-            let copied = state.clusters[first] == Cluster::Copied;
-            let run = state.clusters[first..=last].iter().take_while(|&&c| (c == Cluster::Copied) == copied).count();
-            let end = ((first + run) as u64 * self.cluster).min(offset + buf.len() as u64);
-            let piece = &mut buf[done..(end - offset) as usize];
-            let frozen = (first as u64, (first + run - 1) as u64);
-            if !copied {
-                state.frozen.push(frozen);
-            }
-            drop(state);
-            let result = if copied { readers.target.read_at(piece, at) } else { readers.file.read_at(piece, at) };
-            if !copied {
-                let mut state = self.lock();
-                if let Some(i) = state.frozen.iter().position(|&f| f == frozen) {
-                    state.frozen.swap_remove(i);
-                }
-                self.changed.notify_all();
-            }
+            let (result, part) = self.in_place(at, rest.len() as u64, |copied, part| {
+                let piece = &mut rest[..part as usize];
+                if copied { readers.target.read_at(piece, at) } else { readers.file.read_at(piece, at) }
+            })?;
             result.map_err(|e| errno(&e))?;
-            done += piece.len();
+            done += part as usize;
         }
         Ok(())
+    }
+
+    /// How the snapshot's bytes from `offset` read: as `target` or `file`
+    /// says where they are.
+    pub(crate) fn block_status(&self, offset: u64, len: u64) -> io::Result<(Allocation, u64)> {
+        let status = |copied, part| if copied { &self.target } else { &self.file }.block_status(offset, part);
+        self.in_place(offset, len, status).map_err(io::Error::from_raw_os_error)?.0
     }
 
     /// Drops the whole clusters of `offset..offset + len` from the

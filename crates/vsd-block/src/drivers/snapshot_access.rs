@@ -15,7 +15,7 @@ use vsd_engine::{IoOp, IoQueue};
 use super::copy_before_write::{Readers, Snapshot};
 use super::{Filter, FilteredQueue, Route, out_of_bounds};
 use crate::options::OptionMap;
-use crate::{BlockGraph, BlockNode, GraphError};
+use crate::{Allocation, BlockGraph, BlockNode, GraphError};
 
 pub(crate) struct SnapshotAccessNode {
     name: String,
@@ -88,6 +88,13 @@ impl BlockNode for SnapshotAccessNode {
 
     fn children(&self) -> Vec<(&'static str, Arc<dyn BlockNode>)> {
         vec![("file", self.child.clone())]
+    }
+
+    fn block_status(&self, offset: u64, len: u64) -> io::Result<(Allocation, u64)> {
+        match &self.snapshot {
+            Some(snapshot) => snapshot.block_status(offset, len),
+            None => Err(io::Error::from_raw_os_error(libc::ENOTSUP)),
+        }
     }
 
     fn open_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
