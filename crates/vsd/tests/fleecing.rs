@@ -257,3 +257,45 @@ fn a_failed_copy_fails_the_guest_write_or_breaks_the_snapshot() {
         }
     }
 }
+
+#[test]
+fn the_snapshot_holds_while_the_guest_writes_during_the_backup() {
+    let dir = Scratch::new("fleecing-busy");
+    let (base, fleece) = images(&dir, Mode::SnapshotAccess);
+    let original = dir.path("original.qcow2");
+    std::fs::copy(&base, &original).unwrap();
+    let daemon = Daemon::vsd(&dir, &daemon_args(&dir, &base));
+    let mut qmp = Qmp::connect(&dir.path("qmp.sock"));
+    qmp.ok("blockdev-add", json!({"driver": "file", "node-name": "temp", "filename": fleece}));
+    qmp.ok(
+        "blockdev-add",
+        json!({"driver": "copy-before-write", "node-name": "fl-cbw", "file": "source", "target": "temp"}),
+    );
+    qmp.ok("blockdev-add", json!({"driver": "snapshot-access", "node-name": "fl-access", "file": "fl-cbw"}));
+    qmp.ok("block-export-add", json!({"type": "nbd", "id": "fleece", "node-name": "fl-access"}));
+    qmp.ok("block-export-add", json!({"type": "nbd", "id": "guest", "node-name": "fl-cbw", "writable": true}));
+    // Writes over the whole disk, some straddling clusters, while the
+    // backup reads it.
+    let guest = nbd_uri(&dir, "fl-cbw");
+    let writer = std::thread::spawn(move || {
+        let mut args: Vec<String> = vec!["-f".into(), "raw".into()];
+        for i in 0..256u64 {
+            let offset = (i * 7919 * 4096) % (63 << 20) + (i % 3) * 512;
+            args.extend(["-c".into(), format!("write -P{} {offset} 96k", i % 250 + 1)]);
+        }
+        args.push(guest);
+        run("qemu-io", &args.iter().map(String::as_str).collect::<Vec<_>>()).status.success()
+    });
+    let snapshot = nbd_uri(&dir, "fl-access");
+    let compare = || run("qemu-img", &["compare", "-f", "raw", "-F", "qcow2", &snapshot, original.to_str().unwrap()]);
+    let during = compare();
+    assert!(writer.join().unwrap(), "the guest's writes");
+    let after = compare();
+    assert!(during.status.success(), "{}", String::from_utf8_lossy(&during.stdout));
+    assert!(after.status.success(), "{}", String::from_utf8_lossy(&after.stdout));
+    let disk =
+        run("qemu-img", &["compare", "-f", "raw", "-F", "qcow2", &nbd_uri(&dir, "fl-cbw"), original.to_str().unwrap()]);
+    assert_eq!(disk.status.code(), Some(1), "the disk changed: {}", String::from_utf8_lossy(&disk.stdout));
+    drop(qmp);
+    daemon.stop();
+}
