@@ -299,3 +299,38 @@ fn the_snapshot_holds_while_the_guest_writes_during_the_backup() {
     drop(qmp);
     daemon.stop();
 }
+
+/// The fleecing graph given on the command line, the filter exported as
+/// the guest's disk from the start (qemu-storage-daemon's simple case):
+/// what the snapshot and the disk read after a write.
+fn from_the_command_line(start: Start) -> Vec<bool> {
+    let dir = Scratch::new("fleecing-cli");
+    let (base, fleece) = images(&dir, Mode::Bitmap);
+    let mut args = daemon_args(&dir, &base);
+    for blockdev in [
+        format!("driver=file,node-name=temp,filename={}", fleece.display()),
+        "driver=copy-before-write,node-name=fl-cbw,file=source,target=temp,bitmap.node=source,bitmap.name=bitmap0,\
+         on-cbw-error=break-snapshot,cbw-timeout=30"
+            .into(),
+        "driver=snapshot-access,node-name=fl-access,file=fl-cbw".into(),
+    ] {
+        args.extend(["--blockdev".into(), blockdev]);
+    }
+    for export in ["id=fleece,node-name=fl-access", "id=guest,node-name=fl-cbw,writable=on"] {
+        args.extend(["--export".into(), format!("type=nbd,{export}")]);
+    }
+    let daemon = start(&dir, &args);
+    let (snapshot, guest) = (nbd_uri(&dir, "fl-access"), nbd_uri(&dir, "fl-cbw"));
+    let mut seen = io_each(&guest, "write", &OVERWRITE[..2], &["-f", "raw"]);
+    seen.extend(io_each(&snapshot, "read", &PATTERNS, &["-r", "-f", "raw"]));
+    seen.extend(io_each(&guest, "read", &OVERWRITE[..2], &["-r", "-f", "raw"]));
+    daemon.stop();
+    seen
+}
+
+#[test]
+fn the_graph_can_be_given_on_the_command_line() {
+    let vsd = from_the_command_line(Daemon::vsd);
+    assert_eq!(vsd, from_the_command_line(Daemon::qsd), "vsd, then qemu-storage-daemon");
+    assert!(vsd.iter().all(|&passed| passed), "{vsd:?}");
+}
