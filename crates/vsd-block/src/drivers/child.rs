@@ -96,6 +96,12 @@ impl ChildQueue {
         }
     }
 
+    /// Writes zeroes over `len` bytes at `offset`, waiting for it (a
+    /// copy that keeps holes sparse).
+    pub(crate) fn write_zeroes(&mut self, offset: u64, len: u64) -> io::Result<()> {
+        self.run(IoOp::WriteZeroes { offset, len, may_unmap: false, fast: false })
+    }
+
     fn transfer(&mut self, buf: *mut u8, len: usize, offset: u64, write: bool) -> io::Result<()> {
         let iov = [libc::iovec { iov_base: buf.cast(), iov_len: len }];
         // SAFETY: `iov` and the buffer it names outlive `run`, which

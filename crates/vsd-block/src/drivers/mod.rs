@@ -2,12 +2,14 @@
 
 mod blkdebug;
 mod child;
+mod copy_before_write;
 mod file;
 mod nbd;
 mod null;
 mod qcow2;
 mod raw;
 mod rbd;
+mod snapshot_access;
 mod throttle;
 
 use std::io;
@@ -20,8 +22,20 @@ use crate::options::OptionMap;
 use crate::{BlockGraph, BlockNode, Cache, GraphError};
 
 /// Every driver a `--blockdev` can name, as QEMU names them.
-pub const DRIVERS: &[&str] =
-    &["file", "host_device", "raw", "qcow2", "rbd", "nbd", "null-co", "null-aio", "blkdebug", "throttle"];
+pub const DRIVERS: &[&str] = &[
+    "file",
+    "host_device",
+    "raw",
+    "qcow2",
+    "rbd",
+    "nbd",
+    "null-co",
+    "null-aio",
+    "blkdebug",
+    "throttle",
+    "copy-before-write",
+    "snapshot-access",
+];
 
 /// Opens a `driver` node; `active` is false for a node opened inactive
 /// (`active=off`), which must write nothing to its image; `bitmaps` are the
@@ -47,6 +61,8 @@ pub(crate) fn open(
         "blkdebug" => Ok(Arc::new(blkdebug::BlkdebugNode::open(name, opts, graph)?)),
         "rbd" => Ok(Arc::new(rbd::RbdNode::open(name, cache, opts, graph)?)),
         "throttle" => Ok(Arc::new(throttle::ThrottleNode::open(name, opts, graph)?)),
+        "copy-before-write" => Ok(Arc::new(copy_before_write::CbwNode::open(name, opts, graph)?)),
+        "snapshot-access" => Ok(Arc::new(snapshot_access::SnapshotAccessNode::open(name, opts, graph)?)),
         _ => Err(GraphError::UnknownDriver { context: opts.context().into(), driver: driver.into() }),
     }
 }
