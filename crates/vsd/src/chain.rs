@@ -49,9 +49,9 @@ pub(crate) fn image_filename(node: &Node) -> Option<String> {
 }
 
 /// Whether QEMU counts `node`'s driver as a filter: a chain passes through
-/// it to its one child, and it is never a layer of its own.
+/// it to its first child (`file`), and it is never a layer of its own.
 pub(crate) fn is_filter(node: &Node) -> bool {
-    matches!(node.driver(), "throttle" | "blkdebug")
+    matches!(node.driver(), "throttle" | "blkdebug" | "copy-before-write")
 }
 
 /// Whether `node` is a filter that can pass its requests to another child
