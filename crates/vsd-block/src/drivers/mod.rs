@@ -2,6 +2,7 @@
 
 mod blkdebug;
 mod child;
+mod copy_on_read;
 mod file;
 mod nbd;
 mod null;
@@ -20,8 +21,19 @@ use crate::options::OptionMap;
 use crate::{BlockGraph, BlockNode, Cache, GraphError};
 
 /// Every driver a `--blockdev` can name, as QEMU names them.
-pub const DRIVERS: &[&str] =
-    &["file", "host_device", "raw", "qcow2", "rbd", "nbd", "null-co", "null-aio", "blkdebug", "throttle"];
+pub const DRIVERS: &[&str] = &[
+    "file",
+    "host_device",
+    "raw",
+    "qcow2",
+    "rbd",
+    "nbd",
+    "null-co",
+    "null-aio",
+    "blkdebug",
+    "throttle",
+    "copy-on-read",
+];
 
 /// Opens a `driver` node; `active` is false for a node opened inactive
 /// (`active=off`), which must write nothing to its image; `bitmaps` are the
@@ -47,6 +59,7 @@ pub(crate) fn open(
         "blkdebug" => Ok(Arc::new(blkdebug::BlkdebugNode::open(name, opts, graph)?)),
         "rbd" => Ok(Arc::new(rbd::RbdNode::open(name, cache, opts, graph)?)),
         "throttle" => Ok(Arc::new(throttle::ThrottleNode::open(name, opts, graph)?)),
+        "copy-on-read" => Ok(Arc::new(copy_on_read::CorNode::open(name, opts, graph)?)),
         _ => Err(GraphError::UnknownDriver { context: opts.context().into(), driver: driver.into() }),
     }
 }
