@@ -2,6 +2,7 @@
 
 mod blkdebug;
 mod child;
+mod compress;
 mod copy_on_read;
 mod file;
 mod nbd;
@@ -60,6 +61,7 @@ pub(crate) fn open(
         "rbd" => Ok(Arc::new(rbd::RbdNode::open(name, cache, opts, graph)?)),
         "throttle" => Ok(Arc::new(throttle::ThrottleNode::open(name, opts, graph)?)),
         "copy-on-read" => Ok(Arc::new(copy_on_read::CorNode::open(name, opts, graph)?)),
+        "compress" => Ok(Arc::new(compress::CompressNode::open(name, opts, graph)?)),
         _ => Err(GraphError::UnknownDriver { context: opts.context().into(), driver: driver.into() }),
     }
 }
