@@ -7,6 +7,7 @@ mod copy_on_read;
 mod file;
 mod nbd;
 mod null;
+mod preallocate;
 mod qcow2;
 mod raw;
 mod rbd;
@@ -62,6 +63,7 @@ pub(crate) fn open(
         "throttle" => Ok(Arc::new(throttle::ThrottleNode::open(name, opts, graph)?)),
         "copy-on-read" => Ok(Arc::new(copy_on_read::CorNode::open(name, opts, graph)?)),
         "compress" => Ok(Arc::new(compress::CompressNode::open(name, opts, graph)?)),
+        "preallocate" => Ok(Arc::new(preallocate::PreallocateNode::open(name, opts, graph)?)),
         _ => Err(GraphError::UnknownDriver { context: opts.context().into(), driver: driver.into() }),
     }
 }
