@@ -162,3 +162,19 @@ fn bad_options_are_refused_as_qemu_refuses_them() {
     let stderr = refused(common::VSD, &args);
     assert!(stderr.contains("Bottom node 'other' is not in the backing chain of 'ov'"), "{stderr}");
 }
+
+#[test]
+fn a_filter_cannot_be_the_bottom() {
+    let dir = Scratch::new("cor-filter-bottom");
+    image(&dir, "base.qcow2", None, &[]);
+    image(&dir, "top.qcow2", Some("base.qcow2"), &[]);
+    let mut args: Vec<String> = vec!["--object".into(), "throttle-group,id=g".into()];
+    args.extend(qcow2_node(&dir, "base", ""));
+    args.extend(["--blockdev".into(), "driver=throttle,node-name=th,throttle-group=g,file=base".into()]);
+    args.extend(qcow2_node(&dir, "top", ",backing=th"));
+    args.extend(["--blockdev".into(), "driver=copy-on-read,node-name=cor,file=top,bottom=th".into()]);
+    for program in [common::VSD, "qemu-storage-daemon"] {
+        let stderr = refused(program, &args);
+        assert!(stderr.contains("Bottom node 'th' is a filter"), "{program}: {stderr}");
+    }
+}

@@ -40,20 +40,28 @@ impl CorNode {
         let child = graph.child(opts, "file")?;
         let bottom = opts.take("bottom");
         let invalid = |reason: String| GraphError::Invalid { context: opts.context().into(), reason };
-        let stop = match bottom {
-            Some(bottom) if graph.get(&bottom).is_none() => {
-                return Err(invalid(format!("Bottom node '{bottom}' not found")));
-            }
-            Some(bottom) => Some(depth_of(&child, &bottom).ok_or_else(|| {
-                invalid(format!("Bottom node '{bottom}' is not in the backing chain of '{}'", child.name()))
-            })?),
-            None => None,
-        };
+        let stop = bottom.map(|bottom| stop_at(&child, &bottom, graph)).transpose().map_err(invalid)?;
         if child.read_only() {
             return Err(invalid("Block node is read-only".into()));
         }
         Ok(Self { name, child, stop })
     }
+}
+
+/// The drivers that pass their child's bytes on (QEMU's filters): a
+/// `bottom` cannot be one.
+const FILTERS: [&str; 5] = ["throttle", "blkdebug", "copy-on-read", "compress", "preallocate"];
+
+/// The allocation depth of `bottom`, which must be an image in the
+/// backing chain of `top`; QEMU's words, and vsd's where QEMU 10 hangs
+/// (a node outside the chain).
+fn stop_at(top: &Arc<dyn BlockNode>, bottom: &str, graph: &BlockGraph) -> Result<u32, String> {
+    let node = graph.get(bottom).ok_or_else(|| format!("Bottom node '{bottom}' not found"))?;
+    if FILTERS.contains(&node.driver()) {
+        return Err(format!("Bottom node '{bottom}' is a filter"));
+    }
+    depth_of(top, bottom)
+        .ok_or_else(|| format!("Bottom node '{bottom}' is not in the backing chain of '{}'", top.name()))
 }
 
 /// The allocation depth of node `name` below `top` (1: `top` itself),
