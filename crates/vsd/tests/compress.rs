@@ -101,6 +101,61 @@ fn writes_are_stored_compressed_as_qemu_stores_them() {
     assert_eq!(extents(&vsd), extents(&qsd), "vsd's image is mapped as qemu-storage-daemon's");
 }
 
+/// A bare NBD client (fixed newstyle, `NBD_OPT_EXPORT_NAME`, simple
+/// replies) that sends one write of `argv[3]` bytes at `argv[2]` to export
+/// `c` on socket `argv[1]`, whatever block sizes the server asks for, and
+/// prints the error the server answers.
+const RAW_WRITE: &str = r#"
+import socket, struct, sys
+s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])
+def take(n):
+    b = b""
+    while len(b) < n:
+        b += s.recv(n - len(b))
+    return b
+assert take(16) == b"NBDMAGICIHAVEOPT"; take(2)
+s.sendall(struct.pack(">I", 3) + b"IHAVEOPT" + struct.pack(">II", 1, 1) + b"c")
+take(10)
+offset, length = int(sys.argv[2]), int(sys.argv[3])
+s.sendall(struct.pack(">IHHQQI", 0x25609513, 0, 1, 7, offset, length) + b"Z" * length)
+magic, error, handle = struct.unpack(">IIQ", take(16))
+print(error)
+"#;
+
+/// The NBD error a write of `len` bytes at `offset` sent as it is gets.
+fn raw_write(socket: &std::path::Path, offset: u64, len: u64) -> u32 {
+    let socket = socket.display().to_string();
+    let out = ok("python3", &["-c", RAW_WRITE, &socket, &offset.to_string(), &len.to_string()]);
+    out.trim().parse().unwrap()
+}
+
+#[test]
+fn a_write_not_in_whole_clusters_that_reaches_the_node_fails() {
+    let dir = Scratch::new("compress-misaligned");
+    for (daemon, start) in [("vsd", Daemon::vsd as Start), ("qemu-storage-daemon", Daemon::qsd)] {
+        let image = dir.path(&format!("{daemon}.qcow2")).display().to_string();
+        ok("qemu-img", &["create", "-q", "-f", "qcow2", &image, "4M"]);
+        let socket = dir.path(&format!("{daemon}.sock"));
+        let mut args = compressed_disk(&image);
+        args.extend([
+            "--nbd-server".into(),
+            format!("addr.type=unix,addr.path={}", socket.display()),
+            "--export".into(),
+            "type=nbd,id=e0,node-name=c,writable=on".into(),
+        ]);
+        let running = start(&dir, &args);
+        let errors = [raw_write(&socket, 4096, 4096), raw_write(&socket, 1 << 20, 64 << 10)];
+        drop(running);
+        // QEMU pads the write to the cluster, reading the rest; vsd
+        // answers what a qcow2 image does to a compressed write that is
+        // not whole clusters (EINVAL), and the aligned one succeeds.
+        let misaligned = if daemon == "vsd" { libc::EINVAL as u32 } else { 0 };
+        assert_eq!(errors, [misaligned, 0], "{daemon}");
+        let check = ok("qemu-img", &["check", &image]);
+        assert!(check.contains("No errors were found") && check.contains("100.00% compressed clusters"), "{check}");
+    }
+}
+
 #[test]
 fn a_child_that_cannot_store_compressed_data_is_refused() {
     let dir = Scratch::new("compress-refused");
