@@ -122,6 +122,9 @@ impl BlockNode for AccountedNode {
     fn filename(&self) -> Option<&str> {
         self.inner.filename()
     }
+    fn request_alignment(&self) -> u32 {
+        self.inner.request_alignment()
+    }
     fn children(&self) -> Vec<(&'static str, Arc<dyn BlockNode>)> {
         self.inner.children()
     }

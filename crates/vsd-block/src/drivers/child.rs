@@ -77,6 +77,12 @@ impl ChildQueue {
         self.inner.kernel_entries()
     }
 
+    /// Zeroes `len` bytes at `offset` with the host allocating them, or
+    /// fails (no fallback to writing zeroes): a filter preallocating.
+    pub(crate) fn allocate_zeroes(&mut self, offset: u64, len: u64) -> io::Result<()> {
+        self.run(IoOp::WriteZeroes { offset, len, may_unmap: false, fast: true })
+    }
+
     /// Runs one request to completion.
     fn run(&mut self, op: IoOp) -> io::Result<()> {
         // SAFETY: the buffers `op` names belong to our caller, who waits

@@ -3,9 +3,12 @@
 mod blkdebug;
 mod child;
 mod copy_before_write;
+mod compress;
+mod copy_on_read;
 mod file;
 mod nbd;
 mod null;
+mod preallocate;
 mod qcow2;
 mod raw;
 mod rbd;
@@ -35,6 +38,9 @@ pub const DRIVERS: &[&str] = &[
     "throttle",
     "copy-before-write",
     "snapshot-access",
+    "copy-on-read",
+    "compress",
+    "preallocate",
 ];
 
 /// Opens a `driver` node; `active` is false for a node opened inactive
@@ -63,6 +69,9 @@ pub(crate) fn open(
         "throttle" => Ok(Arc::new(throttle::ThrottleNode::open(name, opts, graph)?)),
         "copy-before-write" => Ok(Arc::new(copy_before_write::CbwNode::open(name, opts, graph)?)),
         "snapshot-access" => Ok(Arc::new(snapshot_access::SnapshotAccessNode::open(name, opts, graph)?)),
+        "copy-on-read" => Ok(Arc::new(copy_on_read::CorNode::open(name, opts, graph)?)),
+        "compress" => Ok(Arc::new(compress::CompressNode::open(name, opts, graph)?)),
+        "preallocate" => Ok(Arc::new(preallocate::PreallocateNode::open(name, opts, graph)?)),
         _ => Err(GraphError::UnknownDriver { context: opts.context().into(), driver: driver.into() }),
     }
 }
