@@ -3,6 +3,7 @@
 mod blkdebug;
 mod child;
 mod file;
+mod http;
 mod nbd;
 mod null;
 mod qcow2;
@@ -20,8 +21,20 @@ use crate::options::OptionMap;
 use crate::{BlockGraph, BlockNode, Cache, GraphError};
 
 /// Every driver a `--blockdev` can name, as QEMU names them.
-pub const DRIVERS: &[&str] =
-    &["file", "host_device", "raw", "qcow2", "rbd", "nbd", "null-co", "null-aio", "blkdebug", "throttle"];
+pub const DRIVERS: &[&str] = &[
+    "file",
+    "host_device",
+    "raw",
+    "qcow2",
+    "rbd",
+    "nbd",
+    "null-co",
+    "null-aio",
+    "blkdebug",
+    "throttle",
+    "http",
+    "https",
+];
 
 /// Opens a `driver` node; `active` is false for a node opened inactive
 /// (`active=off`), which must write nothing to its image; `bitmaps` are the
@@ -47,6 +60,8 @@ pub(crate) fn open(
         "blkdebug" => Ok(Arc::new(blkdebug::BlkdebugNode::open(name, opts, graph)?)),
         "rbd" => Ok(Arc::new(rbd::RbdNode::open(name, cache, opts, graph)?)),
         "throttle" => Ok(Arc::new(throttle::ThrottleNode::open(name, opts, graph)?)),
+        "http" => Ok(Arc::new(http::HttpNode::open(name, "http", opts, graph)?)),
+        "https" => Ok(Arc::new(http::HttpNode::open(name, "https", opts, graph)?)),
         _ => Err(GraphError::UnknownDriver { context: opts.context().into(), driver: driver.into() }),
     }
 }
