@@ -88,9 +88,9 @@ impl Remote {
 
     /// Bytes `start..end`, exactly those, or an error saying what came.
     fn fetch(&self, start: u64, end: u64) -> io::Result<Vec<u8>> {
-        let response = self.get_range(start, end).map_err(|e| io::Error::other(self.describe(&e)))?;
-        let want = end - start;
         let fault = |what: String| io::Error::other(format!("{}: {what}", self.url));
+        let response = self.get_range(start, end).map_err(|e| fault(self.describe(&e)))?;
+        let want = end - start;
         if response.status() != 206 {
             return Err(fault(format!("the server ignored the byte range (status {})", response.status())));
         }
@@ -100,7 +100,8 @@ impl Remote {
         }
         let mut data = Vec::with_capacity(usize::try_from(want).map_err(io::Error::other)?);
         // One byte past the range tells a body that is too long.
-        response.into_body().into_reader().take(want + 1).read_to_end(&mut data)?;
+        let read = response.into_body().into_reader().take(want + 1).read_to_end(&mut data);
+        read.map_err(|e| fault(e.to_string()))?;
         if data.len() as u64 != want {
             return Err(fault(format!("{} bytes came for a range of {want}", data.len())));
         }
