@@ -6,6 +6,7 @@ mod copy_before_write;
 mod compress;
 mod copy_on_read;
 mod file;
+mod http;
 mod nbd;
 mod null;
 mod preallocate;
@@ -41,6 +42,8 @@ pub const DRIVERS: &[&str] = &[
     "copy-on-read",
     "compress",
     "preallocate",
+    "http",
+    "https",
 ];
 
 /// Opens a `driver` node; `active` is false for a node opened inactive
@@ -72,6 +75,8 @@ pub(crate) fn open(
         "copy-on-read" => Ok(Arc::new(copy_on_read::CorNode::open(name, opts, graph)?)),
         "compress" => Ok(Arc::new(compress::CompressNode::open(name, opts, graph)?)),
         "preallocate" => Ok(Arc::new(preallocate::PreallocateNode::open(name, opts, graph)?)),
+        "http" => Ok(Arc::new(http::HttpNode::open(name, "http", opts, graph)?)),
+        "https" => Ok(Arc::new(http::HttpNode::open(name, "https", opts, graph)?)),
         _ => Err(GraphError::UnknownDriver { context: opts.context().into(), driver: driver.into() }),
     }
 }
