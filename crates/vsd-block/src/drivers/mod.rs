@@ -35,6 +35,8 @@ pub const DRIVERS: &[&str] = &[
     "blkdebug",
     "throttle",
     "copy-on-read",
+    "compress",
+    "preallocate",
 ];
 
 /// Opens a `driver` node; `active` is false for a node opened inactive
