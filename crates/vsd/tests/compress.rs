@@ -158,6 +158,8 @@ fn a_write_not_in_whole_clusters_that_reaches_the_node_fails() {
 
 #[test]
 fn a_child_that_cannot_store_compressed_data_is_refused() {
+    let help = Command::new(common::VSD).args(["--blockdev", "help"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&help.stdout).lines().any(|l| l.trim() == "compress"), "--blockdev help lists it");
     let dir = Scratch::new("compress-refused");
     let raw = dir.image("disk.raw", 1 << 20).display().to_string();
     let args = [

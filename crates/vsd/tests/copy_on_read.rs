@@ -139,6 +139,11 @@ fn refused(program: &str, args: &[String]) -> String {
 
 #[test]
 fn bad_options_are_refused_as_qemu_refuses_them() {
+    let help = Command::new(common::VSD).args(["--blockdev", "help"]).output().unwrap();
+    assert!(
+        String::from_utf8_lossy(&help.stdout).lines().any(|l| l.trim() == "copy-on-read"),
+        "--blockdev help lists it"
+    );
     let dir = Scratch::new("cor-refused");
     image(&dir, "ov.qcow2", None, &[]);
     let cases = [

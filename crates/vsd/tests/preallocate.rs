@@ -86,6 +86,11 @@ fn the_file_grows_in_steps_and_ends_where_its_data_does() {
 
 #[test]
 fn bad_options_are_refused_as_qemu_refuses_them() {
+    let help = Command::new(common::VSD).args(["--blockdev", "help"]).output().unwrap();
+    assert!(
+        String::from_utf8_lossy(&help.stdout).lines().any(|l| l.trim() == "preallocate"),
+        "--blockdev help lists it"
+    );
     let dir = Scratch::new("preallocate-refused");
     let file = format!("file.driver=file,file.filename={}", dir.image("disk", MIB).display());
     let cases = [
