@@ -17,7 +17,7 @@ mod accounting;
 mod common;
 pub mod dirty;
 mod drivers;
-pub use drivers::DRIVERS;
+pub use drivers::{DRIVERS, FILTERS};
 mod lock;
 pub mod options;
 pub mod throttle;

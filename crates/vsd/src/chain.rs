@@ -51,7 +51,7 @@ pub(crate) fn image_filename(node: &Node) -> Option<String> {
 /// Whether QEMU counts `node`'s driver as a filter: a chain passes through
 /// it to its first child (`file`), and it is never a layer of its own.
 pub(crate) fn is_filter(node: &Node) -> bool {
-    matches!(node.driver(), "throttle" | "blkdebug" | "copy-before-write")
+    vsd_block::FILTERS.contains(&node.driver())
 }
 
 /// Whether `node` is a filter that can pass its requests to another child

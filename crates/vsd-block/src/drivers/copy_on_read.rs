@@ -48,16 +48,13 @@ impl CorNode {
     }
 }
 
-/// The drivers that pass their child's bytes on (QEMU's filters): a
-/// `bottom` cannot be one.
-const FILTERS: [&str; 5] = ["throttle", "blkdebug", "copy-on-read", "compress", "preallocate"];
-
 /// The allocation depth of `bottom`, which must be an image in the
 /// backing chain of `top`; QEMU's words, and vsd's where QEMU 10 hangs
 /// (a node outside the chain).
 fn stop_at(top: &Arc<dyn BlockNode>, bottom: &str, graph: &BlockGraph) -> Result<u32, String> {
     let node = graph.get(bottom).ok_or_else(|| format!("Bottom node '{bottom}' not found"))?;
-    if FILTERS.contains(&node.driver()) {
+    // A `bottom` is an image, never a filter.
+    if super::FILTERS.contains(&node.driver()) {
         return Err(format!("Bottom node '{bottom}' is a filter"));
     }
     depth_of(top, bottom)

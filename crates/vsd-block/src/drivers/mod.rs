@@ -2,8 +2,8 @@
 
 mod blkdebug;
 mod child;
-mod copy_before_write;
 mod compress;
+mod copy_before_write;
 mod copy_on_read;
 mod file;
 mod http;
@@ -45,6 +45,11 @@ pub const DRIVERS: &[&str] = &[
     "http",
     "https",
 ];
+
+/// The drivers QEMU counts as filters: each passes its `file` child's
+/// bytes on (changed, delayed or copied), and is never a layer of an image
+/// of its own.
+pub const FILTERS: &[&str] = &["throttle", "blkdebug", "copy-on-read", "compress", "preallocate", "copy-before-write"];
 
 /// Opens a `driver` node; `active` is false for a node opened inactive
 /// (`active=off`), which must write nothing to its image; `bitmaps` are the
