@@ -405,3 +405,58 @@ impl Python {
         format!("http://127.0.0.1:{}/{what}", self.port)
     }
 }
+
+/// The golden-image flow: a disk served at once from a qcow2 overlay whose
+/// backing image is on a web server, `copy-on-read` above it so that what
+/// the guest reads stays local, `block-stream` pulling in the rest while
+/// the guest writes, then the web server dropped: the disk reads as the
+/// golden image with the guest's writes, and the overlay stands alone.
+#[test]
+fn a_golden_image_on_a_web_server_is_pulled_in_while_served_then_the_server_goes() {
+    let dir = Scratch::new("http-golden");
+    let (golden, _) = make_images(&dir);
+    let size = std::fs::metadata(&golden).unwrap().len();
+    let nginx = Nginx::start(&dir);
+    let (overlay, socket, qmp) = (dir.path("vm.qcow2"), dir.path("nbd.sock"), dir.path("qmp.sock"));
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", path(&overlay), &size.to_string()]);
+    let url = nginx.url("https", "disk.raw");
+    let mut args: Vec<String> = [
+        "--blockdev",
+        &format!("https,node-name=golden,read-only=on,url={url}"),
+        "--blockdev",
+        &format!("file,node-name=vm-file,filename={}", path(&overlay)),
+        "--blockdev",
+        "qcow2,node-name=vm,file=vm-file,backing=golden",
+        "--blockdev",
+        "copy-on-read,node-name=disk,file=vm",
+        "--nbd-server",
+        &format!("addr.type=unix,addr.path={}", socket.display()),
+        "--export",
+        "nbd,id=e0,node-name=disk,name=x,writable=on",
+    ]
+    .map(String::from)
+    .into();
+    args.extend(common::monitor(&qmp));
+    let vsd = VsdWithCas::start(&dir, &args, &dir.path("ca.pem"));
+    // The guest: a read (copied into the overlay) and a write.
+    ok("qemu-io", &["-f", "raw", "-c", "read -q 1M 256k", "-c", "write -q -P 9 4M 64k", &export(&socket)]);
+    let mut expected = std::fs::read(&golden).unwrap();
+    expected[4 * MIB..4 * MIB + (64 << 10)].fill(9);
+    std::fs::write(dir.path("expected.raw"), &expected).unwrap();
+
+    let mut qmp = common::qmp::Qmp::connect(&qmp);
+    qmp.ok("block-stream", serde_json::json!({"job-id": "pull", "device": "vm"}));
+    qmp.await_event("BLOCK_JOB_COMPLETED", serde_json::json!({"device": "pull"}));
+    qmp.ok("blockdev-del", serde_json::json!({"node-name": "golden"}));
+    drop(nginx);
+    ok("qemu-img", &["compare", "-f", "raw", "-F", "raw", &export(&socket), path(&dir.path("expected.raw"))]);
+    drop(qmp);
+    drop(vsd);
+    // A killed daemon's io_uring lets the file go a moment later.
+    common::wait_until_unlocked(&overlay);
+
+    let info = ok("qemu-img", &["info", "--output=json", path(&overlay)]);
+    assert!(!info.contains("backing-filename"), "the overlay stands alone: {info}");
+    ok("qemu-img", &["check", "-q", path(&overlay)]);
+    ok("qemu-img", &["compare", "-q", "-F", "raw", path(&overlay), path(&dir.path("expected.raw"))]);
+}
