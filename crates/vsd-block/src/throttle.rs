@@ -108,7 +108,9 @@ impl Limits {
         Value::Object(Self::keys().map(|key| (key.clone(), json!(limits.field(&key).map_or(0, |v| *v)))).collect())
     }
 
-    fn keys() -> impl Iterator<Item = String> {
+    /// The limits' keys: each kind, with `-max` and `-max-length`, and
+    /// `iops-size`.
+    pub fn keys() -> impl Iterator<Item = String> {
         let per_kind = KINDS.iter().flat_map(|k| [k.to_string(), format!("{k}-max"), format!("{k}-max-length")]);
         per_kind.chain(std::iter::once("iops-size".to_string()))
     }

@@ -143,6 +143,16 @@ fn help(args: &DaemonArgs) -> Option<String> {
     if args.object.iter().any(|o| o == "help") {
         return Some(format!("List of user creatable objects:\n{}", lines(objects::TYPES)));
     }
+    // `--object TYPE,help`: an unknown type lists the types, as QEMU does.
+    if let Some(kind) = args.object.iter().find_map(|o| o.strip_suffix(",help")) {
+        let kind = kind.strip_prefix("qom-type=").unwrap_or(kind);
+        return Some(match objects::properties(kind) {
+            Some(properties) => {
+                format!("{kind} options:\n{}", lines(&properties.iter().map(String::as_str).collect::<Vec<_>>()))
+            }
+            None => format!("List of user creatable objects:\n{}", lines(objects::TYPES)),
+        });
+    }
     if args.blockdev.iter().any(|b| b == "help") {
         return Some(format!("Block drivers:\n{}", lines(vsd_block::DRIVERS)));
     }

@@ -63,6 +63,31 @@ impl Object {
 /// The object types `--object` and `object-add` create, as QOM names them.
 pub const TYPES: &[&str] = &["iothread", "secret", "throttle-group", "tls-creds-x509"];
 
+/// The properties an object of type `qom_type` takes, as `--object
+/// TYPE,help` lists them (QEMU's `NAME=<TYPE>`), if vsd has the type.
+pub fn properties(qom_type: &str) -> Option<Vec<String>> {
+    let typed = |list: &[(&str, &str)]| list.iter().map(|(name, kind)| format!("{name}=<{kind}>")).collect();
+    Some(match qom_type {
+        "iothread" => {
+            typed(&[("cpu-affinity", "string"), ("poll-grow", "int"), ("poll-max-ns", "int"), ("poll-shrink", "int")])
+        }
+        "secret" => typed(&[
+            ("data", "string"),
+            ("file", "string"),
+            ("format", "QCryptoSecretFormat"),
+            ("iv", "string"),
+            ("keyid", "string"),
+        ]),
+        "throttle-group" => std::iter::once("limits=<ThrottleLimits>".to_string())
+            .chain(Limits::keys().map(|key| format!("x-{key}=<int>")))
+            .collect(),
+        "tls-creds-x509" => {
+            typed(&[("dir", "string"), ("endpoint", "QCryptoTLSCredsEndpoint"), ("verify-peer", "bool")])
+        }
+        _ => return None,
+    })
+}
+
 impl Objects {
     fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Object>> {
         // Objects are inserted and removed whole: a panic cannot leave one half-made.

@@ -173,6 +173,16 @@ fn help_lists_what_there_is() {
         // Every type vsd lists, QSD creates too.
         assert!(ok("qemu-storage-daemon", &["--object", "help"]).contains(object));
     }
+    // A type's properties: what vsd takes, by QSD's names and types.
+    for object in ["iothread", "secret", "throttle-group", "tls-creds-x509"] {
+        let ours = ok(VSD, &["--object", &format!("{object},help")]);
+        let qsd = ok("qemu-storage-daemon", &["--object", &format!("{object},help")]);
+        assert_eq!(ours.lines().next(), Some(format!("{object} options:").as_str()));
+        for property in ours.lines().skip(1).filter(|p| !p.contains("cpu-affinity")) {
+            assert!(qsd.lines().any(|q| q == property), "{object}: {property} is not QSD's: {qsd}");
+        }
+    }
+    assert_eq!(ok(VSD, &["--object", "secret,help"]), ok("qemu-storage-daemon", &["--object", "secret,help"]));
     let drivers = ok(VSD, &["--blockdev", "help"]);
     for driver in ["file", "host_device", "raw", "qcow2", "nbd", "rbd", "null-co", "null-aio", "throttle"] {
         assert!(drivers.lines().any(|l| l.trim() == driver), "{driver}: {drivers}");
