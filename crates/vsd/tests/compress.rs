@@ -5,25 +5,10 @@
 
 mod common;
 
-use std::process::Command;
-
-use common::{Daemon, Scratch};
+use common::{Daemon, Scratch, ok, outcome};
 use serde_json::Value;
 
 type Start = fn(&Scratch, &[String]) -> Daemon;
-
-/// Runs `program` with `args`; its success and what it printed.
-fn run(program: &str, args: &[&str]) -> (bool, String) {
-    let out = Command::new(program).args(args).output().expect("QEMU's tools are installed");
-    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
-}
-
-/// Runs a tool, asserting it succeeds; its output.
-fn ok(program: &str, args: &[&str]) -> String {
-    let (success, out) = run(program, args);
-    assert!(success, "{program} {args:?}: {out}");
-    out
-}
 
 /// `--blockdev`s of a qcow2 image at `image` with a compress node `c` over it.
 fn compressed_disk(image: &str) -> Vec<String> {
@@ -39,9 +24,9 @@ fn compressed_disk(image: &str) -> Vec<String> {
     .into()
 }
 
-/// Writes through daemon `start`'s export of a compress node over a new
-/// 4 MiB qcow2 image; `qemu-img map` of the image afterwards.
-fn written_through(dir: &Scratch, start: Start, name: &str) -> Value {
+/// Daemon `start` serving a compress node over a new 4 MiB qcow2 image
+/// `name` as writable NBD export `c`: the daemon, the image, the socket.
+fn serve_compressed(dir: &Scratch, start: Start, name: &str) -> (Daemon, String, std::path::PathBuf) {
     let image = dir.path(name).display().to_string();
     ok("qemu-img", &["create", "-q", "-f", "qcow2", &image, "4M"]);
     let socket = dir.path(&format!("{name}.sock"));
@@ -52,7 +37,13 @@ fn written_through(dir: &Scratch, start: Start, name: &str) -> Value {
         "--export".into(),
         "type=nbd,id=e0,node-name=c,writable=on".into(),
     ]);
-    let daemon = start(dir, &args);
+    (start(dir, &args), image, socket)
+}
+
+/// Writes through daemon `start`'s export of a compress node over a new
+/// 4 MiB qcow2 image; `qemu-img map` of the image afterwards.
+fn written_through(dir: &Scratch, start: Start, name: &str) -> Value {
+    let (daemon, image, socket) = serve_compressed(dir, start, name);
     let uri = format!("nbd+unix:///c?socket={}", socket.display());
     let info = ok("nbdinfo", &[&uri]);
     assert!(info.contains("block_size_minimum: 65536"), "{name}: whole clusters are asked for: {info}");
@@ -69,7 +60,7 @@ fn written_through(dir: &Scratch, start: Start, name: &str) -> Value {
     writes.iter().for_each(|write| qemu_io.extend(["-c", write]));
     qemu_io.push(&uri);
     ok("qemu-io", &qemu_io);
-    let (overwritten, out) = run("qemu-io", &["-f", "raw", "-c", "write -P 0x16 0 64k", &uri]);
+    let (overwritten, out) = outcome("qemu-io", &["-f", "raw", "-c", "write -P 0x16 0 64k", &uri]);
     assert!(!overwritten && out.contains("Input/output error"), "{name}: compression overwrites nothing: {out}");
     drop(daemon);
 
@@ -133,17 +124,7 @@ fn raw_write(socket: &std::path::Path, offset: u64, len: u64) -> u32 {
 fn a_write_not_in_whole_clusters_that_reaches_the_node_fails() {
     let dir = Scratch::new("compress-misaligned");
     for (daemon, start) in [("vsd", Daemon::vsd as Start), ("qemu-storage-daemon", Daemon::qsd)] {
-        let image = dir.path(&format!("{daemon}.qcow2")).display().to_string();
-        ok("qemu-img", &["create", "-q", "-f", "qcow2", &image, "4M"]);
-        let socket = dir.path(&format!("{daemon}.sock"));
-        let mut args = compressed_disk(&image);
-        args.extend([
-            "--nbd-server".into(),
-            format!("addr.type=unix,addr.path={}", socket.display()),
-            "--export".into(),
-            "type=nbd,id=e0,node-name=c,writable=on".into(),
-        ]);
-        let running = start(&dir, &args);
+        let (running, image, socket) = serve_compressed(&dir, start, &format!("{daemon}.qcow2"));
         let errors = [raw_write(&socket, 4096, 4096), raw_write(&socket, 1 << 20, 64 << 10)];
         drop(running);
         // QEMU pads the write to the cluster, reading the rest; vsd
@@ -158,8 +139,8 @@ fn a_write_not_in_whole_clusters_that_reaches_the_node_fails() {
 
 #[test]
 fn a_child_that_cannot_store_compressed_data_is_refused() {
-    let help = Command::new(common::VSD).args(["--blockdev", "help"]).output().unwrap();
-    assert!(String::from_utf8_lossy(&help.stdout).lines().any(|l| l.trim() == "compress"), "--blockdev help lists it");
+    let help = ok(common::VSD, &["--blockdev", "help"]);
+    assert!(help.lines().any(|l| l.trim() == "compress"), "--blockdev help lists it");
     let dir = Scratch::new("compress-refused");
     let raw = dir.image("disk.raw", 1 << 20).display().to_string();
     let args = [
@@ -169,10 +150,10 @@ fn a_child_that_cannot_store_compressed_data_is_refused() {
         "driver=compress,node-name=c,file=f",
     ];
     for program in [common::VSD, "qemu-storage-daemon"] {
-        let (started, out) = run(program, &args);
+        let (started, out) = outcome(program, &args);
         assert!(!started, "{program}: {out}");
         assert!(out.contains("Compression is not supported for underlying format: file"), "{program}: {out}");
     }
-    let (started, out) = run(common::VSD, &["--blockdev", "driver=compress,node-name=c"]);
+    let (started, out) = outcome(common::VSD, &["--blockdev", "driver=compress,node-name=c"]);
     assert!(!started && out.to_lowercase().contains("parameter 'file' is missing"), "{out}");
 }

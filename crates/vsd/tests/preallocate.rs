@@ -7,25 +7,12 @@ mod common;
 
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
-use std::process::Command;
 
-use common::{Daemon, Scratch};
+use common::{Daemon, Scratch, ok, outcome};
 
 type Start = fn(&Scratch, &[String]) -> Daemon;
 
 const MIB: u64 = 1 << 20;
-
-/// Runs `program` with `args`; its success and what it printed.
-fn run(program: &str, args: &[&str]) -> (bool, String) {
-    let out = Command::new(program).args(args).output().expect("QEMU's tools are installed");
-    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
-}
-
-fn ok(program: &str, args: &[&str]) -> String {
-    let (success, out) = run(program, args);
-    assert!(success, "{program} {args:?}: {out}");
-    out
-}
 
 /// The bytes the host allocated for `path`.
 fn allocated(path: &Path) -> u64 {
@@ -86,11 +73,8 @@ fn the_file_grows_in_steps_and_ends_where_its_data_does() {
 
 #[test]
 fn bad_options_are_refused_as_qemu_refuses_them() {
-    let help = Command::new(common::VSD).args(["--blockdev", "help"]).output().unwrap();
-    assert!(
-        String::from_utf8_lossy(&help.stdout).lines().any(|l| l.trim() == "preallocate"),
-        "--blockdev help lists it"
-    );
+    let help = ok(common::VSD, &["--blockdev", "help"]);
+    assert!(help.lines().any(|l| l.trim() == "preallocate"), "--blockdev help lists it");
     let dir = Scratch::new("preallocate-refused");
     let file = format!("file.driver=file,file.filename={}", dir.image("disk", MIB).display());
     let cases = [
@@ -103,7 +87,7 @@ fn bad_options_are_refused_as_qemu_refuses_them() {
     ];
     for (blockdev, words) in cases {
         for program in [common::VSD, "qemu-storage-daemon"] {
-            let (started, out) = run(program, &["--blockdev", &blockdev]);
+            let (started, out) = outcome(program, &["--blockdev", &blockdev]);
             assert!(!started && out.to_lowercase().contains(&words.to_lowercase()), "{program} {blockdev}: {out}");
         }
     }

@@ -410,6 +410,13 @@ pub fn ok(program: &str, args: &[&str]) -> String {
     stdout.into_owned()
 }
 
+/// Runs a command to completion: whether it succeeded, and what it
+/// printed on stdout and stderr.
+pub fn outcome(program: &str, args: &[&str]) -> (bool, String) {
+    let out = run(program, args);
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
 /// Runs a command to completion, failing the test if it cannot start.
 pub fn run(program: &str, args: &[&str]) -> Output {
     Command::new(program).args(args).output().unwrap_or_else(|e| panic!("cannot run {program}: {e}"))
