@@ -173,7 +173,10 @@ impl RbdQueue {
         self.with_librbd -= 1;
         let result = self.tickets[tag as usize].result.load(Ordering::Relaxed);
         if result < 0 {
-            return Some(Completion { tag, errno: i32::try_from(-result).unwrap_or(libc::EIO) });
+            let errno = i32::try_from(-result).unwrap_or(libc::EIO);
+            // A guest sees only EIO: the log keeps what librbd said.
+            log::warn!("rbd: {:?} failed: {}", self.ops[tag as usize].0, io::Error::from_raw_os_error(errno));
+            return Some(Completion { tag, errno });
         }
         match self.ops[tag as usize] {
             (IoOp::Read { len, iov, .. }, _) if (result as u64) < len => {
