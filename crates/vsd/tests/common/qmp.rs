@@ -18,8 +18,19 @@ pub struct Qmp {
 }
 
 impl Qmp {
+    /// Connects to the monitor at `path`, waiting while a socket that is
+    /// bound but not yet listening refuses (QEMU binds, then listens).
     pub fn connect(path: &Path) -> Self {
-        let writer = UnixStream::connect(path).unwrap();
+        let mut tries = 0;
+        let writer = loop {
+            match UnixStream::connect(path) {
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused && tries < 500 => {
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                connected => break connected.unwrap(),
+            }
+        };
         writer.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
         let reader = BufReader::new(writer.try_clone().unwrap());
         let mut qmp = Self { writer, reader, events: Vec::new(), seen: 0 };
