@@ -55,7 +55,7 @@ fn qemu_python_client() {
         .map(|l| serde_json::from_str(&l).unwrap())
         .collect();
     let [greeting, echo, fail, raw, event] = &lines[..] else { panic!("python printed {lines:?}") };
-    assert_eq!(greeting["QMP"]["capabilities"], json!([]));
+    assert_eq!(greeting["QMP"]["capabilities"], json!(["oob"]));
     assert_eq!(*echo, json!({"text": "{\"quoted\"}", "nested": [[1], {"a": null}]}));
     assert_eq!(fail["error"], json!({"class": "DeviceNotFound", "desc": "Device 'nope' not found"}), "{fail}");
     assert_eq!(raw["return"], json!({"n": 2}));

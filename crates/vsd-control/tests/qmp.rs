@@ -5,7 +5,7 @@ mod common;
 use std::io::Write;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::{Command, Stdio};
-use std::sync::{Arc, mpsc};
+use std::sync::{Arc, Mutex, mpsc};
 use std::thread;
 use std::time::Duration;
 
@@ -15,14 +15,13 @@ use vsd_control::client::{ClientError, QmpClient};
 use vsd_control::qmp::{Dispatch, ErrorClass, Events, QmpError, QmpServer};
 
 #[test]
-fn greeting_names_the_version_and_offers_no_capabilities() {
+fn greeting_names_the_qemu_release_vsd_speaks_and_offers_oob() {
     let (server, _) = server("greeting");
     let greeting = RawClient::connect(&server).greeting;
     let version = &greeting["QMP"]["version"];
-    let number = |part: &str| version["qemu"][part].as_u64().unwrap_or_else(|| panic!("{part} in {greeting}"));
-    let expected = format!("vsd {}.{}.{}", number("major"), number("minor"), number("micro"));
-    assert_eq!(version["package"], json!(expected));
-    assert_eq!(greeting["QMP"]["capabilities"], json!([]));
+    assert_eq!(version["qemu"], json!({"major": 10, "minor": 0, "micro": 0}));
+    assert_eq!(version["package"], json!(format!("vsd {}", env!("CARGO_PKG_VERSION"))));
+    assert_eq!(greeting["QMP"]["capabilities"], json!(["oob"]));
 }
 
 #[test]
@@ -33,8 +32,16 @@ fn only_qmp_capabilities_is_accepted_before_negotiation() {
         let reply = client.command(command);
         assert_eq!(error_of(&reply), ("CommandNotFound", "Expecting capabilities negotiation with 'qmp_capabilities'"));
     }
-    let reply = client.command(r#"{"execute": "qmp_capabilities", "arguments": {"enable": ["oob"]}}"#);
-    assert_eq!(error_of(&reply), ("GenericError", "Capability oob not available"));
+    let refusals = [
+        (r#"{"enable": ["oob", "foo"]}"#, "Parameter 'null' does not accept value 'foo'"),
+        (r#"{"enable": [1]}"#, "Invalid parameter type for 'enable[0]', expected: string"),
+        (r#"{"enable": "oob"}"#, "Invalid parameter type for 'enable', expected: array"),
+        (r#"{"oob": true}"#, "Parameter 'oob' is unexpected"),
+    ];
+    for (arguments, words) in refusals {
+        let reply = client.command(&format!(r#"{{"execute": "qmp_capabilities", "arguments": {arguments}}}"#));
+        assert_eq!(error_of(&reply), ("GenericError", words), "{arguments}");
+    }
     let reply = client.command(r#"{"execute": "echo"}"#);
     assert_eq!(error_of(&reply).0, "CommandNotFound", "a failed negotiation leaves negotiation mode on");
 
@@ -55,6 +62,63 @@ fn commands_reach_the_dispatcher_after_negotiation() {
     assert_eq!(error_of(&client.command(r#"{"execute": "fail"}"#)), ("DeviceNotFound", "Device 'nope' not found"));
     let reply = client.command(r#"{"execute": "frobnicate"}"#);
     assert_eq!(error_of(&reply), ("CommandNotFound", "The command frobnicate has not been found"));
+}
+
+/// `wait` blocks until the test lets it go; `echo` may run out-of-band.
+struct Gate(Mutex<mpsc::Receiver<()>>);
+
+impl Dispatch for Gate {
+    fn execute(&self, command: &str, arguments: Map<String, Value>) -> Result<Value, QmpError> {
+        if command == "wait" {
+            self.0.lock().unwrap().recv_timeout(common::TIMEOUT).expect("let go");
+        }
+        Ok(Value::Object(arguments))
+    }
+
+    fn execute_oob(&self, command: &str, arguments: Map<String, Value>) -> Result<Value, QmpError> {
+        match command {
+            "echo" => self.execute(command, arguments),
+            _ => Err(QmpError::generic(format!("The command {command} does not support OOB"))),
+        }
+    }
+}
+
+#[test]
+fn out_of_band_commands_are_answered_while_an_in_band_one_blocks() {
+    let (let_go, gate) = mpsc::channel();
+    let server = QmpServer::listen(&socket_path("oob"), Arc::new(Gate(Mutex::new(gate))), Events::new()).unwrap();
+    let mut client = RawClient::connect(&server);
+    let reply = client.command(r#"{"execute": "qmp_capabilities", "arguments": {"enable": ["oob", "oob"]}}"#);
+    assert_eq!(reply, json!({"return": {}}));
+
+    client.send(concat!(
+        r#"{"execute": "wait", "id": 1}"#,
+        r#"{"execute": "echo", "arguments": {"n": 2}, "id": 2}"#,
+        r#"{"exec-oob": "echo", "arguments": {"n": 3}, "id": 3}"#,
+        r#"{"exec-oob": "wait", "id": 4}"#,
+        r#"{"exec-oob": 5, "id": 5}"#,
+        r#"{"execute": "echo", "exec-oob": "echo", "id": 6}"#,
+        "\n",
+    ));
+    // Answered at once, in the order sent: the in-band ones wait.
+    assert_eq!(client.receive(), json!({"return": {"n": 3}, "id": 3}));
+    let refusal = |id: u64, desc: &str| json!({"error": {"class": "GenericError", "desc": desc}, "id": id});
+    assert_eq!(client.receive(), refusal(4, "The command wait does not support OOB"));
+    // Malformed messages are in-band requests too, as in QEMU.
+    let_go.send(()).unwrap();
+    assert_eq!(client.receive(), json!({"return": {}, "id": 1}));
+    assert_eq!(client.receive(), json!({"return": {"n": 2}, "id": 2}));
+    assert_eq!(client.receive(), refusal(5, "QMP input member 'exec-oob' must be a string"));
+    assert_eq!(client.receive(), refusal(6, "QMP input member 'execute' clashes with 'exec-oob'"));
+}
+
+#[test]
+fn exec_oob_is_unexpected_unless_the_client_enabled_oob() {
+    let (_let_go, gate) = mpsc::channel();
+    let server = QmpServer::listen(&socket_path("no-oob"), Arc::new(Gate(Mutex::new(gate))), Events::new()).unwrap();
+    let mut client = RawClient::negotiated(&server);
+    let reply = client.command(r#"{"exec-oob": "echo", "id": 1}"#);
+    assert_eq!(error_of(&reply), ("GenericError", "QMP input member 'exec-oob' is unexpected"));
 }
 
 #[test]

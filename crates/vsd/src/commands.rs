@@ -73,6 +73,12 @@ const COMMANDS: &[&str] = &[
     "quit",
 ];
 
+/// The commands that may run out-of-band (QEMU's `allow-oob`): none of
+/// qemu-storage-daemon's may; vsd's queries that wait on no lock a
+/// blocking command holds (opening a node holds the node graph's) may,
+/// so that a client can follow its jobs while a command hangs.
+const OUT_OF_BAND: &[&str] = &["query-version", "query-commands", "query-jobs", "query-block-jobs"];
+
 /// How long a safe `block-export-del` waits for a front-end that has hung
 /// up to be let go before it calls the export still in use.
 const CLIENT_GONE_GRACE: Duration = Duration::from_millis(500);
@@ -81,7 +87,7 @@ impl Dispatch for Daemon {
     fn execute(&self, command: &str, arguments: Map<String, Value>) -> Reply {
         let args = Value::Object(arguments);
         match command {
-            "query-version" => Ok(version()),
+            "query-version" => no_arguments(&args).map(|()| vsd_control::qmp::version()),
             "query-commands" => Ok(COMMANDS.iter().map(|name| json!({ "name": name })).collect()),
             "blockdev-add" => self.blockdev_add(args),
             "blockdev-del" => self.blockdev_del(qapi::parse(args)?),
@@ -145,6 +151,16 @@ impl Dispatch for Daemon {
         }
     }
 
+    fn execute_oob(&self, command: &str, arguments: Map<String, Value>) -> Reply {
+        if !COMMANDS.contains(&command) {
+            return self.execute(command, arguments);
+        }
+        if !OUT_OF_BAND.contains(&command) {
+            return Err(QmpError::generic(format!("The command {command} does not support OOB")));
+        }
+        self.execute(command, arguments)
+    }
+
     fn after_reply(&self, command: &str) {
         if command == "quit" {
             // The main thread waits for SIGTERM and shuts down in order.
@@ -162,18 +178,6 @@ fn job_verb(command: &str) -> Option<(bool, Verb)> {
     let name = rest.strip_prefix("job-")?;
     let verbs = [Verb::Cancel, Verb::Pause, Verb::Resume, Verb::Complete, Verb::Finalize, Verb::Dismiss];
     verbs.into_iter().find(|v| v.name() == name).map(|verb| (block, verb))
-}
-
-fn version() -> Value {
-    let number = |text: &str| text.parse::<u64>().unwrap_or(0);
-    json!({
-        "qemu": {
-            "major": number(env!("CARGO_PKG_VERSION_MAJOR")),
-            "minor": number(env!("CARGO_PKG_VERSION_MINOR")),
-            "micro": number(env!("CARGO_PKG_VERSION_PATCH")),
-        },
-        "package": concat!("vsd ", env!("CARGO_PKG_VERSION")),
-    })
 }
 
 /// Arguments that take the same keys as the command line's option strings.

@@ -894,3 +894,54 @@ fn blockdev_add_takes_children_defined_inline() {
     let back = std::fs::read(&out).unwrap();
     assert_eq!(&back[MIB as usize..MIB as usize + data.len()], &data[..]);
 }
+
+/// The one capability vsd offers, `oob`: a client that enabled it has
+/// vsd's queries answered out-of-band while a `blockdev-add` hangs on an
+/// NBD server that accepted the connection and never speaks; the in-band
+/// commands behind it wait their turn; commands that may not run
+/// out-of-band are refused as QEMU refuses them.
+#[test]
+fn out_of_band_queries_are_answered_while_a_blockdev_add_hangs() {
+    let dir = Scratch::new("qmp-oob");
+    let (_vsd, qmp_sock) = daemon_with_monitor(&dir, Vec::new());
+    let silent = std::os::unix::net::UnixListener::bind(dir.path("silent.sock")).unwrap();
+    let stream = UnixStream::connect(&qmp_sock).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut writer = stream;
+    let mut receive = || {
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        serde_json::from_str::<Value>(&line).unwrap()
+    };
+    assert_eq!(receive()["QMP"]["capabilities"], json!(["oob"]));
+    writer.write_all(b"{\"execute\": \"qmp_capabilities\", \"arguments\": {\"enable\": [\"oob\"]}}\n").unwrap();
+    assert_eq!(receive(), json!({"return": {}}));
+
+    let hanging = json!({"execute": "blockdev-add", "id": "hangs", "arguments": {
+        "driver": "nbd", "node-name": "remote", "server": {"type": "unix", "path": dir.path("silent.sock")}}});
+    let lines = [
+        hanging,
+        json!({"execute": "query-version", "id": "in-band"}),
+        json!({"exec-oob": "query-jobs", "id": "jobs"}),
+        json!({"exec-oob": "query-version", "id": "version"}),
+        json!({"exec-oob": "query-block-exports", "id": "exports"}),
+        json!({"exec-oob": "no-such-command", "id": "unknown"}),
+    ];
+    for line in &lines {
+        writer.write_all(format!("{line}\n").as_bytes()).unwrap();
+    }
+    let started = Instant::now();
+    assert_eq!(receive(), json!({"return": [], "id": "jobs"}));
+    assert_eq!(receive()["id"], json!("version"));
+    let refusal = |class: &str, desc: &str, id: &str| json!({"error": {"class": class, "desc": desc}, "id": id});
+    assert_eq!(receive(), refusal("GenericError", "The command query-block-exports does not support OOB", "exports"));
+    assert_eq!(receive(), refusal("CommandNotFound", "The command no-such-command has not been found", "unknown"));
+    assert!(started.elapsed() < Duration::from_secs(5), "answered while the blockdev-add waits");
+
+    drop(silent);
+    let failed = receive();
+    assert_eq!((&failed["id"], failed["error"]["class"].as_str()), (&json!("hangs"), Some("GenericError")), "{failed}");
+    let version = receive();
+    assert_eq!((&version["id"], &version["return"]["qemu"]["major"]), (&json!("in-band"), &json!(10)), "{version}");
+}

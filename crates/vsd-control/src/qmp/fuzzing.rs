@@ -5,11 +5,12 @@
 //! the dispatcher, in that order, one reply per message.
 
 use std::io;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use serde_json::Value;
 
 use super::Dispatch;
+use super::inband::Sink;
 use super::server::Inbound;
 use super::stream::JsonStreamer;
 
@@ -20,29 +21,52 @@ pub const MAX_VALUE_LEN: usize = super::stream::MAX_VALUE_LEN;
 pub const READ_SIZE: usize = super::server::READ_SIZE;
 
 /// The input side of one connection, as it starts: in capabilities
-/// negotiation mode, nothing buffered.
-pub struct Connection(Inbound);
+/// negotiation mode, nothing buffered. In-band commands run on the
+/// calling thread even once `oob` is enabled, so that every reply is
+/// there when `receive` returns.
+pub struct Connection {
+    inbound: Inbound,
+    replies: Arc<Replies>,
+}
+
+/// The replies sent, with the session's negotiation state after each.
+#[derive(Default)]
+struct Replies(Mutex<Vec<(Value, bool)>>);
+
+impl Sink for Replies {
+    fn send(&self, message: &Value, negotiated: bool) -> io::Result<()> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).push((message.clone(), negotiated));
+        Ok(())
+    }
+}
 
 impl Connection {
     /// A connection's input side, with the real limits.
     pub fn new(dispatch: Arc<dyn Dispatch>) -> Self {
-        Self(Inbound::new(dispatch, JsonStreamer::default()))
+        Self::with_input(dispatch, JsonStreamer::default())
     }
 
     /// The same with messages limited to `max_len` bytes, so that short
     /// inputs reach the limit.
     pub fn with_max_value_len(dispatch: Arc<dyn Dispatch>, max_len: usize) -> Self {
-        Self(Inbound::new(dispatch, JsonStreamer::with_max_len(max_len)))
+        Self::with_input(dispatch, JsonStreamer::with_max_len(max_len))
+    }
+
+    fn with_input(dispatch: Arc<dyn Dispatch>, input: JsonStreamer) -> Self {
+        let replies = Arc::new(Replies::default());
+        Self { inbound: Inbound::new(dispatch, input, replies.clone(), None), replies }
     }
 
     /// Takes bytes as read from the client, handing each reply to `send`
     /// with whether the session has negotiated after it.
-    pub fn receive(&mut self, bytes: &[u8], send: impl FnMut(&Value, bool) -> io::Result<()>) -> io::Result<()> {
-        self.0.receive(bytes, send)
+    pub fn receive(&mut self, bytes: &[u8], mut send: impl FnMut(&Value, bool) -> io::Result<()>) -> io::Result<()> {
+        self.inbound.receive(bytes)?;
+        let replies = std::mem::take(&mut *self.replies.0.lock().unwrap_or_else(PoisonError::into_inner));
+        replies.into_iter().try_for_each(|(reply, negotiated)| send(&reply, negotiated))
     }
 
     /// Bytes of input held for a message not complete yet.
     pub fn buffered(&self) -> usize {
-        self.0.buffered()
+        self.inbound.buffered()
     }
 }

@@ -14,6 +14,7 @@
 mod events;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
+mod inband;
 mod output;
 mod pretty;
 mod server;
@@ -67,12 +68,31 @@ pub enum ErrorClass {
     GenericError,
 }
 
+/// The QEMU release whose QMP vsd speaks, as the greeting and
+/// `query-version` name it, with vsd's own version as the package.
+pub fn version() -> Value {
+    serde_json::json!({
+        "qemu": {"major": 10, "minor": 0, "micro": 0},
+        "package": concat!("vsd ", env!("CARGO_PKG_VERSION")),
+    })
+}
+
 /// What executes commands.
 pub trait Dispatch: Send + Sync + 'static {
     /// Runs one command. It is called from connection threads, possibly
     /// concurrently. Unknown names must return `CommandNotFound` "The command
     /// NAME has not been found". A `Null` return is sent as `{}`.
     fn execute(&self, command: &str, arguments: Map<String, Value>) -> Result<Value, QmpError>;
+
+    /// Runs one command out-of-band (`exec-oob`): on the connection's
+    /// reading thread, while its in-band commands may be running, so it
+    /// must not wait on what they hold. Unknown names must return
+    /// `CommandNotFound` as [`Dispatch::execute`] does, others that may
+    /// not run so "The command NAME does not support OOB". By default no
+    /// command may (and unknown ones read as such).
+    fn execute_oob(&self, command: &str, _arguments: Map<String, Value>) -> Result<Value, QmpError> {
+        Err(QmpError::generic(format!("The command {command} does not support OOB")))
+    }
 
     /// Called once the successful reply to `command` has been sent (or has
     /// failed to send): `quit`, for one, must not exit before its client

@@ -13,6 +13,7 @@ use std::thread;
 
 use serde_json::Value;
 
+use super::inband::Sink;
 use super::pretty::render;
 use super::transport::Transport;
 
@@ -171,5 +172,11 @@ impl Output {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Sink for Output {
+    fn send(&self, message: &Value, negotiated: bool) -> io::Result<()> {
+        Output::send(self, message, negotiated)
     }
 }

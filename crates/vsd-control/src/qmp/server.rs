@@ -12,11 +12,12 @@ use std::thread;
 use serde_json::{Value, json};
 use vsd_sys::ListenError;
 
+use super::inband::{InBand, Sink, respond};
 use super::output::Output;
-use super::session::{Session, reply};
+use super::session::{CAPABILITIES, Request, Session, Step};
 use super::stream::JsonStreamer;
 use super::transport::Transport;
-use super::{Dispatch, Events, QmpError};
+use super::{Dispatch, Events};
 use crate::listener::{AcceptLoop, Listener};
 
 /// The most read from a client at once.
@@ -193,7 +194,8 @@ fn run_connection<T: Transport>(client: T, output: &Arc<Output>, dispatch: Arc<d
 fn serve(mut input: impl Read, output: &Arc<Output>, dispatch: Arc<dyn Dispatch>, events: Events) -> io::Result<()> {
     output.send(&greeting(), false)?;
     events.listen(output);
-    let mut inbound = Inbound::new(dispatch, JsonStreamer::default());
+    let name = format!("{}-in-band", thread::current().name().unwrap_or("vsd-qmp"));
+    let mut inbound = Inbound::new(dispatch, JsonStreamer::default(), output.clone(), Some(name));
     let mut chunk = [0; READ_SIZE];
     loop {
         let len = match input.read(&mut chunk) {
@@ -202,41 +204,59 @@ fn serve(mut input: impl Read, output: &Arc<Output>, dispatch: Arc<dyn Dispatch>
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         };
-        inbound.receive(&chunk[..len], |answer, negotiated| output.send(answer, negotiated))?;
+        inbound.receive(&chunk[..len])?;
     }
 }
 
 /// A connection's input side: the client's bytes in, one reply per
-/// message (or per error in the input) out, in order.
+/// message (or per error in the input) out, in-band ones in order.
 pub(crate) struct Inbound {
     session: Session,
     input: JsonStreamer,
+    dispatch: Arc<dyn Dispatch>,
+    sink: Arc<dyn Sink>,
+    /// The thread in-band requests run on once the client enabled `oob`;
+    /// until then they run on the reading thread, one at a time.
+    in_band: Option<InBand>,
+    /// That thread's name; none to keep every request on the reading
+    /// thread (the fuzz target's harness).
+    in_band_name: Option<String>,
 }
 
 impl Inbound {
-    pub(crate) fn new(dispatch: Arc<dyn Dispatch>, input: JsonStreamer) -> Self {
-        Self { session: Session::new(dispatch), input }
+    pub(crate) fn new(
+        dispatch: Arc<dyn Dispatch>,
+        input: JsonStreamer,
+        sink: Arc<dyn Sink>,
+        in_band_name: Option<String>,
+    ) -> Self {
+        Self { session: Session::new(dispatch.clone()), input, dispatch, sink, in_band: None, in_band_name }
     }
 
-    /// Takes bytes read from the client and runs the messages they
-    /// complete, handing each reply to `send` with the session's
-    /// negotiation state after it. Stops at the first reply `send` fails.
-    pub(crate) fn receive(
-        &mut self,
-        bytes: &[u8],
-        mut send: impl FnMut(&Value, bool) -> io::Result<()>,
-    ) -> io::Result<()> {
+    /// Takes bytes read from the client and handles the messages they
+    /// complete. Stops at the first reply that cannot be sent.
+    pub(crate) fn receive(&mut self, bytes: &[u8]) -> io::Result<()> {
         self.input.push(bytes);
         while let Some(message) = self.input.next_value() {
-            let answer = match message {
-                Ok(message) => self.session.handle(message),
-                Err(parse_error) => reply(Err(QmpError::generic(parse_error)), None),
-            };
-            let sent = send(&answer, self.session.negotiated());
-            self.session.after_reply();
-            sent?;
+            match self.session.handle(message) {
+                Step::Answered(reply) => self.sink.send(&reply, self.session.negotiated())?,
+                Step::InBand(request) => self.run_in_band(request)?,
+            }
         }
         Ok(())
+    }
+
+    fn run_in_band(&mut self, request: Request) -> io::Result<()> {
+        if self.in_band.is_none()
+            && self.session.out_of_band()
+            && let Some(name) = &self.in_band_name
+        {
+            self.in_band = Some(InBand::start(name.clone(), self.dispatch.clone(), self.sink.clone())?);
+        }
+        match &self.in_band {
+            Some(in_band) => in_band.push(request),
+            None => respond(request, &*self.dispatch, &*self.sink),
+        }
     }
 
     /// Bytes of input held for a message not complete yet.
@@ -246,19 +266,8 @@ impl Inbound {
     }
 }
 
-/// What the server says on connection: who it is and which capabilities it
-/// offers (none).
+/// What the server says on connection: the QEMU release whose QMP it
+/// speaks, and the capabilities it offers.
 fn greeting() -> Value {
-    let number = |version: &str| version.parse::<u64>().unwrap_or_default();
-    json!({"QMP": {
-        "version": {
-            "qemu": {
-                "major": number(env!("CARGO_PKG_VERSION_MAJOR")),
-                "minor": number(env!("CARGO_PKG_VERSION_MINOR")),
-                "micro": number(env!("CARGO_PKG_VERSION_PATCH")),
-            },
-            "package": concat!("vsd ", env!("CARGO_PKG_VERSION")),
-        },
-        "capabilities": [],
-    }})
+    json!({"QMP": {"version": super::version(), "capabilities": CAPABILITIES}})
 }

@@ -1,4 +1,6 @@
-//! The QMP protocol state of one connection.
+//! The QMP protocol state of one connection: capabilities negotiation,
+//! then commands, each either in-band (run in order) or out-of-band
+//! (`exec-oob`, answered at once, once the client enabled `oob`).
 
 use std::sync::Arc;
 
@@ -6,68 +8,111 @@ use serde_json::{Map, Value, json};
 
 use super::{Dispatch, ErrorClass, QmpError};
 
-/// Runs a connection's commands.
+/// The capabilities vsd offers, as its greeting lists them.
+pub(crate) const CAPABILITIES: &[&str] = &["oob"];
+
+/// Checks a connection's messages and answers what needs no command run.
 pub(crate) struct Session {
     dispatch: Arc<dyn Dispatch>,
-    /// Capabilities negotiation is complete: the session is in command mode.
-    negotiated: bool,
-    /// The command that just succeeded, until its reply is sent.
-    completed: Option<String>,
+    mode: Mode,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    /// Only `qmp_capabilities` is accepted.
+    Negotiating,
+    /// Commands run; `oob` is whether the client enabled out-of-band ones.
+    Commands { oob: bool },
+}
+
+/// What to do with one message.
+pub(crate) enum Step {
+    /// Its reply, made at once.
+    Answered(Value),
+    /// An in-band request, to be answered after those before it.
+    InBand(Request),
+}
+
+/// An in-band request: a command to run, or a message that was not one,
+/// which QEMU answers in order too.
+pub(crate) struct Request {
+    id: Option<Value>,
+    command: Result<Command, QmpError>,
 }
 
 /// A well-formed command.
 struct Command {
     name: String,
     arguments: Map<String, Value>,
+    out_of_band: bool,
 }
 
 impl Session {
     pub(crate) fn new(dispatch: Arc<dyn Dispatch>) -> Self {
-        Self { dispatch, negotiated: false, completed: None }
+        Self { dispatch, mode: Mode::Negotiating }
     }
 
     pub(crate) fn negotiated(&self) -> bool {
-        self.negotiated
+        self.mode != Mode::Negotiating
     }
 
-    /// Runs one input message and returns the reply, which echoes the
-    /// message's "id", whatever else is wrong with it.
-    pub(crate) fn handle(&mut self, input: Value) -> Value {
-        let id = input.get("id").cloned();
-        let result = parse_command(input).and_then(|command| self.run(command));
-        reply(result, id)
+    /// The client enabled out-of-band commands.
+    pub(crate) fn out_of_band(&self) -> bool {
+        self.mode == Mode::Commands { oob: true }
     }
 
-    fn run(&mut self, command: Command) -> Result<Value, QmpError> {
-        match (self.negotiated, command.name.as_str()) {
-            (false, "qmp_capabilities") => {
-                negotiate(&command.arguments)?;
-                self.negotiated = true;
-                Ok(json!({}))
+    /// Takes one input message, or what the JSON parser said of bad input.
+    pub(crate) fn handle(&mut self, message: Result<Value, String>) -> Step {
+        let (id, command) = match message {
+            Ok(input) => (input.get("id").cloned(), parse_command(input, self.out_of_band())),
+            Err(parse_error) => (None, Err(QmpError::generic(parse_error))),
+        };
+        match (self.mode, command) {
+            (Mode::Negotiating, command) => Step::Answered(reply(command.and_then(|c| self.negotiate(c)), id)),
+            (Mode::Commands { .. }, Ok(command)) if command.out_of_band => {
+                let result = self.dispatch.execute_oob(&command.name, command.arguments).map(empty_if_null);
+                Step::Answered(reply(result, id))
             }
-            (false, _) => Err(QmpError::new(
+            (Mode::Commands { .. }, command) => Step::InBand(Request { id, command }),
+        }
+    }
+
+    fn negotiate(&mut self, command: Command) -> Result<Value, QmpError> {
+        if command.name != "qmp_capabilities" {
+            return Err(QmpError::new(
                 ErrorClass::CommandNotFound,
                 "Expecting capabilities negotiation with 'qmp_capabilities'",
-            )),
-            (true, "qmp_capabilities") => Err(QmpError::new(
+            ));
+        }
+        let oob = enabled(&command.arguments)?;
+        self.mode = Mode::Commands { oob };
+        Ok(json!({}))
+    }
+}
+
+impl Request {
+    /// Runs the request: its reply, and the name of the command if it
+    /// succeeded (for [`Dispatch::after_reply`] once the reply is out).
+    pub(crate) fn run(self, dispatch: &dyn Dispatch) -> (Value, Option<String>) {
+        let mut succeeded = None;
+        let result = self.command.and_then(|command| match command.name.as_str() {
+            "qmp_capabilities" => Err(QmpError::new(
                 ErrorClass::CommandNotFound,
                 "Capabilities negotiation is already complete, command ignored",
             )),
-            (true, name) => {
-                let value = self.dispatch.execute(name, command.arguments)?;
-                self.completed = Some(command.name);
-                // QMP commands without a return value return an empty object.
-                Ok(if value.is_null() { json!({}) } else { value })
+            name => {
+                let value = dispatch.execute(name, command.arguments)?;
+                succeeded = Some(command.name);
+                Ok(empty_if_null(value))
             }
-        }
+        });
+        (reply(result, self.id), succeeded)
     }
+}
 
-    /// Tells the dispatcher that the reply to the last input went out.
-    pub(crate) fn after_reply(&mut self) {
-        if let Some(command) = self.completed.take() {
-            self.dispatch.after_reply(&command);
-        }
-    }
+/// QMP commands without a return value return an empty object.
+fn empty_if_null(value: Value) -> Value {
+    if value.is_null() { json!({}) } else { value }
 }
 
 /// A reply to a command, or to input that was not one.
@@ -83,42 +128,55 @@ pub(crate) fn reply(result: Result<Value, QmpError>, id: Option<Value>) -> Value
 }
 
 /// Checks the shape of a command, with QEMU's words for what is wrong.
-fn parse_command(input: Value) -> Result<Command, QmpError> {
+/// `exec-oob` is a member only once the client enabled `oob`.
+fn parse_command(input: Value, oob: bool) -> Result<Command, QmpError> {
     let Value::Object(members) = input else {
         return Err(QmpError::generic("QMP input must be a JSON object"));
     };
-    let mut name = None;
+    let mut in_band = None;
+    let mut out_of_band = None;
     let mut arguments = Map::new();
     for (member, value) in members {
         match (member.as_str(), value) {
-            ("execute", Value::String(value)) => name = Some(value),
+            ("execute", Value::String(value)) => in_band = Some(value),
             ("execute", _) => return Err(QmpError::generic("QMP input member 'execute' must be a string")),
+            ("exec-oob", Value::String(value)) if oob => out_of_band = Some(value),
+            ("exec-oob", _) if oob => return Err(QmpError::generic("QMP input member 'exec-oob' must be a string")),
             ("arguments", Value::Object(value)) => arguments = value,
             ("arguments", _) => return Err(QmpError::generic("QMP input member 'arguments' must be an object")),
             ("id", _) => {}
-            // Including "exec-oob": out-of-band execution is a capability
-            // that vsd does not offer.
             (member, _) => return Err(QmpError::generic(format!("QMP input member '{member}' is unexpected"))),
         }
     }
-    let name = name.ok_or_else(|| QmpError::generic("QMP input lacks member 'execute'"))?;
-    Ok(Command { name, arguments })
+    match (in_band, out_of_band) {
+        (Some(_), Some(_)) => Err(QmpError::generic("QMP input member 'execute' clashes with 'exec-oob'")),
+        (Some(name), None) => Ok(Command { name, arguments, out_of_band: false }),
+        (None, Some(name)) => Ok(Command { name, arguments, out_of_band: true }),
+        (None, None) => Err(QmpError::generic("QMP input lacks member 'execute'")),
+    }
 }
 
-/// Checks the arguments of `qmp_capabilities`: vsd offers no capabilities,
-/// so none can be enabled.
-fn negotiate(arguments: &Map<String, Value>) -> Result<(), QmpError> {
+/// Checks the arguments of `qmp_capabilities`: whether they enable `oob`,
+/// the one capability vsd offers.
+fn enabled(arguments: &Map<String, Value>) -> Result<bool, QmpError> {
+    let mut oob = false;
     for (argument, value) in arguments {
-        match (argument.as_str(), value) {
-            ("enable", Value::Array(wanted)) if wanted.is_empty() => {}
-            ("enable", Value::Array(wanted)) => {
-                let wanted: Vec<String> =
-                    wanted.iter().map(|c| c.as_str().map_or_else(|| c.to_string(), str::to_owned)).collect();
-                return Err(QmpError::generic(format!("Capability {} not available", wanted.join(", "))));
+        if argument != "enable" {
+            return Err(QmpError::generic(format!("Parameter '{argument}' is unexpected")));
+        }
+        let Value::Array(wanted) = value else {
+            return Err(QmpError::generic("Invalid parameter type for 'enable', expected: array"));
+        };
+        for (i, capability) in wanted.iter().enumerate() {
+            let Some(name) = capability.as_str() else {
+                return Err(QmpError::generic(format!("Invalid parameter type for 'enable[{i}]', expected: string")));
+            };
+            if !CAPABILITIES.contains(&name) {
+                // QEMU 10's words, 'null' and all.
+                return Err(QmpError::generic(format!("Parameter 'null' does not accept value '{name}'")));
             }
-            ("enable", _) => return Err(QmpError::generic("Invalid parameter type for 'enable', expected: array")),
-            (argument, _) => return Err(QmpError::generic(format!("Parameter '{argument}' is unexpected"))),
+            oob = true;
         }
     }
-    Ok(())
+    Ok(oob)
 }
