@@ -171,6 +171,9 @@ impl BlockNode for AccountedNode {
     fn throttle_group(&self) -> Option<Arc<crate::throttle::ThrottleGroup>> {
         self.inner.throttle_group()
     }
+    fn internal_snapshots(&self) -> Option<&dyn crate::InternalSnapshots> {
+        self.inner.internal_snapshots()
+    }
     fn attach_backing(&self, backing: Arc<dyn BlockNode>) -> Result<(), crate::AttachError> {
         self.inner.attach_backing(backing)
     }

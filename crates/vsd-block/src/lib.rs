@@ -227,6 +227,10 @@ pub trait BlockNode: Send + Sync {
     fn replace_filtered(&self, _child: Arc<dyn BlockNode>) -> io::Result<()> {
         Err(io::Error::new(io::ErrorKind::Unsupported, format!("driver '{}' is not a filter", self.driver())))
     }
+    /// The node's internal snapshots, if its format keeps them (qcow2).
+    fn internal_snapshots(&self) -> Option<&dyn InternalSnapshots> {
+        None
+    }
     /// The throttle group whose limits the node applies, if it is a
     /// throttle filter.
     fn throttle_group(&self) -> Option<Arc<throttle::ThrottleGroup>> {
@@ -237,6 +241,18 @@ pub trait BlockNode: Send + Sync {
     fn stats(&self) -> Option<QueueSnapshot> {
         None
     }
+}
+
+/// Internal snapshots of a node's image (QMP's
+/// `blockdev-snapshot-internal-sync`). Taking or deleting one needs the
+/// node's queues stopped: no request may be in flight.
+pub trait InternalSnapshots {
+    /// The snapshots, in the image's order.
+    fn list(&self) -> Vec<vsd_qcow2::SnapshotInfo>;
+    /// Takes one named `name`, dated `date` (seconds, nanoseconds).
+    fn create(&self, name: &str, date: (u32, u32)) -> io::Result<vsd_qcow2::SnapshotInfo>;
+    /// Deletes the one with this id and name (either may be left out).
+    fn delete(&self, id: Option<&str>, name: Option<&str>) -> io::Result<vsd_qcow2::SnapshotInfo>;
 }
 
 /// Writes a new, empty qcow2 image over `file` (emptied first), waiting on

@@ -70,7 +70,7 @@ use std::io;
 pub use bitmap::StoredBitmap;
 pub use image::{
     Allocation, Busy, EpochPin, Extent, Image, ImageIo, MapMemo, Mapping, MissingTable, NeedsLoad, OldBytes, Options,
-    Origin, Piece, TableLoad,
+    Origin, Piece, SnapshotInfo, TableLoad,
 };
 
 /// Metadata found corrupt while the image is in use (a table pointing at

@@ -48,6 +48,9 @@ const COMMANDS: &[&str] = &[
     "block-stream",
     "block-commit",
     "blockdev-snapshot",
+    // Internal snapshots.
+    "blockdev-snapshot-internal-sync",
+    "blockdev-snapshot-delete-internal-sync",
     "blockdev-create",
     "query-jobs",
     "job-pause",
@@ -115,6 +118,8 @@ impl Dispatch for Daemon {
             "block-stream" => self.block_stream(qapi::parse(args)?),
             "block-commit" => self.block_commit(qapi::parse(args)?),
             "blockdev-snapshot" => self.blockdev_snapshot(&qapi::parse(args)?),
+            "blockdev-snapshot-internal-sync" => self.blockdev_snapshot_internal_sync(qapi::parse(args)?),
+            "blockdev-snapshot-delete-internal-sync" => self.blockdev_snapshot_delete_internal_sync(qapi::parse(args)?),
             "blockdev-create" => self.blockdev_create(qapi::parse(args)?),
             "query-jobs" => no_arguments(&args).map(|()| self.query_jobs()),
             "query-block-jobs" => no_arguments(&args).map(|()| self.query_block_jobs()),

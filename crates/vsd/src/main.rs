@@ -9,6 +9,7 @@ mod commands;
 mod commit;
 mod create;
 mod daemon;
+mod internal_snapshot;
 mod jobs;
 mod mirror;
 mod monitor;

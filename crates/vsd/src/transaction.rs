@@ -4,10 +4,11 @@
 //! with the bitmap of its next checkpoint, in one transaction). The bitmap
 //! commands and `blockdev-backup` are transactions of one action.
 //!
-//! `blockdev-snapshot` actions are checked before any action runs and
-//! taken after all the others have succeeded: moving an export waits for
-//! its queues to stop, which they cannot while the other actions hold the
-//! node's writers (`vsd_block::dirty::batch`).
+//! `blockdev-snapshot` and `blockdev-snapshot-internal-sync` actions are
+//! checked before any action runs and taken after all the others have
+//! succeeded: both stop the node's exports, whose queues cannot stop
+//! while the other actions hold the node's writers
+//! (`vsd_block::dirty::batch`).
 
 use std::sync::Arc;
 
@@ -18,6 +19,7 @@ use vsd_job::{Group, Job};
 
 use crate::bitmaps::{self, BitmapAdd, BitmapMerge, BitmapName, Change, remove_from_image};
 use crate::daemon::Daemon;
+use crate::internal_snapshot::InternalSnapshotArgs;
 use crate::jobs::BackupArgs;
 use crate::qapi;
 use crate::snapshot::SnapshotArgs;
@@ -32,6 +34,7 @@ pub(crate) enum Action {
     MergeBitmaps(BitmapMerge),
     Backup(BackupArgs),
     Snapshot(SnapshotArgs),
+    InternalSnapshot(InternalSnapshotArgs),
 }
 
 /// An action as it comes.
@@ -57,6 +60,7 @@ impl Action {
             "block-dirty-bitmap-merge" => Action::MergeBitmaps(qapi::parse_member(&path, data)?),
             "blockdev-backup" => Action::Backup(qapi::parse_member(&path, data)?),
             "blockdev-snapshot" => Action::Snapshot(qapi::parse_member(&path, data)?),
+            "blockdev-snapshot-internal-sync" => Action::InternalSnapshot(qapi::parse_member(&path, data)?),
             _ => return Err(QmpError::generic(format!("Parameter 'type' does not accept value '{kind}'"))),
         };
         Ok((action, kind))
@@ -143,7 +147,7 @@ impl Daemon {
     /// Does `actions` in order; if one fails, undoes those done before it,
     /// last first, and answers its error. The jobs started join `group`.
     pub(crate) fn transaction(&self, actions: Vec<Action>, group: Option<Arc<Group>>) -> Result<Value, QmpError> {
-        let mut snapshots = Vec::new();
+        let (mut snapshots, mut internal) = (Vec::new(), Vec::new());
         let actions: Vec<Action> = actions
             .into_iter()
             .filter_map(|action| match action {
@@ -151,10 +155,15 @@ impl Daemon {
                     snapshots.push(args);
                     None
                 }
+                Action::InternalSnapshot(args) => {
+                    internal.push(args);
+                    None
+                }
                 other => Some(other),
             })
             .collect();
         self.check_snapshots(&snapshots.iter().collect::<Vec<_>>())?;
+        self.check_internal_snapshots(&internal)?;
         let images = vsd_block::dirty::batch(|| {
             let mut done = Vec::with_capacity(actions.len());
             for action in actions {
@@ -172,6 +181,7 @@ impl Daemon {
         for args in &snapshots {
             self.blockdev_snapshot(args)?;
         }
+        self.take_internal_snapshots(&internal)?;
         if let Some(group) = group {
             group.seal();
         }
@@ -187,7 +197,9 @@ impl Daemon {
             Action::DisableBitmap(args) => self.bitmap_change(args, Change::Disable).map(Done::Bitmap),
             Action::MergeBitmaps(args) => self.bitmap_merge(args).map(Done::Bitmap),
             Action::Backup(args) => self.blockdev_backup(args, group.clone()).map(Done::Job),
-            Action::Snapshot(_) => Err(QmpError::generic("blockdev-snapshot is taken after the other actions")),
+            Action::Snapshot(_) | Action::InternalSnapshot(_) => {
+                Err(QmpError::generic("snapshots are taken after the other actions"))
+            }
         }
     }
 }

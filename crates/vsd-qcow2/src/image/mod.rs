@@ -11,6 +11,7 @@ mod rebuild;
 mod refcounts;
 mod resize;
 mod reuse;
+mod snapshots;
 mod stream;
 mod write;
 mod writeback;
@@ -35,6 +36,8 @@ use crate::entry::{self, EntryError, L2Entry, Layout, Subcluster};
 use crate::header::{BitmapsExtension, Compression, Header};
 
 pub use allocate::{Allocation, Busy, OldBytes, Origin, Piece};
+pub use snapshots::SnapshotInfo;
+use snapshots::SnapshotTable;
 
 /// How the image is used, from the `--blockdev` options.
 #[derive(Clone, Debug, Default)]
@@ -287,6 +290,8 @@ struct Meta {
     /// Where the next compressed cluster's bytes go: the first free byte
     /// of a host cluster that compressed clusters fill in part (0: none).
     packed: u64,
+    /// The internal snapshots, as the header's table has them.
+    snapshots: SnapshotTable,
 }
 
 impl Image {

@@ -11,6 +11,7 @@ use super::overlap::MetadataMap;
 use super::rebuild::rebuild;
 use super::refcounts::Refcounts;
 use super::reuse::{Epochs, Quarantine};
+use super::snapshots::SnapshotTable;
 use super::{Image, Meta, Options};
 use crate::buf::AlignedBuf;
 use crate::entry::{self, Layout};
@@ -18,8 +19,6 @@ use crate::header::{Header, autoclear, compatible, field};
 use crate::refcount::Width;
 use crate::{FormatError, SyncIo};
 
-/// QEMU's limit on internal snapshots.
-const MAX_SNAPSHOTS: u32 = 65536;
 /// Default L2 cache: 32 MiB of tables at most.
 const DEFAULT_L2_CACHE_BYTES: u64 = 32 << 20;
 
@@ -56,7 +55,7 @@ impl Image {
         // Header, L1 tables and snapshot table: everything but refcounts
         // and L2 tables.
         let mut structures = vec![(0, cs), (header.l1_offset, u64::from(header.l1_size) * 8)];
-        let snapshot_l1s = read_snapshots(io, &header, file_len, &mut structures)?;
+        let (snapshots, snapshot_l1s) = read_snapshots(io, &header, file_len, &mut structures)?;
         // Bitmaps matter only if they are kept: otherwise opening writable
         // drops them (and their clusters leak, as with QEMU).
         let kept_bitmaps = header.bitmaps.filter(|_| opts.writable && opts.keep_bitmaps);
@@ -145,6 +144,7 @@ impl Image {
             quarantine: Quarantine::default(),
             bitmaps: if opts.writable { kept_bitmaps } else { header.bitmaps },
             packed: 0,
+            snapshots,
         };
         if header.has_bitmaps && header.bitmaps.is_none() {
             log::warn!("qcow2: the image's bitmaps are stale (another program changed it): they are ignored");
@@ -207,54 +207,22 @@ pub(super) fn read_table(io: &mut dyn SyncIo, offset: u64, entries: u64) -> Resu
     Ok(raw.chunks_exact(8).take(entries as usize).map(|w| u64::from_be_bytes(w.try_into().unwrap())).collect())
 }
 
-/// Reads `len` bytes at an unaligned `offset`.
-fn read_bytes(io: &mut dyn SyncIo, offset: u64, len: u64) -> Result<Vec<u8>, FormatError> {
-    let start = offset & !511;
-    let end = (offset + len).next_multiple_of(512);
-    let mut raw = AlignedBuf::zeroed((end - start) as usize);
-    io.read_at(&mut raw, start)?;
-    Ok(raw[(offset - start) as usize..(offset - start + len) as usize].to_vec())
-}
-
-/// Walks the snapshot table, adding its byte range and each snapshot's
-/// L1 table to `structures`; returns the snapshots' L1 tables.
+/// Reads the snapshot table, adding its byte range and each snapshot's
+/// L1 table to `structures`; returns it and the snapshots' L1 tables.
 fn read_snapshots(
     io: &mut dyn SyncIo,
     header: &Header,
     file_len: u64,
     structures: &mut Vec<(u64, u64)>,
-) -> Result<Vec<Vec<u64>>, FormatError> {
-    if header.nb_snapshots > MAX_SNAPSHOTS {
-        return Err(FormatError::Corrupt(format!("{} snapshots (at most {MAX_SNAPSHOTS})", header.nb_snapshots)));
-    }
-    let cs = header.cluster_size();
-    let mut at = header.snapshots_offset;
-    let mut tables = Vec::new();
-    for i in 0..header.nb_snapshots {
-        let fixed = read_bytes(io, at, 40)?;
-        let be32 = |o: usize| u32::from_be_bytes(fixed[o..o + 4].try_into().unwrap());
-        let l1_offset = u64::from_be_bytes(fixed[0..8].try_into().unwrap());
-        let l1_size = be32(8);
-        let id_len = u64::from(u16::from_be_bytes([fixed[12], fixed[13]]));
-        let name_len = u64::from(u16::from_be_bytes([fixed[14], fixed[15]]));
-        let extra_len = u64::from(be32(36));
-        let l1_len = u64::from(l1_size) * 8;
-        if !l1_offset.is_multiple_of(cs) || l1_len > 32 << 20 || l1_offset.saturating_add(l1_len) > file_len {
-            return Err(FormatError::Corrupt(format!(
-                "snapshot {i}: L1 table at {l1_offset:#x} ({l1_size} entries) is unaligned, too large or past the end of the file"
-            )));
-        }
-        if extra_len > 1024 || at.saturating_add(40 + extra_len + id_len + name_len) > file_len {
-            return Err(FormatError::Corrupt(format!("snapshot {i}: the snapshot table entry is invalid")));
-        }
-        at = (at + 40 + extra_len + id_len + name_len).next_multiple_of(8);
+) -> Result<(SnapshotTable, Vec<Vec<u64>>), FormatError> {
+    let table = SnapshotTable::read(io, header, file_len)?;
+    let mut l1s = Vec::new();
+    for (l1_offset, l1_size) in table.l1_tables() {
         structures.push((l1_offset, u64::from(l1_size) * 8));
-        tables.push(read_table(io, l1_offset, u64::from(l1_size))?);
+        l1s.push(read_table(io, l1_offset, u64::from(l1_size))?);
     }
-    if header.nb_snapshots > 0 {
-        structures.push((header.snapshots_offset, at - header.snapshots_offset));
-    }
-    Ok(tables)
+    structures.extend(table.extent());
+    Ok((table, l1s))
 }
 
 /// What QEMU does before writing to an image: clear the autoclear bits

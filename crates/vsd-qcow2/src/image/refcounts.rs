@@ -201,8 +201,13 @@ impl Refcounts {
         Ok(self.block(io, index)?.map_or(0, |block| width.get(block, slot)))
     }
 
+    /// The highest refcount the width holds.
+    pub(super) fn max(&self) -> u64 {
+        self.width.max()
+    }
+
     /// Sets the refcount of `cluster`, whose block must exist, in memory.
-    fn set(&mut self, io: &mut dyn SyncIo, cluster: u64, value: u64) -> io::Result<()> {
+    pub(super) fn set(&mut self, io: &mut dyn SyncIo, cluster: u64, value: u64) -> io::Result<()> {
         let (index, slot) = (cluster / self.per_block(), cluster % self.per_block());
         let (width, chunk) = (self.width, self.chunk());
         let block = self.block(io, index)?.expect("callers cover the cluster with a block first");

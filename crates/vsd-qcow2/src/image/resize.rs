@@ -38,7 +38,7 @@ impl Image {
         if self.layout.data_file {
             return Err(unsupported("resizing an image with an external data file is not supported yet"));
         }
-        if self.header.nb_snapshots > 0 && self.header.version < 3 {
+        if self.lock().snapshots.len() > 0 && self.header.version < 3 {
             return Err(unsupported("Can't resize a v2 image which has snapshots"));
         }
         if size < self.size() { self.shrink(io, size) } else { self.grow(io, size) }

@@ -565,6 +565,20 @@ impl Qcow2Node {
     }
 }
 
+impl crate::InternalSnapshots for Qcow2Node {
+    fn list(&self) -> Vec<vsd_qcow2::SnapshotInfo> {
+        self.image().snapshots()
+    }
+
+    fn create(&self, name: &str, date: (u32, u32)) -> io::Result<vsd_qcow2::SnapshotInfo> {
+        self.change(|image, io| image.create_snapshot(io, name, date))
+    }
+
+    fn delete(&self, id: Option<&str>, name: Option<&str>) -> io::Result<vsd_qcow2::SnapshotInfo> {
+        self.change(|image, io| image.delete_snapshot(io, id, name))
+    }
+}
+
 /// Refuses a backing node without a header naming it, or the other way
 /// round, and formats vsd cannot open from a header.
 fn check_new_backing(backing: Option<&Arc<dyn BlockNode>>, header: Option<&(String, String)>) -> io::Result<()> {
@@ -717,6 +731,10 @@ impl BlockNode for Qcow2Node {
 
     fn resize(&self, size: u64) -> io::Result<()> {
         self.with_io(|image, io| image.resize(io, size))
+    }
+
+    fn internal_snapshots(&self) -> Option<&dyn crate::InternalSnapshots> {
+        Some(self)
     }
 
     /// Clusters as the image maps them: zero clusters are holes, and
