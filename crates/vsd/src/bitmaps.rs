@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use vsd_block::BlockNode;
@@ -11,7 +12,7 @@ use vsd_control::qmp::QmpError;
 
 use crate::daemon::Daemon;
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct BitmapAdd {
     node: String,
@@ -23,14 +24,14 @@ pub(crate) struct BitmapAdd {
     disabled: bool,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct BitmapName {
     node: String,
     name: String,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct BitmapMerge {
     node: String,
@@ -39,7 +40,7 @@ pub(crate) struct BitmapMerge {
 }
 
 /// A bitmap to merge: by name on the target's node, or on any node.
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(untagged)]
 enum MergeSource {
     Local(String),

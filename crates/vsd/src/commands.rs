@@ -1,9 +1,11 @@
 //! QMP commands, with QEMU's names, argument shapes and error wording.
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
+use schemars::JsonSchema;
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
 use serde_json::{Map, Value, json};
 use vsd_block::RemoveError;
 use vsd_block::options::OptionMap;
@@ -16,154 +18,141 @@ use vsd_trace::{ExportLabel, OpKind, QueueSnapshot};
 use crate::daemon::{Bins, Daemon, LatencyBins};
 use crate::jobs::{BlockJobArgs, JobId};
 use crate::qapi;
+use crate::schema::{self, Introspection};
 use crate::transaction::{Action, Transaction};
 
 type Reply = Result<Value, QmpError>;
 
-/// Every command, as `query-commands` lists them.
-const COMMANDS: &[&str] = &[
-    "qmp_capabilities",
-    "query-version",
-    "query-commands",
-    "blockdev-add",
-    "blockdev-del",
-    "blockdev-set-active",
-    "blockdev-reopen",
-    "block-export-add",
-    "block-export-del",
-    "query-block-exports",
-    "query-named-block-nodes",
-    "query-blockstats",
-    "block-latency-histogram-set",
-    "block_resize",
-    "block-dirty-bitmap-add",
-    "block-dirty-bitmap-remove",
-    "block-dirty-bitmap-clear",
-    "block-dirty-bitmap-enable",
-    "block-dirty-bitmap-disable",
-    "block-dirty-bitmap-merge",
-    "transaction",
-    "blockdev-backup",
-    "blockdev-mirror",
-    "block-stream",
-    "block-commit",
-    "blockdev-snapshot",
-    // Internal snapshots.
-    "blockdev-snapshot-internal-sync",
-    "blockdev-snapshot-delete-internal-sync",
-    "blockdev-create",
-    "query-jobs",
-    "job-pause",
-    "job-resume",
-    "job-cancel",
-    "job-complete",
-    "job-dismiss",
-    "job-finalize",
-    "query-block-jobs",
-    "block-job-cancel",
-    "block-job-set-speed",
-    "block-job-pause",
-    "block-job-resume",
-    "block-job-complete",
-    "block-job-dismiss",
-    "block-job-finalize",
-    "nbd-server-start",
-    "nbd-server-stop",
-    "object-add",
-    "object-del",
-    "qom-get",
-    "qom-set",
-    "quit",
-];
+/// One QMP command: how it runs and what arguments it takes. The table
+/// of them is what `query-commands` and `query-qmp-schema` list, and what
+/// runs a command: a command's argument type is the one its handler
+/// parses into, so the schema cannot drift from the code.
+pub(crate) struct Command {
+    pub(crate) name: &'static str,
+    run: Box<dyn Fn(&Daemon, Value) -> Reply + Send + Sync>,
+    /// The schema of its arguments; `None` if it takes none.
+    pub(crate) args: Option<fn(&mut Introspection) -> Value>,
+    /// It may run out-of-band (QEMU's `allow-oob`).
+    pub(crate) out_of_band: bool,
+}
 
-/// The commands that may run out-of-band (QEMU's `allow-oob`): none of
-/// qemu-storage-daemon's may; vsd's queries that wait on no lock a
-/// blocking command holds (opening a node holds the node graph's) may,
-/// so that a client can follow its jobs while a command hangs.
-const OUT_OF_BAND: &[&str] = &["query-version", "query-commands", "query-jobs", "query-block-jobs"];
+impl Command {
+    /// A command whose arguments are `A`, as `qapi::parse` reads them.
+    fn typed<A: DeserializeOwned + JsonSchema + 'static>(name: &'static str, handler: fn(&Daemon, A) -> Reply) -> Self {
+        let run = Box::new(move |daemon: &Daemon, args| handler(daemon, qapi::parse(args)?));
+        Self { name, run, args: Some(Introspection::schema_of::<A>), out_of_band: false }
+    }
+
+    /// A command that takes no arguments.
+    fn bare(name: &'static str, handler: fn(&Daemon) -> Reply) -> Self {
+        let run = Box::new(move |daemon: &Daemon, args| no_arguments(&args).and_then(|()| handler(daemon)));
+        Self { name, run, args: None, out_of_band: false }
+    }
+
+    /// A command that reads its arguments itself (as the command line's
+    /// option strings), with the schema declared for them.
+    fn declared(name: &'static str, handler: fn(&Daemon, Value) -> Reply, args: fn(&mut Introspection) -> Value) -> Self {
+        Self { name, run: Box::new(handler), args: Some(args), out_of_band: false }
+    }
+
+    /// May run out-of-band: it waits on no lock that a blocking command
+    /// holds (opening a node holds the node graph's), so that a client can
+    /// follow its jobs while a command hangs. None of qemu-storage-daemon's
+    /// commands may.
+    fn out_of_band(self) -> Self {
+        Self { out_of_band: true, ..self }
+    }
+}
+
+/// Every command, in the order `query-commands` lists them.
+pub(crate) static COMMANDS: LazyLock<Vec<Command>> = LazyLock::new(|| {
+    use Command as C;
+    vec![
+        C::declared("qmp_capabilities", |_, _| Ok(json!({})), schema::capabilities),
+        C::bare("query-version", |_| Ok(vsd_control::qmp::version())).out_of_band(),
+        C::bare("query-commands", |_| Ok(COMMANDS.iter().map(|c| json!({ "name": c.name })).collect()))
+            .out_of_band(),
+        C::bare("query-qmp-schema", |_| Ok(schema::introspect(&COMMANDS))).out_of_band(),
+        C::declared("blockdev-add", Daemon::blockdev_add, schema::blockdev_options),
+        C::typed("blockdev-del", Daemon::blockdev_del),
+        C::typed("blockdev-set-active", Daemon::blockdev_set_active),
+        C::declared("blockdev-reopen", |d, args| d.blockdev_reopen(&args), schema::blockdev_reopen),
+        C::declared("block-export-add", Daemon::block_export_add, schema::block_export_options),
+        C::typed("block-export-del", Daemon::block_export_del),
+        C::bare("query-block-exports", |d| Ok(d.query_block_exports())),
+        C::typed("query-named-block-nodes", |d, _: Flat| Ok(d.query_named_block_nodes())),
+        C::typed("query-blockstats", Daemon::query_blockstats),
+        C::typed("block-latency-histogram-set", Daemon::latency_histogram_set),
+        C::typed("block_resize", Daemon::block_resize),
+        C::typed("block-dirty-bitmap-add", |d, a| d.transaction(vec![Action::AddBitmap(a)], None)),
+        C::typed("block-dirty-bitmap-remove", |d, a| d.transaction(vec![Action::RemoveBitmap(a)], None)),
+        C::typed("block-dirty-bitmap-clear", |d, a| d.transaction(vec![Action::ClearBitmap(a)], None)),
+        C::typed("block-dirty-bitmap-enable", |d, a| d.transaction(vec![Action::EnableBitmap(a)], None)),
+        C::typed("block-dirty-bitmap-disable", |d, a| d.transaction(vec![Action::DisableBitmap(a)], None)),
+        C::typed("block-dirty-bitmap-merge", |d, a| d.transaction(vec![Action::MergeBitmaps(a)], None)),
+        C::typed("transaction", |d, t: Transaction| {
+            let (actions, group) = t.parts()?;
+            d.transaction(actions, group)
+        }),
+        C::typed("blockdev-backup", |d, a| d.transaction(vec![Action::Backup(a)], None)),
+        C::typed("blockdev-mirror", Daemon::blockdev_mirror),
+        C::typed("block-stream", Daemon::block_stream),
+        C::typed("block-commit", Daemon::block_commit),
+        C::typed("blockdev-snapshot", |d, a| d.blockdev_snapshot(&a)),
+        C::typed("blockdev-snapshot-internal-sync", Daemon::blockdev_snapshot_internal_sync),
+        C::typed("blockdev-snapshot-delete-internal-sync", Daemon::blockdev_snapshot_delete_internal_sync),
+        C::typed("blockdev-create", Daemon::blockdev_create),
+        C::bare("query-jobs", |d| Ok(d.query_jobs())).out_of_band(),
+        C::typed("job-pause", |d, a: JobId| d.job_verb(&a.id, Verb::Pause)),
+        C::typed("job-resume", |d, a: JobId| d.job_verb(&a.id, Verb::Resume)),
+        C::typed("job-cancel", |d, a: JobId| d.job_verb(&a.id, Verb::Cancel)),
+        C::typed("job-complete", |d, a: JobId| d.job_verb(&a.id, Verb::Complete)),
+        C::typed("job-dismiss", |d, a: JobId| d.job_verb(&a.id, Verb::Dismiss)),
+        C::typed("job-finalize", |d, a: JobId| d.job_verb(&a.id, Verb::Finalize)),
+        C::bare("query-block-jobs", |d| Ok(d.query_block_jobs())).out_of_band(),
+        C::typed("block-job-cancel", Daemon::block_job_cancel),
+        C::typed("block-job-set-speed", Daemon::block_job_set_speed),
+        C::typed("block-job-pause", |d, a: BlockJobArgs| d.block_job_verb(&a.device, Verb::Pause)),
+        C::typed("block-job-resume", |d, a: BlockJobArgs| d.block_job_verb(&a.device, Verb::Resume)),
+        C::typed("block-job-complete", |d, a: BlockJobArgs| d.block_job_verb(&a.device, Verb::Complete)),
+        C::typed("block-job-dismiss", |d, a: JobId| d.block_job_verb(&a.id, Verb::Dismiss)),
+        C::typed("block-job-finalize", |d, a: JobId| d.block_job_verb(&a.id, Verb::Finalize)),
+        C::declared("nbd-server-start", Daemon::nbd_server_start, schema::nbd_server_options),
+        C::bare("nbd-server-stop", Daemon::nbd_server_stop),
+        C::declared("object-add", Daemon::object_add, schema::object_options),
+        C::typed("object-del", |d, a: Id| d.objects.remove(&a.id).map(|()| json!({})).map_err(QmpError::generic)),
+        C::typed("qom-get", |d, a: QomPath| d.objects.get(&a.path, &a.property).map_err(|e| qom_error(&a.path, e))),
+        C::typed("qom-set", |d, a: QomSet| {
+            d.objects.set(&a.path, &a.property, &a.value).map_err(|e| qom_error(&a.path, e))?;
+            Ok(json!({}))
+        }),
+        C::bare("quit", |_| Ok(json!({}))),
+    ]
+});
+
+/// The command named `name`.
+fn command(name: &str) -> Result<&'static Command, QmpError> {
+    COMMANDS
+        .iter()
+        .find(|c| c.name == name)
+        .ok_or_else(|| QmpError::new(ErrorClass::CommandNotFound, format!("The command {name} has not been found")))
+}
 
 /// How long a safe `block-export-del` waits for a front-end that has hung
 /// up to be let go before it calls the export still in use.
 const CLIENT_GONE_GRACE: Duration = Duration::from_millis(500);
 
 impl Dispatch for Daemon {
-    fn execute(&self, command: &str, arguments: Map<String, Value>) -> Reply {
-        let args = Value::Object(arguments);
-        match command {
-            "query-version" => no_arguments(&args).map(|()| vsd_control::qmp::version()),
-            "query-commands" => Ok(COMMANDS.iter().map(|name| json!({ "name": name })).collect()),
-            "blockdev-add" => self.blockdev_add(args),
-            "blockdev-del" => self.blockdev_del(qapi::parse(args)?),
-            "blockdev-set-active" => self.blockdev_set_active(qapi::parse(args)?),
-            "blockdev-reopen" => self.blockdev_reopen(&args),
-            "block-export-add" => self.block_export_add(args),
-            "block-export-del" => self.block_export_del(qapi::parse(args)?),
-            "query-block-exports" => no_arguments(&args).map(|()| self.query_block_exports()),
-            "query-named-block-nodes" => qapi::parse::<Flat>(args).map(|_| self.query_named_block_nodes()),
-            "query-blockstats" => self.query_blockstats(qapi::parse(args)?),
-            "block-latency-histogram-set" => self.latency_histogram_set(qapi::parse(args)?),
-            "block_resize" => self.block_resize(qapi::parse(args)?),
-            "block-dirty-bitmap-add" => self.transaction(vec![Action::AddBitmap(qapi::parse(args)?)], None),
-            "block-dirty-bitmap-remove" => self.transaction(vec![Action::RemoveBitmap(qapi::parse(args)?)], None),
-            "block-dirty-bitmap-clear" => self.transaction(vec![Action::ClearBitmap(qapi::parse(args)?)], None),
-            "block-dirty-bitmap-enable" => self.transaction(vec![Action::EnableBitmap(qapi::parse(args)?)], None),
-            "block-dirty-bitmap-disable" => self.transaction(vec![Action::DisableBitmap(qapi::parse(args)?)], None),
-            "block-dirty-bitmap-merge" => self.transaction(vec![Action::MergeBitmaps(qapi::parse(args)?)], None),
-            "transaction" => {
-                let (actions, group) = qapi::parse::<Transaction>(args)?.parts()?;
-                self.transaction(actions, group)
-            }
-            "blockdev-backup" => self.transaction(vec![Action::Backup(qapi::parse(args)?)], None),
-            "blockdev-mirror" => self.blockdev_mirror(qapi::parse(args)?),
-            "block-stream" => self.block_stream(qapi::parse(args)?),
-            "block-commit" => self.block_commit(qapi::parse(args)?),
-            "blockdev-snapshot" => self.blockdev_snapshot(&qapi::parse(args)?),
-            "blockdev-snapshot-internal-sync" => self.blockdev_snapshot_internal_sync(qapi::parse(args)?),
-            "blockdev-snapshot-delete-internal-sync" => self.blockdev_snapshot_delete_internal_sync(qapi::parse(args)?),
-            "blockdev-create" => self.blockdev_create(qapi::parse(args)?),
-            "query-jobs" => no_arguments(&args).map(|()| self.query_jobs()),
-            "query-block-jobs" => no_arguments(&args).map(|()| self.query_block_jobs()),
-            "block-job-set-speed" => self.block_job_set_speed(qapi::parse(args)?),
-            "nbd-server-start" => self.nbd_server_start(args),
-            "nbd-server-stop" => no_arguments(&args).and_then(|()| self.nbd_server_stop()),
-            "object-add" => {
-                self.objects.add(options("object-add", &args)?).map(|()| json!({})).map_err(QmpError::generic)
-            }
-            "object-del" => {
-                self.objects.remove(&qapi::parse::<Id>(args)?.id).map(|()| json!({})).map_err(QmpError::generic)
-            }
-            "qom-get" => {
-                let args: QomPath = qapi::parse(args)?;
-                self.objects.get(&args.path, &args.property).map_err(|e| qom_error(&args.path, e))
-            }
-            "qom-set" => {
-                let args: QomSet = qapi::parse(args)?;
-                self.objects.set(&args.path, &args.property, &args.value).map_err(|e| qom_error(&args.path, e))?;
-                Ok(json!({}))
-            }
-            "quit" => no_arguments(&args).map(|()| json!({})),
-            _ => match job_verb(command) {
-                Some((false, verb)) => self.job_verb(&qapi::parse::<JobId>(args)?.id, verb),
-                Some((true, verb @ (Verb::Finalize | Verb::Dismiss))) => {
-                    self.block_job_verb(&qapi::parse::<JobId>(args)?.id, verb)
-                }
-                Some((true, Verb::Cancel)) => self.block_job_cancel(qapi::parse(args)?),
-                Some((true, verb)) => self.block_job_verb(&qapi::parse::<BlockJobArgs>(args)?.device, verb),
-                None => {
-                    Err(QmpError::new(ErrorClass::CommandNotFound, format!("The command {command} has not been found")))
-                }
-            },
-        }
+    fn execute(&self, name: &str, arguments: Map<String, Value>) -> Reply {
+        (command(name)?.run)(self, Value::Object(arguments))
     }
 
-    fn execute_oob(&self, command: &str, arguments: Map<String, Value>) -> Reply {
-        if !COMMANDS.contains(&command) {
-            return self.execute(command, arguments);
+    fn execute_oob(&self, name: &str, arguments: Map<String, Value>) -> Reply {
+        let command = command(name)?;
+        if !command.out_of_band {
+            return Err(QmpError::generic(format!("The command {name} does not support OOB")));
         }
-        if !OUT_OF_BAND.contains(&command) {
-            return Err(QmpError::generic(format!("The command {command} does not support OOB")));
-        }
-        self.execute(command, arguments)
+        (command.run)(self, Value::Object(arguments))
     }
 
     fn after_reply(&self, command: &str) {
@@ -172,17 +161,6 @@ impl Dispatch for Daemon {
             vsd_sys::raise_termination();
         }
     }
-}
-
-/// The verb a `job-*` command names, or a `block-job-*` one (true).
-fn job_verb(command: &str) -> Option<(bool, Verb)> {
-    let (block, rest) = match command.strip_prefix("block-") {
-        Some(rest) => (true, rest),
-        None => (false, command),
-    };
-    let name = rest.strip_prefix("job-")?;
-    let verbs = [Verb::Cancel, Verb::Pause, Verb::Resume, Verb::Complete, Verb::Finalize, Verb::Dismiss];
-    verbs.into_iter().find(|v| v.name() == name).map(|verb| (block, verb))
 }
 
 /// Arguments that take the same keys as the command line's option strings.
@@ -201,7 +179,7 @@ fn generic(e: impl std::fmt::Display) -> QmpError {
     QmpError::generic(format!("{e:#}"))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct Flat {
     /// Accepted for QEMU compatibility: vsd's listing is always flat.
@@ -209,20 +187,20 @@ struct Flat {
     _flat: bool,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct Id {
     id: String,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct QomPath {
     path: String,
     property: String,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct QomSet {
     path: String,
@@ -239,13 +217,13 @@ fn qom_error(path: &str, error: Option<String>) -> QmpError {
     }
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 struct NodeName {
     node_name: String,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 struct SetActive {
     /// Every node if absent.
@@ -253,7 +231,7 @@ struct SetActive {
     active: bool,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct ExportDel {
     id: String,
@@ -261,7 +239,7 @@ struct ExportDel {
     mode: RemoveMode,
 }
 
-#[derive(Deserialize, Default, PartialEq)]
+#[derive(Deserialize, JsonSchema, Default, PartialEq)]
 #[serde(rename_all = "lowercase")]
 enum RemoveMode {
     #[default]
@@ -269,14 +247,14 @@ enum RemoveMode {
     Hard,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 struct StatsQuery {
     #[serde(default)]
     query_nodes: bool,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 struct HistogramSet {
     id: String,
@@ -286,7 +264,7 @@ struct HistogramSet {
     boundaries_flush: Option<Vec<u64>>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 struct Resize {
     device: Option<String>,
@@ -351,6 +329,10 @@ impl Daemon {
         }
         self.start_nbd_server(options("nbd-server-start", &args)?).map_err(generic)?;
         Ok(json!({}))
+    }
+
+    fn object_add(&self, args: Value) -> Reply {
+        self.objects.add(options("object-add", &args)?).map(|()| json!({})).map_err(QmpError::generic)
     }
 
     fn nbd_server_stop(&self) -> Reply {

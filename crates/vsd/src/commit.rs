@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 
+use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use vsd_control::qmp::{ErrorClass, QmpError};
@@ -20,7 +21,7 @@ use crate::jobs::{OnError, SOURCE, busy, generic, speed, well_formed};
 use crate::reopen::set_read_only_tree;
 use crate::writers::{SourceWriters, switch_exports};
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub(crate) struct CommitArgs {
     job_id: Option<String>,

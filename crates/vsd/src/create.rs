@@ -11,6 +11,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use vsd_block::BlockNode;
@@ -25,21 +26,21 @@ const CREATORS: [&str; 2] = ["file", "qcow2"];
 /// Drivers vsd knows that make no images (QEMU's raw, null-co... too).
 const NOT_CREATORS: [&str; 8] = ["raw", "null-co", "nbd", "rbd", "throttle", "blkdebug", "host_device", "luks"];
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub(crate) struct CreateArgs {
     job_id: String,
     options: Value,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(tag = "driver", rename_all = "kebab-case", deny_unknown_fields)]
 enum Options {
     File(FileOptions),
     Qcow2(Qcow2Options),
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 struct FileOptions {
     filename: PathBuf,
@@ -50,7 +51,7 @@ struct FileOptions {
     nocow: bool,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 struct Qcow2Options {
     /// A node name (QEMU also takes inline options here).
@@ -72,7 +73,7 @@ struct Qcow2Options {
     encrypt: Option<Value>,
 }
 
-#[derive(Deserialize, Clone, Copy, Default, PartialEq)]
+#[derive(Deserialize, JsonSchema, Clone, Copy, Default, PartialEq)]
 #[serde(rename_all = "lowercase")]
 enum Preallocation {
     #[default]
@@ -82,14 +83,14 @@ enum Preallocation {
     Full,
 }
 
-#[derive(Deserialize, Clone, Copy, PartialEq)]
+#[derive(Deserialize, JsonSchema, Clone, Copy, PartialEq)]
 #[serde(rename_all = "lowercase")]
 enum Version {
     V2,
     V3,
 }
 
-#[derive(Deserialize, Clone, Copy, PartialEq)]
+#[derive(Deserialize, JsonSchema, Clone, Copy, PartialEq)]
 #[serde(rename_all = "lowercase")]
 enum Compression {
     Zlib,

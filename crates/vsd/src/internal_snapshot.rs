@@ -6,6 +6,7 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use vsd_control::qmp::QmpError;
@@ -17,7 +18,7 @@ use crate::writers::switch_exports;
 
 /// `blockdev-snapshot-internal-sync`'s arguments (QEMU's
 /// BlockdevSnapshotInternal).
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub(crate) struct InternalSnapshotArgs {
     device: String,
@@ -25,7 +26,7 @@ pub(crate) struct InternalSnapshotArgs {
 }
 
 /// `blockdev-snapshot-delete-internal-sync`'s arguments.
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub(crate) struct DeleteInternalSnapshotArgs {
     device: String,

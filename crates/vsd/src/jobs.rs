@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use vsd_block::BlockNode;
@@ -17,7 +18,7 @@ use crate::reopen::set_read_only_tree;
 
 type Reply = Result<Value, QmpError>;
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub(crate) struct BackupArgs {
     job_id: Option<String>,
@@ -37,7 +38,7 @@ pub(crate) struct BackupArgs {
     auto_dismiss: Option<bool>,
 }
 
-#[derive(Deserialize, Clone, Copy, PartialEq)]
+#[derive(Deserialize, JsonSchema, Clone, Copy, PartialEq)]
 #[serde(rename_all = "lowercase")]
 enum SyncArg {
     Full,
@@ -47,7 +48,7 @@ enum SyncArg {
     Bitmap,
 }
 
-#[derive(Deserialize, Clone, Copy, PartialEq)]
+#[derive(Deserialize, JsonSchema, Clone, Copy, PartialEq)]
 #[serde(rename_all = "kebab-case")]
 enum BitmapModeArg {
     OnSuccess,
@@ -55,7 +56,7 @@ enum BitmapModeArg {
     Always,
 }
 
-#[derive(Deserialize, Clone, Copy, Default)]
+#[derive(Deserialize, JsonSchema, Clone, Copy, Default)]
 #[serde(rename_all = "lowercase")]
 pub(crate) enum OnError {
     #[default]
@@ -77,7 +78,7 @@ impl From<OnError> for ErrorPolicy {
 }
 
 /// `job-*`'s argument.
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct JobId {
     pub(crate) id: String,
@@ -85,7 +86,7 @@ pub(crate) struct JobId {
 
 /// `block-job-*`'s arguments but `-finalize`'s and `-dismiss`' (which
 /// take a [`JobId`]); only `block-job-cancel` looks at `force`.
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct BlockJobArgs {
     pub(crate) device: String,
@@ -93,7 +94,7 @@ pub(crate) struct BlockJobArgs {
     pub(crate) force: bool,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct SetSpeed {
     device: String,

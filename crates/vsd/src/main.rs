@@ -19,6 +19,7 @@ mod qapi;
 mod reopen;
 mod run_as;
 mod sandbox;
+mod schema;
 mod snapshot;
 mod stat;
 mod stream;

@@ -5,6 +5,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use vsd_block::dirty::Tracker;
@@ -22,7 +23,7 @@ use crate::writers::switch_exports;
 /// given (QEMU's default for its mirror's buffer).
 const DEFAULT_BUF_SIZE: u64 = 16 << 20;
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub(crate) struct MirrorArgs {
     job_id: Option<String>,
@@ -44,7 +45,7 @@ pub(crate) struct MirrorArgs {
     auto_dismiss: Option<bool>,
 }
 
-#[derive(Deserialize, Clone, Copy, PartialEq)]
+#[derive(Deserialize, JsonSchema, Clone, Copy, PartialEq)]
 #[serde(rename_all = "lowercase")]
 enum SyncArg {
     Full,
@@ -54,7 +55,7 @@ enum SyncArg {
     Bitmap,
 }
 
-#[derive(Deserialize, Clone, Copy, Default, PartialEq)]
+#[derive(Deserialize, JsonSchema, Clone, Copy, Default, PartialEq)]
 #[serde(rename_all = "kebab-case")]
 enum CopyMode {
     #[default]

@@ -6,6 +6,7 @@
 //! over the node takes the overlay as its child the same way, its exports
 //! stopped meanwhile.
 
+use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use vsd_block::RemoveError;
@@ -15,7 +16,7 @@ use crate::chain::{Node, swaps_child};
 use crate::daemon::{Daemon, State};
 use crate::writers::switch_exports;
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct SnapshotArgs {
     node: String,

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use vsd_control::qmp::QmpError;
@@ -17,7 +18,7 @@ use crate::daemon::{Daemon, State};
 use crate::jobs::{OnError, Restoring, busy, generic, node, speed, well_formed};
 use crate::writers::SourceWriters;
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub(crate) struct StreamArgs {
     job_id: Option<String>,

@@ -12,6 +12,7 @@
 
 use std::sync::Arc;
 
+use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use vsd_control::qmp::QmpError;
@@ -38,7 +39,7 @@ pub(crate) enum Action {
 }
 
 /// An action as it comes.
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct Envelope {
     r#type: String,
@@ -94,7 +95,7 @@ impl Done {
     }
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct Transaction {
     actions: Vec<Value>,
@@ -102,7 +103,7 @@ pub(crate) struct Transaction {
     properties: Properties,
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, JsonSchema, Default)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 struct Properties {
     /// `individual` (QEMU's default): each job completes on its own;

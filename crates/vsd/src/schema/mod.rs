@@ -1,0 +1,314 @@
+//! `query-qmp-schema`: every command vsd has with the arguments it takes,
+//! and every event it sends, in QEMU's introspection format. Commands
+//! whose handlers parse a typed struct get the schema derived from that
+//! struct; those that read their arguments as the command line's option
+//! strings (`blockdev-add`, `block-export-add`, `object-add`,
+//! `nbd-server-start`) have theirs declared here, from the same lists
+//! their parsers use where such lists exist (drivers, object types).
+
+mod introspect;
+
+use serde_json::{Value, json};
+
+pub(crate) use introspect::Introspection;
+
+use crate::commands::Command;
+
+/// The whole schema of `commands` and of vsd's events.
+pub(crate) fn introspect(commands: &[Command]) -> Value {
+    let mut schema = Introspection::new();
+    define_shared(&mut schema);
+    for command in commands {
+        let args = command.args.map(|args| args(&mut schema));
+        schema.command(command.name, args, None, command.out_of_band);
+    }
+    for (event, data) in events() {
+        schema.event(event, Some(data));
+    }
+    schema.finish()
+}
+
+/// A JSON Schema object of `members`, a name ending in `?` optional.
+fn object(members: &[(&str, Value)]) -> Value {
+    let mut properties = serde_json::Map::new();
+    let mut required = Vec::new();
+    for (name, schema) in members {
+        match name.strip_suffix('?') {
+            Some(name) => properties.insert(name.to_string(), schema.clone()),
+            None => {
+                required.push(json!(name));
+                properties.insert(name.to_string(), schema.clone())
+            }
+        };
+    }
+    json!({"type": "object", "properties": properties, "required": required})
+}
+
+fn string() -> Value {
+    json!({"type": "string"})
+}
+
+fn int() -> Value {
+    json!({"type": "integer"})
+}
+
+fn boolean() -> Value {
+    json!({"type": "boolean"})
+}
+
+fn one_of(values: &[&str]) -> Value {
+    json!({"type": "string", "enum": values})
+}
+
+fn list(of: Value) -> Value {
+    json!({"type": "array", "items": of})
+}
+
+fn reference(definition: &str) -> Value {
+    json!({ "$ref": format!("#/$defs/{definition}") })
+}
+
+/// `schema` marked as vsd's own, which QEMU lacks (QEMU's `unstable`).
+fn vsd_own(mut schema: Value) -> Value {
+    schema[introspect::FEATURES] = json!(["unstable"]);
+    schema
+}
+
+/// A flat union of `cases`, each an object with `tag` fixed to its name;
+/// the members all share become the base.
+fn union(tag: &str, cases: Vec<(&str, Value)>) -> Value {
+    let cases: Vec<Value> = cases
+        .into_iter()
+        .map(|(case, mut members)| {
+            members["properties"][tag] = json!({ "const": case });
+            if let Some(required) = members["required"].as_array_mut() {
+                required.push(json!(tag));
+            }
+            members
+        })
+        .collect();
+    json!({ "oneOf": cases })
+}
+
+/// Definitions more than one command refers to.
+fn define_shared(schema: &mut Introspection) {
+    schema.define("BlockdevOptions", blockdev_union());
+    schema.define("BlockdevRef", json!({"anyOf": [reference("BlockdevOptions"), string()]}));
+    schema.define("BlockdevRefOrNull", json!({"anyOf": [reference("BlockdevOptions"), string(), {"type": "null"}]}));
+    schema.define("SocketAddress", socket_address());
+}
+
+pub(crate) fn capabilities(_: &mut Introspection) -> Value {
+    object(&[("enable?", list(one_of(&["oob"])))])
+}
+
+pub(crate) fn blockdev_options(_: &mut Introspection) -> Value {
+    reference("BlockdevOptions")
+}
+
+pub(crate) fn blockdev_reopen(_: &mut Introspection) -> Value {
+    object(&[("options", list(reference("BlockdevOptions")))])
+}
+
+/// Every driver vsd has; each case lists the options vsd's driver reads.
+fn blockdev_union() -> Value {
+    let common = |own: &[(&str, Value)]| {
+        let mut members = vec![
+            ("node-name?", string()),
+            ("discard?", one_of(&["ignore", "unmap"])),
+            ("cache?", object(&[("direct?", boolean()), ("no-flush?", boolean())])),
+            ("read-only?", boolean()),
+            ("auto-read-only?", boolean()),
+            ("force-share?", boolean()),
+            ("detect-zeroes?", one_of(&["off", "on", "unmap"])),
+        ];
+        members.extend(own.iter().cloned());
+        object(&members)
+    };
+    let cases = vsd_block::DRIVERS.iter().map(|&driver| (driver, common(&driver_options(driver)))).collect();
+    union("driver", cases)
+}
+
+/// The options of `driver`, beyond those every node takes.
+fn driver_options(driver: &str) -> Vec<(&'static str, Value)> {
+    let file = || reference("BlockdevRef");
+    match driver {
+        "file" | "host_device" => vec![
+            ("filename", string()),
+            ("locking?", one_of(&["off", "on", "auto"])),
+            ("aio?", one_of(&["threads", "native", "io_uring"])),
+        ],
+        "raw" => vec![("file", file()), ("offset?", int()), ("size?", int())],
+        "qcow2" => vec![
+            ("file", file()),
+            ("backing?", reference("BlockdevRefOrNull")),
+            ("data-file?", file()),
+            ("lazy-refcounts?", boolean()),
+            ("pass-discard-request?", boolean()),
+            ("discard-no-unref?", boolean()),
+            ("l2-cache-size?", int()),
+            ("l2-cache-entry-size?", int()),
+            ("refcount-cache-size?", int()),
+        ],
+        "null-co" | "null-aio" => vec![("size?", int()), ("read-zeroes?", boolean())],
+        "nbd" => vec![
+            ("server", reference("SocketAddress")),
+            ("export?", string()),
+            ("tls-creds?", string()),
+            ("tls-hostname?", string()),
+        ],
+        "throttle" => vec![("throttle-group", string()), ("file", file())],
+        "copy-on-read" | "compress" | "preallocate" => vec![("file", file())],
+        _ => Vec::new(),
+    }
+}
+
+fn socket_address() -> Value {
+    union(
+        "type",
+        vec![
+            ("unix", object(&[("path", string())])),
+            ("inet", object(&[("host", string()), ("port", string()), ("ipv4?", boolean()), ("ipv6?", boolean())])),
+            ("fd", object(&[("str", string())])),
+        ],
+    )
+}
+
+pub(crate) fn block_export_options(_: &mut Introspection) -> Value {
+    let base = |own: Vec<(&'static str, Value)>| {
+        let mut members = vec![
+            ("id", string()),
+            ("node-name", string()),
+            ("writable?", boolean()),
+            ("writethrough?", boolean()),
+            ("iothread?", string()),
+            ("fixed-iothread?", boolean()),
+            ("allow-inactive?", boolean()),
+        ];
+        members.extend(own);
+        object(&members)
+    };
+    let vhost_user_blk = vec![
+        ("addr", reference("SocketAddress")),
+        ("logical-block-size?", int()),
+        ("num-queues?", int()),
+        ("serial?", vsd_own(string())),
+        ("trace?", vsd_own(boolean())),
+        ("cpu-affinity?", vsd_own(string())),
+        ("socket-mode?", vsd_own(string())),
+    ];
+    let nbd = vec![
+        ("name?", string()),
+        ("description?", string()),
+        ("bitmaps?", list(string())),
+        ("allocation-depth?", boolean()),
+    ];
+    union("type", vec![("vhost-user-blk", base(vhost_user_blk)), ("nbd", base(nbd))])
+}
+
+pub(crate) fn nbd_server_options(_: &mut Introspection) -> Value {
+    let legacy = union(
+        "type",
+        ["unix", "inet", "fd"]
+            .into_iter()
+            .zip(socket_address()["oneOf"].as_array().cloned().unwrap_or_default())
+            .map(|(kind, mut data)| {
+                if let Some(properties) = data["properties"].as_object_mut() {
+                    properties.remove("type");
+                }
+                if let Some(required) = data["required"].as_array_mut() {
+                    required.retain(|m| m != "type");
+                }
+                (kind, object(&[("data", data)]))
+            })
+            .collect(),
+    );
+    object(&[
+        ("addr", legacy),
+        ("tls-creds?", string()),
+        ("tls-authz?", string()),
+        ("max-connections?", int()),
+        ("handshake-max-seconds?", int()),
+    ])
+}
+
+pub(crate) fn object_options(_: &mut Introspection) -> Value {
+    let typed = |kind: &str| match kind {
+        "string" => string(),
+        "int" => int(),
+        "bool" => boolean(),
+        "QCryptoSecretFormat" => one_of(&["raw", "base64"]),
+        "QCryptoTLSCredsEndpoint" => one_of(&["client", "server"]),
+        _ => json!(true),
+    };
+    let cases = crate::objects::TYPES
+        .iter()
+        .map(|&qom_type| {
+            let properties = crate::objects::properties(qom_type).unwrap_or_default();
+            let mut members: Vec<(String, Value)> = vec![("id".into(), string())];
+            for property in properties {
+                let (name, kind) = property.split_once("=<").unwrap_or((&property, "any>"));
+                members.push((format!("{name}?"), typed(kind.trim_end_matches('>'))));
+            }
+            let members: Vec<(&str, Value)> = members.iter().map(|(n, v)| (n.as_str(), v.clone())).collect();
+            (qom_type, object(&members))
+        })
+        .collect();
+    union("qom-type", cases)
+}
+
+/// Every event vsd sends, with its data.
+fn events() -> Vec<(&'static str, Value)> {
+    let job_type = one_of(&["commit", "stream", "mirror", "backup", "create"]);
+    let job = |extra: &[(&'static str, Value)]| {
+        let mut members = vec![
+            ("type", job_type.clone()),
+            ("device", string()),
+            ("len", int()),
+            ("offset", int()),
+            ("speed", int()),
+        ];
+        members.extend(extra.iter().cloned());
+        object(&members)
+    };
+    let status = one_of(&[
+        "undefined",
+        "created",
+        "running",
+        "paused",
+        "ready",
+        "standby",
+        "waiting",
+        "pending",
+        "aborting",
+        "concluded",
+        "null",
+    ]);
+    vec![
+        ("BLOCK_EXPORT_DELETED", object(&[("id", string())])),
+        (
+            "BLOCK_IMAGE_CORRUPTED",
+            object(&[
+                ("device", string()),
+                ("node-name?", string()),
+                ("msg", string()),
+                ("offset?", int()),
+                ("size?", int()),
+                ("fatal", boolean()),
+            ]),
+        ),
+        ("BLOCK_JOB_CANCELLED", job(&[])),
+        ("BLOCK_JOB_COMPLETED", job(&[("error?", string())])),
+        (
+            "BLOCK_JOB_ERROR",
+            object(&[
+                ("device", string()),
+                ("operation", one_of(&["read", "write"])),
+                ("action", one_of(&["ignore", "report", "stop"])),
+            ]),
+        ),
+        ("BLOCK_JOB_PENDING", object(&[("type", job_type.clone()), ("id", string())])),
+        ("BLOCK_JOB_READY", job(&[])),
+        ("JOB_STATUS_CHANGE", object(&[("id", string()), ("status", status)])),
+    ]
+}
