@@ -71,6 +71,12 @@ const COMMANDS: &[&str] = &[
     "qom-get",
     "qom-set",
     "quit",
+    // Legacy commands that make their targets, and NBD's older export commands.
+    "drive-mirror",
+    "drive-backup",
+    "blockdev-snapshot-sync",
+    "nbd-server-add",
+    "nbd-server-remove",
 ];
 
 /// How long a safe `block-export-del` waits for a front-end that has hung
@@ -131,6 +137,11 @@ impl Dispatch for Daemon {
                 Ok(json!({}))
             }
             "quit" => no_arguments(&args).map(|()| json!({})),
+            "drive-mirror" => self.drive_mirror(qapi::parse(args)?),
+            "drive-backup" => self.transaction(vec![Action::DriveBackup(qapi::parse(args)?)], None),
+            "blockdev-snapshot-sync" => self.transaction(vec![Action::SnapshotSync(qapi::parse(args)?)], None),
+            "nbd-server-add" => self.nbd_server_add(qapi::parse(args)?),
+            "nbd-server-remove" => self.nbd_server_remove(qapi::parse(args)?),
             _ => match job_verb(command) {
                 Some((false, verb)) => self.job_verb(&qapi::parse::<JobId>(args)?.id, verb),
                 Some((true, verb @ (Verb::Finalize | Verb::Dismiss))) => {
@@ -246,15 +257,15 @@ struct SetActive {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct ExportDel {
-    id: String,
+pub(crate) struct ExportDel {
+    pub(crate) id: String,
     #[serde(default)]
-    mode: RemoveMode,
+    pub(crate) mode: RemoveMode,
 }
 
 #[derive(Deserialize, Default, PartialEq)]
 #[serde(rename_all = "lowercase")]
-enum RemoveMode {
+pub(crate) enum RemoveMode {
     #[default]
     Safe,
     Hard,
@@ -351,7 +362,7 @@ impl Daemon {
         Ok(json!({}))
     }
 
-    fn block_export_del(&self, args: ExportDel) -> Reply {
+    pub(crate) fn block_export_del(&self, args: ExportDel) -> Reply {
         // A front-end that has just hung up is let go by the export's own
         // thread, a moment later: a safe deletion gives it that moment.
         let deadline = Instant::now() + CLIENT_GONE_GRACE;

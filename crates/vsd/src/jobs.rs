@@ -20,26 +20,26 @@ type Reply = Result<Value, QmpError>;
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub(crate) struct BackupArgs {
-    job_id: Option<String>,
-    device: String,
-    target: String,
-    sync: SyncArg,
-    speed: Option<i64>,
-    bitmap: Option<String>,
-    bitmap_mode: Option<BitmapModeArg>,
+    pub(crate) job_id: Option<String>,
+    pub(crate) device: String,
+    pub(crate) target: String,
+    pub(crate) sync: SyncArg,
+    pub(crate) speed: Option<i64>,
+    pub(crate) bitmap: Option<String>,
+    pub(crate) bitmap_mode: Option<BitmapModeArg>,
     #[serde(default)]
-    compress: bool,
+    pub(crate) compress: bool,
     #[serde(default)]
-    on_source_error: OnError,
+    pub(crate) on_source_error: OnError,
     #[serde(default)]
-    on_target_error: OnError,
-    auto_finalize: Option<bool>,
-    auto_dismiss: Option<bool>,
+    pub(crate) on_target_error: OnError,
+    pub(crate) auto_finalize: Option<bool>,
+    pub(crate) auto_dismiss: Option<bool>,
 }
 
 #[derive(Deserialize, Clone, Copy, PartialEq)]
 #[serde(rename_all = "lowercase")]
-enum SyncArg {
+pub(crate) enum SyncArg {
     Full,
     Top,
     None,
@@ -49,7 +49,7 @@ enum SyncArg {
 
 #[derive(Deserialize, Clone, Copy, PartialEq)]
 #[serde(rename_all = "kebab-case")]
-enum BitmapModeArg {
+pub(crate) enum BitmapModeArg {
     OnSuccess,
     Never,
     Always,
@@ -126,6 +126,17 @@ pub(crate) fn busy(node: &str, job: &Job) -> String {
 impl Daemon {
     /// Starts a backup job (an action of [`Daemon::transaction`]).
     pub(crate) fn blockdev_backup(&self, args: BackupArgs, group: Option<Arc<Group>>) -> Result<Arc<Job>, QmpError> {
+        self.start_backup(args, group, &|body| body)
+    }
+
+    /// Starts a backup job whose body `wrap` wraps (`drive-backup` lets
+    /// the target it made go once the job ends).
+    pub(crate) fn start_backup(
+        &self,
+        args: BackupArgs,
+        group: Option<Arc<Group>>,
+        wrap: &dyn Fn(Box<dyn JobBody>) -> Box<dyn JobBody>,
+    ) -> Result<Arc<Job>, QmpError> {
         let state = self.state();
         let (source, target) = (node(&state, &args.device)?, node(&state, &args.target)?);
         if source.name() == target.name() {
@@ -189,7 +200,7 @@ impl Daemon {
             on_target_error: args.on_target_error.into(),
             compress: args.compress,
         });
-        self.jobs.start(spec, Box::new(backup)).map_err(generic)
+        self.jobs.start(spec, wrap(Box::new(backup))).map_err(generic)
     }
 
     /// The job for `job-*` commands.

@@ -18,8 +18,8 @@ use crate::writers::switch_exports;
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct SnapshotArgs {
-    node: String,
-    overlay: String,
+    pub(crate) node: String,
+    pub(crate) overlay: String,
 }
 
 fn generic(text: String) -> QmpError {

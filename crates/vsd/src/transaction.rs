@@ -7,7 +7,10 @@
 //! `blockdev-snapshot` actions are checked before any action runs and
 //! taken after all the others have succeeded: moving an export waits for
 //! its queues to stop, which they cannot while the other actions hold the
-//! node's writers (`vsd_block::dirty::batch`).
+//! node's writers (`vsd_block::dirty::batch`). A `blockdev-snapshot-sync`
+//! first makes and opens its overlay, before any action runs, then is
+//! taken as a `blockdev-snapshot`; its overlay goes again if the
+//! transaction fails.
 
 use std::sync::Arc;
 
@@ -18,6 +21,7 @@ use vsd_job::{Group, Job};
 
 use crate::bitmaps::{self, BitmapAdd, BitmapMerge, BitmapName, Change, remove_from_image};
 use crate::daemon::Daemon;
+use crate::drive::{DriveBackupArgs, SnapshotSyncArgs};
 use crate::jobs::BackupArgs;
 use crate::qapi;
 use crate::snapshot::SnapshotArgs;
@@ -31,7 +35,9 @@ pub(crate) enum Action {
     DisableBitmap(BitmapName),
     MergeBitmaps(BitmapMerge),
     Backup(BackupArgs),
+    DriveBackup(DriveBackupArgs),
     Snapshot(SnapshotArgs),
+    SnapshotSync(SnapshotSyncArgs),
 }
 
 /// An action as it comes.
@@ -57,6 +63,8 @@ impl Action {
             "block-dirty-bitmap-merge" => Action::MergeBitmaps(qapi::parse_member(&path, data)?),
             "blockdev-backup" => Action::Backup(qapi::parse_member(&path, data)?),
             "blockdev-snapshot" => Action::Snapshot(qapi::parse_member(&path, data)?),
+            "drive-backup" => Action::DriveBackup(qapi::parse_member(&path, data)?),
+            "blockdev-snapshot-sync" => Action::SnapshotSync(qapi::parse_member(&path, data)?),
             _ => return Err(QmpError::generic(format!("Parameter 'type' does not accept value '{kind}'"))),
         };
         Ok((action, kind))
@@ -128,7 +136,8 @@ impl Transaction {
             .unzip();
         if group.is_some() {
             // Only jobs can complete as a group (QEMU's words).
-            let single = actions.iter().zip(&kinds).find(|(action, _)| !matches!(action, Action::Backup(_)));
+            let job = |action: &Action| matches!(action, Action::Backup(_) | Action::DriveBackup(_));
+            let single = actions.iter().zip(&kinds).find(|(action, _)| !job(action));
             if let Some((_, kind)) = single {
                 return Err(QmpError::generic(format!(
                     "Action '{kind}' does not support transaction property completion-mode = grouped"
@@ -143,18 +152,33 @@ impl Daemon {
     /// Does `actions` in order; if one fails, undoes those done before it,
     /// last first, and answers its error. The jobs started join `group`.
     pub(crate) fn transaction(&self, actions: Vec<Action>, group: Option<Arc<Group>>) -> Result<Value, QmpError> {
-        let mut snapshots = Vec::new();
-        let actions: Vec<Action> = actions
-            .into_iter()
-            .filter_map(|action| match action {
-                Action::Snapshot(args) => {
-                    snapshots.push(args);
-                    None
-                }
-                other => Some(other),
-            })
-            .collect();
-        self.check_snapshots(&snapshots.iter().collect::<Vec<_>>())?;
+        let (mut snapshots, mut overlays, mut others) = (Vec::new(), Vec::new(), Vec::new());
+        for action in actions {
+            match action {
+                Action::Snapshot(args) => snapshots.push(args),
+                Action::SnapshotSync(args) => match self.open_overlay(args) {
+                    Ok(made) => overlays.push(made),
+                    Err(e) => {
+                        self.release_overlays(&overlays);
+                        return Err(e);
+                    }
+                },
+                other => others.push(other),
+            }
+        }
+        let done = self.transaction_of(others, snapshots.iter().chain(&overlays).collect(), group);
+        self.release_overlays(&overlays);
+        done
+    }
+
+    /// A transaction's actions, its snapshots taken last.
+    fn transaction_of(
+        &self,
+        actions: Vec<Action>,
+        snapshots: Vec<&SnapshotArgs>,
+        group: Option<Arc<Group>>,
+    ) -> Result<Value, QmpError> {
+        self.check_snapshots(&snapshots)?;
         let images = vsd_block::dirty::batch(|| {
             let mut done = Vec::with_capacity(actions.len());
             for action in actions {
@@ -169,7 +193,7 @@ impl Daemon {
             Ok(done.into_iter().filter_map(Done::commit).collect::<Vec<_>>())
         })?;
         images.iter().for_each(|node| remove_from_image(&**node));
-        for args in &snapshots {
+        for args in snapshots {
             self.blockdev_snapshot(args)?;
         }
         if let Some(group) = group {
@@ -187,7 +211,10 @@ impl Daemon {
             Action::DisableBitmap(args) => self.bitmap_change(args, Change::Disable).map(Done::Bitmap),
             Action::MergeBitmaps(args) => self.bitmap_merge(args).map(Done::Bitmap),
             Action::Backup(args) => self.blockdev_backup(args, group.clone()).map(Done::Job),
-            Action::Snapshot(_) => Err(QmpError::generic("blockdev-snapshot is taken after the other actions")),
+            Action::DriveBackup(args) => self.drive_backup(args, group.clone()).map(Done::Job),
+            Action::Snapshot(_) | Action::SnapshotSync(_) => {
+                Err(QmpError::generic("snapshots are taken after the other actions"))
+            }
         }
     }
 }
