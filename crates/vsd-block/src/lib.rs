@@ -261,6 +261,12 @@ pub fn create_qcow2(file: &dyn BlockNode, image: &vsd_qcow2::create::NewImage) -
     drivers::create_qcow2(file, image)
 }
 
+/// The format of the image `node` holds, as QEMU probes it: "qcow2" if it
+/// starts with the qcow2 magic, else "raw".
+pub fn probe_format(node: &dyn BlockNode) -> io::Result<&'static str> {
+    drivers::probe_format(node)
+}
+
 /// How a range of a node reads, as block status reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Allocation {
@@ -531,8 +537,7 @@ impl BlockGraph {
             }
             inherit(&opts, &mut child, role);
             if !child.has("node-name") {
-                self.implicit += 1;
-                child.insert("node-name", format!("#block{}", self.implicit));
+                child.insert("node-name", self.implicit_name());
             }
             let node = self.add_with_children(child)?;
             opts.insert(role, node.name());
@@ -633,6 +638,14 @@ impl BlockGraph {
                 self.collect_inactivation(&child, going);
             }
         }
+    }
+
+    /// A new name for a node the user did not name (`#block<n>`, as QEMU
+    /// names them): inline children, and the nodes QMP commands open from
+    /// file names (`drive-mirror`'s target).
+    pub fn implicit_name(&mut self) -> String {
+        self.implicit += 1;
+        format!("#block{}", self.implicit)
     }
 
     /// The node called `name`.

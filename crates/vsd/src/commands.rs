@@ -51,7 +51,11 @@ impl Command {
 
     /// A command that reads its arguments itself (as the command line's
     /// option strings), with the schema declared for them.
-    fn declared(name: &'static str, handler: fn(&Daemon, Value) -> Reply, args: fn(&mut Introspection) -> Value) -> Self {
+    fn declared(
+        name: &'static str,
+        handler: fn(&Daemon, Value) -> Reply,
+        args: fn(&mut Introspection) -> Value,
+    ) -> Self {
         Self { name, run: Box::new(handler), args: Some(args), out_of_band: false }
     }
 
@@ -70,8 +74,7 @@ pub(crate) static COMMANDS: LazyLock<Vec<Command>> = LazyLock::new(|| {
     vec![
         C::declared("qmp_capabilities", |_, _| Ok(json!({})), schema::capabilities),
         C::bare("query-version", |_| Ok(vsd_control::qmp::version())).out_of_band(),
-        C::bare("query-commands", |_| Ok(COMMANDS.iter().map(|c| json!({ "name": c.name })).collect()))
-            .out_of_band(),
+        C::bare("query-commands", |_| Ok(COMMANDS.iter().map(|c| json!({ "name": c.name })).collect())).out_of_band(),
         C::bare("query-qmp-schema", |_| Ok(schema::introspect(&COMMANDS))).out_of_band(),
         C::declared("blockdev-add", Daemon::blockdev_add, schema::blockdev_options),
         C::typed("blockdev-del", Daemon::blockdev_del),
@@ -127,6 +130,13 @@ pub(crate) static COMMANDS: LazyLock<Vec<Command>> = LazyLock::new(|| {
             Ok(json!({}))
         }),
         C::bare("quit", |_| Ok(json!({}))),
+        // The older commands that make their targets, and NBD's older
+        // export commands.
+        C::typed("drive-mirror", Daemon::drive_mirror),
+        C::typed("drive-backup", |d, a| d.transaction(vec![Action::DriveBackup(a)], None)),
+        C::typed("blockdev-snapshot-sync", |d, a| d.transaction(vec![Action::SnapshotSync(a)], None)),
+        C::typed("nbd-server-add", Daemon::nbd_server_add),
+        C::typed("nbd-server-remove", Daemon::nbd_server_remove),
     ]
 });
 
@@ -233,15 +243,15 @@ struct SetActive {
 
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
-struct ExportDel {
-    id: String,
+pub(crate) struct ExportDel {
+    pub(crate) id: String,
     #[serde(default)]
-    mode: RemoveMode,
+    pub(crate) mode: RemoveMode,
 }
 
 #[derive(Deserialize, JsonSchema, Default, PartialEq)]
 #[serde(rename_all = "lowercase")]
-enum RemoveMode {
+pub(crate) enum RemoveMode {
     #[default]
     Safe,
     Hard,
@@ -254,8 +264,10 @@ struct StatsQuery {
     query_nodes: bool,
 }
 
+/// QEMU's, though not qemu-storage-daemon's.
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
+#[schemars(extend("x-features" = ["unstable"]))]
 struct HistogramSet {
     id: String,
     boundaries: Option<Vec<u64>>,
@@ -342,7 +354,7 @@ impl Daemon {
         Ok(json!({}))
     }
 
-    fn block_export_del(&self, args: ExportDel) -> Reply {
+    pub(crate) fn block_export_del(&self, args: ExportDel) -> Reply {
         // A front-end that has just hung up is let go by the export's own
         // thread, a moment later: a safe deletion gives it that moment.
         let deadline = Instant::now() + CLIENT_GONE_GRACE;

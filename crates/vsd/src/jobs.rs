@@ -21,26 +21,26 @@ type Reply = Result<Value, QmpError>;
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub(crate) struct BackupArgs {
-    job_id: Option<String>,
-    device: String,
-    target: String,
-    sync: SyncArg,
-    speed: Option<i64>,
-    bitmap: Option<String>,
-    bitmap_mode: Option<BitmapModeArg>,
+    pub(crate) job_id: Option<String>,
+    pub(crate) device: String,
+    pub(crate) target: String,
+    pub(crate) sync: SyncArg,
+    pub(crate) speed: Option<i64>,
+    pub(crate) bitmap: Option<String>,
+    pub(crate) bitmap_mode: Option<BitmapModeArg>,
     #[serde(default)]
-    compress: bool,
+    pub(crate) compress: bool,
     #[serde(default)]
-    on_source_error: OnError,
+    pub(crate) on_source_error: OnError,
     #[serde(default)]
-    on_target_error: OnError,
-    auto_finalize: Option<bool>,
-    auto_dismiss: Option<bool>,
+    pub(crate) on_target_error: OnError,
+    pub(crate) auto_finalize: Option<bool>,
+    pub(crate) auto_dismiss: Option<bool>,
 }
 
 #[derive(Deserialize, JsonSchema, Clone, Copy, PartialEq)]
 #[serde(rename_all = "lowercase")]
-enum SyncArg {
+pub(crate) enum SyncArg {
     Full,
     Top,
     None,
@@ -50,7 +50,7 @@ enum SyncArg {
 
 #[derive(Deserialize, JsonSchema, Clone, Copy, PartialEq)]
 #[serde(rename_all = "kebab-case")]
-enum BitmapModeArg {
+pub(crate) enum BitmapModeArg {
     OnSuccess,
     Never,
     Always,
@@ -84,14 +84,20 @@ pub(crate) struct JobId {
     pub(crate) id: String,
 }
 
-/// `block-job-*`'s arguments but `-finalize`'s and `-dismiss`' (which
-/// take a [`JobId`]); only `block-job-cancel` looks at `force`.
+/// `block-job-pause`'s, `-resume`'s and `-complete`'s argument.
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct BlockJobArgs {
     pub(crate) device: String,
+}
+
+/// `block-job-cancel`'s arguments.
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct BlockJobCancel {
+    device: String,
     #[serde(default)]
-    pub(crate) force: bool,
+    force: bool,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -127,6 +133,17 @@ pub(crate) fn busy(node: &str, job: &Job) -> String {
 impl Daemon {
     /// Starts a backup job (an action of [`Daemon::transaction`]).
     pub(crate) fn blockdev_backup(&self, args: BackupArgs, group: Option<Arc<Group>>) -> Result<Arc<Job>, QmpError> {
+        self.start_backup(args, group, &|body| body)
+    }
+
+    /// Starts a backup job whose body `wrap` wraps (`drive-backup` lets
+    /// the target it made go once the job ends).
+    pub(crate) fn start_backup(
+        &self,
+        args: BackupArgs,
+        group: Option<Arc<Group>>,
+        wrap: &dyn Fn(Box<dyn JobBody>) -> Box<dyn JobBody>,
+    ) -> Result<Arc<Job>, QmpError> {
         let state = self.state();
         let (source, target) = (node(&state, &args.device)?, node(&state, &args.target)?);
         if source.name() == target.name() {
@@ -190,7 +207,7 @@ impl Daemon {
             on_target_error: args.on_target_error.into(),
             compress: args.compress,
         });
-        self.jobs.start(spec, Box::new(backup)).map_err(generic)
+        self.jobs.start(spec, wrap(Box::new(backup))).map_err(generic)
     }
 
     /// The job for `job-*` commands.
@@ -215,7 +232,7 @@ impl Daemon {
     }
 
     /// `block-job-cancel`: a ready job asked without `force` ends well.
-    pub(crate) fn block_job_cancel(&self, args: BlockJobArgs) -> Reply {
+    pub(crate) fn block_job_cancel(&self, args: BlockJobCancel) -> Reply {
         self.block_job(&args.device)?.block_cancel(args.force).map_err(generic)?;
         Ok(json!({}))
     }

@@ -26,28 +26,28 @@ const DEFAULT_BUF_SIZE: u64 = 16 << 20;
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub(crate) struct MirrorArgs {
-    job_id: Option<String>,
-    device: String,
-    target: String,
-    replaces: Option<String>,
-    sync: SyncArg,
-    speed: Option<i64>,
-    granularity: Option<u32>,
-    buf_size: Option<i64>,
+    pub(crate) job_id: Option<String>,
+    pub(crate) device: String,
+    pub(crate) target: String,
+    pub(crate) replaces: Option<String>,
+    pub(crate) sync: SyncArg,
+    pub(crate) speed: Option<i64>,
+    pub(crate) granularity: Option<u32>,
+    pub(crate) buf_size: Option<i64>,
     #[serde(default)]
-    on_source_error: OnError,
+    pub(crate) on_source_error: OnError,
     #[serde(default)]
-    on_target_error: OnError,
-    filter_node_name: Option<String>,
+    pub(crate) on_target_error: OnError,
+    pub(crate) filter_node_name: Option<String>,
     #[serde(default)]
-    copy_mode: CopyMode,
-    auto_finalize: Option<bool>,
-    auto_dismiss: Option<bool>,
+    pub(crate) copy_mode: CopyMode,
+    pub(crate) auto_finalize: Option<bool>,
+    pub(crate) auto_dismiss: Option<bool>,
 }
 
 #[derive(Deserialize, JsonSchema, Clone, Copy, PartialEq)]
 #[serde(rename_all = "lowercase")]
-enum SyncArg {
+pub(crate) enum SyncArg {
     Full,
     Top,
     None,
@@ -57,15 +57,31 @@ enum SyncArg {
 
 #[derive(Deserialize, JsonSchema, Clone, Copy, Default, PartialEq)]
 #[serde(rename_all = "kebab-case")]
-enum CopyMode {
+pub(crate) enum CopyMode {
     #[default]
     Background,
     WriteBlocking,
 }
 
+/// What `drive-mirror`, which made the target, says of it: whether it is
+/// a new image, which reads as zeroes (`sync=full` then copies only what
+/// the source's chain holds, as QEMU's), the node it gets as its backing
+/// node when the job completes, and the job's body wrapped (to let the
+/// target go once unused).
+pub(crate) struct MadeTarget<'a> {
+    pub(crate) zeroed: bool,
+    pub(crate) backing: Option<Node>,
+    pub(crate) wrap: &'a dyn Fn(Box<dyn JobBody>) -> Box<dyn JobBody>,
+}
+
 impl Daemon {
     /// Starts a mirror job.
     pub(crate) fn blockdev_mirror(&self, args: MirrorArgs) -> Result<Value, QmpError> {
+        self.start_mirror(args, MadeTarget { zeroed: false, backing: None, wrap: &|body| body })
+    }
+
+    /// Starts a mirror job onto a target that `made` says more about.
+    pub(crate) fn start_mirror(&self, args: MirrorArgs, made: MadeTarget<'_>) -> Result<Value, QmpError> {
         let mut guard = self.state();
         let state = &mut *guard;
         let source = node(state, &args.device)?;
@@ -91,11 +107,13 @@ impl Daemon {
             Some(size @ 1..) => size as u64,
             _ => DEFAULT_BUF_SIZE,
         };
+        // Every layer of the chain, onto a target that needs no zeroing.
+        let full = if made.zeroed { MirrorSync::Above(u32::MAX) } else { MirrorSync::Full };
         let sync = match args.sync {
-            SyncArg::Full => MirrorSync::Full,
+            SyncArg::Full => full,
             // Without a backing chain, the top is all there is (QEMU's rule).
             SyncArg::Top if source.children().iter().any(|(role, _)| *role == "backing") => MirrorSync::Top,
-            SyncArg::Top => MirrorSync::Full,
+            SyncArg::Top => full,
             SyncArg::None => MirrorSync::None,
             SyncArg::Incremental => return Err(generic("Sync mode 'incremental' not supported")),
             SyncArg::Bitmap => return Err(generic("Sync mode 'bitmap' not supported")),
@@ -159,13 +177,14 @@ impl Daemon {
         let replaced_under = replaced_under.map(|(filter, _)| filter);
         let writers = |serving: &Node| {
             let (state, serving, source) = (self.shared_state(), serving.clone(), source.clone());
-            Arc::new(MirrorWriters { state, serving, source, replaced_under: replaced_under.clone() })
+            let target_backing = made.backing.clone();
+            Arc::new(MirrorWriters { state, serving, source, replaced_under: replaced_under.clone(), target_backing })
         };
         match args.copy_mode {
             CopyMode::Background => {
                 let tracker = track(state, &source, granularity)?;
                 let mirror = Mirror::new(spec(tracker, writers(&source)));
-                self.jobs.start(job, Box::new(mirror)).map_err(generic)?;
+                self.jobs.start(job, (made.wrap)(Box::new(mirror))).map_err(generic)?;
             }
             CopyMode::WriteBlocking => {
                 let in_flight = Arc::new(InFlight::default());
@@ -176,7 +195,7 @@ impl Daemon {
                 let writers = writers(&filter);
                 let tracker = Tracker::apart(source.size(), granularity);
                 let mirror = Mirror::write_blocking(spec(tracker, writers.clone()), in_flight);
-                if let Err(e) = self.jobs.start(job, Box::new(Filtered { mirror, writers })) {
+                if let Err(e) = self.jobs.start(job, (made.wrap)(Box::new(Filtered { mirror, writers }))) {
                     unfilter(state, &filter_name(&source), &source);
                     return Err(generic(e));
                 }
@@ -251,11 +270,20 @@ struct MirrorWriters {
     source: Node,
     /// The filter whose child the target replaces.
     replaced_under: Option<Node>,
+    /// The target's backing node from the switch on (`drive-mirror`'s).
+    target_backing: Option<Node>,
 }
 
 impl Writers for MirrorWriters {
     fn stopped(&self, switch_to: Option<&Node>, work: &mut dyn FnMut() -> Result<(), String>) -> Result<(), String> {
         let mut state = lock_state(&self.state);
+        let backing = switch_to.zip(self.target_backing.as_ref());
+        let mut work = || {
+            work()?;
+            backing
+                .map_or(Ok(()), |(target, backing)| target.attach_backing(backing.clone()).map_err(|e| e.to_string()))
+        };
+        let work: &mut dyn FnMut() -> Result<(), String> = &mut work;
         let (Some(target), Some(filter)) = (switch_to, &self.replaced_under) else {
             let to = switch_to.unwrap_or(&self.source);
             let to = (to.name() != self.serving.name()).then_some(to);

@@ -19,8 +19,8 @@ use crate::writers::switch_exports;
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct SnapshotArgs {
-    node: String,
-    overlay: String,
+    pub(crate) node: String,
+    pub(crate) overlay: String,
 }
 
 fn generic(text: String) -> QmpError {

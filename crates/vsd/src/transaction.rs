@@ -8,7 +8,9 @@
 //! checked before any action runs and taken after all the others have
 //! succeeded: both stop the node's exports, whose queues cannot stop
 //! while the other actions hold the node's writers
-//! (`vsd_block::dirty::batch`).
+//! (`vsd_block::dirty::batch`). A `blockdev-snapshot-sync` first makes
+//! and opens its overlay, before any action runs, then is taken as a
+//! `blockdev-snapshot`; its overlay goes again if the transaction fails.
 
 use std::sync::Arc;
 
@@ -20,6 +22,7 @@ use vsd_job::{Group, Job};
 
 use crate::bitmaps::{self, BitmapAdd, BitmapMerge, BitmapName, Change, remove_from_image};
 use crate::daemon::Daemon;
+use crate::drive::{DriveBackupArgs, SnapshotSyncArgs};
 use crate::internal_snapshot::InternalSnapshotArgs;
 use crate::jobs::BackupArgs;
 use crate::qapi;
@@ -34,8 +37,10 @@ pub(crate) enum Action {
     DisableBitmap(BitmapName),
     MergeBitmaps(BitmapMerge),
     Backup(BackupArgs),
+    DriveBackup(DriveBackupArgs),
     Snapshot(SnapshotArgs),
     InternalSnapshot(InternalSnapshotArgs),
+    SnapshotSync(SnapshotSyncArgs),
 }
 
 /// An action as it comes.
@@ -62,6 +67,8 @@ impl Action {
             "blockdev-backup" => Action::Backup(qapi::parse_member(&path, data)?),
             "blockdev-snapshot" => Action::Snapshot(qapi::parse_member(&path, data)?),
             "blockdev-snapshot-internal-sync" => Action::InternalSnapshot(qapi::parse_member(&path, data)?),
+            "drive-backup" => Action::DriveBackup(qapi::parse_member(&path, data)?),
+            "blockdev-snapshot-sync" => Action::SnapshotSync(qapi::parse_member(&path, data)?),
             _ => return Err(QmpError::generic(format!("Parameter 'type' does not accept value '{kind}'"))),
         };
         Ok((action, kind))
@@ -98,6 +105,7 @@ impl Done {
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct Transaction {
+    #[schemars(with = "Vec<ActionSchema>")]
     actions: Vec<Value>,
     #[serde(default)]
     properties: Properties,
@@ -109,19 +117,42 @@ struct Properties {
     /// `individual` (QEMU's default): each job completes on its own;
     /// `grouped`: the jobs succeed or fail together.
     #[serde(default)]
-    completion_mode: Option<String>,
+    completion_mode: Option<CompletionMode>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+enum CompletionMode {
+    Individual,
+    Grouped,
+}
+
+/// The schema of an action: each kind [`Action::parse`] takes, with the
+/// type it reads the kind's data into (QEMU's TransactionAction).
+#[derive(JsonSchema)]
+#[serde(tag = "type", content = "data", rename_all = "kebab-case")]
+#[allow(dead_code)] // Described, never built.
+enum ActionSchema {
+    BlockDirtyBitmapAdd(BitmapAdd),
+    BlockDirtyBitmapRemove(BitmapName),
+    BlockDirtyBitmapClear(BitmapName),
+    BlockDirtyBitmapEnable(BitmapName),
+    BlockDirtyBitmapDisable(BitmapName),
+    BlockDirtyBitmapMerge(BitmapMerge),
+    BlockdevBackup(BackupArgs),
+    BlockdevSnapshot(SnapshotArgs),
+    BlockdevSnapshotInternalSync(InternalSnapshotArgs),
+    DriveBackup(DriveBackupArgs),
+    BlockdevSnapshotSync(SnapshotSyncArgs),
 }
 
 impl Transaction {
     /// The actions, each checked as QEMU's QAPI visitor would, and the
     /// group their jobs form if the completion mode is `grouped`.
     pub(crate) fn parts(self) -> Result<(Vec<Action>, Option<Arc<Group>>), QmpError> {
-        let group = match self.properties.completion_mode.as_deref() {
-            None | Some("individual") => None,
-            Some("grouped") => Some(Group::new()),
-            Some(other) => {
-                return Err(QmpError::generic(format!("Parameter 'completion-mode' does not accept value '{other}'")));
-            }
+        let group = match self.properties.completion_mode {
+            None | Some(CompletionMode::Individual) => None,
+            Some(CompletionMode::Grouped) => Some(Group::new()),
         };
         let (actions, kinds): (Vec<Action>, Vec<String>) = self
             .actions
@@ -133,7 +164,8 @@ impl Transaction {
             .unzip();
         if group.is_some() {
             // Only jobs can complete as a group (QEMU's words).
-            let single = actions.iter().zip(&kinds).find(|(action, _)| !matches!(action, Action::Backup(_)));
+            let job = |action: &Action| matches!(action, Action::Backup(_) | Action::DriveBackup(_));
+            let single = actions.iter().zip(&kinds).find(|(action, _)| !job(action));
             if let Some((_, kind)) = single {
                 return Err(QmpError::generic(format!(
                     "Action '{kind}' does not support transaction property completion-mode = grouped"
@@ -148,23 +180,36 @@ impl Daemon {
     /// Does `actions` in order; if one fails, undoes those done before it,
     /// last first, and answers its error. The jobs started join `group`.
     pub(crate) fn transaction(&self, actions: Vec<Action>, group: Option<Arc<Group>>) -> Result<Value, QmpError> {
-        let (mut snapshots, mut internal) = (Vec::new(), Vec::new());
-        let actions: Vec<Action> = actions
-            .into_iter()
-            .filter_map(|action| match action {
-                Action::Snapshot(args) => {
-                    snapshots.push(args);
-                    None
-                }
-                Action::InternalSnapshot(args) => {
-                    internal.push(args);
-                    None
-                }
-                other => Some(other),
-            })
-            .collect();
-        self.check_snapshots(&snapshots.iter().collect::<Vec<_>>())?;
-        self.check_internal_snapshots(&internal)?;
+        let (mut snapshots, mut internal, mut overlays, mut others) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for action in actions {
+            match action {
+                Action::Snapshot(args) => snapshots.push(args),
+                Action::InternalSnapshot(args) => internal.push(args),
+                Action::SnapshotSync(args) => match self.open_overlay(args) {
+                    Ok(made) => overlays.push(made),
+                    Err(e) => {
+                        self.release_overlays(&overlays);
+                        return Err(e);
+                    }
+                },
+                other => others.push(other),
+            }
+        }
+        let done = self.transaction_of(others, snapshots.iter().chain(&overlays).collect(), &internal, group);
+        self.release_overlays(&overlays);
+        done
+    }
+
+    /// A transaction's actions, its snapshots taken last.
+    fn transaction_of(
+        &self,
+        actions: Vec<Action>,
+        snapshots: Vec<&SnapshotArgs>,
+        internal: &[InternalSnapshotArgs],
+        group: Option<Arc<Group>>,
+    ) -> Result<Value, QmpError> {
+        self.check_snapshots(&snapshots)?;
+        self.check_internal_snapshots(internal)?;
         let images = vsd_block::dirty::batch(|| {
             let mut done = Vec::with_capacity(actions.len());
             for action in actions {
@@ -179,10 +224,10 @@ impl Daemon {
             Ok(done.into_iter().filter_map(Done::commit).collect::<Vec<_>>())
         })?;
         images.iter().for_each(|node| remove_from_image(&**node));
-        for args in &snapshots {
+        for args in snapshots {
             self.blockdev_snapshot(args)?;
         }
-        self.take_internal_snapshots(&internal)?;
+        self.take_internal_snapshots(internal)?;
         if let Some(group) = group {
             group.seal();
         }
@@ -198,9 +243,34 @@ impl Daemon {
             Action::DisableBitmap(args) => self.bitmap_change(args, Change::Disable).map(Done::Bitmap),
             Action::MergeBitmaps(args) => self.bitmap_merge(args).map(Done::Bitmap),
             Action::Backup(args) => self.blockdev_backup(args, group.clone()).map(Done::Job),
-            Action::Snapshot(_) | Action::InternalSnapshot(_) => {
+            Action::DriveBackup(args) => self.drive_backup(args, group.clone()).map(Done::Job),
+            Action::Snapshot(_) | Action::InternalSnapshot(_) | Action::SnapshotSync(_) => {
                 Err(QmpError::generic("snapshots are taken after the other actions"))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The schema lists the kinds `Action::parse` takes, and only those.
+    #[test]
+    fn the_schema_names_every_kind_of_action_parse_takes() {
+        let schema = schemars::schema_for!(ActionSchema).to_value();
+        let kinds: Vec<&str> = schema["oneOf"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["properties"]["type"]["const"].as_str().unwrap())
+            .collect();
+        assert_eq!(kinds.len(), 11);
+        for kind in kinds {
+            let error = Action::parse(0, json!({"type": kind, "data": {}})).err().map(|e| e.desc).unwrap_or_default();
+            assert!(!error.contains("'type' does not accept"), "{kind}: {error}");
+        }
+        let error = Action::parse(0, json!({"type": "x", "data": {}})).err().unwrap().desc;
+        assert!(error.contains("'type' does not accept"), "{error}");
     }
 }

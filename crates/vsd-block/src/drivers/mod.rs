@@ -86,6 +86,8 @@ pub(crate) fn open(
     }
 }
 
+pub(crate) use qcow2::probe as probe_format;
+
 /// Writes a new, empty qcow2 image over `file`, emptied first (a node that
 /// cannot be resized is written over as it is).
 pub(crate) fn create_qcow2(file: &dyn BlockNode, image: &vsd_qcow2::create::NewImage) -> io::Result<()> {

@@ -74,9 +74,14 @@ impl Introspection {
 
     /// Every entity, builtins included.
     pub(crate) fn finish(mut self) -> Value {
-        for (name, json_type) in
-            [("str", "string"), ("int", "int"), ("number", "number"), ("bool", "boolean"), ("null", "null"), ("any", "value")]
-        {
+        for (name, json_type) in [
+            ("str", "string"),
+            ("int", "int"),
+            ("number", "number"),
+            ("bool", "boolean"),
+            ("null", "null"),
+            ("any", "value"),
+        ] {
             self.entities.push(json!({"name": name, "meta-type": "builtin", "json-type": json_type}));
         }
         Value::Array(self.entities)
@@ -169,8 +174,12 @@ impl Introspection {
     /// optionality says).
     fn choice(&mut self, choices: &[Value]) -> String {
         let resolved: Vec<Value> = choices.iter().map(|c| self.resolve(c).clone()).collect();
-        let not_null: Vec<&Value> =
-            choices.iter().zip(&resolved).filter(|(_, r)| r.get("type") != Some(&json!("null"))).map(|(c, _)| c).collect();
+        let not_null: Vec<&Value> = choices
+            .iter()
+            .zip(&resolved)
+            .filter(|(_, r)| r.get("type") != Some(&json!("null")))
+            .map(|(c, _)| c)
+            .collect();
         if let [only] = not_null.as_slice() {
             return self.type_name(only);
         }
@@ -309,9 +318,8 @@ fn shape_key(entities: &[Value], name: &str) -> String {
 /// The members other than `tag` that every choice has, with the same
 /// schema and the same optionality.
 fn shared_members(tag: &str, choices: &[Value]) -> Vec<String> {
-    let required = |choice: &Value, name: &str| {
-        choice["required"].as_array().is_some_and(|r| r.iter().any(|m| m == name))
-    };
+    let required =
+        |choice: &Value, name: &str| choice["required"].as_array().is_some_and(|r| r.iter().any(|m| m == name));
     let Some(first) = choices.first().and_then(|c| c["properties"].as_object()) else {
         return Vec::new();
     };
@@ -320,7 +328,8 @@ fn shared_members(tag: &str, choices: &[Value]) -> Vec<String> {
         .filter(|(name, schema)| {
             name.as_str() != tag
                 && choices.iter().all(|c| {
-                    c["properties"].get(name.as_str()) == Some(*schema) && required(c, name) == required(&choices[0], name)
+                    c["properties"].get(name.as_str()) == Some(*schema)
+                        && required(c, name) == required(&choices[0], name)
                 })
         })
         .map(|(name, _)| name.clone())

@@ -239,8 +239,15 @@ pub(crate) fn object_options(_: &mut Introspection) -> Value {
         "bool" => boolean(),
         "QCryptoSecretFormat" => one_of(&["raw", "base64"]),
         "QCryptoTLSCredsEndpoint" => one_of(&["client", "server"]),
+        "ThrottleLimits" => {
+            let limits: Vec<(String, Value)> =
+                vsd_block::throttle::Limits::keys().map(|k| (format!("{k}?"), int())).collect();
+            object(&limits.iter().map(|(k, v)| (k.as_str(), v.clone())).collect::<Vec<_>>())
+        }
         _ => json!(true),
     };
+    // vsd's own: an iothread's CPUs.
+    let own = |qom_type: &str, name: &str| qom_type == "iothread" && name == "cpu-affinity";
     let cases = crate::objects::TYPES
         .iter()
         .map(|&qom_type| {
@@ -248,7 +255,8 @@ pub(crate) fn object_options(_: &mut Introspection) -> Value {
             let mut members: Vec<(String, Value)> = vec![("id".into(), string())];
             for property in properties {
                 let (name, kind) = property.split_once("=<").unwrap_or((&property, "any>"));
-                members.push((format!("{name}?"), typed(kind.trim_end_matches('>'))));
+                let schema = typed(kind.trim_end_matches('>'));
+                members.push((format!("{name}?"), if own(qom_type, name) { vsd_own(schema) } else { schema }));
             }
             let members: Vec<(&str, Value)> = members.iter().map(|(n, v)| (n.as_str(), v.clone())).collect();
             (qom_type, object(&members))
@@ -261,13 +269,8 @@ pub(crate) fn object_options(_: &mut Introspection) -> Value {
 fn events() -> Vec<(&'static str, Value)> {
     let job_type = one_of(&["commit", "stream", "mirror", "backup", "create"]);
     let job = |extra: &[(&'static str, Value)]| {
-        let mut members = vec![
-            ("type", job_type.clone()),
-            ("device", string()),
-            ("len", int()),
-            ("offset", int()),
-            ("speed", int()),
-        ];
+        let mut members =
+            vec![("type", job_type.clone()), ("device", string()), ("len", int()), ("offset", int()), ("speed", int())];
         members.extend(extra.iter().cloned());
         object(&members)
     };

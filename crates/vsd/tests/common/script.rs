@@ -7,6 +7,7 @@ use super::qmp::Qmp;
 use super::{Daemon, Scratch, monitor};
 
 /// One step of a script.
+#[derive(Clone)]
 pub enum Step {
     Command(&'static str, Value),
     /// Waits for an event (its name, and members its data must hold).
@@ -17,24 +18,25 @@ pub enum Step {
 
 /// Runs `script` on a daemon `program` starts in scratch directory
 /// `name`, with the arguments `setup` makes there (a monitor is added);
-/// returns the answers, and the events as `filter` keeps them. `after`
-/// looks at the directory once the daemon stopped.
+/// returns the answers, the events as `filter` keeps them, and the script.
+/// `after` looks at the directory once the daemon stopped.
 fn run(
     program: fn(&Scratch, &[String]) -> Daemon,
     name: &str,
     setup: &dyn Fn(&Scratch) -> Vec<String>,
-    script: &[Step],
+    script: &dyn Fn(&Scratch) -> Vec<Step>,
     filter: fn(Vec<Value>) -> Vec<Value>,
     after: &dyn Fn(&Scratch),
-) -> (Vec<Value>, Vec<Value>) {
+) -> (Vec<Value>, Vec<Value>, Vec<Step>) {
     let dir = Scratch::new(name);
+    let script = script(&dir);
     let socket = dir.path("qmp.sock");
     let mut args = setup(&dir);
     args.extend(monitor(&socket));
     let daemon = program(&dir, &args);
     let mut qmp = Qmp::connect(&socket);
     let mut answers = Vec::new();
-    for step in script {
+    for step in &script {
         match step {
             Step::Command(command, args) => answers.push(qmp.answer(command, args.clone())),
             Step::Await(event, data) => drop(qmp.await_event(event, data.clone())),
@@ -44,7 +46,15 @@ fn run(
     let events = filter(qmp.event_log());
     drop(daemon);
     after(&dir);
-    (answers, events)
+    let (answers, events) = (in_any_dir(&dir, answers), in_any_dir(&dir, events));
+    (answers, events, script)
+}
+
+/// `values` with the paths of scratch directory `dir` written `$DIR`, as
+/// each daemon has a directory of its own.
+fn in_any_dir(dir: &Scratch, values: Vec<Value>) -> Vec<Value> {
+    let text = serde_json::to_string(&values).unwrap().replace(dir.0.to_str().unwrap(), "$DIR");
+    serde_json::from_str(&text).unwrap()
 }
 
 /// Paused and running flap around every command in QEMU (its drained
@@ -74,9 +84,21 @@ pub fn assert_same_as_qsd_then(
     filter: fn(Vec<Value>) -> Vec<Value>,
     after: &dyn Fn(&Scratch),
 ) {
+    assert_same_as_qsd_in(name, setup, &|_| script.to_vec(), filter, after);
+}
+
+/// [`assert_same_as_qsd_then`], with a script made for each daemon's
+/// directory (commands that name files in it).
+pub fn assert_same_as_qsd_in(
+    name: &str,
+    setup: &dyn Fn(&Scratch) -> Vec<String>,
+    script: &dyn Fn(&Scratch) -> Vec<Step>,
+    filter: fn(Vec<Value>) -> Vec<Value>,
+    after: &dyn Fn(&Scratch),
+) {
     let vsd = run(Daemon::vsd, &format!("{name}-vsd"), setup, script, filter, after);
     let qsd = run(Daemon::qsd, &format!("{name}-qsd"), setup, script, filter, after);
-    let commands = script.iter().filter_map(|s| match s {
+    let commands = vsd.2.iter().filter_map(|s| match s {
         Step::Command(command, args) => Some((command, args)),
         _ => None,
     });

@@ -505,7 +505,7 @@ fn open_backing(
     let file = open_file(path, settings, true)?;
     let format = match format {
         Some(f) => f.to_string(),
-        None => probe(&*file).map_err(|e| GraphError::Host {
+        None => probe(&*file).map(String::from).map_err(|e| GraphError::Host {
             context: path.display().to_string(),
             what: "cannot probe the format".into(),
             source: e,
@@ -529,11 +529,11 @@ fn open_backing(
 }
 
 /// "qcow2" if the node starts with the qcow2 magic, else "raw".
-fn probe(node: &dyn BlockNode) -> io::Result<String> {
+pub(crate) fn probe(node: &dyn BlockNode) -> io::Result<&'static str> {
     let mut io = ChildQueue::open(node, 1, node.size())?;
     let mut head = AlignedBuf::zeroed(4096);
     io.read_at(&mut head, 0)?;
-    Ok(if head.starts_with(b"QFI\xfb") { "qcow2" } else { "raw" }.into())
+    Ok(if head.starts_with(b"QFI\xfb") { "qcow2" } else { "raw" })
 }
 
 impl Qcow2Node {
