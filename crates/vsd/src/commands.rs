@@ -23,13 +23,16 @@ use crate::transaction::{Action, Transaction};
 
 type Reply = Result<Value, QmpError>;
 
+/// How a command runs, given its arguments.
+type Handler = Box<dyn Fn(&Daemon, Value) -> Reply + Send + Sync>;
+
 /// One QMP command: how it runs and what arguments it takes. The table
 /// of them is what `query-commands` and `query-qmp-schema` list, and what
 /// runs a command: a command's argument type is the one its handler
 /// parses into, so the schema cannot drift from the code.
 pub(crate) struct Command {
     pub(crate) name: &'static str,
-    run: Box<dyn Fn(&Daemon, Value) -> Reply + Send + Sync>,
+    run: Handler,
     /// The schema of its arguments; `None` if it takes none.
     pub(crate) args: Option<fn(&mut Introspection) -> Value>,
     /// It may run out-of-band (QEMU's `allow-oob`).
