@@ -51,13 +51,13 @@ impl Introspection {
     }
 
     /// Lists command `name` with arguments of schema `args` (`None`: it
-    /// takes none) and a return of schema `returns` (`None`: `{}`).
-    pub(crate) fn command(&mut self, name: &str, args: Option<Value>, returns: Option<Value>, oob: bool) {
+    /// takes none); what it returns is not described (`any`).
+    pub(crate) fn command(&mut self, name: &str, args: Option<Value>, oob: bool) {
         let mut entity = json!({
             "name": name,
             "meta-type": "command",
             "arg-type": self.object_or_empty(args.as_ref()),
-            "ret-type": self.object_or_empty(returns.as_ref()),
+            "ret-type": "any",
         });
         if oob {
             entity["allow-oob"] = json!(true);
