@@ -197,3 +197,20 @@ fn vsd_has_every_command_of_qsd_and_declares_what_it_has_as_qsd_does() {
     assert!(missing.is_empty(), "commands of QSD vsd lacks: {missing:?}");
     assert_eq!(gaps.len(), GAPS, "what QSD has and vsd lacks changed (listed above)");
 }
+
+/// docs/manual/qmp.md names every command vsd lists, each in backquotes.
+#[test]
+fn the_manual_names_every_command() {
+    let dir = Scratch::new("schema-manual");
+    let _vsd = Daemon::vsd(&dir, &monitor(&dir.path("vsd.sock")));
+    let commands = Qmp::connect(&dir.path("vsd.sock")).ok("query-commands", json!({}));
+    let manual = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/manual/qmp.md")).unwrap();
+    let missing: Vec<&str> = commands
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .filter(|name| !manual.contains(&format!("`{name}`")))
+        .collect();
+    assert!(missing.is_empty(), "docs/manual/qmp.md does not name {missing:?}");
+}
