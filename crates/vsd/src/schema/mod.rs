@@ -158,7 +158,53 @@ fn driver_options(driver: &str) -> Vec<(&'static str, Value)> {
             ("tls-hostname?", string()),
         ],
         "throttle" => vec![("throttle-group", string()), ("file", file())],
-        "copy-on-read" | "compress" | "preallocate" => vec![("file", file())],
+        "copy-on-read" | "compress" | "preallocate" | "snapshot-access" => vec![("file", file())],
+        "copy-before-write" => vec![
+            ("file", file()),
+            ("target", file()),
+            ("bitmap?", object(&[("node", string()), ("name", string())])),
+            ("on-cbw-error?", one_of(&["break-guest-write", "break-snapshot"])),
+            ("cbw-timeout?", int()),
+        ],
+        "blkdebug" => {
+            let injection = object(&[
+                ("event", string()),
+                ("state?", int()),
+                ("iotype?", one_of(&["read", "write", "write-zeroes", "discard", "flush", "block-status"])),
+                ("errno?", int()),
+                ("sector?", int()),
+                ("once?", boolean()),
+            ]);
+            vec![("image", file()), ("inject-error?", list(injection))]
+        }
+        "rbd" => vec![
+            ("pool", string()),
+            ("image", string()),
+            ("namespace?", string()),
+            ("conf?", string()),
+            ("snapshot?", string()),
+            ("user?", string()),
+            ("key-secret?", string()),
+            ("auth-client-required?", list(one_of(&["cephx", "none"]))),
+            ("server?", list(object(&[("host", string()), ("port", string())]))),
+        ],
+        "http" | "https" => {
+            let mut options = vec![
+                ("url", string()),
+                ("readahead?", int()),
+                ("timeout?", int()),
+                ("username?", string()),
+                ("password-secret?", string()),
+                ("proxy-username?", string()),
+                ("proxy-password-secret?", string()),
+                ("cookie?", string()),
+                ("cookie-secret?", string()),
+            ];
+            if driver == "https" {
+                options.push(("sslverify?", boolean()));
+            }
+            options
+        }
         _ => Vec::new(),
     }
 }
