@@ -70,6 +70,18 @@ const COMMANDS: &[&str] = &[
     "object-del",
     "qom-get",
     "qom-set",
+    // Character devices and QOM
+    "chardev-add",
+    "chardev-change",
+    "chardev-remove",
+    "chardev-send-break",
+    "query-chardev",
+    "query-chardev-backends",
+    "ringbuf-write",
+    "ringbuf-read",
+    "qom-list",
+    "qom-list-types",
+    "qom-list-properties",
     "quit",
 ];
 
@@ -130,6 +142,17 @@ impl Dispatch for Daemon {
                 self.objects.set(&args.path, &args.property, &args.value).map_err(|e| qom_error(&args.path, e))?;
                 Ok(json!({}))
             }
+            "chardev-add" => self.objects.chardevs.add(qapi::parse(args)?),
+            "chardev-change" => self.objects.chardevs.change(qapi::parse(args)?),
+            "chardev-remove" => self.objects.chardevs.remove(qapi::parse(args)?),
+            "chardev-send-break" => self.objects.chardevs.send_break(qapi::parse(args)?),
+            "query-chardev" => no_arguments(&args).map(|()| self.objects.chardevs.query()),
+            "query-chardev-backends" => no_arguments(&args).map(|()| crate::chardev::backends()),
+            "ringbuf-write" => self.objects.chardevs.ringbuf_write(qapi::parse(args)?),
+            "ringbuf-read" => self.objects.chardevs.ringbuf_read(qapi::parse(args)?),
+            "qom-list" => self.objects.qom_list(qapi::parse(args)?),
+            "qom-list-types" => qapi::parse(args).map(crate::objects::qom::list_types),
+            "qom-list-properties" => crate::objects::qom::list_properties(qapi::parse(args)?),
             "quit" => no_arguments(&args).map(|()| json!({})),
             _ => match job_verb(command) {
                 Some((false, verb)) => self.job_verb(&qapi::parse::<JobId>(args)?.id, verb),
