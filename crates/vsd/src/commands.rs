@@ -140,6 +140,18 @@ pub(crate) static COMMANDS: LazyLock<Vec<Command>> = LazyLock::new(|| {
         C::typed("blockdev-snapshot-sync", |d, a| d.transaction(vec![Action::SnapshotSync(a)], None)),
         C::typed("nbd-server-add", Daemon::nbd_server_add),
         C::typed("nbd-server-remove", Daemon::nbd_server_remove),
+        // Character devices and QOM.
+        C::typed("chardev-add", |d, a| d.objects.chardevs.add(a)),
+        C::typed("chardev-change", |d, a| d.objects.chardevs.change(a)),
+        C::typed("chardev-remove", |d, a| d.objects.chardevs.remove(a)),
+        C::typed("chardev-send-break", |d, a| d.objects.chardevs.send_break(a)),
+        C::bare("query-chardev", |d| Ok(d.objects.chardevs.query())),
+        C::bare("query-chardev-backends", |_| Ok(crate::chardev::backends())),
+        C::typed("ringbuf-write", |d, a| d.objects.chardevs.ringbuf_write(a)),
+        C::typed("ringbuf-read", |d, a| d.objects.chardevs.ringbuf_read(a)),
+        C::typed("qom-list", |d, a| d.objects.qom_list(a)),
+        C::typed("qom-list-types", |_, a| Ok(crate::objects::qom::list_types(a))),
+        C::typed("qom-list-properties", |_, a| crate::objects::qom::list_properties(a)),
     ]
 });
 

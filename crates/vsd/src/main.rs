@@ -5,6 +5,7 @@
 
 mod bitmaps;
 mod chain;
+mod chardev;
 mod commands;
 mod commit;
 mod create;
@@ -76,7 +77,7 @@ struct DaemonArgs {
     /// The NBD server: addr.type=unix,addr.path=SOCKET or addr.type=inet,addr.host=HOST,addr.port=PORT[,tls-creds=ID]
     #[arg(long, value_name = "OPTIONS")]
     nbd_server: Option<String>,
-    /// Where a monitor talks: stdio,id=ID, or socket,id=ID,server=on[,wait=off] with path=PATH, host=HOST,port=PORT or fd=N
+    /// A character device: stdio,id=ID, socket,id=ID,server=on[,wait=off] with path=PATH, host=HOST,port=PORT or fd=N (where monitors talk), or ringbuf|null|file,id=ID,...
     #[arg(long, value_name = "OPTIONS")]
     chardev: Vec<String>,
     /// A QMP monitor on a --chardev: [chardev=]ID[,pretty=on]
@@ -251,7 +252,7 @@ fn start(args: &DaemonArgs, daemon: &Arc<Daemon>) -> Result<Serving> {
     for text in &args.export {
         daemon.add_export(OptionMap::parse_implied("--export", text, "type")?)?;
     }
-    let monitors = monitor::start(monitors, daemon.clone(), &daemon.events)?;
+    let monitors = monitor::start(monitors, daemon)?;
     let metrics = match &args.metrics {
         Some(addr) => {
             let source = daemon.clone();

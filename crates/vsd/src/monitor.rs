@@ -2,47 +2,26 @@
 //! the daemon's standard input and output (`--chardev stdio,id=ID`), or on
 //! a listening socket (`--chardev socket,id=ID,server=on,...` with `path=`,
 //! `host=` and `port=`, or an inherited `fd=`), each used by one
-//! `--monitor [chardev=]ID[,pretty=on]`.
+//! `--monitor [chardev=]ID[,pretty=on]`. Chardevs no monitor uses (those,
+//! and `ringbuf`, `memory`, `null`, `file`) are opened as QMP's are.
 
-use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
-use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use vsd_block::options::OptionMap;
-use vsd_control::qmp::{Dispatch, Events, Monitor, QmpListener, QmpServer, Stdio};
+use vsd_control::qmp::{Monitor, QmpServer, Stdio};
 
-/// A `--chardev` a monitor can use.
+use crate::chardev::{self, Address, Definition, Spec};
+use crate::daemon::Daemon;
+
+/// A `--chardev`.
 #[derive(Debug, PartialEq)]
 struct Chardev {
     id: String,
     /// The option string, as messages about it quote it.
     text: String,
-    backend: Backend,
-}
-
-#[derive(Debug, PartialEq)]
-enum Backend {
-    /// Standard input and output.
-    Stdio,
-    /// A listening socket; with `wait`, the daemon goes on once a first
-    /// client has connected (QEMU's default).
-    Server { address: Address, wait: bool },
-}
-
-#[derive(Debug, PartialEq)]
-enum Address {
-    Unix(PathBuf),
-    Inet {
-        host: String,
-        port: u16,
-        ipv4: bool,
-        ipv6: bool,
-    },
-    /// A listening socket the daemon inherited.
-    Fd(RawFd),
+    definition: Definition,
 }
 
 /// A `--monitor` resolved to its `--chardev`.
@@ -52,19 +31,35 @@ pub struct Planned {
     pretty: bool,
 }
 
+/// Every `--chardev`: those a monitor uses, and the others.
+#[derive(Debug)]
+pub struct Plan {
+    monitors: Vec<Planned>,
+    unused: Vec<Chardev>,
+    daemonized: bool,
+}
+
+impl Plan {
+    /// Whether there is no monitor.
+    pub fn is_empty(&self) -> bool {
+        self.monitors.is_empty()
+    }
+}
+
 /// Reads every `--chardev` and `--monitor`; nothing is opened yet. A
 /// daemon (`--daemonize`) has no standard input and output to serve.
-pub fn plan(chardevs: &[String], monitors: &[String], daemon: bool) -> Result<Vec<Planned>> {
+pub fn plan(chardevs: &[String], monitors: &[String], daemon: bool) -> Result<Plan> {
     let mut defined: Vec<Chardev> = Vec::new();
     for text in chardevs {
         let chardev = chardev(text)?;
-        if chardev.backend == Backend::Stdio && daemon {
+        let stdio = chardev.definition.spec == Spec::Stdio;
+        if stdio && daemon {
             bail!("--chardev {text}: cannot use stdio with --daemonize");
         }
         if defined.iter().any(|c| c.id == chardev.id) {
             bail!("--chardev {text}: Duplicate ID '{}' for chardev", chardev.id);
         }
-        if chardev.backend == Backend::Stdio && defined.iter().any(|c| c.backend == Backend::Stdio) {
+        if stdio && defined.iter().any(|c| c.definition.spec == Spec::Stdio) {
             bail!("--chardev {text}: cannot use stdio by multiple character devices");
         }
         defined.push(chardev);
@@ -80,9 +75,16 @@ pub fn plan(chardevs: &[String], monitors: &[String], daemon: bool) -> Result<Ve
                 false => bail!("--monitor {text}: chardev \"{id}\" not found"),
             }
         };
-        planned.push(Planned { chardev: slot.take().expect("found"), pretty });
+        let chardev = slot.take().expect("found");
+        if !matches!(chardev.definition.spec, Spec::Stdio | Spec::Listen { .. }) {
+            bail!("--monitor {text}: vsd's monitors serve stdio and socket chardevs");
+        }
+        if chardev.definition.log.is_some() {
+            bail!("--monitor {text}: vsd does not log a monitor's chardev: leave 'logfile' out");
+        }
+        planned.push(Planned { chardev, pretty });
     }
-    Ok(planned)
+    Ok(Plan { monitors: planned, unused: unused.into_iter().flatten().collect(), daemonized: daemon })
 }
 
 /// A `--monitor`: its chardev's id and whether it pretty-prints.
@@ -107,34 +109,58 @@ fn chardev(text: &str) -> Result<Chardev> {
     let Some(backend) = opts.take("backend") else {
         return Err(opts.rejected(format!("chardev: \"{id}\" missing backend")).into());
     };
-    let backend = match backend.as_str() {
+    let log = opts.take("logfile").map(|path| opts.take_bool("logappend").map(|append| (path, append == Some(true))));
+    let log = log.transpose()?;
+    let spec = match backend.as_str() {
         "stdio" => stdio(&mut opts)?,
         "socket" => socket(&mut opts)?,
-        _ => return Err(opts.invalid("backend", backend, "stdio or socket").into()),
+        "null" => Spec::Null,
+        "ringbuf" | "memory" => ringbuf(&mut opts, backend == "memory")?,
+        "file" => file(&mut opts)?,
+        _ => return Err(opts.invalid("backend", backend, &chardev::BACKENDS.join(", ")).into()),
     };
     opts.finish()?;
-    Ok(Chardev { id, text: text.to_owned(), backend })
+    Ok(Chardev { id, text: text.to_owned(), definition: Definition { spec, log } })
 }
 
-fn stdio(opts: &mut OptionMap) -> Result<Backend> {
+/// QEMU reads `size` into a C int, where 0 (or a multiple of 4 GiB)
+/// means its default and a value past 2 GiB turns negative.
+fn ringbuf(opts: &mut OptionMap, memory: bool) -> Result<Spec> {
+    let size = match opts.take_size("size")?.map(|size| size as u32 as i32) {
+        None | Some(0) => chardev::DEFAULT_RING_SIZE,
+        Some(size) => i64::from(size) as u64,
+    };
+    Ok(Spec::Ringbuf { size, memory })
+}
+
+/// QEMU's `path` is the file written, `input-path` the one read.
+fn file(opts: &mut OptionMap) -> Result<Spec> {
+    let Some(out) = opts.take("path") else {
+        return Err(opts.rejected("chardev: file: no filename given").into());
+    };
+    let append = opts.take_bool("append")?.unwrap_or(false);
+    Ok(Spec::File { out, input: opts.take("input-path"), append })
+}
+
+fn stdio(opts: &mut OptionMap) -> Result<Spec> {
     // vsd never puts the terminal into raw mode: Ctrl-C always stops it.
     if opts.take_bool("signal")? == Some(false) {
         return Err(opts.rejected("signal=off is not supported: vsd leaves the terminal as it is").into());
     }
-    Ok(Backend::Stdio)
+    Ok(Spec::Stdio)
 }
 
-fn socket(opts: &mut OptionMap) -> Result<Backend> {
+fn socket(opts: &mut OptionMap) -> Result<Spec> {
     let server = opts.take_bool("server")?.unwrap_or(false);
     let wait = opts.take_bool("wait")?;
     if !server && wait.is_some() {
         return Err(opts.rejected("'wait' option is incompatible with socket in client connect mode").into());
     }
     if !server {
-        return Err(opts.rejected("vsd's monitor listens for clients: give server=on").into());
+        return Err(opts.rejected("vsd's chardev sockets listen for clients: give server=on").into());
     }
     let address = address(opts)?;
-    Ok(Backend::Server { address, wait: wait.unwrap_or(true) })
+    Ok(Spec::Listen { address, wait: wait.unwrap_or(true) })
 }
 
 fn address(opts: &mut OptionMap) -> Result<Address> {
@@ -148,96 +174,51 @@ fn address(opts: &mut OptionMap) -> Result<Address> {
                 return Err(opts.rejected("chardev: socket: no port given").into());
             };
             let port = port.parse().map_err(|_| opts.invalid("port", port, "a port number"))?;
-            // One family given on alone, or off, means only the other.
-            let ipv4_only = ipv4 == Some(true) && ipv6 != Some(true) || ipv6 == Some(false);
-            let ipv6_only = ipv6 == Some(true) && ipv4 != Some(true) || ipv4 == Some(false);
-            Ok(Address::Inet { host, port, ipv4: !ipv6_only, ipv6: !ipv4_only })
+            let (ipv4, ipv6) = chardev::families(ipv4, ipv6);
+            Ok(Address::Inet { host, port, ipv4, ipv6 })
         }
         (None, None, Some(fd)) => match fd.parse() {
             Ok(fd) => Ok(Address::Fd(fd)),
             Err(_) => Err(opts.rejected(format!("Unable to parse FD number {fd}")).into()),
         },
-        (None, None, None) => Err(opts.rejected("vsd's monitor needs one of 'path', 'fd' or 'host'").into()),
+        (None, None, None) => Err(opts.rejected("vsd's chardev sockets need one of 'path', 'fd' or 'host'").into()),
         _ => Err(opts.rejected("None or one of 'path', 'fd' or 'host' option required.").into()),
     }
 }
 
-/// Starts every planned monitor. A socket whose chardev waits (QEMU's
-/// default `wait=on`) has its first client connected on return.
-pub fn start(planned: Vec<Planned>, dispatch: Arc<dyn Dispatch>, events: &Events) -> Result<Vec<QmpServer>> {
+/// Starts every planned monitor, and opens the chardevs no monitor uses;
+/// all of them go into the daemon's table. A socket whose chardev waits
+/// (QEMU's default `wait=on`) has its first client connected on return.
+pub fn start(plan: Plan, daemon: &Arc<Daemon>) -> Result<Vec<QmpServer>> {
+    let chardevs = &daemon.objects.chardevs;
+    if plan.daemonized {
+        chardevs.set_daemonized();
+    }
     let mut servers = Vec::new();
-    for Planned { chardev, pretty } in planned {
-        let monitor = Monitor::new(dispatch.clone(), events.clone()).pretty(pretty);
+    for Planned { chardev, pretty } in plan.monitors {
+        let monitor = Monitor::new(daemon.clone(), daemon.events.clone()).pretty(pretty);
         let context = || format!("--chardev {}", chardev.text);
-        match chardev.backend {
-            Backend::Stdio => monitor.serve(Stdio, "vsd-qmp-stdio".to_owned()).with_context(context)?,
-            Backend::Server { address, wait } => {
-                let (listener, shown) = listen(&address).with_context(context)?;
+        match chardev.definition.spec {
+            Spec::Listen { address, wait } => {
+                let (listener, shown) = chardev::listen(&address).with_context(context)?;
                 if wait {
                     eprintln!("vsd: {}: info: waiting for connection on: disconnected:{shown},server=on", context());
                 }
                 servers.push(QmpServer::start(listener, monitor, wait).with_context(context)?);
+                chardevs.add_monitor(&chardev.id, Some(shown));
+            }
+            _ => {
+                monitor.serve(Stdio, "vsd-qmp-stdio".to_owned()).with_context(context)?;
+                chardevs.add_monitor(&chardev.id, None);
             }
         }
     }
+    for chardev in plan.unused {
+        chardevs
+            .open(&chardev.id, chardev.definition)
+            .map_err(|e| anyhow::anyhow!("--chardev {}: {e}", chardev.text))?;
+    }
     Ok(servers)
-}
-
-/// The listening socket for `address`, and how to show it.
-fn listen(address: &Address) -> Result<(QmpListener, String)> {
-    match address {
-        Address::Unix(path) => Ok((QmpListener::bind_unix(path)?, format!("unix:{}", path.display()))),
-        Address::Inet { host, port, ipv4, ipv6 } => {
-            let listener = listen_inet(host, *port, *ipv4, *ipv6)?;
-            let shown = format!("tcp:{}", listener.local_addr()?);
-            Ok((listener.into(), shown))
-        }
-        Address::Fd(fd) => inherited(*fd),
-    }
-}
-
-fn listen_inet(host: &str, port: u16, ipv4: bool, ipv6: bool) -> Result<TcpListener> {
-    let resolution = |reason: &dyn std::fmt::Display| format!("address resolution failed for {host}:{port}: {reason}");
-    let resolved = (host, port).to_socket_addrs().map_err(|e| anyhow::anyhow!(resolution(&e)))?;
-    let wanted: Vec<SocketAddr> = resolved.filter(|a| if a.is_ipv4() { ipv4 } else { ipv6 }).collect();
-    if wanted.is_empty() {
-        bail!(resolution(&"Address family for hostname not supported"));
-    }
-    TcpListener::bind(&wanted[..]).context("Failed to find an available port")
-}
-
-/// Takes over descriptor `fd`, which must be a listening unix or TCP socket.
-fn inherited(fd: RawFd) -> Result<(QmpListener, String)> {
-    let option = |name| {
-        let mut value: libc::c_int = 0;
-        let mut len = size_of::<libc::c_int>() as libc::socklen_t;
-        // SAFETY: getsockopt(2) writes at most `len` bytes into `value`;
-        // on a descriptor that is not an open socket it only fails.
-        let ret = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, name, (&raw mut value).cast(), &mut len) };
-        (ret == 0).then_some(value)
-    };
-    let (Some(domain), Some(kind), Some(listening)) =
-        (option(libc::SO_DOMAIN), option(libc::SO_TYPE), option(libc::SO_ACCEPTCONN))
-    else {
-        bail!("File descriptor '{fd}' is not a socket");
-    };
-    if kind != libc::SOCK_STREAM || listening == 0 {
-        bail!("File descriptor '{fd}' is not a listening stream socket");
-    }
-    if domain != libc::AF_UNIX && domain != libc::AF_INET && domain != libc::AF_INET6 {
-        bail!("File descriptor '{fd}' is neither a unix nor a TCP socket");
-    }
-    // SAFETY: `fd` is an open socket, checked above, that nothing else in
-    // the daemon owns: the command line hands it to this chardev.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    if domain == libc::AF_UNIX {
-        let listener = UnixListener::from(fd);
-        let path = listener.local_addr()?.as_pathname().map(|p| p.display().to_string()).unwrap_or_default();
-        return Ok((listener.into(), format!("unix:{path}")));
-    }
-    let listener = TcpListener::from(fd);
-    let shown = format!("tcp:{}", listener.local_addr()?);
-    Ok((listener.into(), shown))
 }
 
 #[cfg(test)]
@@ -249,22 +230,22 @@ mod tests {
     }
 
     fn planned(chardevs: &[&str], monitors: &[&str]) -> Vec<Planned> {
-        plan(&strings(chardevs), &strings(monitors), false).unwrap()
+        plan(&strings(chardevs), &strings(monitors), false).unwrap().monitors
     }
 
     fn error(chardevs: &[&str], monitors: &[&str]) -> String {
         plan(&strings(chardevs), &strings(monitors), false).unwrap_err().to_string()
     }
 
-    fn backend(chardev: &str) -> Backend {
-        planned(&[chardev], &["m"]).remove(0).chardev.backend
+    fn spec(chardev: &str) -> Spec {
+        planned(&[chardev], &["m"]).remove(0).chardev.definition.spec
     }
 
     #[test]
     fn qsd_style_monitor_resolves_to_its_socket() {
         let monitors = planned(&["socket,id=qmp0,path=/tmp/q.sock,server=on,wait=off"], &["chardev=qmp0"]);
         let address = Address::Unix(PathBuf::from("/tmp/q.sock"));
-        assert_eq!(monitors[0].chardev.backend, Backend::Server { address, wait: false });
+        assert_eq!(monitors[0].chardev.definition.spec, Spec::Listen { address, wait: false });
         assert!(!monitors[0].pretty);
     }
 
@@ -277,17 +258,16 @@ mod tests {
     #[test]
     fn sockets_wait_unless_told_not_to() {
         let unix = Address::Unix(PathBuf::from("/p"));
-        assert_eq!(backend("socket,id=m,path=/p,server=on"), Backend::Server { address: unix, wait: true });
-        let Backend::Server { address: Address::Fd(5), wait: false } = backend("socket,id=m,fd=5,server=on,wait=off")
-        else {
+        assert_eq!(spec("socket,id=m,path=/p,server=on"), Spec::Listen { address: unix, wait: true });
+        let Spec::Listen { address: Address::Fd(5), wait: false } = spec("socket,id=m,fd=5,server=on,wait=off") else {
             panic!("fd=5 expected");
         };
     }
 
     #[test]
     fn inet_families() {
-        let inet = |extra: &str| match backend(&format!("socket,id=m,host=::1,port=4444,server=on{extra}")) {
-            Backend::Server { address: Address::Inet { host, port: 4444, ipv4, ipv6 }, .. } if host == "::1" => {
+        let inet = |extra: &str| match spec(&format!("socket,id=m,host=::1,port=4444,server=on{extra}")) {
+            Spec::Listen { address: Address::Inet { host, port: 4444, ipv4, ipv6 }, .. } if host == "::1" => {
                 (ipv4, ipv6)
             }
             other => panic!("{other:?}"),
@@ -295,9 +275,28 @@ mod tests {
         assert_eq!(inet(""), (true, true));
         assert_eq!(inet(",ipv4=on"), (true, false));
         assert_eq!(inet(",ipv6=on"), (false, true));
-        assert_eq!(inet(",ipv4=on,ipv6=on"), (true, true));
-        assert_eq!(inet(",ipv4=off"), (false, true));
-        assert_eq!(inet(",ipv6=off"), (true, false));
+    }
+
+    #[test]
+    fn chardevs_no_monitor_uses_are_kept_with_their_logs() {
+        let plan = plan(
+            &strings(&["ringbuf,id=r,size=4k,logfile=/l,logappend=on", "null,id=n", "file,id=f,path=/o,append=on"]),
+            &[],
+            false,
+        )
+        .unwrap();
+        let definitions: Vec<_> = plan.unused.iter().map(|c| (c.id.as_str(), &c.definition)).collect();
+        let ring = Definition { spec: Spec::Ringbuf { size: 4096, memory: false }, log: Some(("/l".into(), true)) };
+        let file = Spec::File { out: "/o".into(), input: None, append: true };
+        assert_eq!(
+            definitions,
+            [
+                ("r", &ring),
+                ("n", &Definition { spec: Spec::Null, log: None }),
+                ("f", &Definition { spec: file, log: None })
+            ]
+        );
+        assert!(plan.is_empty());
     }
 
     #[test]
@@ -321,20 +320,14 @@ mod tests {
         assert!(error(&["socket,id=a,path=/p,server=on,telnet=on"], &[]).contains("telnet"));
         assert!(error(&["stdio"], &[]).contains("no id specified"));
         assert!(error(&["id=a"], &[]).contains("\"a\" missing backend"));
-        assert!(error(&["file,id=a,path=/p"], &[]).contains("backend"));
+        assert!(error(&["pty,id=a"], &[]).contains("backend"));
+        assert!(error(&["file,id=a"], &[]).contains("chardev: file: no filename given"));
+        assert!(error(&["ringbuf,id=a,size=big"], &[]).contains("size"));
+        assert!(error(&["ringbuf,id=a"], &["a"]).contains("vsd's monitors serve stdio and socket chardevs"));
+        assert!(error(&["stdio,id=a,logfile=/l"], &["a"]).contains("leave 'logfile' out"));
         assert!(error(&["stdio,id=a,signal=off"], &[]).contains("signal=off"));
         assert!(error(&[open], &["chardev=a,mode=readline"]).contains("Only QMP is supported"));
         assert!(error(&[open], &["chardev=a,pretty=maybe"]).contains("pretty"));
         assert!(error(&[open], &["pretty=on"]).contains("chardev"));
-    }
-
-    #[test]
-    fn an_inherited_descriptor_must_be_a_listening_socket() {
-        let message = |fd| inherited(fd).err().unwrap().to_string();
-        assert_eq!(message(-1), "File descriptor '-1' is not a socket");
-        let file = std::fs::File::open("/dev/null").unwrap();
-        assert!(message(std::os::fd::AsRawFd::as_raw_fd(&file)).contains("is not a socket"));
-        let (stream, _) = std::os::unix::net::UnixStream::pair().unwrap();
-        assert!(message(std::os::fd::AsRawFd::as_raw_fd(&stream)).contains("not a listening stream socket"));
     }
 }

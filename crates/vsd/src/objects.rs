@@ -22,10 +22,15 @@ use vsd_export::{IoThread, PollConfig};
 use vsd_nbd::ServerCreds;
 use vsd_net::ClientCreds;
 
-/// The objects by id.
+use vsd_control::qmp::QmpError;
+
+use crate::chardev::Chardevs;
+
+/// The objects by id, and the chardevs: QOM's `/objects` and `/chardevs`.
 #[derive(Default)]
 pub struct Objects {
     by_id: Mutex<BTreeMap<String, Object>>,
+    pub(crate) chardevs: Chardevs,
 }
 
 enum Object {
@@ -64,28 +69,16 @@ impl Object {
 pub const TYPES: &[&str] = &["iothread", "secret", "throttle-group", "tls-creds-x509"];
 
 /// The properties an object of type `qom_type` takes, as `--object
-/// TYPE,help` lists them (QEMU's `NAME=<TYPE>`), if vsd has the type.
+/// TYPE,help` lists them (QEMU's `NAME=<TYPE>`, sorted), if vsd has the type.
 pub fn properties(qom_type: &str) -> Option<Vec<String>> {
-    let typed = |list: &[(&str, &str)]| list.iter().map(|(name, kind)| format!("{name}=<{kind}>")).collect();
-    Some(match qom_type {
-        "iothread" => {
-            typed(&[("cpu-affinity", "string"), ("poll-grow", "int"), ("poll-max-ns", "int"), ("poll-shrink", "int")])
-        }
-        "secret" => typed(&[
-            ("data", "string"),
-            ("file", "string"),
-            ("format", "QCryptoSecretFormat"),
-            ("iv", "string"),
-            ("keyid", "string"),
-        ]),
-        "throttle-group" => std::iter::once("limits=<ThrottleLimits>".to_string())
-            .chain(Limits::keys().map(|key| format!("x-{key}=<int>")))
-            .collect(),
-        "tls-creds-x509" => {
-            typed(&[("dir", "string"), ("endpoint", "QCryptoTLSCredsEndpoint"), ("verify-peer", "bool")])
-        }
-        _ => return None,
-    })
+    if !TYPES.contains(&qom_type) {
+        return None;
+    }
+    let properties = qom::properties(qom_type)?;
+    let mut lines: Vec<String> =
+        properties.iter().filter(|(name, _)| name != "type").map(|(name, kind)| format!("{name}=<{kind}>")).collect();
+    lines.sort();
+    Some(lines)
 }
 
 impl Objects {
@@ -190,6 +183,222 @@ impl Objects {
                 Ok(())
             }
             _ => Err(Some(format!("Property '{}.{property}' not found", object.type_name()))),
+        }
+    }
+}
+
+impl Objects {
+    /// QMP `qom-list`: the object at `path`'s properties and children.
+    pub fn qom_list(&self, args: qom::ListArgs) -> Result<serde_json::Value, QmpError> {
+        let mut nodes: Vec<(String, String)> = ["/", "/backend", "/objects", "/chardevs"]
+            .iter()
+            .map(|path| (path.to_string(), "container".into()))
+            .collect();
+        let objects = self.lock();
+        nodes.extend(objects.iter().map(|(id, o)| (format!("/objects/{id}"), o.type_name().to_string())));
+        drop(objects);
+        nodes.extend(self.chardevs.qom_children().into_iter().map(|(id, kind)| (format!("/chardevs/{id}"), kind)));
+        qom::list(&args.path, &nodes)
+    }
+}
+
+/// QOM as vsd has it: the types of its objects and chardevs with their
+/// properties (`qom-list-types`, `qom-list-properties`), and the tree
+/// `qom-list` walks: `/objects/ID`, `/chardevs/ID` and `/backend`, as in
+/// qemu-storage-daemon.
+pub mod qom {
+    use schemars::JsonSchema;
+    use serde::Deserialize;
+    use serde_json::{Value, json};
+    use vsd_block::throttle::Limits;
+    use vsd_control::qmp::{ErrorClass, QmpError};
+
+    struct Type {
+        name: &'static str,
+        parent: Option<&'static str>,
+        is_abstract: bool,
+        interfaces: &'static [&'static str],
+        /// Its own, each with QOM's name of its type.
+        properties: &'static [(&'static str, &'static str)],
+    }
+
+    const CREATABLE: &[&str] = &["user-creatable"];
+
+    const fn base(
+        name: &'static str,
+        parent: Option<&'static str>,
+        properties: &'static [(&'static str, &'static str)],
+    ) -> Type {
+        Type { name, parent, is_abstract: true, interfaces: &[], properties }
+    }
+
+    const fn concrete(
+        name: &'static str,
+        parent: &'static str,
+        properties: &'static [(&'static str, &'static str)],
+    ) -> Type {
+        Type { name, parent: Some(parent), is_abstract: false, interfaces: &[], properties }
+    }
+
+    const fn creatable(mut kind: Type) -> Type {
+        kind.interfaces = CREATABLE;
+        kind
+    }
+
+    /// QEMU's types of what vsd has, with the properties vsd takes
+    /// (`cpu-affinity` is vsd's own); parents before children.
+    const TYPES: &[Type] = &[
+        base("object", None, &[("type", "string")]),
+        base("interface", None, &[]),
+        base("user-creatable", Some("interface"), &[]),
+        concrete("container", "object", &[]),
+        creatable(base("event-loop-base", Some("object"), &[])),
+        concrete(
+            "iothread",
+            "event-loop-base",
+            &[("cpu-affinity", "string"), ("poll-grow", "int"), ("poll-max-ns", "int"), ("poll-shrink", "int")],
+        ),
+        creatable(base(
+            "secret_common",
+            Some("object"),
+            &[("format", "QCryptoSecretFormat"), ("iv", "string"), ("keyid", "string")],
+        )),
+        concrete("secret", "secret_common", &[("data", "string"), ("file", "string")]),
+        base(
+            "tls-creds",
+            Some("object"),
+            &[("dir", "string"), ("endpoint", "QCryptoTLSCredsEndpoint"), ("verify-peer", "bool")],
+        ),
+        creatable(concrete("tls-creds-x509", "tls-creds", &[])),
+        // And an `x-` property of each limit, added by `properties`.
+        creatable(concrete("throttle-group", "object", &[("limits", "ThrottleLimits")])),
+        base("chardev", Some("object"), &[]),
+        base("chardev-fd", Some("chardev"), &[]),
+        concrete("chardev-file", "chardev-fd", &[]),
+        concrete("chardev-stdio", "chardev-fd", &[]),
+        concrete("chardev-null", "chardev", &[]),
+        concrete("chardev-ringbuf", "chardev", &[]),
+        concrete("chardev-memory", "chardev-ringbuf", &[]),
+        concrete("chardev-socket", "chardev", &[("addr", "SocketAddress"), ("connected", "bool")]),
+    ];
+
+    fn find(name: &str) -> Option<&'static Type> {
+        TYPES.iter().find(|t| t.name == name)
+    }
+
+    /// `name`'s type, then its parent's, up to the root.
+    fn ancestry(name: &str) -> impl Iterator<Item = &'static Type> {
+        std::iter::successors(find(name), |t| t.parent.and_then(find))
+    }
+
+    /// Whether `kind` is `wanted`, descends from it, or implements it.
+    fn implements(kind: &Type, wanted: &str) -> bool {
+        ancestry(kind.name).any(|t| {
+            t.name == wanted || t.interfaces.iter().any(|interface| ancestry(interface).any(|i| i.name == wanted))
+        })
+    }
+
+    /// Every property of type `name`, its ancestors' first, if vsd has it.
+    pub fn properties(name: &str) -> Option<Vec<(String, &'static str)>> {
+        find(name)?;
+        let mut lineage: Vec<&Type> = ancestry(name).collect();
+        lineage.reverse();
+        let mut properties: Vec<(String, &'static str)> =
+            lineage.iter().flat_map(|t| t.properties).map(|(p, kind)| (p.to_string(), *kind)).collect();
+        if name == "throttle-group" {
+            properties.extend(Limits::keys().map(|key| (format!("x-{key}"), "int")));
+        }
+        Some(properties)
+    }
+
+    /// `qom-list-types`.
+    #[derive(Deserialize, JsonSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct ListTypesArgs {
+        implements: Option<String>,
+        #[serde(rename = "abstract")]
+        include_abstract: Option<bool>,
+    }
+
+    /// `qom-list-types`: concrete types unless `abstract`, only those
+    /// that are or implement `implements` if given.
+    pub fn list_types(args: ListTypesArgs) -> Value {
+        let listed = TYPES.iter().filter(|t| args.include_abstract.unwrap_or(false) || !t.is_abstract);
+        let wanted = listed.filter(|t| args.implements.as_deref().is_none_or(|wanted| implements(t, wanted)));
+        wanted
+            .map(|t| {
+                let mut info = json!({ "name": t.name });
+                if let Some(parent) = t.parent {
+                    info["parent"] = parent.into();
+                }
+                if t.is_abstract {
+                    info["abstract"] = true.into();
+                }
+                info
+            })
+            .collect()
+    }
+
+    /// `qom-list-properties`.
+    #[derive(Deserialize, JsonSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct ListPropertiesArgs {
+        typename: String,
+    }
+
+    /// `qom-list-properties`: what an object of the type has. Interfaces
+    /// have no objects.
+    pub fn list_properties(args: ListPropertiesArgs) -> Result<Value, QmpError> {
+        let name = &args.typename;
+        let Some(properties) = properties(name) else {
+            return Err(QmpError::new(ErrorClass::DeviceNotFound, format!("Class '{name}' not found")));
+        };
+        if ancestry(name).any(|t| t.name == "interface") {
+            return Err(QmpError::generic("Parameter 'typename' expects a QOM type"));
+        }
+        Ok(properties.iter().map(|(name, kind)| json!({ "name": name, "type": kind })).collect())
+    }
+
+    /// `qom-list`.
+    #[derive(Deserialize, JsonSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct ListArgs {
+        pub(super) path: String,
+    }
+
+    /// `qom-list` over `nodes` (each path and type): the node's properties
+    /// and its children, `child<TYPE>`.
+    pub fn list(path: &str, nodes: &[(String, String)]) -> Result<Value, QmpError> {
+        let (node, kind) = resolve(path, nodes)?;
+        let own =
+            properties(kind).unwrap_or_default().into_iter().map(|(name, kind)| json!({ "name": name, "type": kind }));
+        let prefix = if node == "/" { "/".to_string() } else { format!("{node}/") };
+        let children = nodes.iter().filter_map(|(child, kind)| {
+            let name = child.strip_prefix(&prefix).filter(|name| !name.is_empty() && !name.contains('/'))?;
+            Some(json!({ "name": name, "type": format!("child<{kind}>") }))
+        });
+        Ok(own.chain(children).collect())
+    }
+
+    /// The node `path` names, as QEMU resolves it: an absolute path
+    /// exactly, a partial one (`sec0`, `objects/sec0`) by the one node
+    /// it ends.
+    fn resolve<'a>(path: &str, nodes: &'a [(String, String)]) -> Result<(&'a str, &'a str), QmpError> {
+        fn components(path: &str) -> Vec<&str> {
+            path.split('/').filter(|c| !c.is_empty()).collect()
+        }
+        let wanted = components(path);
+        let matches: Vec<&(String, String)> = nodes
+            .iter()
+            .filter(|(node, _)| {
+                let node = components(node);
+                if path.starts_with('/') { node == wanted } else { node.ends_with(&wanted) }
+            })
+            .collect();
+        match matches[..] {
+            [(node, kind)] => Ok((node, kind)),
+            [] => Err(QmpError::new(ErrorClass::DeviceNotFound, format!("Device '{path}' not found"))),
+            _ => Err(QmpError::generic(format!("Path '{path}' is ambiguous"))),
         }
     }
 }
@@ -342,7 +551,7 @@ fn decrypt(key: &[u8], iv: Option<&str>, given: Vec<u8>, base64: bool) -> Result
 /// newlines are skipped, each four characters give three
 /// bytes but those where the third or fourth is `=`, and a last group of
 /// fewer than four gives nothing.
-fn decode_base64(text: &[u8]) -> Result<Vec<u8>, String> {
+pub(crate) fn decode_base64(text: &[u8]) -> Result<Vec<u8>, String> {
     if text.contains(&0) {
         return Err("Base64 data contains embedded NUL characters".into());
     }
