@@ -37,7 +37,7 @@ fn in_qemu_words(path: &str, serde: &str) -> String {
     } else if serde.starts_with("missing field") {
         format!("Parameter '{}' is missing", member(&quoted(serde)))
     } else if serde.starts_with("unknown variant") {
-        format!("Parameter '{path}' does not accept value '{}'", quoted(serde))
+        format!("Parameter '{}' does not accept value '{}'", bare_name(path), quoted(serde))
     } else if let Some(expected) =
         serde.strip_prefix("invalid type: ").and_then(|rest| rest.split(", expected ").nth(1))
         && let Some(kind) = qapi_type(expected)
@@ -47,6 +47,16 @@ fn in_qemu_words(path: &str, serde: &str) -> String {
         format!("Parameter '{path}' expects {kind}")
     } else {
         format!("Invalid parameters: {serde}")
+    }
+}
+
+/// The member name QEMU's enum visitor gives: the path's last member
+/// alone, and 'null' for a list element (which has no name).
+fn bare_name(path: &str) -> &str {
+    match path.rsplit('.').next() {
+        Some(last) if last.ends_with(']') => "null",
+        Some(last) => last,
+        None => path,
     }
 }
 
@@ -89,6 +99,7 @@ mod tests {
         granularity: Option<u32>,
         auto_finalize: Option<bool>,
         mode: Option<Mode>,
+        modes: Option<Vec<Mode>>,
         inner: Option<Inner>,
     }
 
@@ -103,6 +114,7 @@ mod tests {
     #[allow(dead_code)]
     struct Inner {
         list: Vec<u64>,
+        mode: Option<Mode>,
     }
 
     fn error(args: Value) -> String {
@@ -115,6 +127,9 @@ mod tests {
             (json!({"job-id": "x", "bogus": 1}), "Parameter 'bogus' is unexpected"),
             (json!({}), "Parameter 'job-id' is missing"),
             (json!({"job-id": "x", "mode": "sideways"}), "Parameter 'mode' does not accept value 'sideways'"),
+            // QEMU's enum errors name the member alone, a list element 'null'.
+            (json!({"job-id": "x", "inner": {"list": [], "mode": "up"}}), "Parameter 'mode' does not accept value 'up'"),
+            (json!({"job-id": "x", "modes": ["down"]}), "Parameter 'null' does not accept value 'down'"),
             (json!({"job-id": "x", "speed": "fast"}), "Invalid parameter type for 'speed', expected: integer"),
             (json!({"job-id": 5}), "Invalid parameter type for 'job-id', expected: string"),
             (
