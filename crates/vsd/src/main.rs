@@ -38,7 +38,6 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use vsd_block::options::OptionMap;
 use vsd_control::metrics::MetricsServer;
-use vsd_control::qmp::QmpServer;
 
 use daemon::Daemon;
 use pidfile::Pidfile;
@@ -230,7 +229,7 @@ fn run(args: DaemonArgs) -> Result<()> {
 struct Serving {
     _pidfile: Option<Pidfile>,
     _metrics: Option<MetricsServer>,
-    _monitors: Vec<QmpServer>,
+    _monitors: monitor::Monitors,
 }
 
 /// Opens every object and node, starts the NBD server, every export and

@@ -7,10 +7,11 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use vsd_block::options::OptionMap;
-use vsd_control::qmp::{Monitor, QmpServer, Stdio};
+use vsd_control::qmp::{Monitor, QmpServer, Served, Stdio};
 
 use crate::chardev::{self, Address, Definition, Spec};
 use crate::daemon::Daemon;
@@ -186,15 +187,35 @@ fn address(opts: &mut OptionMap) -> Result<Address> {
     }
 }
 
+/// The monitors serving, until dropped: the sockets stop accepting, and
+/// standard output gets what waits for it (the events of the shutdown)
+/// before the daemon exits.
+pub struct Monitors {
+    _servers: Vec<QmpServer>,
+    stdio: Option<Served>,
+}
+
+impl Drop for Monitors {
+    fn drop(&mut self) {
+        if let Some(stdio) = self.stdio.take() {
+            stdio.finish(STDOUT_DRAIN);
+        }
+    }
+}
+
+/// The longest the daemon waits at exit for standard output to take what
+/// waits for it.
+const STDOUT_DRAIN: Duration = Duration::from_secs(5);
+
 /// Starts every planned monitor, and opens the chardevs no monitor uses;
 /// all of them go into the daemon's table. A socket whose chardev waits
 /// (QEMU's default `wait=on`) has its first client connected on return.
-pub fn start(plan: Plan, daemon: &Arc<Daemon>) -> Result<Vec<QmpServer>> {
+pub fn start(plan: Plan, daemon: &Arc<Daemon>) -> Result<Monitors> {
     let chardevs = &daemon.objects.chardevs;
     if plan.daemonized {
         chardevs.set_daemonized();
     }
-    let mut servers = Vec::new();
+    let (mut servers, mut stdio) = (Vec::new(), None);
     for Planned { chardev, pretty } in plan.monitors {
         let monitor = Monitor::new(daemon.clone(), daemon.events.clone()).pretty(pretty);
         let context = || format!("--chardev {}", chardev.text);
@@ -208,7 +229,7 @@ pub fn start(plan: Plan, daemon: &Arc<Daemon>) -> Result<Vec<QmpServer>> {
                 chardevs.add_monitor(&chardev.id, Some(shown));
             }
             _ => {
-                monitor.serve(Stdio, "vsd-qmp-stdio".to_owned()).with_context(context)?;
+                stdio = Some(monitor.serve(Stdio, "vsd-qmp-stdio".to_owned()).with_context(context)?);
                 chardevs.add_monitor(&chardev.id, None);
             }
         }
@@ -218,7 +239,7 @@ pub fn start(plan: Plan, daemon: &Arc<Daemon>) -> Result<Vec<QmpServer>> {
             .open(&chardev.id, chardev.definition)
             .map_err(|e| anyhow::anyhow!("--chardev {}: {e}", chardev.text))?;
     }
-    Ok(servers)
+    Ok(Monitors { _servers: servers, stdio })
 }
 
 #[cfg(test)]

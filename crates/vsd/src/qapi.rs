@@ -128,7 +128,10 @@ mod tests {
             (json!({}), "Parameter 'job-id' is missing"),
             (json!({"job-id": "x", "mode": "sideways"}), "Parameter 'mode' does not accept value 'sideways'"),
             // QEMU's enum errors name the member alone, a list element 'null'.
-            (json!({"job-id": "x", "inner": {"list": [], "mode": "up"}}), "Parameter 'mode' does not accept value 'up'"),
+            (
+                json!({"job-id": "x", "inner": {"list": [], "mode": "up"}}),
+                "Parameter 'mode' does not accept value 'up'",
+            ),
             (json!({"job-id": "x", "modes": ["down"]}), "Parameter 'null' does not accept value 'down'"),
             (json!({"job-id": "x", "speed": "fast"}), "Invalid parameter type for 'speed', expected: integer"),
             (json!({"job-id": 5}), "Invalid parameter type for 'job-id', expected: string"),

@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 pub use events::Events;
-pub use server::{Monitor, QmpListener, QmpServer};
+pub use server::{Monitor, QmpListener, QmpServer, Served};
 pub use transport::{Stdio, Transport};
 
 /// A QMP error: class + description, serialized as `{"class": "...", "desc": "..."}`.

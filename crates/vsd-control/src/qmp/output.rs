@@ -10,6 +10,7 @@ use std::collections::VecDeque;
 use std::io::{self, Write};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
@@ -107,6 +108,19 @@ impl Output {
     pub(crate) fn finish(&self) {
         self.lock().finishing = true;
         self.queued.notify_one();
+    }
+
+    /// As [`Output::finish`], then waits at most `timeout` for what waits
+    /// to be written.
+    pub(crate) fn finish_within(&self, timeout: Duration) {
+        let mut state = self.lock();
+        state.finishing = true;
+        self.queued.notify_one();
+        let deadline = Instant::now() + timeout;
+        while state.written_lines < state.queued_lines && !state.closed {
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else { return };
+            state = self.written.wait_timeout(state, left).unwrap_or_else(PoisonError::into_inner).0;
+        }
     }
 
     /// Ends the connection now: the writer stops, what waited is dropped.

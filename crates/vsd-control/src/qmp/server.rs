@@ -8,6 +8,7 @@ use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread;
+use std::time::Duration;
 
 use serde_json::{Value, json};
 use vsd_sys::ListenError;
@@ -44,8 +45,9 @@ impl Monitor {
     }
 
     /// Serves one client on threads of its own, `name` reading and
-    /// `name-out` writing, until its input ends.
-    pub fn serve<T: Transport>(&self, client: T, name: String) -> io::Result<()> {
+    /// `name-out` writing, until its input ends (or, for a transport whose
+    /// output outlives its input, until [`Served::finish`]).
+    pub fn serve<T: Transport>(&self, client: T, name: String) -> io::Result<Served> {
         let output = Output::start(client.duplicate()?, format!("{name}-out"), self.pretty)?;
         let session = (self.dispatch.clone(), self.events.clone(), output.clone());
         let spawned = thread::Builder::new().name(name).spawn(move || {
@@ -55,7 +57,19 @@ impl Monitor {
         if spawned.is_err() {
             output.close();
         }
-        spawned.map(drop)
+        spawned.map(|_| Served(output))
+    }
+}
+
+/// A client being served.
+pub struct Served(Arc<Output>);
+
+impl Served {
+    /// Writes what waits for the client, for at most `timeout`, then ends
+    /// the connection: the daemon's standard output gets the events of its
+    /// shutdown before it exits.
+    pub fn finish(self, timeout: Duration) {
+        self.0.finish_within(timeout);
     }
 }
 
@@ -177,7 +191,9 @@ fn bind(path: &Path) -> io::Result<UnixListener> {
 }
 
 fn run_connection<T: Transport>(client: T, output: &Arc<Output>, dispatch: Arc<dyn Dispatch>, events: Events) {
+    let output_stays = client.outlives_input();
     match serve(client, output, dispatch, events) {
+        Ok(()) if output_stays => log::debug!("QMP: input ended; events still go out"),
         Ok(()) => {
             log::debug!("QMP: client done");
             output.finish();

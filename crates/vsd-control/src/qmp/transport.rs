@@ -14,6 +14,13 @@ pub trait Transport: Read + Write + Send + Sync + Sized + 'static {
     /// Ends the stream from any thread, so that a read or a write blocked
     /// on it returns: best effort, it may be a no-op.
     fn hang_up(&self);
+
+    /// Events still go out once the input ended: a socket's client that
+    /// closed its side is gone, while the daemon's standard output stays
+    /// (QSD goes on writing events there until it exits).
+    fn outlives_input(&self) -> bool {
+        false
+    }
 }
 
 impl Transport for UnixStream {
@@ -64,4 +71,8 @@ impl Transport for Stdio {
     /// Nothing wakes a read of a terminal or a pipe: the reader stays until
     /// input ends, and the writer stops on its own.
     fn hang_up(&self) {}
+
+    fn outlives_input(&self) -> bool {
+        true
+    }
 }
