@@ -71,6 +71,11 @@ const COMMANDS: &[&str] = &[
     "qom-get",
     "qom-set",
     "quit",
+    // Write thresholds, backing files, query-block and block-job-change.
+    "block-set-write-threshold",
+    "change-backing-file",
+    "query-block",
+    "block-job-change",
 ];
 
 /// How long a safe `block-export-del` waits for a front-end that has hung
@@ -131,6 +136,10 @@ impl Dispatch for Daemon {
                 Ok(json!({}))
             }
             "quit" => no_arguments(&args).map(|()| json!({})),
+            "block-set-write-threshold" => self.block_set_write_threshold(qapi::parse(args)?),
+            "change-backing-file" => self.change_backing_file(qapi::parse(args)?),
+            "query-block" => no_arguments(&args).map(|()| self.query_block()),
+            "block-job-change" => self.block_job_change(args),
             _ => match job_verb(command) {
                 Some((false, verb)) => self.job_verb(&qapi::parse::<JobId>(args)?.id, verb),
                 Some((true, verb @ (Verb::Finalize | Verb::Dismiss))) => {
@@ -390,30 +399,7 @@ impl Daemon {
     }
 
     fn query_named_block_nodes(&self) -> Value {
-        let state = self.state();
-        let nodes = state.graph.nodes().map(|node| {
-            let children: Map<String, Value> =
-                node.children().into_iter().map(|(role, child)| (role.to_string(), child.name().into())).collect();
-            let mut entry = json!({
-                "node-name": node.name(),
-                "drv": node.driver(),
-                "ro": node.read_only(),
-                "active": node.active(),
-                // Nodes write back; only an export's writethrough differs.
-                "cache": { "writeback": true, "direct": node.cache().direct, "no-flush": node.cache().no_flush },
-                "file": node.filename().unwrap_or(""),
-                "encrypted": false,
-                "detect_zeroes": "off",
-                "backing_file_depth": backing_depth(&**node),
-                "image": { "filename": node.filename().unwrap_or(""), "format": node.driver(), "virtual-size": node.size() },
-                "children": children,
-            });
-            if let Some(bitmaps) = crate::bitmaps::listed(&**node) {
-                entry["dirty-bitmaps"] = bitmaps;
-            }
-            entry
-        });
-        nodes.collect()
+        self.state().graph.nodes().map(crate::query_block::device_info).collect()
     }
 
     fn query_blockstats(&self, args: StatsQuery) -> Reply {
@@ -535,12 +521,6 @@ fn device_stats(s: &QueueSnapshot, bins: Option<&LatencyBins>) -> Value {
         }
     }
     stats
-}
-
-/// How many backing files are below a node.
-fn backing_depth(node: &dyn vsd_block::BlockNode) -> u64 {
-    let backing = node.children().into_iter().find(|(role, _)| *role == "backing");
-    backing.map_or(0, |(_, child)| 1 + backing_depth(&*child))
 }
 
 /// Prometheus text for every export.

@@ -198,7 +198,7 @@ impl Daemon {
     }
 
     /// The job for `block-job-*` commands.
-    fn block_job(&self, id: &str) -> Result<Arc<Job>, QmpError> {
+    pub(crate) fn block_job(&self, id: &str) -> Result<Arc<Job>, QmpError> {
         self.jobs
             .get(id)
             .filter(|job| job.info().block)
@@ -259,8 +259,7 @@ impl Daemon {
                 "auto-dismiss": info.auto_dismiss,
             });
             if info.kind == "mirror" {
-                // Only a write-blocking mirror ever is.
-                entry["actively-synced"] = json!(false);
+                entry["actively-synced"] = json!(info.actively_synced.unwrap_or(false));
             }
             if let Some(error) = info.error {
                 entry["error"] = json!(error);
@@ -280,6 +279,7 @@ fn act(job: &Job, verb: Verb) -> Reply {
         Verb::Finalize => job.finalize(),
         Verb::Dismiss => job.dismiss(),
         Verb::SetSpeed => Err("set-speed takes a speed".into()),
+        Verb::Change => Err("change takes options".into()),
     }
     .map(|()| json!({}))
     .map_err(generic)
