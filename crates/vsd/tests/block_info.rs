@@ -88,6 +88,8 @@ fn change_backing_file_rewrites_the_header_as_qemu_storage_daemon_does() {
             json!({"device": "q0", "image-node-name": "m0", "backing-file": "x", "force": true}),
         ),
         change("q0", "m0", "base2.qcow2"),
+        // Longer than QEMU opens: refused, the name left as it is.
+        change("q0", "m0", &"x".repeat(1024)),
         change("q0", "q0", ""),
         change("oq", "oq", "../other/base.img"),
     ];

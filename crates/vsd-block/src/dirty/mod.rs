@@ -333,15 +333,20 @@ impl DirtyRecorder {
         match *op {
             IoOp::Write { offset, len, .. }
             | IoOp::WriteCompressed { offset, len, .. }
-            | IoOp::WriteZeroes { offset, len, .. } => self.record_write(tag, offset, len, false),
-            IoOp::Discard { offset, len } => self.record_write(tag, offset, len, true),
-            // Only this test is inlined: a read costs no call.
+            | IoOp::WriteZeroes { offset, len, .. } => {
+                self.bitmaps.threshold.check(offset, len, false);
+                self.record_write(tag, offset, len);
+            }
+            IoOp::Discard { offset, len } => {
+                self.bitmaps.threshold.check(offset, len, true);
+                self.record_write(tag, offset, len);
+            }
+            // Only this test and the threshold's are inlined: a read costs no call.
             IoOp::Read { .. } | IoOp::Flush => {}
         }
     }
 
-    fn record_write(&mut self, tag: u32, offset: u64, len: u64, discard: bool) {
-        self.bitmaps.threshold.check(offset, len, discard);
+    fn record_write(&mut self, tag: u32, offset: u64, len: u64) {
         // Checked before setting, so that a disabled or removed bitmap
         // records nothing more...
         if self.bitmaps.generation.load(Ordering::SeqCst) != self.seen {
