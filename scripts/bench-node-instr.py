@@ -7,12 +7,19 @@ drives 4k random writes (or --rw) at iodepth 32 of nonzero data, and the
 queue worker's (busiest thread's) instructions are divided by the requests
 the client completed, after --warmup seconds not counted.
 
-usage: scripts/bench-node-instr.py [--variant NAME=OPTIONS ...] [--seconds 10] [--warmup 2]
-                                   [--rw randwrite] [--target-dir target] [--work /dev/shm/ni]
+With --qmp NAME='COMMAND {ARGS}', variant NAME runs that QMP command
+first (repeat it for several).
+
+usage: scripts/bench-node-instr.py [--variant NAME=OPTIONS ...] [--qmp NAME='COMMAND {ARGS}' ...]
+                                   [--seconds 10] [--warmup 2] [--rw randwrite] [--target-dir target]
+                                   [--work /dev/shm/ni]
 e.g.   scripts/bench-node-instr.py --variant off= --variant on=,detect-zeroes=on \\
            --variant unmap=,detect-zeroes=unmap,discard=unmap
+       scripts/bench-node-instr.py --variant off= --variant armed= \\
+           --qmp 'armed=block-set-write-threshold {"node-name": "f0", "write-threshold": 1099511627776}'
 """
 import argparse
+import json
 import os
 import subprocess
 
@@ -25,6 +32,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME=OPTIONS appended to the file node (default: off= and detect-zeroes=on)")
+    parser.add_argument("--qmp", action="append", default=[],
+                        help="NAME='COMMAND {ARGS}': a QMP command variant NAME runs first")
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--warmup", type=float, default=2)
     parser.add_argument("--rw", default="randwrite")
@@ -32,6 +41,11 @@ def main():
     parser.add_argument("--work", default="/dev/shm/ni")
     args = parser.parse_args()
     variants = [v.split("=", 1) for v in args.variant or ["off=", "on=,detect-zeroes=on"]]
+    qmp = {}
+    for entry in args.qmp:
+        name, command = entry.split("=", 1)
+        command, _, arguments = command.partition(" ")
+        qmp.setdefault(name, []).append((command, json.loads(arguments or "{}")))
     binaries = os.path.join(args.target_dir, "release")
     vsd, bench = (os.path.join(binaries, name) for name in ("vsd", "vsd-bench"))
     os.makedirs(args.work, exist_ok=True)
@@ -44,7 +58,7 @@ def main():
                      "driver=raw,node-name=disk0,file=f0"]
         bench_args = ["--rw", args.rw, "--bs", "4k", "--iodepth", "32"]
         per_request, requests, _ = callgrind_worker(vsd, bench, args.work, name, blockdevs, bench_args, args.seconds,
-                                                    warmup=args.warmup)
+                                                    qmp=qmp.get(name, ()), warmup=args.warmup)
         print(f"| {name} | `{options or '(none)'}` | {per_request:.0f} | {requests} |")
 
 

@@ -183,6 +183,9 @@ impl BlockNode for AccountedNode {
     fn set_backing(&self, backing: Option<Arc<dyn BlockNode>>, header: Option<(String, String)>) -> io::Result<()> {
         self.inner.set_backing(backing, header)
     }
+    fn rename_backing_file(&self, header: Option<(String, String)>) -> io::Result<()> {
+        self.inner.rename_backing_file(header)
+    }
     fn replace_backing(&self, backing: Option<Arc<dyn BlockNode>>) -> io::Result<()> {
         self.inner.replace_backing(backing)
     }

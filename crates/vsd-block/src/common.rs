@@ -20,6 +20,8 @@ pub(crate) struct Common {
     /// `force-share=on`: the node lets other processes hold whatever they
     /// like of its images (QEMU's `qemu-img -U`); read-only nodes only.
     pub(crate) force_share: bool,
+    /// `discard=unmap` (or `on`): the node acts on discards.
+    pub(crate) acts_on_discards: bool,
 }
 
 impl Common {
@@ -32,7 +34,7 @@ impl Common {
     pub(crate) fn take(opts: &mut OptionMap) -> Result<Self, OptionError> {
         // Checked here for every driver, read again by those acting on it.
         let mut check = opts.clone();
-        check.take_choice("discard", DISCARD)?;
+        let acts_on_discards = matches!(check.take_choice("discard", DISCARD)?, Some("unmap" | "on"));
         check.take_bool("auto-read-only")?;
         let read_only = check.take_bool("read-only")?.unwrap_or(false);
         let detect_zeroes = DetectZeroes::take(opts)?;
@@ -40,7 +42,7 @@ impl Common {
         if force_share && !read_only {
             return Err(opts.rejected("force-share=on can only be used with read-only images"));
         }
-        Ok(Self { detect_zeroes, force_share })
+        Ok(Self { detect_zeroes, force_share, acts_on_discards })
     }
 
     /// Drops those the node's driver left: it has no use for them.

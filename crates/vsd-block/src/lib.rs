@@ -20,6 +20,7 @@ mod drivers;
 pub use drivers::{DRIVERS, FILTERS};
 mod lock;
 pub mod options;
+pub mod threshold;
 pub mod throttle;
 mod zeroes;
 
@@ -205,6 +206,16 @@ pub trait BlockNode: Send + Sync {
     /// node; those already open may keep the old one, which the caller
     /// makes sure reads the same bytes.
     fn set_backing(&self, _backing: Option<Arc<dyn BlockNode>>, _header: Option<(String, String)>) -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("driver '{}' has no backing file to change", self.driver()),
+        ))
+    }
+    /// Names `header` (file name, format; `None`: none) in the image as
+    /// its backing file, durably, the graph and what the node reads left
+    /// as they are (QMP `change-backing-file`: the name counts from the
+    /// image's next open).
+    fn rename_backing_file(&self, _header: Option<(String, String)>) -> io::Result<()> {
         Err(io::Error::new(
             io::ErrorKind::Unsupported,
             format!("driver '{}' has no backing file to change", self.driver()),
@@ -555,7 +566,8 @@ impl BlockGraph {
         if active {
             self.refuse_inactive_children(&opts, &name)?;
         }
-        let bitmaps = Arc::default();
+        let bitmaps = Arc::<dirty::DirtyBitmaps>::default();
+        bitmaps.write_threshold().attach(&name, self.events(), common.acts_on_discards);
         let opened = drivers::open(&driver, name, cache, active, &bitmaps, &mut opts, self)?;
         let node: Arc<dyn BlockNode> = Arc::new(accounting::AccountedNode::new(opened, cache, common, active, bitmaps));
         common::Common::drop_unused(&mut opts);

@@ -416,7 +416,7 @@ mod tests {
             nodes: Vec::new(),
             group: None,
         };
-        Job::new(spec, Arc::new(|_: &str, _| {}))
+        Job::new(spec, Arc::new(|_: &str, _| {}), None)
     }
 
     #[test]

@@ -98,6 +98,8 @@ pub enum Verb {
     Finalize,
     /// Forget a concluded job.
     Dismiss,
+    /// Change its options (`block-job-change`: a mirror's copy mode).
+    Change,
 }
 
 impl Verb {
@@ -111,6 +113,7 @@ impl Verb {
             Verb::Complete => "complete",
             Verb::Finalize => "finalize",
             Verb::Dismiss => "dismiss",
+            Verb::Change => "change",
         }
     }
 
@@ -119,7 +122,7 @@ impl Verb {
         use Status::*;
         match self {
             Verb::Cancel => matches!(status, Created | Running | Paused | Ready | Standby | Waiting | Pending),
-            Verb::Pause | Verb::Resume | Verb::SetSpeed => {
+            Verb::Pause | Verb::Resume | Verb::SetSpeed | Verb::Change => {
                 matches!(status, Created | Running | Paused | Ready | Standby)
             }
             Verb::Complete => status == Ready,
@@ -171,6 +174,10 @@ pub trait JobBody: Send + 'static {
     fn abort(&mut self) {}
     /// Lets go of what the job held, whatever the outcome.
     fn clean(&mut self) {}
+    /// The copy mode `block-job-change` switches, for a mirror.
+    fn copy_mode(&self) -> Option<Arc<mirror::Mode>> {
+        None
+    }
 }
 
 /// How a job is made.
@@ -200,6 +207,8 @@ pub struct Job {
     wake: Condvar,
     emit: Emit,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// A mirror's copy mode.
+    mode: Option<Arc<mirror::Mode>>,
 }
 
 struct State {
@@ -248,6 +257,8 @@ pub struct JobInfo {
     /// A block job (`query-block-jobs`, `BLOCK_JOB_*` events), not one of
     /// QEMU's other jobs (`create`).
     pub block: bool,
+    /// A mirror's: the target is in sync and written with the source.
+    pub actively_synced: Option<bool>,
 }
 
 fn is_paused(status: Status) -> bool {
@@ -272,7 +283,7 @@ pub fn strerror(errno: i32) -> String {
 }
 
 impl Job {
-    fn new(spec: JobSpec, emit: Emit) -> Arc<Self> {
+    fn new(spec: JobSpec, emit: Emit, mode: Option<Arc<mirror::Mode>>) -> Arc<Self> {
         let state = State {
             status: Status::Created,
             pause_requested: false,
@@ -286,8 +297,8 @@ impl Job {
             error: None,
             io_failed: false,
         };
-        let job =
-            Arc::new(Self { spec, state: Mutex::new(state), wake: Condvar::new(), emit, thread: Mutex::new(None) });
+        let (state, wake, thread) = (Mutex::new(state), Condvar::new(), Mutex::new(None));
+        let job = Arc::new(Self { spec, state, wake, emit, thread, mode });
         job.announce(Status::Created);
         job
     }
@@ -344,6 +355,7 @@ impl Job {
             auto_finalize: self.spec.auto_finalize,
             auto_dismiss: self.spec.auto_dismiss,
             block: is_block_job(self.spec.kind),
+            actively_synced: self.mode.as_ref().map(|mode| mode.actively_synced()),
         }
     }
 
@@ -423,6 +435,16 @@ impl Job {
     pub fn set_speed(&self, speed: u64) -> Result<(), String> {
         self.verb(Verb::SetSpeed)?.speed = speed;
         self.wake.notify_all();
+        Ok(())
+    }
+
+    /// `block-job-change`'s copy mode: a mirror's, from background to
+    /// write-blocking only, as QEMU's; other jobs take no change.
+    pub fn change_copy_mode(&self, to: mirror::CopyMode) -> Result<(), String> {
+        drop(self.verb(Verb::Change)?);
+        let mode = self.mode.as_ref().ok_or("Job type does not support change")?;
+        mode.change(to)?;
+        self.kick();
         Ok(())
     }
 

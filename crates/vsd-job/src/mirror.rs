@@ -16,9 +16,13 @@
 //! With `copy-mode=write-blocking`, the writers write through a
 //! [`MirrorTop`](crate::mirror_top::MirrorTop) filter to both nodes instead,
 //! and the tracker is the job's alone: it holds what the job has still to
-//! copy, and the writes that crossed one of its copies.
+//! copy, and the writes that crossed one of its copies. `block-job-change`
+//! switches a background mirror to write-blocking while it runs (QEMU
+//! goes that way only): at the job's next step, between two copies, its
+//! writers are stopped, put on a filter, and its tracker left to itself.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use vsd_block::dirty::Tracker;
@@ -50,6 +54,62 @@ pub enum MirrorSync {
     None,
 }
 
+/// A mirror's copy mode (QAPI's `MirrorCopyMode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyMode {
+    /// The job copies what the writers wrote.
+    Background,
+    /// The writers write to the target too.
+    WriteBlocking,
+}
+
+impl CopyMode {
+    /// QAPI's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            CopyMode::Background => "background",
+            CopyMode::WriteBlocking => "write-blocking",
+        }
+    }
+}
+
+/// A mirror's copy mode as `block-job-change` sets it, and whether the
+/// job is actively synced (`query-block-jobs`).
+#[derive(Default)]
+pub struct Mode {
+    write_blocking: AtomicBool,
+    actively_synced: AtomicBool,
+}
+
+impl Mode {
+    fn new(mode: CopyMode) -> Arc<Self> {
+        Arc::new(Self { write_blocking: AtomicBool::new(mode == CopyMode::WriteBlocking), ..Self::default() })
+    }
+
+    /// Asks for copy mode `to`, in QEMU's words: there is no way back
+    /// from write-blocking.
+    pub(crate) fn change(&self, to: CopyMode) -> Result<(), String> {
+        if to == CopyMode::Background && self.write_blocking.load(Ordering::SeqCst) {
+            return Err(format!("Change to copy mode '{}' is not implemented", to.name()));
+        }
+        self.write_blocking.store(to == CopyMode::WriteBlocking, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Whether the target holds what the source does and the writers
+    /// write both.
+    pub fn actively_synced(&self) -> bool {
+        self.actively_synced.load(Ordering::SeqCst)
+    }
+
+    fn set_synced(&self, synced: bool) {
+        self.actively_synced.store(synced, Ordering::SeqCst);
+    }
+}
+
+/// Runs with no write of the writers in flight.
+pub type Work<'a> = &'a mut dyn FnMut() -> Result<(), String>;
+
 /// The writers of the source (the daemon's exports), which the job stops
 /// at its end.
 pub trait Writers: Send + Sync {
@@ -61,6 +121,13 @@ pub trait Writers: Send + Sync {
         switch_to: Option<&Arc<dyn BlockNode>>,
         work: &mut dyn FnMut() -> Result<(), String>,
     ) -> Result<(), String>;
+
+    /// Runs `work`, then has the writers write through a filter sharing
+    /// `in_flight` to the source and the target (a switch to
+    /// write-blocking), if these writers can.
+    fn write_blocking(&self, _in_flight: &Arc<InFlight>, _work: Work<'_>) -> Result<(), String> {
+        Err("these writers cannot write through a mirror's filter".into())
+    }
 }
 
 /// How a mirror is made.
@@ -89,20 +156,21 @@ pub struct Mirror {
     spec: MirrorSpec,
     /// A write-blocking mirror's writes in flight through its filter.
     in_flight: Option<Arc<InFlight>>,
+    mode: Arc<Mode>,
 }
 
 impl Mirror {
     /// A mirror as `spec` says, which copies in the background what the
     /// writers write (`copy-mode=background`).
     pub fn new(spec: MirrorSpec) -> Self {
-        Self { spec, in_flight: None }
+        Self { spec, in_flight: None, mode: Mode::new(CopyMode::Background) }
     }
 
     /// A mirror whose writers write through a filter sharing `in_flight`
     /// (`copy-mode=write-blocking`); `spec.tracker` must be marked by
     /// nobody else ([`Tracker::apart`]).
     pub fn write_blocking(spec: MirrorSpec, in_flight: Arc<InFlight>) -> Self {
-        Self { spec, in_flight: Some(in_flight) }
+        Self { spec, in_flight: Some(in_flight), mode: Mode::new(CopyMode::WriteBlocking) }
     }
 }
 
@@ -110,7 +178,8 @@ impl Mirror {
 struct Run<'a> {
     job: &'a Arc<Job>,
     spec: &'a MirrorSpec,
-    in_flight: Option<&'a InFlight>,
+    in_flight: Option<Arc<InFlight>>,
+    mode: &'a Mode,
     copier: Copier,
     /// Where the next run is looked for: runs are copied in order, round
     /// and round.
@@ -144,7 +213,7 @@ impl Run<'_> {
     /// Runs `write`, which writes `range` of the target, as a copy the
     /// filter's writes may cross.
     fn crossing<T>(&mut self, range: (u64, u64), write: impl FnOnce(&mut Copier) -> T) -> T {
-        let Some(in_flight) = self.in_flight else { return write(&mut self.copier) };
+        let Some(in_flight) = &self.in_flight else { return write(&mut self.copier) };
         in_flight.copy_begins(range);
         let result = write(&mut self.copier);
         in_flight.copy_ends(range);
@@ -154,7 +223,9 @@ impl Run<'_> {
     /// The next dirty run, looked for from the cursor on, then from the start.
     fn next_run(&mut self) -> Option<(u64, u64)> {
         let tracker = &self.spec.tracker;
-        for (offset, len) in self.in_flight.map(InFlight::take_dirty).unwrap_or_default() {
+        for (offset, len) in self.in_flight.as_deref().map(InFlight::take_dirty).unwrap_or_default() {
+            // A write that failed on the target, or crossed a copy.
+            self.mode.set_synced(false);
             tracker.mark(offset, len);
         }
         let run = tracker.take(self.cursor, MAX_COPY).or_else(|| tracker.take(0, MAX_COPY))?;
@@ -174,6 +245,7 @@ impl Run<'_> {
                 Ok(Step::Copied)
             }
             Err(Failure::Io { write, errno }) => {
+                self.mode.set_synced(false);
                 let policy = if write { self.spec.on_target_error } else { self.spec.on_source_error };
                 if self.job.io_error(policy, write, errno) { Ok(Step::Retry) } else { Err(strerror(errno)) }
             }
@@ -219,6 +291,9 @@ impl Run<'_> {
             if self.job.cancelled() {
                 return Err(CANCELLED.into());
             }
+            if self.in_flight.is_none() && self.mode.write_blocking.load(Ordering::SeqCst) {
+                self.go_write_blocking();
+            }
             if self.job.pause_point() {
                 self.job.wait(None);
                 continue;
@@ -242,8 +317,29 @@ impl Run<'_> {
                         self.copier.flush().map_err(|f| f.report(self.job))?;
                         self.job.ready();
                     }
+                    self.mode.set_synced(self.in_flight.is_some());
                     self.job.wait(Some(Instant::now() + IDLE));
                 }
+            }
+        }
+    }
+
+    /// Puts the writers on a filter that writes the target too, between
+    /// two of the job's copies: from then on the tracker holds what the
+    /// job has to copy and the writes that crossed its copies, no more
+    /// every write. Refused, the job goes on in the background.
+    fn go_write_blocking(&mut self) {
+        let in_flight = Arc::new(InFlight::default());
+        let tracker = &self.spec.tracker;
+        let mut apart = || {
+            tracker.set_apart();
+            Ok(())
+        };
+        match self.spec.writers.write_blocking(&in_flight, &mut apart) {
+            Ok(()) => self.in_flight = Some(in_flight),
+            Err(e) => {
+                log::error!("job '{}' stays in copy mode background: {e}", self.job.id());
+                self.mode.write_blocking.store(false, Ordering::SeqCst);
             }
         }
     }
@@ -262,8 +358,8 @@ impl JobBody for Mirror {
     fn run(&mut self, job: &Arc<Job>) -> Result<(), String> {
         let spec = &self.spec;
         let copier = Copier::open(&spec.source, &spec.target, Extents::Changing)?;
-        let in_flight = self.in_flight.as_deref();
-        let mut run = Run { job, spec, in_flight, copier, cursor: 0, pace: Pace::new(), burst: 0 };
+        let (in_flight, mode) = (self.in_flight.clone(), &*self.mode);
+        let mut run = Run { job, spec, in_flight, mode, copier, cursor: 0, pace: Pace::new(), burst: 0 };
         match spec.sync {
             MirrorSync::Full => {
                 job.set_total(spec.source.size());
@@ -279,5 +375,9 @@ impl JobBody for Mirror {
         }
         job.set_total(job.progress() + spec.tracker.dirty_bytes());
         run.follow()
+    }
+
+    fn copy_mode(&self) -> Option<Arc<Mode>> {
+        Some(self.mode.clone())
     }
 }

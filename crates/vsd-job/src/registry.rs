@@ -59,7 +59,7 @@ impl Jobs {
         if list.iter().any(|job| job.id() == spec.id) {
             return Err(format!("Job ID '{}' already in use", spec.id));
         }
-        let job = Job::new(spec, self.emit.clone());
+        let job = Job::new(spec, self.emit.clone(), body.copy_mode());
         if let Err(e) = body.prepare(&job) {
             job.announce(Status::Null);
             return Err(e);

@@ -68,7 +68,7 @@ fn the_verb_table_is_qemus() {
     let all = [Created, Running, Paused, Ready, Standby, Waiting, Pending, Aborting, Concluded, Null];
     let allowed = |verb: Verb| all.iter().filter(|s| verb.allowed(**s)).map(|s| s.name()).collect::<Vec<_>>();
     assert_eq!(allowed(Verb::Cancel), ["created", "running", "paused", "ready", "standby", "waiting", "pending"]);
-    for verb in [Verb::Pause, Verb::Resume, Verb::SetSpeed] {
+    for verb in [Verb::Pause, Verb::Resume, Verb::SetSpeed, Verb::Change] {
         assert_eq!(allowed(verb), ["created", "running", "paused", "ready", "standby"], "{verb:?}");
     }
     assert_eq!(allowed(Verb::Complete), ["ready"]);

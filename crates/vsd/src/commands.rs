@@ -152,6 +152,11 @@ pub(crate) static COMMANDS: LazyLock<Vec<Command>> = LazyLock::new(|| {
         C::typed("qom-list", |d, a| d.objects.qom_list(a)),
         C::typed("qom-list-types", |_, a| Ok(crate::objects::qom::list_types(a))),
         C::typed("qom-list-properties", |_, a| crate::objects::qom::list_properties(a)),
+        // Write thresholds, backing files, query-block and block-job-change.
+        C::typed("block-set-write-threshold", Daemon::block_set_write_threshold),
+        C::typed("change-backing-file", Daemon::change_backing_file),
+        C::bare("query-block", |d| Ok(d.query_block())),
+        C::declared("block-job-change", Daemon::block_job_change, Introspection::schema_of::<crate::mirror::JobChange>),
     ]
 });
 
@@ -408,30 +413,7 @@ impl Daemon {
     }
 
     fn query_named_block_nodes(&self) -> Value {
-        let state = self.state();
-        let nodes = state.graph.nodes().map(|node| {
-            let children: Map<String, Value> =
-                node.children().into_iter().map(|(role, child)| (role.to_string(), child.name().into())).collect();
-            let mut entry = json!({
-                "node-name": node.name(),
-                "drv": node.driver(),
-                "ro": node.read_only(),
-                "active": node.active(),
-                // Nodes write back; only an export's writethrough differs.
-                "cache": { "writeback": true, "direct": node.cache().direct, "no-flush": node.cache().no_flush },
-                "file": node.filename().unwrap_or(""),
-                "encrypted": false,
-                "detect_zeroes": "off",
-                "backing_file_depth": backing_depth(&**node),
-                "image": { "filename": node.filename().unwrap_or(""), "format": node.driver(), "virtual-size": node.size() },
-                "children": children,
-            });
-            if let Some(bitmaps) = crate::bitmaps::listed(&**node) {
-                entry["dirty-bitmaps"] = bitmaps;
-            }
-            entry
-        });
-        nodes.collect()
+        self.state().graph.nodes().map(crate::query_block::device_info).collect()
     }
 
     fn query_blockstats(&self, args: StatsQuery) -> Reply {
@@ -553,12 +535,6 @@ fn device_stats(s: &QueueSnapshot, bins: Option<&LatencyBins>) -> Value {
         }
     }
     stats
-}
-
-/// How many backing files are below a node.
-fn backing_depth(node: &dyn vsd_block::BlockNode) -> u64 {
-    let backing = node.children().into_iter().find(|(role, _)| *role == "backing");
-    backing.map_or(0, |(_, child)| 1 + backing_depth(&*child))
 }
 
 /// Prometheus text for every export.

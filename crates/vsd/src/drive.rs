@@ -23,7 +23,7 @@ use crate::chain::{Node, backing_of, image_filename, skip_filters};
 use crate::create::create_image;
 use crate::daemon::{Daemon, State, lock_state};
 use crate::jobs::{self, BackupArgs, BitmapModeArg, OnError, generic, well_formed};
-use crate::mirror::{self, CopyMode, MadeTarget, MirrorArgs};
+use crate::mirror::{self, CopyModeArg, MadeTarget, MirrorArgs};
 use crate::snapshot::SnapshotArgs;
 
 /// QAPI's `NewImageMode`.
@@ -59,7 +59,7 @@ pub(crate) struct DriveMirrorArgs {
     on_target_error: OnError,
     unmap: Option<bool>,
     #[serde(default)]
-    copy_mode: CopyMode,
+    copy_mode: CopyModeArg,
     auto_finalize: Option<bool>,
     auto_dismiss: Option<bool>,
 }

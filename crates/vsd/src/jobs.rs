@@ -216,7 +216,7 @@ impl Daemon {
     }
 
     /// The job for `block-job-*` commands.
-    fn block_job(&self, id: &str) -> Result<Arc<Job>, QmpError> {
+    pub(crate) fn block_job(&self, id: &str) -> Result<Arc<Job>, QmpError> {
         self.jobs
             .get(id)
             .filter(|job| job.info().block)
@@ -277,8 +277,7 @@ impl Daemon {
                 "auto-dismiss": info.auto_dismiss,
             });
             if info.kind == "mirror" {
-                // Only a write-blocking mirror ever is.
-                entry["actively-synced"] = json!(false);
+                entry["actively-synced"] = json!(info.actively_synced.unwrap_or(false));
             }
             if let Some(error) = info.error {
                 entry["error"] = json!(error);
@@ -298,6 +297,7 @@ fn act(job: &Job, verb: Verb) -> Reply {
         Verb::Finalize => job.finalize(),
         Verb::Dismiss => job.dismiss(),
         Verb::SetSpeed => Err("set-speed takes a speed".into()),
+        Verb::Change => Err("change takes options".into()),
     }
     .map(|()| json!({}))
     .map_err(generic)

@@ -3,6 +3,7 @@
 //! may use earlier ones), `--export` serves one, `--chardev` + `--monitor`
 //! open a QMP socket. `vsd stat` prints a running export's statistics.
 
+mod backing_file;
 mod bitmaps;
 mod chain;
 mod chardev;
@@ -19,6 +20,7 @@ mod nbd_legacy;
 mod objects;
 mod pidfile;
 mod qapi;
+mod query_block;
 mod reopen;
 mod run_as;
 mod sandbox;
@@ -26,6 +28,7 @@ mod schema;
 mod snapshot;
 mod stat;
 mod stream;
+mod threshold;
 mod trace;
 mod transaction;
 mod writers;

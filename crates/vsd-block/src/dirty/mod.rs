@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use vsd_engine::{Completion, IoOp};
 
+use crate::threshold::WriteThreshold;
 use bitmap::Words;
 pub use bitmap::{Bitmap, BitmapInfo, BusyGuard};
 pub use set::DirtySet;
@@ -120,8 +121,9 @@ pub struct Persisted {
     pub words: Vec<u64>,
 }
 
-/// The bitmaps of one node, and the hooks its writes wait for (one per
-/// backup of the node, as QEMU stacks a copy-before-write filter per backup).
+/// The bitmaps of one node, the hooks its writes wait for (one per
+/// backup of the node, as QEMU stacks a copy-before-write filter per
+/// backup), and its write threshold, which every writer checks too.
 #[derive(Default)]
 pub struct DirtyBitmaps {
     /// Bumped after every change of what recorders act on.
@@ -131,12 +133,18 @@ pub struct DirtyBitmaps {
     hooks: Mutex<Vec<Arc<dyn BeforeWrite>>>,
     /// The words of the jobs' [`Tracker`]s, with their granularity's shift.
     trackers: Mutex<Vec<(Arc<Words>, u32)>>,
+    threshold: WriteThreshold,
 }
 
 impl DirtyBitmaps {
     fn list(&self) -> MutexGuard<'_, Vec<Arc<Bitmap>>> {
         // The list is consistent whatever panicked while holding it.
         self.bitmaps.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The node's write threshold.
+    pub fn write_threshold(&self) -> &WriteThreshold {
+        &self.threshold
     }
 
     /// Tells every recorder to pick up the bitmaps' words again.
@@ -325,9 +333,15 @@ impl DirtyRecorder {
         match *op {
             IoOp::Write { offset, len, .. }
             | IoOp::WriteCompressed { offset, len, .. }
-            | IoOp::WriteZeroes { offset, len, .. }
-            | IoOp::Discard { offset, len } => self.record_write(tag, offset, len),
-            // Only this test is inlined: a read costs no call.
+            | IoOp::WriteZeroes { offset, len, .. } => {
+                self.bitmaps.threshold.check(offset, len, false);
+                self.record_write(tag, offset, len);
+            }
+            IoOp::Discard { offset, len } => {
+                self.bitmaps.threshold.check(offset, len, true);
+                self.record_write(tag, offset, len);
+            }
+            // Only this test and the threshold's are inlined: a read costs no call.
             IoOp::Read { .. } | IoOp::Flush => {}
         }
     }

@@ -34,6 +34,14 @@ impl Tracker {
         Self { bitmaps: None, words: Arc::new(Words::new(size, shift)), shift }
     }
 
+    /// No writer marks it from their next write on, only its owner (a
+    /// mirror switched to write-blocking). Call it with no write in flight.
+    pub fn set_apart(&self) {
+        let Some(bitmaps) = &self.bitmaps else { return };
+        bitmaps.trackers.lock().unwrap_or_else(PoisonError::into_inner).retain(|(w, _)| !Arc::ptr_eq(w, &self.words));
+        bitmaps.changed();
+    }
+
     /// Bytes per bit.
     pub fn granularity(&self) -> u64 {
         1 << self.shift
@@ -65,10 +73,6 @@ impl Tracker {
 
 impl Drop for Tracker {
     fn drop(&mut self) {
-        let Some(bitmaps) = &self.bitmaps else { return };
-        let mut trackers = bitmaps.trackers.lock().unwrap_or_else(PoisonError::into_inner);
-        trackers.retain(|(words, _)| !Arc::ptr_eq(words, &self.words));
-        drop(trackers);
-        bitmaps.changed();
+        self.set_apart();
     }
 }

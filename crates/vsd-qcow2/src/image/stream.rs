@@ -206,6 +206,15 @@ impl Image {
     /// not ready for; the header is durable when this returns. Fails,
     /// having changed nothing, if the name does not fit in the header.
     pub fn set_backing_file(&self, io: &mut ImageIo, backing: Option<(&str, &str)>) -> io::Result<()> {
+        self.rename_backing_file(io, backing)?;
+        self.has_backing.store(backing.is_some(), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// As [`Image::set_backing_file`], but the header alone changes: the
+    /// image reads from below as it did (QMP `change-backing-file`, whose
+    /// new name counts from the next open).
+    pub fn rename_backing_file(&self, io: &mut ImageIo, backing: Option<(&str, &str)>) -> io::Result<()> {
         self.check_writable()?;
         self.flush(io)?;
         let mut meta = self.lock();
@@ -214,7 +223,6 @@ impl Image {
         io.meta.write_at(&chunk, 0)?;
         io.meta.flush()?;
         meta.header_chunk = chunk;
-        self.has_backing.store(backing.is_some(), Ordering::Relaxed);
         Ok(())
     }
 }
@@ -482,5 +490,20 @@ mod tests {
         assert_eq!(around, vec![0; 4096], "zeroes, not the bytes below");
         image.close(&mut io(&mut file, &mut below)).unwrap();
         assert_clean("rebase", &file.bytes);
+    }
+
+    /// Renaming changes the header only: the image still reads from below.
+    #[test]
+    fn rename_backing_file_leaves_the_open_image_reading_from_below() {
+        let args = ["-b", "base.raw", "-F", "raw", "-u"];
+        let mut file = MemFile::made_by_qemu_img_with("rename", &args, "4M");
+        let image = open(&mut file, None);
+        let mut below = below();
+        image.rename_backing_file(&mut io(&mut file, &mut below), None).unwrap();
+        let h = Header::parse(&file.bytes, file.bytes.len() as u64).unwrap();
+        assert_eq!((h.backing_file, h.backing_format), (None, None));
+        assert!(image.has_backing(), "until it is opened again");
+        image.close(&mut io(&mut file, &mut below)).unwrap();
+        assert_clean("rename", &file.bytes);
     }
 }

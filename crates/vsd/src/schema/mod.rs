@@ -359,5 +359,55 @@ fn events() -> Vec<(&'static str, Value)> {
         ("BLOCK_JOB_PENDING", object(&[("type", job_type.clone()), ("id", string())])),
         ("BLOCK_JOB_READY", job(&[])),
         ("JOB_STATUS_CHANGE", object(&[("id", string()), ("status", status)])),
+        (
+            "BLOCK_WRITE_THRESHOLD",
+            object(&[("node-name", string()), ("amount-exceeded", int()), ("write-threshold", int())]),
+        ),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    /// Every event some crate's source sends is in the schema.
+    #[test]
+    fn every_event_sent_is_described() {
+        let described: Vec<&str> = events().into_iter().map(|(name, _)| name).collect();
+        let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let mut sent = Vec::new();
+        for source in sources(&crates) {
+            let text = std::fs::read_to_string(&source).unwrap();
+            for sender in ["emit(\"", "emit)(\"", "events(\""] {
+                let names = text.split(sender).skip(1).filter_map(|rest| rest.split('"').next());
+                sent.extend(
+                    names
+                        .filter(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_uppercase() || c == '_'))
+                        .map(String::from),
+                );
+            }
+        }
+        assert!(sent.len() >= described.len(), "found {sent:?}");
+        for name in sent {
+            assert!(described.contains(&name.as_str()), "{name} is sent and not in the schema");
+        }
+    }
+
+    /// The Rust sources under each crate's `src`, tests left out.
+    fn sources(crates: &Path) -> Vec<std::path::PathBuf> {
+        let mut found = Vec::new();
+        let mut dirs: Vec<_> = std::fs::read_dir(crates).unwrap().map(|e| e.unwrap().path().join("src")).collect();
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir).into_iter().flatten().map(|e| e.unwrap().path()) {
+                match entry.extension() {
+                    _ if entry.is_dir() => dirs.push(entry),
+                    Some(ext) if ext == "rs" && !entry.ends_with("tests.rs") => found.push(entry),
+                    _ => {}
+                }
+            }
+        }
+        found
+    }
 }

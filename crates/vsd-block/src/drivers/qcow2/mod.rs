@@ -706,6 +706,12 @@ impl BlockNode for Qcow2Node {
         Ok(())
     }
 
+    /// The header alone: the open image keeps its backing node.
+    fn rename_backing_file(&self, header: Option<(String, String)>) -> io::Result<()> {
+        let name = header.as_ref().map(|(file, format)| (file.as_str(), format.as_str()));
+        self.change(|image, io| image.rename_backing_file(io, name))
+    }
+
     /// The header is left alone. The image is read again only if it gains
     /// or loses a backing file (unallocated clusters then read otherwise),
     /// its metadata and bitmaps written back first and loaded again after.
