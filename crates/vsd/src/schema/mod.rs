@@ -149,16 +149,20 @@ fn driver_options(driver: &str) -> Vec<(&'static str, Value)> {
             ("l2-cache-size?", int()),
             ("l2-cache-entry-size?", int()),
             ("refcount-cache-size?", int()),
+            ("cache-clean-interval?", int()),
         ],
-        "null-co" | "null-aio" => vec![("size?", int()), ("read-zeroes?", boolean())],
+        "null-co" | "null-aio" => vec![("size?", int()), ("latency-ns?", int()), ("read-zeroes?", boolean())],
         "nbd" => vec![
             ("server", reference("SocketAddress")),
             ("export?", string()),
             ("tls-creds?", string()),
             ("tls-hostname?", string()),
+            ("reconnect-delay?", int()),
         ],
         "throttle" => vec![("throttle-group", string()), ("file", file())],
-        "copy-on-read" | "compress" | "preallocate" | "snapshot-access" => vec![("file", file())],
+        "copy-on-read" => vec![("file", file()), ("bottom?", string())],
+        "preallocate" => vec![("file", file()), ("prealloc-align?", int()), ("prealloc-size?", int())],
+        "compress" | "snapshot-access" => vec![("file", file())],
         "copy-before-write" => vec![
             ("file", file()),
             ("target", file()),
@@ -200,9 +204,8 @@ fn driver_options(driver: &str) -> Vec<(&'static str, Value)> {
                 ("cookie?", string()),
                 ("cookie-secret?", string()),
             ];
-            if driver == "https" {
-                options.push(("sslverify?", boolean()));
-            }
+            // QEMU's http driver lacks it; vsd's reads it for both.
+            options.push(("sslverify?", if driver == "https" { boolean() } else { vsd_own(boolean()) }));
             options
         }
         _ => Vec::new(),
@@ -228,7 +231,6 @@ pub(crate) fn block_export_options(_: &mut Introspection) -> Value {
             ("writable?", boolean()),
             ("writethrough?", boolean()),
             ("iothread?", string()),
-            ("fixed-iothread?", boolean()),
             ("allow-inactive?", boolean()),
         ];
         members.extend(own);
@@ -242,6 +244,7 @@ pub(crate) fn block_export_options(_: &mut Introspection) -> Value {
         ("trace?", vsd_own(boolean())),
         ("cpu-affinity?", vsd_own(string())),
         ("socket-mode?", vsd_own(string())),
+        ("iothread-vq-mapping?", vsd_own(list(object(&[("iothread", string()), ("vqs?", list(int()))])))),
     ];
     let nbd = vec![
         ("name?", string()),
@@ -393,6 +396,57 @@ mod tests {
         for name in sent {
             assert!(described.contains(&name.as_str()), "{name} is sent and not in the schema");
         }
+    }
+
+    /// Every option a driver's source reads is in its case of
+    /// `blockdev-add`'s schema (the options all nodes take aside).
+    #[test]
+    fn every_option_a_driver_reads_is_described() {
+        let drivers = Path::new(env!("CARGO_MANIFEST_DIR")).join("../vsd-block/src/drivers");
+        let common = ["read-only", "auto-read-only", "discard", "node-name", "driver", "cache", "detect-zeroes"];
+        // Read from inside an option described as a whole.
+        let nested = [("copy-before-write", "node"), ("copy-before-write", "name"), ("rbd", "host"), ("rbd", "port")];
+        let mut missing = Vec::new();
+        for &driver in vsd_block::DRIVERS {
+            let module = match driver {
+                "host_device" => "file".to_string(),
+                "null-co" | "null-aio" => "null".to_string(),
+                "https" => "http".to_string(),
+                other => other.replace('-', "_"),
+            };
+            let described: Vec<String> =
+                driver_options(driver).iter().map(|(name, _)| name.trim_end_matches('?').to_string()).collect();
+            let files = [drivers.join(format!("{module}.rs"))].into_iter().chain(sources_in(&drivers.join(&module)));
+            for source in files.filter(|f| f.exists()) {
+                for key in options_read(&std::fs::read_to_string(&source).unwrap()) {
+                    let inside = nested.contains(&(driver, key.as_str()));
+                    if !common.contains(&key.as_str()) && !described.contains(&key) && !inside {
+                        missing.push(format!("{driver}: '{key}' ({})", source.display()));
+                    }
+                }
+            }
+        }
+        assert!(missing.is_empty(), "read and not in the schema: {missing:#?}");
+    }
+
+    /// The option keys `source` reads by name (`take_bool("key")`, ...,
+    /// `child(opts, "key")`), each up to its first dot.
+    fn options_read(source: &str) -> Vec<String> {
+        let key =
+            |rest: &str| rest.split('"').next().unwrap_or_default().split('.').next().unwrap_or_default().to_string();
+        let mut keys: Vec<String> = source.split("child(opts, \"").skip(1).map(key).collect();
+        for (at, _) in source.match_indices("(\"") {
+            let call =
+                source[..at].rsplit(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).next().unwrap_or_default();
+            if call.starts_with("take") || call.starts_with("require") || call == "remove" {
+                keys.push(key(&source[at + 2..]));
+            }
+        }
+        keys
+    }
+
+    fn sources_in(dir: &Path) -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(dir).into_iter().flatten().map(|e| e.unwrap().path()).collect()
     }
 
     /// The Rust sources under each crate's `src`, tests left out.
