@@ -37,19 +37,22 @@ pub(crate) struct Command {
     pub(crate) args: Option<fn(&mut Introspection) -> Value>,
     /// It may run out-of-band (QEMU's `allow-oob`).
     pub(crate) out_of_band: bool,
+    /// It answers with data (not described yet: `any`), where the others
+    /// answer `{}`.
+    pub(crate) returns_data: bool,
 }
 
 impl Command {
     /// A command whose arguments are `A`, as `qapi::parse` reads them.
     fn typed<A: DeserializeOwned + JsonSchema + 'static>(name: &'static str, handler: fn(&Daemon, A) -> Reply) -> Self {
         let run = Box::new(move |daemon: &Daemon, args| handler(daemon, qapi::parse(args)?));
-        Self { name, run, args: Some(Introspection::schema_of::<A>), out_of_band: false }
+        Self { name, run, args: Some(Introspection::schema_of::<A>), out_of_band: false, returns_data: false }
     }
 
     /// A command that takes no arguments.
     fn bare(name: &'static str, handler: fn(&Daemon) -> Reply) -> Self {
         let run = Box::new(move |daemon: &Daemon, args| no_arguments(&args).and_then(|()| handler(daemon)));
-        Self { name, run, args: None, out_of_band: false }
+        Self { name, run, args: None, out_of_band: false, returns_data: false }
     }
 
     /// A command that reads its arguments itself (as the command line's
@@ -59,7 +62,7 @@ impl Command {
         handler: fn(&Daemon, Value) -> Reply,
         args: fn(&mut Introspection) -> Value,
     ) -> Self {
-        Self { name, run: Box::new(handler), args: Some(args), out_of_band: false }
+        Self { name, run: Box::new(handler), args: Some(args), out_of_band: false, returns_data: false }
     }
 
     /// May run out-of-band: it waits on no lock that a blocking command
@@ -69,6 +72,10 @@ impl Command {
     fn out_of_band(self) -> Self {
         Self { out_of_band: true, ..self }
     }
+
+    fn returns_data(self) -> Self {
+        Self { returns_data: true, ..self }
+    }
 }
 
 /// Every command, in the order `query-commands` lists them.
@@ -76,18 +83,20 @@ pub(crate) static COMMANDS: LazyLock<Vec<Command>> = LazyLock::new(|| {
     use Command as C;
     vec![
         C::declared("qmp_capabilities", |_, _| Ok(json!({})), schema::capabilities),
-        C::bare("query-version", |_| Ok(vsd_control::qmp::version())).out_of_band(),
-        C::bare("query-commands", |_| Ok(COMMANDS.iter().map(|c| json!({ "name": c.name })).collect())).out_of_band(),
-        C::bare("query-qmp-schema", |_| Ok(schema::introspect(&COMMANDS))).out_of_band(),
+        C::bare("query-version", |_| Ok(vsd_control::qmp::version())).out_of_band().returns_data(),
+        C::bare("query-commands", |_| Ok(COMMANDS.iter().map(|c| json!({ "name": c.name })).collect()))
+            .out_of_band()
+            .returns_data(),
+        C::bare("query-qmp-schema", |_| Ok(schema::introspect(&COMMANDS))).out_of_band().returns_data(),
         C::declared("blockdev-add", Daemon::blockdev_add, schema::blockdev_options),
         C::typed("blockdev-del", Daemon::blockdev_del),
         C::typed("blockdev-set-active", Daemon::blockdev_set_active),
         C::declared("blockdev-reopen", |d, args| d.blockdev_reopen(&args), schema::blockdev_reopen),
         C::declared("block-export-add", Daemon::block_export_add, schema::block_export_options),
         C::typed("block-export-del", Daemon::block_export_del),
-        C::bare("query-block-exports", |d| Ok(d.query_block_exports())),
-        C::typed("query-named-block-nodes", |d, _: Flat| Ok(d.query_named_block_nodes())),
-        C::typed("query-blockstats", Daemon::query_blockstats),
+        C::bare("query-block-exports", |d| Ok(d.query_block_exports())).returns_data(),
+        C::typed("query-named-block-nodes", |d, _: Flat| Ok(d.query_named_block_nodes())).returns_data(),
+        C::typed("query-blockstats", Daemon::query_blockstats).returns_data(),
         C::typed("block-latency-histogram-set", Daemon::latency_histogram_set),
         C::typed("block_resize", Daemon::block_resize),
         C::typed("block-dirty-bitmap-add", |d, a| d.transaction(vec![Action::AddBitmap(a)], None)),
@@ -106,16 +115,17 @@ pub(crate) static COMMANDS: LazyLock<Vec<Command>> = LazyLock::new(|| {
         C::typed("block-commit", Daemon::block_commit),
         C::typed("blockdev-snapshot", |d, a| d.blockdev_snapshot(&a)),
         C::typed("blockdev-snapshot-internal-sync", Daemon::blockdev_snapshot_internal_sync),
-        C::typed("blockdev-snapshot-delete-internal-sync", Daemon::blockdev_snapshot_delete_internal_sync),
+        C::typed("blockdev-snapshot-delete-internal-sync", Daemon::blockdev_snapshot_delete_internal_sync)
+            .returns_data(),
         C::typed("blockdev-create", Daemon::blockdev_create),
-        C::bare("query-jobs", |d| Ok(d.query_jobs())).out_of_band(),
+        C::bare("query-jobs", |d| Ok(d.query_jobs())).out_of_band().returns_data(),
         C::typed("job-pause", |d, a: JobId| d.job_verb(&a.id, Verb::Pause)),
         C::typed("job-resume", |d, a: JobId| d.job_verb(&a.id, Verb::Resume)),
         C::typed("job-cancel", |d, a: JobId| d.job_verb(&a.id, Verb::Cancel)),
         C::typed("job-complete", |d, a: JobId| d.job_verb(&a.id, Verb::Complete)),
         C::typed("job-dismiss", |d, a: JobId| d.job_verb(&a.id, Verb::Dismiss)),
         C::typed("job-finalize", |d, a: JobId| d.job_verb(&a.id, Verb::Finalize)),
-        C::bare("query-block-jobs", |d| Ok(d.query_block_jobs())).out_of_band(),
+        C::bare("query-block-jobs", |d| Ok(d.query_block_jobs())).out_of_band().returns_data(),
         C::typed("block-job-cancel", Daemon::block_job_cancel),
         C::typed("block-job-set-speed", Daemon::block_job_set_speed),
         C::typed("block-job-pause", |d, a: BlockJobArgs| d.block_job_verb(&a.device, Verb::Pause)),
@@ -127,7 +137,8 @@ pub(crate) static COMMANDS: LazyLock<Vec<Command>> = LazyLock::new(|| {
         C::bare("nbd-server-stop", Daemon::nbd_server_stop),
         C::declared("object-add", Daemon::object_add, schema::object_options),
         C::typed("object-del", |d, a: Id| d.objects.remove(&a.id).map(|()| json!({})).map_err(QmpError::generic)),
-        C::typed("qom-get", |d, a: QomPath| d.objects.get(&a.path, &a.property).map_err(|e| qom_error(&a.path, e))),
+        C::typed("qom-get", |d, a: QomPath| d.objects.get(&a.path, &a.property).map_err(|e| qom_error(&a.path, e)))
+            .returns_data(),
         C::typed("qom-set", |d, a: QomSet| {
             d.objects.set(&a.path, &a.property, &a.value).map_err(|e| qom_error(&a.path, e))?;
             Ok(json!({}))
@@ -145,17 +156,17 @@ pub(crate) static COMMANDS: LazyLock<Vec<Command>> = LazyLock::new(|| {
         C::typed("chardev-change", |d, a| d.objects.chardevs.change(a)),
         C::typed("chardev-remove", |d, a| d.objects.chardevs.remove(a)),
         C::typed("chardev-send-break", |d, a| d.objects.chardevs.send_break(a)),
-        C::bare("query-chardev", |d| Ok(d.objects.chardevs.query())),
-        C::bare("query-chardev-backends", |_| Ok(crate::chardev::backends())),
+        C::bare("query-chardev", |d| Ok(d.objects.chardevs.query())).returns_data(),
+        C::bare("query-chardev-backends", |_| Ok(crate::chardev::backends())).returns_data(),
         C::typed("ringbuf-write", |d, a| d.objects.chardevs.ringbuf_write(a)),
-        C::typed("ringbuf-read", |d, a| d.objects.chardevs.ringbuf_read(a)),
-        C::typed("qom-list", |d, a| d.objects.qom_list(a)),
-        C::typed("qom-list-types", |_, a| Ok(crate::objects::qom::list_types(a))),
-        C::typed("qom-list-properties", |_, a| crate::objects::qom::list_properties(a)),
+        C::typed("ringbuf-read", |d, a| d.objects.chardevs.ringbuf_read(a)).returns_data(),
+        C::typed("qom-list", |d, a| d.objects.qom_list(a)).returns_data(),
+        C::typed("qom-list-types", |_, a| Ok(crate::objects::qom::list_types(a))).returns_data(),
+        C::typed("qom-list-properties", |_, a| crate::objects::qom::list_properties(a)).returns_data(),
         // Write thresholds, backing files, query-block and block-job-change.
         C::typed("block-set-write-threshold", Daemon::block_set_write_threshold),
         C::typed("change-backing-file", Daemon::change_backing_file),
-        C::bare("query-block", |d| Ok(d.query_block())),
+        C::bare("query-block", |d| Ok(d.query_block())).returns_data(),
         C::declared("block-job-change", Daemon::block_job_change, Introspection::schema_of::<crate::mirror::JobChange>),
     ]
 });
@@ -174,7 +185,13 @@ const CLIENT_GONE_GRACE: Duration = Duration::from_millis(500);
 
 impl Dispatch for Daemon {
     fn execute(&self, name: &str, arguments: Map<String, Value>) -> Reply {
-        (command(name)?.run)(self, Value::Object(arguments))
+        let command = command(name)?;
+        let reply = (command.run)(self, Value::Object(arguments));
+        // The schema says it answers `{}`: tests catch a command that
+        // starts answering more.
+        let empty = |r: &Value| r.is_null() || *r == json!({});
+        debug_assert!(command.returns_data || reply.as_ref().map_or(true, empty), "{name} returned {reply:?}");
+        reply
     }
 
     fn execute_oob(&self, name: &str, arguments: Map<String, Value>) -> Reply {

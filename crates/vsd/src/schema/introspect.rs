@@ -51,13 +51,15 @@ impl Introspection {
     }
 
     /// Lists command `name` with arguments of schema `args` (`None`: it
-    /// takes none); what it returns is not described (`any`).
-    pub(crate) fn command(&mut self, name: &str, args: Option<Value>, oob: bool) {
+    /// takes none), answering `{}` or, with `data`, what is not described
+    /// yet (`any`).
+    pub(crate) fn command(&mut self, name: &str, args: Option<Value>, data: bool, oob: bool) {
+        let returns = if data { "any".to_string() } else { self.object_or_empty(None) };
         let mut entity = json!({
             "name": name,
             "meta-type": "command",
             "arg-type": self.object_or_empty(args.as_ref()),
-            "ret-type": "any",
+            "ret-type": returns,
         });
         if oob {
             entity["allow-oob"] = json!(true);

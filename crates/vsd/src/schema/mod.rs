@@ -20,7 +20,7 @@ pub(crate) fn introspect(commands: &[Command]) -> Value {
     define_shared(&mut schema);
     for command in commands {
         let args = command.args.map(|args| args(&mut schema));
-        schema.command(command.name, args, command.out_of_band);
+        schema.command(command.name, args, command.returns_data, command.out_of_band);
     }
     for (event, data) in events() {
         schema.event(event, Some(data));
