@@ -1,11 +1,12 @@
 //! The options QEMU gives every node besides the cache ones:
 //! `detect-zeroes`, `force-share`, `auto-read-only` and `discard`.
 //!
-//! The graph reads them for every driver. `discard` and `auto-read-only`
-//! are acted on by the drivers that reach the host (file, host_device,
-//! rbd), which take them from the options themselves; on the other nodes
-//! they are checked and dropped: those nodes pass discards down, and
-//! open as read-write as they are asked.
+//! The graph reads them for every driver. `discard` is acted on by the
+//! drivers that reach the host (file, host_device, rbd) and by the formats
+//! (raw, qcow2), which take it from the options themselves: without
+//! `discard=unmap` they answer discards at once, as QEMU's nodes; filters
+//! pass discards down. `auto-read-only` is acted on by the file driver.
+//! On the other nodes both are checked and dropped.
 
 use crate::options::{OptionError, OptionMap};
 use crate::zeroes::DetectZeroes;

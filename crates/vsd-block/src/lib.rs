@@ -314,10 +314,16 @@ impl Cache {
 /// does not set itself, as QEMU's children inherit them: the cache
 /// options, `read-only`, `auto-read-only`, `force-share`, and `active`
 /// (such a child is handed over with its parent); a backing file is
-/// read-only unless it says otherwise.
+/// read-only unless it says otherwise, and every such child takes
+/// `discard=unmap` unless it says otherwise.
 fn inherit(parent: &OptionMap, child: &mut OptionMap, role: &str) {
     if role == "backing" && !child.has("read-only") {
         child.insert("read-only", "on");
+    }
+    // The parent answers the discards its own option refuses, so the
+    // child may act on those it passes down (QEMU's default too).
+    if !child.has("discard") {
+        child.insert("discard", "unmap");
     }
     for key in Cache::KEYS.into_iter().chain(["read-only", "active"]).chain(common::Common::INHERITED) {
         if let (Some(value), false) = (parent.get(key), child.has(key)) {

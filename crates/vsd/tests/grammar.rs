@@ -207,7 +207,14 @@ fn map(image: &Path) -> Vec<(u64, bool, bool)> {
 /// qcow2 image with `detect` (its `detect-zeroes` options), and returns
 /// the image's map.
 fn written_with(program: &str, detect: &str) -> Vec<(u64, bool, bool)> {
-    let dir = Scratch::new(&format!("grammar-zeroes-{}-{}", program.len(), detect.len()));
+    // qemu-io writes through (FUA): durable writes of zeroes are detected too.
+    served_with(program, detect, &["write -q -P 0 0 1M", "write -q -P 7 1M 1M"])
+}
+
+/// Runs qemu-io's `commands` on an NBD export of a fresh 4 MiB qcow2 image
+/// whose node has `options`, and returns the image's map.
+fn served_with(program: &str, options: &str, commands: &[&str]) -> Vec<(u64, bool, bool)> {
+    let dir = Scratch::new(&format!("grammar-zeroes-{}-{}-{}", program.len(), options.len(), commands.len()));
     let image = dir.path("z.qcow2");
     ok("qemu-img", &["create", "-q", "-f", "qcow2", &image.display().to_string(), "4M"]);
     let socket = dir.path("nbd.sock");
@@ -215,7 +222,7 @@ fn written_with(program: &str, detect: &str) -> Vec<(u64, bool, bool)> {
         "--blockdev",
         &format!("file,node-name=f,filename={}", image.display()),
         "--blockdev",
-        &format!("qcow2,node-name=q,file=f{detect}"),
+        &format!("qcow2,node-name=q,file=f{options}"),
         "--nbd-server",
         &format!("addr.type=unix,addr.path={}", socket.display()),
         "--export",
@@ -223,8 +230,7 @@ fn written_with(program: &str, detect: &str) -> Vec<(u64, bool, bool)> {
     ]);
     let daemon = start(program, &dir, &args);
     let uri = format!("nbd+unix:///q?socket={}", socket.display());
-    // qemu-io writes through (FUA): durable writes of zeroes are detected too.
-    for command in ["write -q -P 0 0 1M", "write -q -P 7 1M 1M"] {
+    for command in commands {
         ok("qemu-io", &["-f", "raw", "-c", command, &uri]);
     }
     assert!(daemon.stop().success());
@@ -241,6 +247,21 @@ fn detect_zeroes_leaves_zero_writes_unallocated_as_qemu_does() {
         assert_eq!(unmap[1], (1 << 20, true, false), "{program}: the data is data: {unmap:?}");
         let on = written_with(program, ",detect-zeroes=on");
         assert!(on[0].2 && on[0].0 == 1 << 20, "{program}: on stores zeroes as zeroes: {on:?}");
+    }
+}
+
+/// A node acts on discards only with `discard=unmap` (QEMU's default is
+/// `ignore`): a discard through a qcow2 node without it leaves the data.
+#[test]
+fn discards_reach_the_image_only_with_discard_unmap_as_qemu_does() {
+    let commands = ["write -q -P 7 0 2M", "discard -q 0 1M"];
+    for program in DAEMONS {
+        let ignored = served_with(program, "", &commands);
+        assert_eq!(ignored[0], (2 << 20, true, false), "{program}: the discard is ignored: {ignored:?}");
+        let unmapped = served_with(program, ",discard=unmap", &commands);
+        assert_eq!(unmapped[0].0, 1 << 20, "{program}: the first MiB is discarded: {unmapped:?}");
+        assert!(!unmapped[0].1, "{program}: discarded, not data: {unmapped:?}");
+        assert_eq!(unmapped[1], (1 << 20, true, false), "{program}: the rest is data: {unmapped:?}");
     }
 }
 

@@ -78,7 +78,10 @@ fn linux_guest_runs_fio_verify_on_qcow2_over_a_backing_file() {
     );
     assert!(out.status.success(), "{out:?}");
     let socket = dir.path("vsd.sock");
-    let args = common::qcow2_export(&image, &socket, ",writable=on,num-queues=2");
+    let mut args = common::qcow2_export(&image, &socket, ",writable=on,num-queues=2");
+    // The qcow2 node acts on the guest's discards only with discard=unmap,
+    // as QEMU's.
+    args[3].push_str(",discard=unmap");
     let daemon = Daemon::vsd(&dir, &args);
     let facts = boot(&dir, &socket, &["--queues", "2", "--size", "48M", "--bs", "4k", "--append", "vsd.discard=on"]);
     assert_eq!(facts["fio_write_status"], "0");

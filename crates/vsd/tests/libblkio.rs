@@ -80,7 +80,9 @@ fn flush_discard_and_write_zeroes() {
 
 fn flush_discard_and_write_zeroes_in(dir: Scratch) {
     let image = dir.image("disk.img", 16 * MIB);
-    let args = file_export(&image, &dir.path("s.sock"), ",discard=unmap", ",writable=on");
+    let mut args = file_export(&image, &dir.path("s.sock"), ",discard=unmap", ",writable=on");
+    // Each node acts on discards only with discard=unmap, as in QEMU.
+    args[3].push_str(",discard=unmap");
     let daemon = Daemon::vsd(&dir, &args);
     let mut client = daemon.connect(ClientOptions::default());
     let mut queue = client.take_queue(0).unwrap();

@@ -295,7 +295,8 @@ fn base_image(dir: &Scratch, name: &str, opts: &str) -> Img {
 // Running vsd
 
 fn qcow2_args(image: &Path, socket: &Path, writable: bool) -> Vec<String> {
-    let ro = if writable { "" } else { ",read-only=on" };
+    // Writable, the nodes act on discards, which the cases send.
+    let ro = if writable { ",discard=unmap" } else { ",read-only=on" };
     vec![
         "--blockdev".into(),
         format!("driver=file,node-name=f0,filename={}{ro}", image.display()),

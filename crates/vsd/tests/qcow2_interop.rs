@@ -214,7 +214,9 @@ fn vsd_args(dir: &Scratch, writable: bool, direct: bool, queues: usize) -> Vec<S
         file.push_str(",cache.direct=on");
     }
     if writable {
+        // Each node acts on discards only with discard=unmap, as in QEMU.
         file.push_str(",discard=unmap");
+        qcow2.push_str(",discard=unmap");
         export.push_str(",writable=on");
     } else {
         file.push_str(",read-only=on");

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use vsd_engine::{IoOp, IoQueue};
 
 use super::{Filter, FilteredQueue, Route, out_of_bounds, shifted};
+use crate::common::DISCARD;
 use crate::options::OptionMap;
 use crate::{Allocation, BlockGraph, BlockNode, GraphError};
 
@@ -28,6 +29,9 @@ pub(crate) struct RawNode {
 struct Window {
     offset: u64,
     size: Arc<AtomicU64>,
+    /// `discard=unmap`: without it, discards are answered at once and
+    /// write-zeroes never deallocate, as QEMU's nodes.
+    acts_on_discards: bool,
 }
 
 impl RawNode {
@@ -48,7 +52,8 @@ impl RawNode {
             });
         }
         let read_only = opts.take_bool("read-only")?.unwrap_or(false) || child.read_only();
-        let window = Window { offset, size: Arc::new(AtomicU64::new(size)) };
+        let acts_on_discards = matches!(opts.take_choice("discard", DISCARD)?, Some("unmap" | "on"));
+        let window = Window { offset, size: Arc::new(AtomicU64::new(size)), acts_on_discards };
         Ok(Self { name, child, window, fixed_size: fixed.is_some(), read_only: AtomicBool::new(read_only) })
     }
 }
@@ -56,9 +61,14 @@ impl RawNode {
 impl Filter for Window {
     fn route(&self, op: IoOp) -> Route {
         if out_of_bounds(&op, self.size.load(Ordering::Relaxed)) {
-            Route::Answer(libc::EIO)
-        } else {
-            Route::Forward(shifted(op, self.offset))
+            return Route::Answer(libc::EIO);
+        }
+        match op {
+            IoOp::Discard { .. } if !self.acts_on_discards => Route::Answer(0),
+            IoOp::WriteZeroes { offset, len, may_unmap: true, fast } if !self.acts_on_discards => {
+                Route::Forward(shifted(IoOp::WriteZeroes { offset, len, may_unmap: false, fast }, self.offset))
+            }
+            op => Route::Forward(shifted(op, self.offset)),
         }
     }
 }

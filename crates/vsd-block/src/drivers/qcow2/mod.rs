@@ -19,6 +19,7 @@ use vsd_qcow2::{CorruptMetadata, FormatError, Image, MapMemo, Mapping, StoredBit
 
 use super::child::ChildQueue;
 use super::file::FileNode;
+use crate::common::DISCARD;
 use crate::dirty::{DirtyBitmaps, Persisted};
 use crate::options::OptionMap;
 use crate::{AttachError, BlockGraph, BlockNode, Cache, Claim, ClaimGuard, GraphError, IoQueue, LockError, Perms};
@@ -54,6 +55,9 @@ pub(crate) struct Qcow2Node {
     health: Arc<Health>,
     /// Does the queues' flushes that have metadata to write.
     flusher: Arc<Flusher>,
+    /// `discard=unmap`: without it the node answers discards at once and
+    /// never deallocates for a write-zeroes, as QEMU's nodes.
+    acts_on_discards: bool,
 }
 
 /// What a qcow2 node needs of its image file (and external data file), as
@@ -103,6 +107,9 @@ struct Settings {
     cache_clean_interval: u64,
     /// Opened inactive: read-only until activated.
     inactive: bool,
+    /// `discard=unmap`. Images opened from a header have it, as children
+    /// QEMU opens itself.
+    acts_on_discards: bool,
 }
 
 impl Qcow2Node {
@@ -138,6 +145,7 @@ impl Qcow2Node {
             // QEMU's default on Linux: 10 minutes.
             cache_clean_interval: opts.take_u64("cache-clean-interval")?.unwrap_or(600),
             inactive: !active,
+            acts_on_discards: matches!(opts.take_choice("discard", DISCARD)?, Some("unmap" | "on")),
         };
         let mut node = Self::build(name, &context, file, backing, data_file, &settings, &mut Vec::new())?;
         node.bitmaps = bitmaps.clone();
@@ -248,6 +256,7 @@ impl Qcow2Node {
             bitmaps: Arc::default(),
             health,
             flusher,
+            acts_on_discards: settings.acts_on_discards,
         };
         if !settings.inactive {
             let data = node.claim_data_file(!settings.read_only).map_err(locked)?;
@@ -516,7 +525,8 @@ fn open_backing(
         "qcow2" => {
             // The entry size must fit the overlay's clusters, not the
             // backing file's: QEMU opens backing files with defaults.
-            let settings = Settings { read_only: true, l2_cache_entry_bytes: None, ..settings.clone() };
+            let settings =
+                Settings { read_only: true, l2_cache_entry_bytes: None, acts_on_discards: true, ..settings.clone() };
             let context = path.display().to_string();
             let name = format!("#{context}-qcow2");
             Ok(Arc::new(Qcow2Node::build(name, &context, file, Backing::FromHeader, None, &settings, chain)?))
@@ -790,6 +800,7 @@ impl BlockNode for Qcow2Node {
         let backing = self.backing().map(|b| ChildQueue::open(&*b, child_depth, b.size())).transpose()?;
         let children = queue::Children { file, data, backing };
         let (health, flusher) = (self.health.clone(), self.flusher.clone());
-        Ok(Box::new(Qcow2Queue::new(self.image(), children, health, flusher, depth, parts)?))
+        let queue = Qcow2Queue::new(self.image(), children, health, flusher, depth, parts)?;
+        Ok(Box::new(queue.acting_on_discards(self.acts_on_discards)))
     }
 }

@@ -170,6 +170,8 @@ pub(crate) struct Qcow2Queue {
     free: Vec<u32>,
     deferred: VecDeque<Deferred>,
     answered: Vec<Completion>,
+    /// The node's `discard=unmap` (see [`Qcow2Queue::acting_on_discards`]).
+    acts_on_discards: bool,
     blocked: Vec<Blocked>,
     /// Reads of table slices, and the requests waiting for them.
     loads: Loads,
@@ -225,6 +227,7 @@ impl Qcow2Queue {
             free: (u32::from(depth)..u32::from(depth) + u32::from(parts)).rev().collect(),
             deferred: VecDeque::new(),
             answered: Vec::with_capacity(usize::from(depth)),
+            acts_on_discards: true,
             blocked: Vec::new(),
             loads: Loads::new(),
             copy_ups: CopyUps::default(),
@@ -235,6 +238,12 @@ impl Qcow2Queue {
             extents: Vec::new(),
             memo: MapMemo::default(),
         })
+    }
+
+    /// Whether it acts on discards (`discard=unmap`); if not, discards
+    /// are answered at once and write-zeroes never deallocate.
+    pub(crate) fn acting_on_discards(self, acts: bool) -> Self {
+        Self { acts_on_discards: acts, ..self }
     }
 
     fn children(&self) -> impl Iterator<Item = &ChildQueue> {
@@ -576,12 +585,14 @@ impl Qcow2Queue {
                 self.issue(tag, Target::Data, IoOp::Flush, 0);
                 Ok(None)
             }
+            IoOp::Discard { .. } if !self.acts_on_discards => Ok(None),
             IoOp::Discard { offset, len } => {
                 self.preload(offset, len, patient)?;
                 self.sync(|image, io| image.discard(io, offset, len))
             }
             IoOp::WriteZeroes { offset, len, may_unmap, fast } => {
                 self.preload(offset, len, patient)?;
+                let may_unmap = may_unmap && self.acts_on_discards;
                 self.sync(|image, io| image.write_zeroes(io, offset, len, may_unmap, fast))
             }
             // A job's, one at a time: nothing gains from the asynchronous path.
