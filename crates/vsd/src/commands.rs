@@ -18,7 +18,7 @@ use vsd_trace::{ExportLabel, OpKind, QueueSnapshot};
 use crate::daemon::{Bins, Daemon, LatencyBins};
 use crate::jobs::{BlockJobArgs, JobId};
 use crate::qapi;
-use crate::schema::{self, Introspection};
+use crate::schema::{self, Introspection, returns};
 use crate::transaction::{Action, Transaction};
 
 type Reply = Result<Value, QmpError>;
@@ -37,22 +37,21 @@ pub(crate) struct Command {
     pub(crate) args: Option<fn(&mut Introspection) -> Value>,
     /// It may run out-of-band (QEMU's `allow-oob`).
     pub(crate) out_of_band: bool,
-    /// It answers with data (not described yet: `any`), where the others
-    /// answer `{}`.
-    pub(crate) returns_data: bool,
+    /// The schema of what it answers; `None` if it answers `{}`.
+    pub(crate) returns: Option<fn() -> Value>,
 }
 
 impl Command {
     /// A command whose arguments are `A`, as `qapi::parse` reads them.
     fn typed<A: DeserializeOwned + JsonSchema + 'static>(name: &'static str, handler: fn(&Daemon, A) -> Reply) -> Self {
         let run = Box::new(move |daemon: &Daemon, args| handler(daemon, qapi::parse(args)?));
-        Self { name, run, args: Some(Introspection::schema_of::<A>), out_of_band: false, returns_data: false }
+        Self { name, run, args: Some(Introspection::schema_of::<A>), out_of_band: false, returns: None }
     }
 
     /// A command that takes no arguments.
     fn bare(name: &'static str, handler: fn(&Daemon) -> Reply) -> Self {
         let run = Box::new(move |daemon: &Daemon, args| no_arguments(&args).and_then(|()| handler(daemon)));
-        Self { name, run, args: None, out_of_band: false, returns_data: false }
+        Self { name, run, args: None, out_of_band: false, returns: None }
     }
 
     /// A command that reads its arguments itself (as the command line's
@@ -62,7 +61,7 @@ impl Command {
         handler: fn(&Daemon, Value) -> Reply,
         args: fn(&mut Introspection) -> Value,
     ) -> Self {
-        Self { name, run: Box::new(handler), args: Some(args), out_of_band: false, returns_data: false }
+        Self { name, run: Box::new(handler), args: Some(args), out_of_band: false, returns: None }
     }
 
     /// May run out-of-band: it waits on no lock that a blocking command
@@ -73,8 +72,9 @@ impl Command {
         Self { out_of_band: true, ..self }
     }
 
-    fn returns_data(self) -> Self {
-        Self { returns_data: true, ..self }
+    /// Answers with what `returns` describes.
+    fn returning(self, returns: fn() -> Value) -> Self {
+        Self { returns: Some(returns), ..self }
     }
 }
 
@@ -83,20 +83,21 @@ pub(crate) static COMMANDS: LazyLock<Vec<Command>> = LazyLock::new(|| {
     use Command as C;
     vec![
         C::declared("qmp_capabilities", |_, _| Ok(json!({})), schema::capabilities),
-        C::bare("query-version", |_| Ok(vsd_control::qmp::version())).out_of_band().returns_data(),
+        C::bare("query-version", |_| Ok(vsd_control::qmp::version())).out_of_band().returning(returns::version),
         C::bare("query-commands", |_| Ok(COMMANDS.iter().map(|c| json!({ "name": c.name })).collect()))
             .out_of_band()
-            .returns_data(),
-        C::bare("query-qmp-schema", |_| Ok(schema::introspect(&COMMANDS))).out_of_band().returns_data(),
+            .returning(returns::commands),
+        C::bare("query-qmp-schema", |_| Ok(schema::introspect(&COMMANDS))).out_of_band().returning(returns::entities),
         C::declared("blockdev-add", Daemon::blockdev_add, schema::blockdev_options),
         C::typed("blockdev-del", Daemon::blockdev_del),
         C::typed("blockdev-set-active", Daemon::blockdev_set_active),
         C::declared("blockdev-reopen", |d, args| d.blockdev_reopen(&args), schema::blockdev_reopen),
         C::declared("block-export-add", Daemon::block_export_add, schema::block_export_options),
         C::typed("block-export-del", Daemon::block_export_del),
-        C::bare("query-block-exports", |d| Ok(d.query_block_exports())).returns_data(),
-        C::typed("query-named-block-nodes", |d, _: Flat| Ok(d.query_named_block_nodes())).returns_data(),
-        C::typed("query-blockstats", Daemon::query_blockstats).returns_data(),
+        C::bare("query-block-exports", |d| Ok(d.query_block_exports())).returning(returns::block_exports),
+        C::typed("query-named-block-nodes", |d, _: Flat| Ok(d.query_named_block_nodes()))
+            .returning(returns::named_block_nodes),
+        C::typed("query-blockstats", Daemon::query_blockstats).returning(returns::block_stats),
         C::typed("block-latency-histogram-set", Daemon::latency_histogram_set),
         C::typed("block_resize", Daemon::block_resize),
         C::typed("block-dirty-bitmap-add", |d, a| d.transaction(vec![Action::AddBitmap(a)], None)),
@@ -116,16 +117,16 @@ pub(crate) static COMMANDS: LazyLock<Vec<Command>> = LazyLock::new(|| {
         C::typed("blockdev-snapshot", |d, a| d.blockdev_snapshot(&a)),
         C::typed("blockdev-snapshot-internal-sync", Daemon::blockdev_snapshot_internal_sync),
         C::typed("blockdev-snapshot-delete-internal-sync", Daemon::blockdev_snapshot_delete_internal_sync)
-            .returns_data(),
+            .returning(returns::snapshot_info),
         C::typed("blockdev-create", Daemon::blockdev_create),
-        C::bare("query-jobs", |d| Ok(d.query_jobs())).out_of_band().returns_data(),
+        C::bare("query-jobs", |d| Ok(d.query_jobs())).out_of_band().returning(returns::jobs),
         C::typed("job-pause", |d, a: JobId| d.job_verb(&a.id, Verb::Pause)),
         C::typed("job-resume", |d, a: JobId| d.job_verb(&a.id, Verb::Resume)),
         C::typed("job-cancel", |d, a: JobId| d.job_verb(&a.id, Verb::Cancel)),
         C::typed("job-complete", |d, a: JobId| d.job_verb(&a.id, Verb::Complete)),
         C::typed("job-dismiss", |d, a: JobId| d.job_verb(&a.id, Verb::Dismiss)),
         C::typed("job-finalize", |d, a: JobId| d.job_verb(&a.id, Verb::Finalize)),
-        C::bare("query-block-jobs", |d| Ok(d.query_block_jobs())).out_of_band().returns_data(),
+        C::bare("query-block-jobs", |d| Ok(d.query_block_jobs())).out_of_band().returning(returns::block_jobs),
         C::typed("block-job-cancel", Daemon::block_job_cancel),
         C::typed("block-job-set-speed", Daemon::block_job_set_speed),
         C::typed("block-job-pause", |d, a: BlockJobArgs| d.block_job_verb(&a.device, Verb::Pause)),
@@ -138,7 +139,7 @@ pub(crate) static COMMANDS: LazyLock<Vec<Command>> = LazyLock::new(|| {
         C::declared("object-add", Daemon::object_add, schema::object_options),
         C::typed("object-del", |d, a: Id| d.objects.remove(&a.id).map(|()| json!({})).map_err(QmpError::generic)),
         C::typed("qom-get", |d, a: QomPath| d.objects.get(&a.path, &a.property).map_err(|e| qom_error(&a.path, e)))
-            .returns_data(),
+            .returning(returns::anything),
         C::typed("qom-set", |d, a: QomSet| {
             d.objects.set(&a.path, &a.property, &a.value).map_err(|e| qom_error(&a.path, e))?;
             Ok(json!({}))
@@ -156,20 +157,30 @@ pub(crate) static COMMANDS: LazyLock<Vec<Command>> = LazyLock::new(|| {
         C::typed("chardev-change", |d, a| d.objects.chardevs.change(a)),
         C::typed("chardev-remove", |d, a| d.objects.chardevs.remove(a)),
         C::typed("chardev-send-break", |d, a| d.objects.chardevs.send_break(a)),
-        C::bare("query-chardev", |d| Ok(d.objects.chardevs.query())).returns_data(),
-        C::bare("query-chardev-backends", |_| Ok(crate::chardev::backends())).returns_data(),
+        C::bare("query-chardev", |d| Ok(d.objects.chardevs.query())).returning(returns::chardevs),
+        C::bare("query-chardev-backends", |_| Ok(crate::chardev::backends())).returning(returns::chardev_backends),
         C::typed("ringbuf-write", |d, a| d.objects.chardevs.ringbuf_write(a)),
-        C::typed("ringbuf-read", |d, a| d.objects.chardevs.ringbuf_read(a)).returns_data(),
-        C::typed("qom-list", |d, a| d.objects.qom_list(a)).returns_data(),
-        C::typed("qom-list-types", |_, a| Ok(crate::objects::qom::list_types(a))).returns_data(),
-        C::typed("qom-list-properties", |_, a| crate::objects::qom::list_properties(a)).returns_data(),
+        C::typed("ringbuf-read", |d, a| d.objects.chardevs.ringbuf_read(a)).returning(returns::text),
+        C::typed("qom-list", |d, a| d.objects.qom_list(a)).returning(returns::properties),
+        C::typed("qom-list-types", |_, a| Ok(crate::objects::qom::list_types(a))).returning(returns::types),
+        C::typed("qom-list-properties", |_, a| crate::objects::qom::list_properties(a)).returning(returns::properties),
         // Write thresholds, backing files, query-block and block-job-change.
         C::typed("block-set-write-threshold", Daemon::block_set_write_threshold),
         C::typed("change-backing-file", Daemon::change_backing_file),
-        C::bare("query-block", |d| Ok(d.query_block())).returns_data(),
+        C::bare("query-block", |d| Ok(d.query_block())).returning(returns::block),
         C::declared("block-job-change", Daemon::block_job_change, Introspection::schema_of::<crate::mirror::JobChange>),
     ]
 });
+
+/// Where `reply` leaves what `command` declares it answers.
+#[cfg(debug_assertions)]
+fn reply_mismatch(command: &Command, reply: &Value) -> Option<String> {
+    match command.returns {
+        Some(returns) => schema::reply_mismatch(returns, reply),
+        None if reply.is_null() || *reply == json!({}) => None,
+        None => Some(format!("{reply} where {{}} is declared")),
+    }
+}
 
 /// The command named `name`.
 fn command(name: &str) -> Result<&'static Command, QmpError> {
@@ -189,8 +200,13 @@ impl Dispatch for Daemon {
         let reply = (command.run)(self, Value::Object(arguments));
         // The schema says it answers `{}`: tests catch a command that
         // starts answering more.
-        let empty = |r: &Value| r.is_null() || *r == json!({});
-        debug_assert!(command.returns_data || reply.as_ref().map_or(true, empty), "{name} returned {reply:?}");
+        #[cfg(debug_assertions)]
+        if let Ok(value) = &reply
+            && let Some(mismatch) = reply_mismatch(command, value)
+        {
+            // Tests see where the reply left the schema.
+            return Err(QmpError::generic(format!("vsd: the reply of {name} is not its schema's: {mismatch}")));
+        }
         reply
     }
 
@@ -540,6 +556,13 @@ fn device_stats(s: &QueueSnapshot, bins: Option<&LatencyBins>) -> Value {
         "invalid_unmap_operations": 0, "rd_merged": 0, "wr_merged": 0, "unmap_merged": 0,
         "wr_highest_offset": 0, "account_invalid": false, "account_failed": true, "timed_stats": [],
     });
+    // Zoned devices' appends, which vsd's nodes never see.
+    for counter in ["bytes", "operations", "total_time_ns", "merged"].map(|c| format!("zone_append_{c}")) {
+        stats[counter] = json!(0);
+    }
+    for counter in ["failed", "invalid"].map(|c| format!("{c}_zone_append_operations")) {
+        stats[counter] = json!(0);
+    }
     let Some(bins) = bins else { return stats };
     for (key, kind, set) in [
         ("rd_latency_histogram", OpKind::Read, &bins.read),

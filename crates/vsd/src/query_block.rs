@@ -26,18 +26,35 @@ pub(crate) fn device_info(node: &Arc<dyn BlockNode>) -> Value {
         "active": node.active(),
         // Nodes write back; only an export's writethrough differs.
         "cache": { "writeback": true, "direct": node.cache().direct, "no-flush": node.cache().no_flush },
-        "file": node.filename().unwrap_or(""),
+        "file": filename(&**node),
         "encrypted": false,
         "detect_zeroes": "off",
         "backing_file_depth": backing_depth(&**node),
         "write_threshold": crate::threshold::shown(&**node),
-        "image": { "filename": node.filename().unwrap_or(""), "format": node.driver(), "virtual-size": node.size() },
+        "image": { "filename": filename(&**node), "format": node.driver(), "virtual-size": node.size() },
         "children": children,
     });
+    // QEMU's legacy throttling limits, which vsd has as throttle nodes.
+    for limit in ["bps", "bps_rd", "bps_wr", "iops", "iops_rd", "iops_wr"] {
+        entry[limit] = json!(0);
+    }
     if let Some(bitmaps) = crate::bitmaps::listed(&**node) {
         entry["dirty-bitmaps"] = bitmaps;
     }
     entry
+}
+
+/// The file a node's data is in: its own, or its `file` child's, as QEMU
+/// shows a format node's.
+fn filename(node: &dyn BlockNode) -> String {
+    match node.filename() {
+        Some(name) => name.to_string(),
+        None => node
+            .children()
+            .into_iter()
+            .find(|(role, _)| *role == "file")
+            .map_or_else(String::new, |(_, file)| filename(&*file)),
+    }
 }
 
 /// How many backing files are below a node.

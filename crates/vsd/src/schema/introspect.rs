@@ -51,15 +51,16 @@ impl Introspection {
     }
 
     /// Lists command `name` with arguments of schema `args` (`None`: it
-    /// takes none), answering `{}` or, with `data`, what is not described
-    /// yet (`any`).
-    pub(crate) fn command(&mut self, name: &str, args: Option<Value>, data: bool, oob: bool) {
-        let returns = if data { "any".to_string() } else { self.object_or_empty(None) };
+    /// takes none) answering with `returns` (`None`: `{}`).
+    pub(crate) fn command(&mut self, name: &str, args: Option<Value>, returns: Option<Value>, oob: bool) {
         let mut entity = json!({
             "name": name,
             "meta-type": "command",
             "arg-type": self.object_or_empty(args.as_ref()),
-            "ret-type": returns,
+            "ret-type": match &returns {
+                Some(returns) => self.type_name(returns),
+                None => self.object_or_empty(None),
+            },
         });
         if oob {
             entity["allow-oob"] = json!(true);

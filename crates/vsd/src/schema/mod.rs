@@ -7,6 +7,8 @@
 //! their parsers use where such lists exist (drivers, object types).
 
 mod introspect;
+pub(crate) mod returns;
+mod validate;
 
 use serde_json::{Value, json};
 
@@ -17,10 +19,12 @@ use crate::commands::Command;
 /// The whole schema of `commands` and of vsd's events.
 pub(crate) fn introspect(commands: &[Command]) -> Value {
     let mut schema = Introspection::new();
-    define_shared(&mut schema);
+    for (name, definition) in definitions() {
+        schema.define(&name, definition);
+    }
     for command in commands {
         let args = command.args.map(|args| args(&mut schema));
-        schema.command(command.name, args, command.returns_data, command.out_of_band);
+        schema.command(command.name, args, command.returns.map(|returns| returns()), command.out_of_band);
     }
     for (event, data) in events() {
         schema.event(event, Some(data));
@@ -90,12 +94,44 @@ fn union(tag: &str, cases: Vec<(&str, Value)>) -> Value {
     json!({ "oneOf": cases })
 }
 
-/// Definitions more than one command refers to.
-fn define_shared(schema: &mut Introspection) {
-    schema.define("BlockdevOptions", blockdev_union());
-    schema.define("BlockdevRef", json!({"anyOf": [reference("BlockdevOptions"), string()]}));
-    schema.define("BlockdevRefOrNull", json!({"anyOf": [reference("BlockdevOptions"), string(), {"type": "null"}]}));
-    schema.define("SocketAddress", socket_address());
+/// The types more than one command, or a type itself, refers to.
+fn definitions() -> serde_json::Map<String, Value> {
+    let definitions = [
+        ("BlockdevOptions", blockdev_union()),
+        ("BlockdevRef", json!({"anyOf": [reference("BlockdevOptions"), string()]})),
+        ("BlockdevRefOrNull", json!({"anyOf": [reference("BlockdevOptions"), string(), {"type": "null"}]})),
+        ("SocketAddress", socket_address()),
+        ("BlockDeviceInfo", returns::block_device_info()),
+        ("ImageInfo", returns::image_info()),
+        ("BlockStats", returns::block_stats_entry()),
+    ];
+    definitions.into_iter().map(|(name, schema)| (name.to_string(), schema)).collect()
+}
+
+/// Where `reply`, the answer of `command`, leaves the schema `returns`
+/// declares for it: debug builds check every reply.
+pub(crate) fn reply_mismatch(returns: fn() -> Value, reply: &Value) -> Option<String> {
+    static DEFINITIONS: std::sync::LazyLock<serde_json::Map<String, Value>> = std::sync::LazyLock::new(definitions);
+    validate::mismatch(&returns(), reply, &DEFINITIONS)
+}
+
+/// The job types vsd runs, as QEMU names them.
+const JOB_TYPES: &[&str] = &["commit", "stream", "mirror", "backup", "create"];
+
+fn job_status() -> Value {
+    one_of(&[
+        "undefined",
+        "created",
+        "running",
+        "paused",
+        "ready",
+        "standby",
+        "waiting",
+        "pending",
+        "aborting",
+        "concluded",
+        "null",
+    ])
 }
 
 pub(crate) fn capabilities(_: &mut Introspection) -> Value {
@@ -316,26 +352,14 @@ pub(crate) fn object_options(_: &mut Introspection) -> Value {
 
 /// Every event vsd sends, with its data.
 fn events() -> Vec<(&'static str, Value)> {
-    let job_type = one_of(&["commit", "stream", "mirror", "backup", "create"]);
+    let job_type = one_of(JOB_TYPES);
     let job = |extra: &[(&'static str, Value)]| {
         let mut members =
             vec![("type", job_type.clone()), ("device", string()), ("len", int()), ("offset", int()), ("speed", int())];
         members.extend(extra.iter().cloned());
         object(&members)
     };
-    let status = one_of(&[
-        "undefined",
-        "created",
-        "running",
-        "paused",
-        "ready",
-        "standby",
-        "waiting",
-        "pending",
-        "aborting",
-        "concluded",
-        "null",
-    ]);
+    let status = job_status();
     vec![
         ("BLOCK_EXPORT_DELETED", object(&[("id", string())])),
         (
