@@ -8,8 +8,10 @@ cd "$(dirname "$0")/.."
 
 scripts/setup.sh
 cargo build --release --locked -p vsd -p vsd-bench
-vsd=target/release/vsd
-bench=target/release/vsd-bench
+# Where cargo put them, wherever that is.
+target=${CARGO_TARGET_DIR:-target}
+vsd=$target/release/vsd
+bench=$target/release/vsd-bench
 
 dir=$(mktemp -d)
 daemon=
@@ -30,7 +32,7 @@ daemon=$!
 for _ in $(seq 100); do [ -e "$dir/vsd.pid" ] && break; sleep 0.1; done
 [ -e "$dir/vsd.pid" ] || { echo "demo: vsd did not start" >&2; exit 1; }
 
-echo "vsd $("$vsd" --version | cut -d' ' -f2) serving a 1 GiB raw image ($dir/demo.img), 2 queues, sandboxed"
+echo "vsd $("$vsd" --version | cut -d' ' -f2) serving a 1 GiB raw image ($dir/demo.img) on an export of 2 queues, sandboxed; the client uses one"
 for job in "randwrite 4k 32" "randread 4k 32" "randread 4k 1" "read 64k 8"; do
     set -- $job
     echo
