@@ -28,7 +28,7 @@ use std::io;
 use std::sync::Arc;
 
 pub use accounting::counted_as;
-pub use lock::{Claim, ClaimGuard, LockError, Perms};
+pub use lock::{Claim, ClaimGuard, LockError, Perms, User, UserGuard, Users};
 pub use vsd_engine::{Completion, IoOp, IoQueue, IoVecs};
 
 use options::{OptionError, OptionMap};

@@ -10,6 +10,11 @@
 //! are the union of the claims. An inactive node (the other end of a live
 //! migration owns the image) holds none. A node reopened with other access
 //! moves the bytes onto its new open of the file ([`ImageLock::move_to`]).
+//!
+//! Inside the daemon, [`Users`] does for nodes what the locks do for
+//! images between processes: the exports and jobs using a node each hold
+//! some permissions and share some, and one that conflicts with another is
+//! refused in QEMU's words (`Permission conflict on node ...`).
 
 use std::fs::File;
 use std::io;
@@ -31,12 +36,29 @@ impl Perms {
     pub const WRITE_UNCHANGED: Perms = Perms(1 << 2);
     /// Changing the size.
     pub const RESIZE: Perms = Perms(1 << 3);
+    /// Every permission.
+    pub const ALL: Perms = Perms(0b1111);
     /// QEMU's names, by bit.
     const NAMES: [&'static str; 4] = ["consistent read", "write", "write unchanged", "resize"];
 
     /// Both sets.
     pub const fn with(self, other: Perms) -> Perms {
         Perms(self.0 | other.0)
+    }
+
+    /// This set without `other`'s permissions.
+    pub const fn without(self, other: Perms) -> Perms {
+        Perms(self.0 & !other.0)
+    }
+
+    /// Whether the set is empty.
+    pub const fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// QEMU's names of the set's permissions, as its errors list them.
+    pub fn names(self) -> String {
+        self.bits().map(|bit| Self::NAMES[bit as usize]).collect::<Vec<_>>().join(", ")
     }
 
     /// Whether `other` is part of this set.
@@ -98,6 +120,19 @@ pub enum LockError {
         #[source]
         source: io::Error,
     },
+}
+
+impl LockError {
+    /// The error as QMP words it: QEMU's, without the hint its command
+    /// line adds.
+    pub fn qmp_text(&self) -> String {
+        match self {
+            LockError::Held { perm, .. } => format!("Failed to get \"{perm}\" lock"),
+            LockError::Shared { perm, .. } => format!("Failed to get shared \"{perm}\" lock"),
+            LockError::Io { path, source } => format!("cannot lock '{path}': {source}"),
+            e @ LockError::Reopen { source, .. } => format!("{e}: {source}"),
+        }
+    }
 }
 
 /// The lock bytes of an image file, on the open of it its users go through.
@@ -279,6 +314,114 @@ impl ImageLock {
     }
 }
 
+/// One user of a node inside the daemon (an export, a job), as QEMU's
+/// permission system sees a parent of the node: what it holds, what it
+/// lets the others hold, and how QEMU's errors name it.
+#[derive(Clone, Debug)]
+pub struct User {
+    /// As QEMU names the parent: `an unnamed block device`, `stream job 'job0'`.
+    pub who: String,
+    /// The name of its link to the node (`root`, `intermediate node`...).
+    pub role: &'static str,
+    /// Held.
+    pub held: Perms,
+    /// Let others hold.
+    pub shared: Perms,
+    /// Stands for a filter QEMU puts above the node, which takes over its
+    /// users of the moment: only users that come after are checked
+    /// against it.
+    pub above_users: bool,
+}
+
+impl User {
+    /// What the user asks of the images below the node (their locks).
+    pub fn claim(&self) -> Claim {
+        Claim { held: self.held, unshared: Perms::ALL.without(self.shared) }
+    }
+}
+
+/// The users of every node of the daemon, by node name: a new one that
+/// holds what another refuses, or refuses what another holds, is refused
+/// in QEMU's words. Image locks do the same between processes.
+#[derive(Default)]
+pub struct Users {
+    state: Mutex<UsersState>,
+}
+
+#[derive(Default)]
+struct UsersState {
+    /// Oldest first.
+    by_node: std::collections::BTreeMap<String, Vec<(u64, User)>>,
+    next_id: u64,
+}
+
+/// Keeps a user on its node until dropped.
+pub struct UserGuard {
+    users: Arc<Users>,
+    node: String,
+    id: u64,
+}
+
+impl Drop for UserGuard {
+    fn drop(&mut self) {
+        let mut state = self.users.state();
+        if let Some(users) = state.by_node.get_mut(&self.node) {
+            users.retain(|(id, _)| *id != self.id);
+            if users.is_empty() {
+                state.by_node.remove(&self.node);
+            }
+        }
+    }
+}
+
+impl Users {
+    fn state(&self) -> std::sync::MutexGuard<'_, UsersState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Adds `user` to node `node`'s users unless it conflicts with one of
+    /// them; the error is QEMU's.
+    pub fn attach(self: &Arc<Self>, node: &str, user: User) -> Result<UserGuard, String> {
+        let mut state = self.state();
+        let others = state.by_node.get(node).map(Vec::as_slice).unwrap_or_default();
+        if let Some(conflict) = first_conflict(node, &user, others) {
+            return Err(conflict);
+        }
+        let id = state.next_id;
+        state.next_id += 1;
+        state.by_node.entry(node.to_string()).or_default().push((id, user));
+        Ok(UserGuard { users: self.clone(), node: node.to_string(), id })
+    }
+}
+
+/// The conflict QEMU would report first when `new` joins `others` (oldest
+/// first): it walks the users newest first, asking of each whether it lets
+/// every other hold what that one holds; `new` is the newest.
+fn first_conflict(node: &str, new: &User, others: &[(u64, User)]) -> Option<String> {
+    let older = || others.iter().rev().map(|(_, user)| user);
+    let refused = |by: &User, of: &User| of.held.without(by.shared);
+    if !new.above_users
+        && let Some(other) = older().find(|other| !refused(new, other).is_empty())
+    {
+        return Some(conflict_text(node, other, new, refused(new, other)));
+    }
+    older()
+        .find(|other| !refused(other, new).is_empty())
+        .map(|other| conflict_text(node, new, other, refused(other, new)))
+}
+
+fn conflict_text(node: &str, holder: &User, refuser: &User, perms: Perms) -> String {
+    format!(
+        "Permission conflict on node '{node}': permissions '{}' are both required by {} (uses node '{node}' as '{}' \
+         child) and unshared by {} (uses node '{node}' as '{}' child).",
+        perms.names(),
+        holder.who,
+        holder.role,
+        refuser.who,
+        refuser.role
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -351,6 +494,41 @@ mod tests {
         // The old open refusing writes would refuse the node itself.
         let _writer = node.claim(WRITER).unwrap();
         assert!(other.claim(READER).is_err());
+    }
+
+    fn user(who: &str, held: Perms, shared: Perms) -> User {
+        User { who: who.into(), role: "root", held, shared, above_users: false }
+    }
+
+    #[test]
+    fn a_user_that_refuses_what_another_holds_is_refused_in_qemus_words() {
+        let users = Arc::new(Users::default());
+        let export = user("an unnamed block device", Perms::READ.with(Perms::WRITE), Perms::ALL);
+        let _export = users.attach("base", export.clone()).unwrap();
+        let job = User { role: "intermediate node", ..user("stream job 'job0'", Perms::NONE, Perms::READ) };
+        assert_eq!(
+            users.attach("base", job.clone()).err().unwrap(),
+            "Permission conflict on node 'base': permissions 'write' are both required by an unnamed block device \
+             (uses node 'base' as 'root' child) and unshared by stream job 'job0' (uses node 'base' as \
+             'intermediate node' child)."
+        );
+        assert!(users.attach("other", job.clone()).is_ok(), "another node's users are not this one's");
+        drop(_export);
+        let _job = users.attach("base", job).unwrap();
+        let refused = users.attach("base", export).err().unwrap();
+        assert!(refused.contains("'write' are both required by an unnamed block device"), "{refused}");
+    }
+
+    #[test]
+    fn a_filter_above_takes_over_the_users_it_finds_but_not_later_ones() {
+        let users = Arc::new(Users::default());
+        let writer = user("an unnamed block device", Perms::READ.with(Perms::WRITE), Perms::ALL);
+        let _early = users.attach("src", writer.clone()).unwrap();
+        let filter = User { above_users: true, ..user("node '#block1'", Perms::READ, Perms::READ) };
+        let _filter = users.attach("src", filter).unwrap();
+        let refused = users.attach("src", writer).err().unwrap();
+        assert!(refused.contains("permissions 'write' are both required"), "{refused}");
+        assert!(refused.contains("unshared by node '#block1'"), "{refused}");
     }
 
     #[test]

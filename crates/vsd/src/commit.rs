@@ -9,15 +9,15 @@ use std::sync::Arc;
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use vsd_block::{Perms, User};
 use vsd_control::qmp::{ErrorClass, QmpError};
 use vsd_job::commit::{Commit, CommitSpec};
 use vsd_job::mirror::{Mirror, MirrorSpec, MirrorSync};
 use vsd_job::{JobBody, JobSpec};
 
-use crate::chain::{Node, backing_format, chain, image_filename, place_of_file, place_of_node};
-use crate::daemon::{Daemon, State};
-use crate::jobs::Restoring;
-use crate::jobs::{OnError, SOURCE, busy, generic, speed, well_formed};
+use crate::chain::{Node, backing_format, chain, image_filename, is_filter, place_of_file, place_of_node};
+use crate::daemon::{Daemon, State, block_backend};
+use crate::jobs::{Claiming, OnError, Restoring, SOURCE, busy, generic, job_user, speed, well_formed};
 use crate::reopen::set_read_only_tree;
 use crate::writers::{SourceWriters, switch_exports};
 
@@ -91,6 +91,7 @@ impl Daemon {
         };
         // Base first: it is the target, as a mirror's (`blockdev-del` words it so).
         let used: Vec<Node> = std::iter::once(base.clone()).chain(chain[top_at..base_at].iter().cloned()).collect();
+        let claims = commit_claims(&id, &chain[top_at..=base_at], active);
         let body: Box<dyn JobBody> = if active {
             let bitmaps =
                 device.dirty_bitmaps().cloned().ok_or_else(|| generic("the node cannot record its writes"))?;
@@ -103,16 +104,20 @@ impl Daemon {
             switch_exports(state, device.name(), None, Some(&mut track)).map_err(generic)?;
             let tracker = tracker.ok_or_else(|| generic("the commit's record of writes was not made"))?;
             Box::new(Restoring {
-                body: Mirror::new(MirrorSpec {
-                    source: device.clone(),
-                    target: base.clone(),
-                    sync: MirrorSync::Above((base_at + 1) as u32),
-                    tracker,
-                    writers,
-                    burst: BURST,
-                    on_source_error: args.on_error.into(),
-                    on_target_error: args.on_error.into(),
-                }),
+                body: Claiming::new(
+                    Mirror::new(MirrorSpec {
+                        source: device.clone(),
+                        target: base.clone(),
+                        sync: MirrorSync::Above((base_at + 1) as u32),
+                        tracker,
+                        writers,
+                        burst: BURST,
+                        on_source_error: args.on_error.into(),
+                        on_target_error: args.on_error.into(),
+                    }),
+                    &state.users,
+                    claims,
+                ),
                 node: base.clone(),
                 reopened: false,
                 always: false,
@@ -125,16 +130,20 @@ impl Daemon {
                 Arc::new(move |writable| set_read_only_tree(&overlay, !writable))
             };
             Box::new(Restoring {
-                body: Commit::new(CommitSpec {
-                    top: top.clone(),
-                    base: base.clone(),
-                    base_depth: (base_at - top_at + 1) as u32,
-                    overlay,
-                    header: (name, backing_format(&base, args.backing_mask_protocol).to_string()),
-                    writers,
-                    overlay_writable,
-                    on_error: args.on_error.into(),
-                }),
+                body: Claiming::new(
+                    Commit::new(CommitSpec {
+                        top: top.clone(),
+                        base: base.clone(),
+                        base_depth: (base_at - top_at + 1) as u32,
+                        overlay,
+                        header: (name, backing_format(&base, args.backing_mask_protocol).to_string()),
+                        writers,
+                        overlay_writable,
+                        on_error: args.on_error.into(),
+                    }),
+                    &state.users,
+                    claims,
+                ),
                 node: base.clone(),
                 reopened: false,
                 always: true,
@@ -143,6 +152,43 @@ impl Daemon {
         self.jobs.start(spec(&used), body).map_err(generic)?;
         Ok(json!({}))
     }
+}
+
+/// What a commit of `layers` (top first, the base last) takes, as QEMU's:
+/// the images above the base read by nobody else and resized by nobody
+/// (they go from the chain; filters right above the base may be read),
+/// the base written (and grown if smaller) through a BlockBackend that
+/// lets nobody else write or resize it, or, for the active layer's
+/// commit, lets others write it (the guest's writes reach it when the
+/// job completes). The top's users of the moment go through QEMU's
+/// filter above it; an active commit only reads the active layer,
+/// sharing all but resizing.
+fn commit_claims(id: &str, layers: &[Node], active: bool) -> Vec<(Node, User)> {
+    let (base, above) = layers.split_last().expect("a commit has a top and a base");
+    let filters_over_base = above.iter().rev().take_while(|node| is_filter(node)).count();
+    let mut claims: Vec<(Node, User)> = above
+        .iter()
+        .enumerate()
+        .map(|(at, node)| {
+            let mut shared = Perms::WRITE_UNCHANGED.with(Perms::WRITE);
+            if at >= above.len() - filters_over_base {
+                shared = shared.with(Perms::READ);
+            }
+            let user = match (at, active) {
+                (0, true) => job_user("commit", id, "source", Perms::NONE, Perms::ALL.without(Perms::RESIZE)),
+                _ => job_user("commit", id, "intermediate node", Perms::NONE, shared),
+            };
+            (node.clone(), User { above_users: at == 0, ..user })
+        })
+        .collect();
+    let unchanged = Perms::READ.with(Perms::WRITE_UNCHANGED);
+    let (held, shared) = match active {
+        true => (Perms::WRITE, unchanged.with(Perms::WRITE)),
+        false => (Perms::READ.with(Perms::WRITE), unchanged),
+    };
+    let grows = if base.size() < layers[0].size() { Perms::RESIZE } else { Perms::NONE };
+    claims.push((base.clone(), block_backend(held.with(grows), shared)));
+    claims
 }
 
 /// Where node `name` is in `chain`, which must hold it.

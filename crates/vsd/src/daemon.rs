@@ -6,7 +6,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use anyhow::{Context, Result};
 use vsd_block::options::OptionMap;
-use vsd_block::{ActivationError, BlockGraph, BlockNode, Claim, ClaimGuard, Perms};
+use vsd_block::{ActivationError, BlockGraph, BlockNode, ClaimGuard, LockError, Perms, User, UserGuard, Users};
 use vsd_control::qmp::Events;
 use vsd_export::{ExportConfig, ExportSnapshot, VhostUserBlkExport};
 use vsd_nbd::{NbdExport, NbdServer, ServerConfig};
@@ -43,9 +43,11 @@ pub(crate) struct State {
     pub(crate) nbd: Option<NbdServer>,
     /// `block-latency-histogram-set` boundaries, by export id.
     pub(crate) histograms: BTreeMap<String, LatencyBins>,
-    /// What each export holds of the images below its node (image locks),
-    /// by export id, until it has stopped.
-    claims: BTreeMap<String, Vec<ClaimGuard>>,
+    /// What each export holds of its node, by export id, until it has
+    /// stopped.
+    claims: BTreeMap<String, Hold>,
+    /// Every node's users inside the daemon (exports, jobs).
+    pub(crate) users: Arc<Users>,
 }
 
 /// Locks the daemon's state (see [`Daemon::state`]).
@@ -53,16 +55,78 @@ pub(crate) fn lock_state(state: &Mutex<State>) -> MutexGuard<'_, State> {
     state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// What an export holds of the images below its node: it reads, and
-/// writes if writable.
-pub(crate) fn export_claim(writable: bool) -> Perms {
-    if writable { Perms::READ.with(Perms::WRITE) } else { Perms::READ }
+/// An export as a user of its node: it reads, and writes if writable,
+/// sharing both, as a QEMU export's BlockBackend, which QEMU's errors name
+/// so.
+pub(crate) fn export_user(writable: bool) -> User {
+    let held = if writable { Perms::READ.with(Perms::WRITE) } else { Perms::READ };
+    block_backend(held, Perms::ALL)
+}
+
+/// A user as QEMU's errors name a BlockBackend without a device: an
+/// export's, or the one a job writes its target through.
+pub(crate) fn block_backend(held: Perms, shared: Perms) -> User {
+    User { who: "an unnamed block device".into(), role: "root", held, shared, above_users: false }
+}
+
+/// What a user holds of a node while it lives: its place among the node's
+/// users, and what it needs of the images below (their locks; an
+/// `auto-read-only` file is open for writing while a user writes it).
+pub(crate) struct Hold {
+    _locks: Vec<ClaimGuard>,
+    _user: UserGuard,
+}
+
+/// Why a hold was refused: another user of the node inside the daemon, or
+/// another process holding the image.
+#[derive(Debug)]
+pub(crate) enum HoldError {
+    Conflict(String),
+    Lock(LockError),
+}
+
+impl std::fmt::Display for HoldError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HoldError::Conflict(text) => f.write_str(text),
+            HoldError::Lock(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for HoldError {
+    /// A lock error's own cause (the host's answer), as its chain shows it.
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            HoldError::Conflict(_) => None,
+            HoldError::Lock(e) => e.source(),
+        }
+    }
+}
+
+impl HoldError {
+    /// As QMP words it (a lock error without its command-line hint).
+    pub(crate) fn qmp_text(&self) -> String {
+        match self {
+            HoldError::Conflict(text) => text.clone(),
+            HoldError::Lock(e) => e.qmp_text(),
+        }
+    }
+}
+
+/// Takes `user`'s place on `node`, unless it conflicts with another user
+/// or another process.
+pub(crate) fn hold(users: &Arc<Users>, node: &Arc<dyn BlockNode>, user: User) -> Result<Hold, HoldError> {
+    let claim = user.claim();
+    let user = users.attach(node.name(), user).map_err(HoldError::Conflict)?;
+    let locks = node.claim(claim).map_err(HoldError::Lock)?;
+    Ok(Hold { _locks: locks, _user: user })
 }
 
 impl State {
-    /// Replaces what export `id` holds of images (its node changed).
-    pub(crate) fn set_claims(&mut self, id: &str, claims: Vec<ClaimGuard>) {
-        self.claims.insert(id.to_string(), claims);
+    /// Replaces what export `id` holds (its node changed).
+    pub(crate) fn set_claims(&mut self, id: &str, hold: Hold) {
+        self.claims.insert(id.to_string(), hold);
     }
 }
 
@@ -95,6 +159,7 @@ impl Daemon {
             nbd: None,
             histograms: BTreeMap::new(),
             claims: BTreeMap::new(),
+            users: Arc::default(),
         };
         let sink = events.clone();
         let jobs = vsd_job::Jobs::new(Arc::new(move |name: &str, data| sink.emit(name, data)));
@@ -140,10 +205,8 @@ impl Daemon {
             // the image over.
             state.graph.set_active(Some(node.name()), true, |_| false)?;
         }
-        // The export reads, and writes if writable, sharing both, as a
-        // QEMU export does; formats below take what they need themselves.
-        let held = export_claim(config.writable());
-        let claims = node.claim(Claim { held, unshared: Perms::NONE })?;
+        // Formats below take what they need of their images themselves.
+        let claims = hold(&state.users, &node, export_user(config.writable()))?;
         let id = id.to_string();
         let export = match config {
             ExportOptions::VhostUserBlk(config) => {
@@ -248,14 +311,16 @@ impl Daemon {
         state
     }
 
-    /// Cancels every job, stops every export (their requests in flight
-    /// complete first), then writes back what nodes cache (qcow2 metadata).
+    /// Cancels every job, deletes every export (their requests in flight
+    /// complete first; BLOCK_EXPORT_DELETED for each, as QSD sends them),
+    /// then writes back what nodes cache (qcow2 metadata).
     pub fn shutdown(&self) {
         // First: guest writes may be waiting for a backup to copy.
         self.jobs.shutdown();
         let mut state = self.state();
-        for (_, export) in std::mem::take(&mut state.exports) {
+        for (id, export) in std::mem::take(&mut state.exports) {
             export.stop();
+            self.events.emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": id }));
         }
         if let Some(server) = state.nbd.take() {
             server.stop();

@@ -2,18 +2,18 @@
 //! `query-jobs`, `query-block-jobs`) over the daemon's [`Jobs`], with
 //! QEMU's argument shapes and error wording.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
-use vsd_block::BlockNode;
+use vsd_block::{BlockNode, Perms, User, Users};
 use vsd_control::qmp::{ErrorClass, QmpError};
 use vsd_job::backup::{Backup, BackupSpec, BitmapMode, Sync};
 use vsd_job::{ErrorPolicy, Group, Job, JobBody, JobInfo, JobSpec, Status, Verb};
 
 use crate::chain::Node;
-use crate::daemon::{Daemon, State};
+use crate::daemon::{Daemon, Hold, State, hold};
 use crate::reopen::set_read_only_tree;
 
 type Reply = Result<Value, QmpError>;
@@ -144,7 +144,7 @@ impl Daemon {
         group: Option<Arc<Group>>,
         wrap: &dyn Fn(Box<dyn JobBody>) -> Box<dyn JobBody>,
     ) -> Result<Arc<Job>, QmpError> {
-        let state = self.state();
+        let mut state = self.state();
         let (source, target) = (node(&state, &args.device)?, node(&state, &args.target)?);
         if source.name() == target.name() {
             return Err(generic("Source and target cannot be the same"));
@@ -198,6 +198,7 @@ impl Daemon {
             nodes: vec![target.name().to_string(), source.name().to_string()],
             group,
         };
+        let claims = backup_claims(&mut state, &source, &target);
         let backup = Backup::new(BackupSpec {
             source,
             target,
@@ -207,6 +208,7 @@ impl Daemon {
             on_target_error: args.on_target_error.into(),
             compress: args.compress,
         });
+        let backup = Claiming::new(backup, &state.users, claims);
         self.jobs.start(spec, wrap(Box::new(backup))).map_err(generic)
     }
 
@@ -350,6 +352,106 @@ fn backup_bitmap(args: &BackupArgs, source: &Arc<dyn BlockNode>) -> Result<(Sync
         (_, Some(BitmapModeArg::Always)) => BitmapMode::Always,
     };
     Ok((sync, Some((bitmap, mode))))
+}
+
+/// What a backup takes, as QEMU's copy-before-write filter over the
+/// source (named as QEMU names a node it makes) takes: the source read
+/// and nobody else writing or resizing it from then on (the source's
+/// users of the moment go through the filter in QEMU), and the target
+/// written and not resized.
+fn backup_claims(state: &mut State, source: &Node, target: &Node) -> Vec<(Node, User)> {
+    let who = format!("node '{}'", state.graph.implicit_name());
+    let source_user = User {
+        who: who.clone(),
+        role: "file",
+        held: Perms::READ,
+        shared: Perms::READ.with(Perms::WRITE_UNCHANGED),
+        above_users: true,
+    };
+    let target_user =
+        User { who, role: "target", held: Perms::WRITE, shared: Perms::ALL.without(Perms::RESIZE), above_users: false };
+    vec![(source.clone(), source_user), (target.clone(), target_user)]
+}
+
+/// A user of a node as QEMU's errors name a job's own link to it.
+pub(crate) fn job_user(kind: &str, id: &str, role: &'static str, held: Perms, shared: Perms) -> User {
+    User { who: format!("{kind} job '{id}'"), role, held, shared, above_users: false }
+}
+
+/// What a job holds of its nodes while it lives, by node name; shared with
+/// what moves exports onto a node the job holds (a mirror's switch lets go
+/// of the target first, as QEMU's does).
+#[derive(Clone, Default)]
+pub(crate) struct Held(Arc<Mutex<Vec<(String, Hold)>>>);
+
+impl Held {
+    fn list(&self) -> MutexGuard<'_, Vec<(String, Hold)>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Lets go of what the job holds of node `name`.
+    pub(crate) fn release(&self, name: &str) {
+        self.list().retain(|(node, _)| node != name);
+    }
+}
+
+/// A job's body with what it takes of its nodes (QEMU's permissions):
+/// taken as the job starts, in order (a conflict fails the job's start in
+/// QEMU's words, nothing kept), and let go once the job has ended,
+/// however it ended.
+pub(crate) struct Claiming<B> {
+    body: B,
+    users: Arc<Users>,
+    wanted: Vec<(Node, User)>,
+    pub(crate) held: Held,
+}
+
+impl<B> Claiming<B> {
+    pub(crate) fn new(body: B, users: &Arc<Users>, wanted: Vec<(Node, User)>) -> Self {
+        Self { body, users: users.clone(), wanted, held: Held::default() }
+    }
+
+    /// The same, keeping what it holds in `held`.
+    pub(crate) fn sharing(self, held: Held) -> Self {
+        Self { held, ..self }
+    }
+
+    fn take(&mut self) -> Result<(), String> {
+        let mut taken = Vec::new();
+        for (node, user) in std::mem::take(&mut self.wanted) {
+            taken.push((node.name().to_string(), hold(&self.users, &node, user).map_err(|e| e.qmp_text())?));
+        }
+        *self.held.list() = taken;
+        Ok(())
+    }
+}
+
+impl<B: JobBody> JobBody for Claiming<B> {
+    fn prepare(&mut self, job: &Arc<vsd_job::Job>) -> Result<(), String> {
+        self.take()?;
+        self.body.prepare(job).inspect_err(|_| self.held.list().clear())
+    }
+
+    fn run(&mut self, job: &Arc<vsd_job::Job>) -> Result<(), String> {
+        self.body.run(job)
+    }
+
+    fn commit(&mut self) {
+        self.body.commit();
+    }
+
+    fn abort(&mut self) {
+        self.body.abort();
+    }
+
+    fn clean(&mut self) {
+        self.body.clean();
+        self.held.list().clear();
+    }
+
+    fn copy_mode(&self) -> Option<Arc<vsd_job::mirror::Mode>> {
+        self.body.copy_mode()
+    }
 }
 
 /// A job's body, with the node it writes into writable while it runs

@@ -10,14 +10,15 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use vsd_block::dirty::Tracker;
+use vsd_block::{Perms, User};
 use vsd_control::qmp::QmpError;
 use vsd_job::mirror::{CopyMode, Mirror, MirrorSpec, MirrorSync, Work, Writers};
 use vsd_job::mirror_top::{InFlight, MirrorTop};
 use vsd_job::{JobBody, JobSpec};
 
 use crate::chain::{Node, is_filter, swaps_child};
-use crate::daemon::{Daemon, State, lock_state};
-use crate::jobs::{OnError, SOURCE, below, busy, generic, node, speed, well_formed};
+use crate::daemon::{Daemon, State, block_backend, lock_state};
+use crate::jobs::{Claiming, Held, OnError, SOURCE, below, busy, generic, job_user, node, speed, well_formed};
 use crate::writers::switch_exports;
 
 /// Bytes copied in a burst under the speed limit unless `buf-size` is
@@ -154,8 +155,9 @@ impl Daemon {
                 return Err(generic(busy(name, &job)));
             }
         }
-        if self.in_use(state, target.name()) {
-            return Err(generic(format!("Node '{}' is busy: an export or another node uses it", target.name())));
+        // Exports of the target are refused as the job starts, as QEMU refuses them.
+        if state.graph.parent(target.name()).is_some() {
+            return Err(generic(format!("Node '{}' is busy: another node uses it", target.name())));
         }
         let id = args.job_id.unwrap_or_default();
         if !well_formed(&id) {
@@ -186,6 +188,8 @@ impl Daemon {
             on_target_error: args.on_target_error.into(),
         };
         let replaced_under = replaced_under.map(|(filter, _)| filter);
+        let (users, claims, job_holds) =
+            (state.users.clone(), mirror_claims(&job.id, &source, &target), Held::default());
         let writers = |serving: &Node| {
             Arc::new(MirrorWriters {
                 state: self.shared_state(),
@@ -194,14 +198,19 @@ impl Daemon {
                 target: target.clone(),
                 replaced_under: replaced_under.clone(),
                 target_backing: made.backing.clone(),
+                job_holds: job_holds.clone(),
             })
+        };
+        let start = |writers: Arc<MirrorWriters>, mirror: Mirror| {
+            let body = Claiming::new(Filtered { mirror, writers }, &users, claims).sharing(job_holds.clone());
+            self.jobs.start(job, (made.wrap)(Box::new(body)))
         };
         match args.copy_mode {
             CopyModeArg::Background => {
                 let tracker = track(state, &source, granularity)?;
                 let writers = writers(&source);
                 let mirror = Mirror::new(spec(tracker, writers.clone()));
-                self.jobs.start(job, (made.wrap)(Box::new(Filtered { mirror, writers }))).map_err(generic)?;
+                start(writers, mirror).map_err(generic)?;
             }
             CopyModeArg::WriteBlocking => {
                 let in_flight = Arc::new(InFlight::default());
@@ -212,7 +221,7 @@ impl Daemon {
                 let writers = writers(&filter);
                 let tracker = Tracker::apart(source.size(), granularity);
                 let mirror = Mirror::write_blocking(spec(tracker, writers.clone()), in_flight);
-                if let Err(e) = self.jobs.start(job, (made.wrap)(Box::new(Filtered { mirror, writers }))) {
+                if let Err(e) = start(writers, mirror) {
                     unfilter(state, &filter_name(&source), &source);
                     return Err(generic(e));
                 }
@@ -220,6 +229,17 @@ impl Daemon {
         }
         Ok(json!({}))
     }
+}
+
+/// What a mirror takes, as QEMU's: the source read through its filter,
+/// which takes over the source's users, and resized by nobody; the target
+/// written through a BlockBackend that lets others only write it
+/// unchanged (its data is not the source's until the job is ready).
+fn mirror_claims(id: &str, source: &Node, target: &Node) -> Vec<(Node, User)> {
+    let shared = Perms::ALL.without(Perms::RESIZE);
+    let source_user = User { above_users: true, ..job_user("mirror", id, "source", Perms::READ, shared) };
+    let target_user = block_backend(Perms::WRITE, Perms::WRITE_UNCHANGED);
+    vec![(source.clone(), source_user), (target.clone(), target_user)]
 }
 
 /// A tracker of `source`'s writes from a moment none is in flight: each
@@ -291,6 +311,9 @@ struct MirrorWriters {
     replaced_under: Option<Node>,
     /// The target's backing node from the switch on (`drive-mirror`'s).
     target_backing: Option<Node>,
+    /// What the job holds: it lets go of the target before the exports
+    /// move onto it.
+    job_holds: Held,
 }
 
 impl MirrorWriters {
@@ -309,6 +332,9 @@ impl MirrorWriters {
 
 impl Writers for MirrorWriters {
     fn stopped(&self, switch_to: Option<&Node>, work: &mut dyn FnMut() -> Result<(), String>) -> Result<(), String> {
+        if let Some(to) = switch_to.filter(|to| to.name() == self.target.name()) {
+            self.job_holds.release(to.name());
+        }
         let mut state = lock_state(&self.state);
         let backing = switch_to.zip(self.target_backing.as_ref());
         let mut work = || {

@@ -76,11 +76,7 @@ fn put_back(node: &Node, read_only: bool) {
 /// A driver's refusal, in QEMU's words where QEMU has some.
 fn refusal(node: &dyn BlockNode, e: &io::Error) -> String {
     match e.get_ref().and_then(|inner| inner.downcast_ref::<LockError>()) {
-        // QMP's text leaves out the hint QEMU prints on its command line.
-        Some(LockError::Held { perm, .. }) => format!("Failed to get \"{perm}\" lock"),
-        Some(LockError::Shared { perm, .. }) => format!("Failed to get shared \"{perm}\" lock"),
-        Some(LockError::Io { path, source }) => format!("cannot lock '{path}': {source}"),
-        Some(e @ LockError::Reopen { source, .. }) => format!("{e}: {source}"),
+        Some(e) => e.qmp_text(),
         None => match (node.filename(), e.raw_os_error()) {
             (Some(file), Some(errno)) => format!("Could not open '{file}': {}", vsd_job::strerror(errno)),
             _ => e.to_string(),

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use vsd_block::{Perms, User};
 use vsd_control::qmp::QmpError;
 use vsd_job::JobSpec;
 use vsd_job::stream::{Stream, StreamSpec};
@@ -15,7 +16,7 @@ use crate::chain::{
     Node, backing_format, chain, image_filename, is_filter, lookup, place_of_file, place_of_node, skip_filters,
 };
 use crate::daemon::{Daemon, State};
-use crate::jobs::{OnError, Restoring, busy, generic, node, speed, well_formed};
+use crate::jobs::{Claiming, OnError, Restoring, busy, generic, job_user, node, speed, well_formed};
 use crate::writers::SourceWriters;
 
 #[derive(Deserialize, JsonSchema)]
@@ -86,6 +87,7 @@ impl Daemon {
             nodes: chain[..base_depth.unwrap_or(chain.len())].iter().map(|n| n.name().to_string()).collect(),
             group: None,
         };
+        let claims = stream_claims(&spec.id, &chain[..base_depth.unwrap_or(chain.len())]);
         let writers = Arc::new(SourceWriters { state: self.shared_state(), source: top.name().to_string() });
         let stream = Stream::new(StreamSpec {
             top: top.clone(),
@@ -96,10 +98,25 @@ impl Daemon {
             on_error: args.on_error.into(),
         });
         // A read-only overlay is writable while the job runs, as in QEMU.
-        let body = Restoring { body: stream, node: top, reopened: false, always: true };
+        let body = Claiming::new(stream, &state.users, claims);
+        let body = Restoring { body, node: top, reopened: false, always: true };
         self.jobs.start(spec, Box::new(body)).map_err(generic)?;
         Ok(json!({}))
     }
+}
+
+/// What a stream takes, as QEMU's: the overlay (`streamed[0]`) read and
+/// written unchanged through its copy-on-read filter, which takes over the
+/// overlay's users, and nobody resizing it; the images below it, down to
+/// the base, neither written nor resized by anyone: they go from the chain.
+fn stream_claims(id: &str, streamed: &[Node]) -> Vec<(Node, User)> {
+    let unchanged = Perms::READ.with(Perms::WRITE_UNCHANGED);
+    let top =
+        User { above_users: true, ..job_user("stream", id, "active node", unchanged, unchanged.with(Perms::WRITE)) };
+    let below = streamed[1..]
+        .iter()
+        .map(|node| (node.clone(), job_user("stream", id, "intermediate node", Perms::NONE, unchanged)));
+    std::iter::once((streamed[0].clone(), top)).chain(below).collect()
 }
 
 /// Where the base (the node that stays below the overlay) is in `chain`,

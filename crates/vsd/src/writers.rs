@@ -3,10 +3,10 @@
 
 use std::sync::{Arc, Mutex};
 
-use vsd_block::{BlockNode, Claim, Perms};
+use vsd_block::BlockNode;
 use vsd_job::mirror::Writers;
 
-use crate::daemon::{Export, State, export_claim, lock_state};
+use crate::daemon::{Export, State, export_user, hold, lock_state};
 
 type Work<'a> = &'a mut dyn FnMut() -> Result<(), String>;
 
@@ -25,8 +25,7 @@ pub(crate) fn switch_exports(
     let mut claims = Vec::new();
     if let Some(to) = to {
         for export in &exports {
-            let held = export_claim(export.writable());
-            let granted = to.claim(Claim { held, unshared: Perms::NONE }).map_err(|e| e.to_string())?;
+            let granted = hold(&state.users, to, export_user(export.writable())).map_err(|e| e.to_string())?;
             claims.push((export.id().to_string(), granted));
         }
     }

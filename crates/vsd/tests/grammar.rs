@@ -297,20 +297,6 @@ fn force_share_opens_an_image_another_daemon_writes() {
     drop(writer);
 }
 
-/// The access mode (`O_RDONLY`, `O_RDWR`) of the descriptor of `pid`
-/// open on `file`.
-fn access_mode(pid: u32, file: &Path) -> i32 {
-    for entry in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap() {
-        let entry = entry.unwrap();
-        if std::fs::read_link(entry.path()).ok().as_deref() == Some(file) {
-            let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", entry.file_name().to_string_lossy()));
-            let flags = info.unwrap().lines().find_map(|l| l.strip_prefix("flags:").map(str::trim).map(String::from));
-            return i32::from_str_radix(&flags.unwrap(), 8).unwrap() & libc::O_ACCMODE;
-        }
-    }
-    panic!("{pid} has no descriptor on {}", file.display());
-}
-
 /// Makes `file` refuse writers (even root) while the value lives.
 struct Immutable<'a>(&'a Path);
 
@@ -341,7 +327,7 @@ fn auto_read_only_opens_writable_only_while_a_writer_needs_it() {
     let line = common::vsd_fails(&[&args[..1], &[args[1].replace(",auto-read-only=on", "")], &args[2..]].concat());
     assert!(line.contains("Operation not permitted"), "{line}");
     let daemon = Daemon::vsd(&dir, &args);
-    assert_eq!(access_mode(daemon.pid(), &image), libc::O_RDONLY, "the file refuses writers");
+    assert_eq!(common::open_for_writing(daemon.pid(), &image), Some(false), "the file refuses writers");
     let mut qmp = common::qmp::Qmp::connect(&qmp);
     let export = |id: &str| serde_json::json!({"type": "nbd", "id": id, "node-name": "f", "writable": true});
     qmp.ok("nbd-server-start", serde_json::json!({"addr": {"type": "unix", "data": {"path": dir.path("n.sock")}}}));
@@ -349,13 +335,9 @@ fn auto_read_only_opens_writable_only_while_a_writer_needs_it() {
     assert!(refused.to_string().contains("Operation not permitted"), "a writer cannot have it yet: {refused}");
     drop(immutable);
     qmp.ok("block-export-add", export("e"));
-    assert_eq!(access_mode(daemon.pid(), &image), libc::O_RDWR, "a writer came");
+    assert_eq!(common::open_for_writing(daemon.pid(), &image), Some(true), "a writer came");
     qmp.ok("block-export-del", serde_json::json!({"id": "e"}));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while access_mode(daemon.pid(), &image) != libc::O_RDONLY {
-        assert!(Instant::now() < deadline, "the writer went, and the file stays writable");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::await_open_for_writing(daemon.pid(), &image, false);
 }
 
 #[test]

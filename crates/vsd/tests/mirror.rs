@@ -255,7 +255,12 @@ fn mistakes_are_refused_and_change_nothing() {
             mirror("file0", json!({})),
             "Node 'disk' and node 'file0' are in one backing chain: the mirror would write what it reads",
         ),
-        (mirror("t2", json!({})), "Node 't2' is busy: an export or another node uses it"),
+        (
+            mirror("t2", json!({})),
+            "Permission conflict on node 't2': permissions 'consistent read, write' are both required by an unnamed \
+             block device (uses node 't2' as 'root' child) and unshared by an unnamed block device (uses node 't2' as \
+             'root' child).",
+        ),
     ];
     // QEMU would replace a node below any filter; vsd's blkdebug keeps its child.
     let below_filter = json!({"job-id": "m", "device": "bd", "target": "tgt", "sync": "full", "replaces": "t4"});

@@ -404,6 +404,9 @@ pub(crate) struct CbwNode {
     name: String,
     snapshot: Arc<Snapshot>,
     copier: Option<JoinHandle<()>>,
+    /// What the node holds of its target's images: it writes them, and
+    /// lets nobody resize them (QEMU's claim).
+    _target_claim: Vec<crate::ClaimGuard>,
 }
 
 impl CbwNode {
@@ -412,6 +415,10 @@ impl CbwNode {
         let target = graph.child(opts, "target")?;
         let bitmap = Self::bitmap(opts, graph)?;
         let (on_error, timeout) = Self::policy(opts)?;
+        let writes = crate::Claim { held: crate::Perms::WRITE, unshared: crate::Perms::RESIZE };
+        let target_claim = target
+            .claim(writes)
+            .map_err(|e| GraphError::Invalid { context: opts.context().into(), reason: e.to_string() })?;
         let snapshot = Arc::new(Snapshot::new(name.clone(), file, target, bitmap.as_deref(), on_error, timeout));
         let copier = {
             let snapshot = snapshot.clone();
@@ -420,7 +427,7 @@ impl CbwNode {
             })?
         };
         SNAPSHOTS.lock().unwrap_or_else(PoisonError::into_inner).push(Arc::downgrade(&snapshot));
-        Ok(Self { name, snapshot, copier: Some(copier) })
+        Ok(Self { name, snapshot, copier: Some(copier), _target_claim: target_claim })
     }
 
     /// `on-cbw-error` and `cbw-timeout` (seconds, 0: none).

@@ -42,8 +42,9 @@ pub(crate) struct FileNode {
     alignment: Alignment,
     /// The edge blocks its queues read-modify-write.
     leases: Arc<EdgeLeases>,
-    /// `auto-read-only=on` made it open the file read-only.
-    fallback: Option<Arc<ReadOnlyFallback>>,
+    /// `auto-read-only=on`: the file is open for writing only while a
+    /// claim writes.
+    auto_read_only: Option<Arc<AutoReadOnly>>,
 }
 
 /// What the file driver answers without I/O.
@@ -96,12 +97,8 @@ impl FileNode {
         let locking = opts.take_choice("locking", &["auto", "on", "off"])? != Some("off");
 
         let host = |what: String, source: io::Error| GraphError::Host { context: context.clone(), what, source };
-        let (file, fell_back) = match open_file(&filename, read_only, direct) {
-            // QEMU's auto-read-only: a file that refuses writers is opened read-only.
-            Err(e) if auto_read_only && write_refused(&e) => (open_file(&filename, true, direct), true),
-            other => (other, false),
-        };
-        let file = file.map_err(|e| {
+        // QEMU's dynamic auto-read-only: read-only until a writer comes.
+        let file = open_file(&filename, read_only || auto_read_only, direct).map_err(|e| {
             let hint = if direct && e.raw_os_error() == Some(libc::EINVAL) {
                 " (the file system may not support cache.direct=on)"
             } else {
@@ -129,10 +126,10 @@ impl FileNode {
         }
         let file = Arc::new(file);
         let lock = ImageLock::new(file.clone(), filename.clone(), locking, active);
-        let fallback = fell_back.then(|| ReadOnlyFallback::watch(&lock, &filename, direct));
+        let auto_read_only = auto_read_only.then(|| AutoReadOnly::watch(&lock, &filename, direct));
         Ok(Self {
             lock,
-            fallback,
+            auto_read_only,
             device,
             alignment,
             leases: EdgeLeases::new(),
@@ -145,12 +142,6 @@ impl FileNode {
             pool: (aio == Aio::Threads).then(ThreadPool::new),
         })
     }
-}
-
-/// Whether an open for writing failed because the file or its file system
-/// refuses writers, where `auto-read-only` opens it read-only instead.
-fn write_refused(e: &io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM | libc::EROFS))
 }
 
 /// Opens `filename` for reading, and for writing unless `read_only`.
@@ -174,11 +165,12 @@ fn reopen(lock: &ImageLock, filename: &str, read_only: bool, direct: bool) -> io
     lock.move_to(Arc::new(file)).map_err(io::Error::other)
 }
 
-/// A file that `auto-read-only=on` opened read-only because it refused
-/// writers: it is opened for writing again while a user's claim writes to
-/// it or resizes it (a commit into a backing file, say), and read-only
-/// once none does, as QEMU's file driver reopens it.
-struct ReadOnlyFallback {
+/// A file opened with `auto-read-only=on`: open read-only, for writing
+/// while a user's claim writes to it or resizes it (an export, a format
+/// node, a job's target), and read-only again once none does, as QEMU's
+/// file driver reopens it. A file that refuses writers refuses those
+/// claims.
+struct AutoReadOnly {
     filename: String,
     direct: bool,
     /// Whether the open is writable; held while it changes, so that a
@@ -193,13 +185,13 @@ fn writes(held: Perms) -> bool {
     WRITING.iter().any(|&perm| held.contains(perm))
 }
 
-impl ReadOnlyFallback {
+impl AutoReadOnly {
     /// Follows the claims on `lock` from now on.
     fn watch(lock: &ImageLock, filename: &str, direct: bool) -> Arc<Self> {
-        let fallback = Arc::new(Self { filename: filename.to_string(), direct, writable: Mutex::new(false) });
-        let watcher = fallback.clone();
+        let auto = Arc::new(Self { filename: filename.to_string(), direct, writable: Mutex::new(false) });
+        let watcher = auto.clone();
         lock.on_release(Box::new(move |lock| watcher.settle(lock, &mut watcher.writable())));
-        fallback
+        auto
     }
 
     fn writable(&self) -> std::sync::MutexGuard<'_, bool> {
@@ -226,11 +218,26 @@ impl ReadOnlyFallback {
             *writable = false;
         }
     }
+
+    /// The node made read-only or writable (`blockdev-reopen`): writable,
+    /// the file is open for writing only if a claim writes.
+    fn set_node_read_only(&self, lock: &ImageLock, read_only: bool) -> io::Result<()> {
+        let mut writable = self.writable();
+        let wanted = !read_only && writes(lock.held());
+        if wanted != *writable {
+            reopen(lock, &self.filename, !wanted, self.direct)?;
+            *writable = wanted;
+        }
+        Ok(())
+    }
 }
 
 impl FileNode {
     fn reopen(&self, read_only: bool) -> io::Result<()> {
-        reopen(&self.lock, &self.filename, read_only, self.direct)
+        match &self.auto_read_only {
+            Some(auto) => auto.set_node_read_only(&self.lock, read_only),
+            None => reopen(&self.lock, &self.filename, read_only, self.direct),
+        }
     }
 }
 
@@ -280,6 +287,8 @@ impl BlockNode for FileNode {
         if self.read_only() {
             return Err(io::Error::new(io::ErrorKind::PermissionDenied, "the node is read-only"));
         }
+        // Resizing needs a writable open (`auto-read-only`).
+        let _resizing = self.claim(Claim { held: Perms::RESIZE, unshared: Perms::NONE }).map_err(io::Error::other)?;
         self.lock.file().set_len(size)?;
         self.size.store(size, Ordering::Relaxed);
         Ok(())
@@ -325,8 +334,8 @@ impl BlockNode for FileNode {
     }
 
     fn claim(&self, claim: Claim) -> Result<Vec<ClaimGuard>, LockError> {
-        match &self.fallback {
-            Some(fallback) => fallback.claim(&self.lock, claim),
+        match &self.auto_read_only {
+            Some(auto) => auto.claim(&self.lock, claim),
             None => self.lock.claim(claim),
         }
         .map(|guard| vec![guard])

@@ -93,6 +93,10 @@ pub(crate) use qcow2::probe as probe_format;
 pub(crate) fn create_qcow2(file: &dyn BlockNode, image: &vsd_qcow2::create::NewImage) -> io::Result<()> {
     use vsd_qcow2::SyncIo;
     let clusters = vsd_qcow2::create::new_image(image).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    // Written and resized while it is made, as QEMU's creation claims it
+    // (an `auto-read-only` file is opened for writing meanwhile).
+    let making = crate::Claim { held: crate::Perms::WRITE.with(crate::Perms::RESIZE), unshared: crate::Perms::NONE };
+    let _making = file.claim(making).map_err(io::Error::other)?;
     match file.resize(0) {
         Err(e) if e.kind() != io::ErrorKind::Unsupported => return Err(e),
         _ => {}

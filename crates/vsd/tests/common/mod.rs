@@ -275,6 +275,34 @@ pub fn splices(log: &Path) -> Vec<Splice> {
 /// torn its io_uring rings down (their registered files keep the image
 /// open): that is what fences its last writes, and what a test restarting
 /// it at once must wait out.
+/// Whether process `pid` has `file` open for writing, as `/proc`'s fdinfo
+/// flags say of its descriptors on it (any of them); `None` if it has none.
+pub fn open_for_writing(pid: u32, file: &Path) -> Option<bool> {
+    let mut found = None;
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap() {
+        let entry = entry.unwrap();
+        if std::fs::read_link(entry.path()).ok().as_deref() != Some(file) {
+            continue;
+        }
+        let fd = entry.file_name().to_string_lossy().into_owned();
+        // A descriptor closed meanwhile says nothing.
+        let Ok(info) = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")) else { continue };
+        let flags = info.lines().find_map(|l| l.strip_prefix("flags:")).map(str::trim).unwrap();
+        let writes = i32::from_str_radix(flags, 8).unwrap() & libc::O_ACCMODE != libc::O_RDONLY;
+        found = Some(found.unwrap_or(false) || writes);
+    }
+    found
+}
+
+/// Waits (up to 10 s) until `pid` has `file` open for writing, or not.
+pub fn await_open_for_writing(pid: u32, file: &Path, writing: bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while open_for_writing(pid, file) != Some(writing) {
+        assert!(Instant::now() < deadline, "{pid}: '{}' open for writing is not {writing}", file.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 pub fn wait_until_unlocked(image: &Path) {
     use std::os::fd::AsFd;
     let file = std::fs::File::options().read(true).write(true).open(image).unwrap();
