@@ -24,17 +24,22 @@ fn ceph() -> &'static Cluster {
 /// vsd serving `node` (an rbd node's options, named `r0`) as raw on
 /// `exp0`, with `export_opts`, and a QMP monitor.
 fn serve(dir: &Scratch, node: String, export_opts: &str) -> Daemon {
-    serve_with(dir, &[], node, export_opts)
+    serve_with(dir, &[], node, "", export_opts)
+}
+
+/// As [`serve`], the raw node with `raw_opts`.
+fn serve_raw(dir: &Scratch, node: String, raw_opts: &str, export_opts: &str) -> Daemon {
+    serve_with(dir, &[], node, raw_opts, export_opts)
 }
 
 /// As [`serve`], with `extra` arguments first (`--object`s).
-fn serve_with(dir: &Scratch, extra: &[&str], node: String, export_opts: &str) -> Daemon {
+fn serve_with(dir: &Scratch, extra: &[&str], node: String, raw_opts: &str, export_opts: &str) -> Daemon {
     let mut args: Vec<String> = extra.iter().map(|arg| arg.to_string()).collect();
     args.extend([
         "--blockdev".into(),
         node,
         "--blockdev".into(),
-        "driver=raw,node-name=d0,file=r0".into(),
+        format!("driver=raw,node-name=d0,file=r0{raw_opts}"),
         "--export".into(),
         format!(
             "type=vhost-user-blk,id=exp0,node-name=d0,addr.type=unix,addr.path={}{export_opts}",
@@ -147,7 +152,8 @@ fn imported_data_and_snapshots_read_back_and_snapshots_refuse_writes() {
 fn discard_and_write_zeroes_read_back_as_zeroes() {
     let dir = Scratch::new("rbd-zeroes");
     let image = ceph().image("zeroes", 16 * MIB);
-    let daemon = serve(&dir, format!("{},discard=unmap", image.node("r0")), ",writable=on");
+    // Both nodes act on discards (discard=unmap), as in QEMU.
+    let daemon = serve_raw(&dir, format!("{},discard=unmap", image.node("r0")), ",discard=unmap", ",writable=on");
     let mut client = daemon.connect(ClientOptions::default());
     let mut queue = client.take_queue(0).unwrap();
     let data = pattern(9, 4 * MIB as usize);
@@ -515,7 +521,7 @@ fn cephx_keys_come_from_secret_objects() {
     let node =
         |extra: &str| format!("driver=rbd,node-name=r0,pool=rbd,image={},conf={}{extra}", image.name, conf.display());
 
-    let daemon = serve_with(&dir, &["--object", &secret], node(",key-secret=k0"), ",writable=on");
+    let daemon = serve_with(&dir, &["--object", &secret], node(",key-secret=k0"), "", ",writable=on");
     let mut client = daemon.connect(ClientOptions::default());
     let mut queue = client.take_queue(0).unwrap();
     let data = pattern(42, 64 * 1024);
