@@ -460,3 +460,64 @@ fn a_golden_image_on_a_web_server_is_pulled_in_while_served_then_the_server_goes
     ok("qemu-img", &["check", "-q", path(&overlay)]);
     ok("qemu-img", &["compare", "-q", "-F", "raw", path(&overlay), path(&dir.path("expected.raw"))]);
 }
+
+/// The golden-image flow with a booted guest: a Linux guest (QEMU under
+/// TCG) boots on a vhost-user-blk disk served from a qcow2 overlay whose
+/// backing image is on the web server, and runs fio's write-and-verify
+/// on the disk's first 4 MiB while `block-stream` pulls the rest in; the
+/// server goes once the stream is done. The guest sees every block it
+/// wrote, and the overlay stands alone with the golden image past them.
+#[test]
+fn a_guest_boots_on_a_golden_image_on_a_web_server_while_it_is_pulled_in() {
+    const WRITTEN: usize = 4 * MIB;
+    let dir = Scratch::new("http-golden-guest");
+    let (golden, _) = make_images(&dir);
+    let size = std::fs::metadata(&golden).unwrap().len();
+    let nginx = Nginx::start(&dir);
+    let (overlay, socket, qmp) = (dir.path("vm.qcow2"), dir.path("vm.sock"), dir.path("qmp.sock"));
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", path(&overlay), &size.to_string()]);
+    let url = nginx.url("https", "disk.raw");
+    let mut args: Vec<String> = [
+        "--blockdev",
+        &format!("https,node-name=golden,read-only=on,url={url}"),
+        "--blockdev",
+        &format!("file,node-name=vm-file,filename={}", path(&overlay)),
+        "--blockdev",
+        "qcow2,node-name=vm,file=vm-file,backing=golden",
+        "--blockdev",
+        "copy-on-read,node-name=disk,file=vm",
+        "--export",
+        &format!("vhost-user-blk,id=e0,node-name=disk,writable=on,addr.type=unix,addr.path={}", socket.display()),
+    ]
+    .map(String::from)
+    .into();
+    args.extend(common::monitor(&qmp));
+    let vsd = VsdWithCas::start(&dir, &args, &dir.path("ca.pem"));
+    let console = dir.path("console.log");
+    let guest_args = ["--socket", path(&socket), "--queues", "1", "--size", "4M", "--bs", "4k"];
+    let guest = std::thread::scope(|scope| {
+        let guest = scope.spawn(|| common::guest_job(&console, guest_args));
+        // Pulled in slowly enough to be at it while the guest boots.
+        let mut qmp = common::qmp::Qmp::connect(&qmp);
+        let stream = serde_json::json!({"job-id": "pull", "device": "vm", "speed": 1 << 20});
+        qmp.ok("block-stream", stream);
+        qmp.await_event("BLOCK_JOB_COMPLETED", serde_json::json!({"device": "pull"}));
+        assert!(!guest.is_finished(), "the guest still runs once the image is pulled in");
+        qmp.ok("blockdev-del", serde_json::json!({"node-name": "golden"}));
+        drop(nginx);
+        guest.join().unwrap()
+    });
+    assert!(guest.passed, "the guest's job: {}", guest.report);
+    assert_eq!(guest.facts["fio_write_status"], "0");
+    assert_eq!(guest.facts["fio_verify_status"], "0", "the guest read back every block it wrote");
+    drop(vsd);
+    common::wait_until_unlocked(&overlay);
+
+    let info = ok("qemu-img", &["info", "--output=json", path(&overlay)]);
+    assert!(!info.contains("backing-filename"), "the overlay stands alone: {info}");
+    ok("qemu-img", &["check", "-q", path(&overlay)]);
+    let flat = dir.path("vm.raw");
+    ok("qemu-img", &["convert", "-q", "-O", "raw", path(&overlay), path(&flat)]);
+    let (disk, golden) = (std::fs::read(&flat).unwrap(), std::fs::read(&golden).unwrap());
+    assert!(disk[WRITTEN..] == golden[WRITTEN..], "past the guest's writes, the disk is the golden image");
+}
