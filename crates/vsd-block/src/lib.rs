@@ -377,6 +377,14 @@ pub enum GraphError {
         /// The name.
         name: String,
     },
+    /// An active node over an inactive child.
+    #[error("{context}: {refusal}")]
+    InactiveChild {
+        /// Which option string.
+        context: String,
+        /// QEMU's words, which name no option string.
+        refusal: InactiveChild,
+    },
     /// The node's options do not fit together or with its child.
     #[error("{context}: {reason}")]
     Invalid {
@@ -396,6 +404,19 @@ pub enum GraphError {
         #[source]
         source: io::Error,
     },
+}
+
+/// An active node cannot use an inactive one, which another process owns
+/// (QEMU's rule): QEMU's words for a node, job filter or link that would.
+#[derive(Debug, thiserror::Error)]
+#[error("Inactive '{child}' can't be a {role} child of active '{parent}'")]
+pub struct InactiveChild {
+    /// The inactive node.
+    pub child: String,
+    /// Its role under the parent (`file`, `backing`, `target`).
+    pub role: String,
+    /// The active node that would use it.
+    pub parent: String,
 }
 
 /// Why a node's activation could not be changed, in QEMU's words.
@@ -588,10 +609,8 @@ impl BlockGraph {
     fn refuse_inactive_children(&self, opts: &OptionMap, name: &str) -> Result<(), GraphError> {
         for role in CHILD_ROLES {
             if let Some(child) = opts.get(role).and_then(|child| self.get(child)).filter(|c| !c.active()) {
-                return Err(GraphError::Invalid {
-                    context: opts.context().into(),
-                    reason: format!("Inactive '{}' can't be a {role} child of active '{name}'", child.name()),
-                });
+                let refusal = InactiveChild { child: child.name().into(), role: role.into(), parent: name.into() };
+                return Err(GraphError::InactiveChild { context: opts.context().into(), refusal });
             }
         }
         Ok(())

@@ -339,7 +339,7 @@ struct Resize {
 
 impl Daemon {
     fn blockdev_add(&self, args: Value) -> Reply {
-        self.add_blockdev(options("blockdev-add", &args)?).map_err(generic)?;
+        self.add_blockdev(options("blockdev-add", &args)?).map_err(crate::inactive::added_node_error)?;
         Ok(json!({}))
     }
 
@@ -525,9 +525,7 @@ impl Daemon {
             // A backup's source and target keep the same size.
             return Err(QmpError::generic(crate::jobs::busy(&name, &job)));
         }
-        if !node.active() {
-            return Err(QmpError::generic("Permission 'resize' unavailable on inactive node"));
-        }
+        crate::inactive::require_active(&node, "resize")?;
         node.resize(size).map_err(|e| QmpError::generic(format!("Cannot resize node '{name}': {e}")))?;
         for export in state.exports.values() {
             if let Err(e) = export.capacity_changed() {

@@ -17,6 +17,7 @@ use vsd_job::{JobBody, JobSpec};
 
 use crate::chain::{Node, backing_format, chain, image_filename, is_filter, place_of_file, place_of_node};
 use crate::daemon::{Daemon, State, block_backend};
+use crate::inactive::{Filter, refuse_filter_over};
 use crate::jobs::{Claiming, OnError, Restoring, SOURCE, busy, generic, job_user, speed, well_formed};
 use crate::reopen::set_read_only_tree;
 use crate::writers::{SourceWriters, switch_exports};
@@ -74,6 +75,9 @@ impl Daemon {
         if active && args.backing_file.is_some() {
             return Err(generic("'backing-file' specified, but 'top' is the active layer"));
         }
+        if active {
+            refuse_filter_over(state, &[("backing", &top)], Filter::Appended)?;
+        }
         let id = args.job_id.unwrap_or_default();
         if !well_formed(&id) {
             return Err(generic(format!("Invalid job ID '{id}'")));
@@ -123,6 +127,7 @@ impl Daemon {
                 always: false,
             })
         } else {
+            self.refuse_inactive_commit_top(state, &spec(&used), &top)?;
             let overlay = chain[top_at - 1].clone();
             let name = args.backing_file.or_else(|| image_filename(&base)).unwrap_or_else(|| base.name().to_string());
             let overlay_writable: Arc<dyn Fn(bool) -> Result<(), String> + Send + Sync> = {

@@ -177,6 +177,7 @@ impl Daemon {
             backing_format: o.backing_fmt,
         };
         let creation = match new_image(&image) {
+            Ok(_) if !file.active() => Creation::Fails(crate::inactive::unavailable("write, resize")),
             Ok(_) => Creation::Qcow2 { file, image },
             Err(why) => Creation::Fails(why),
         };

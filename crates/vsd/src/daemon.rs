@@ -239,11 +239,7 @@ impl Daemon {
     /// inactivated.
     pub(crate) fn set_active(&self, name: Option<&str>, active: bool) -> Result<(), ActivationError> {
         let state = self.state();
-        let pinned = |node: &str| {
-            state.exports.values().any(|e| !e.allows_inactive() && e.node().name() == node)
-                || state.stopping.values().any(|(stopping, _)| stopping == node)
-                || self.jobs.user_of(node).is_some()
-        };
+        let pinned = |node: &str| self.pinned_active(&state, node);
         let queues: Vec<&VhostUserBlkExport> = state
             .exports
             .values()
@@ -263,6 +259,15 @@ impl Daemon {
         with_queues_stopped(&queues, || {
             with_connections_reopened(&connections, || state.graph.set_active(name, active, pinned))
         })
+    }
+
+    /// Whether node `name` must stay active: an export without
+    /// `allow-inactive` serves it, or an export being deleted or a job
+    /// uses it.
+    pub(crate) fn pinned_active(&self, state: &State, name: &str) -> bool {
+        state.exports.values().any(|e| !e.allows_inactive() && e.node().name() == name)
+            || state.stopping.values().any(|(stopping, _)| stopping == name)
+            || self.jobs.user_of(name).is_some()
     }
 
     /// Starts the NBD server (`--nbd-server`, `nbd-server-start`).

@@ -14,6 +14,7 @@ use vsd_job::{ErrorPolicy, Group, Job, JobBody, JobInfo, JobSpec, Status, Verb};
 
 use crate::chain::Node;
 use crate::daemon::{Daemon, Hold, State, hold};
+use crate::inactive::{Filter, refuse_filter_over};
 use crate::reopen::set_read_only_tree;
 
 type Reply = Result<Value, QmpError>;
@@ -173,6 +174,7 @@ impl Daemon {
         if let Some((job, _)) = self.jobs.users_of(source.name()).into_iter().find(other_use) {
             return Err(generic(busy(source.name(), &job)));
         }
+        refuse_filter_over(&mut state, &[("file", &source), ("target", &target)], Filter::Opened)?;
         let id = args.job_id.unwrap_or_default();
         if !well_formed(&id) {
             return Err(generic(format!("Invalid job ID '{id}'")));

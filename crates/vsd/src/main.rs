@@ -12,6 +12,7 @@ mod commit;
 mod create;
 mod daemon;
 mod drive;
+mod inactive;
 mod internal_snapshot;
 mod jobs;
 mod mirror;

@@ -18,6 +18,7 @@ use vsd_job::{JobBody, JobSpec};
 
 use crate::chain::{Node, is_filter, swaps_child};
 use crate::daemon::{Daemon, State, block_backend, lock_state};
+use crate::inactive::{Filter, refuse_filter_over};
 use crate::jobs::{Claiming, Held, OnError, SOURCE, below, busy, generic, job_user, node, speed, well_formed};
 use crate::writers::switch_exports;
 
@@ -134,6 +135,7 @@ impl Daemon {
             Some(replaces) => filter_above(state, &source, replaces)?,
             None => None,
         };
+        refuse_filter_over(state, &[("backing", &source)], Filter::Appended)?;
         if args.filter_node_name.is_some() {
             return Err(generic("vsd does not name a mirror's filter node: leave out 'filter-node-name'"));
         }
@@ -177,6 +179,7 @@ impl Daemon {
                 .collect(),
             group: None,
         };
+        self.refuse_inactive_target(&job, &target)?;
         let spec = |tracker: Tracker, writers: Arc<dyn Writers>| MirrorSpec {
             source: source.clone(),
             target: target.clone(),

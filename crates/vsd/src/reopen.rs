@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use serde_json::{Map, Value, json};
 use vsd_block::options::{OptionError, OptionMap};
-use vsd_block::{BlockGraph, BlockNode, CHILD_ROLES, LockError};
+use vsd_block::{BlockGraph, BlockNode, CHILD_ROLES, InactiveChild, LockError};
 use vsd_control::qmp::QmpError;
 use vsd_qcow2::header::Header;
 
@@ -160,8 +160,9 @@ impl Daemon {
                 self.held_by_job(node, old)?;
             }
             if let Some(new) = new.as_ref().filter(|new| !new.active() && node.active()) {
-                let (new, node) = (new.name(), node.name());
-                return Err(generic(format!("Inactive '{new}' can't be a backing child of active '{node}'")));
+                let refusal =
+                    InactiveChild { child: new.name().into(), role: "backing".into(), parent: node.name().into() };
+                return Err(generic(refusal.to_string()));
             }
             self.read_through(state, node)?;
         }

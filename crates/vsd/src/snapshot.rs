@@ -33,6 +33,7 @@ impl Daemon {
         let state = &mut *guard;
         let (node, overlay) = self.snapshot_nodes(state, args)?;
         let filters = filters_above(state, &args.node)?;
+        self.inactivate_overlay_of(state, &node, &overlay)?;
         overlay.attach_backing(node).map_err(|e| generic(e.to_string()))?;
         switch_exports(state, &args.node, Some(&overlay), None).map_err(generic)?;
         for filter in filters {

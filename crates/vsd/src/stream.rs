@@ -16,6 +16,7 @@ use crate::chain::{
     Node, backing_format, chain, image_filename, is_filter, lookup, place_of_file, place_of_node, skip_filters,
 };
 use crate::daemon::{Daemon, State};
+use crate::inactive::{Filter, refuse_filter_over};
 use crate::jobs::{Claiming, OnError, Restoring, busy, generic, job_user, node, speed, well_formed};
 use crate::writers::SourceWriters;
 
@@ -51,7 +52,7 @@ impl Daemon {
         if args.filter_node_name.is_some() {
             return Err(generic("vsd puts no filter node above the overlay: leave out 'filter-node-name'"));
         }
-        let state = self.state();
+        let mut state = self.state();
         let top = node(&state, &args.device)?;
         let chain = chain(&top);
         let base_depth = base_of(&state, &chain, &args)?;
@@ -70,6 +71,7 @@ impl Daemon {
             let name = args.backing_file.or_else(|| image_filename(&base)).unwrap_or_else(|| base.name().to_string());
             (name, backing_format(&base, args.backing_mask_protocol).to_string())
         });
+        refuse_filter_over(&mut state, &[("file", &top)], Filter::Opened)?;
         if chain.len() > 1 && top.driver() != "qcow2" {
             return Err(generic(format!("Node '{}' is not a qcow2 image: vsd streams into qcow2 only", top.name())));
         }

@@ -14,7 +14,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::qmp::Qmp;
-use common::{Daemon, Scratch, VSD, monitor, ok};
+use common::{Daemon, Scratch, VSD, monitor, ok, run};
 use serde_json::{Value, json};
 
 const QSD: &str = "qemu-storage-daemon";
@@ -367,20 +367,37 @@ fn set_active(s: &mut Session, node: &str, active: bool) {
     s.cmd("blockdev-set-active", json!({"node-name": node, "active": active}))
 }
 
-/// The states inactive-node-nbd.out shows, in order, for the parts run.
-const INACTIVE_NODE_STATES: [bool; 13] = [
+/// The states inactive-node-nbd.out shows, in order.
+const INACTIVE_NODE_STATES: [bool; 32] = [
     false, true, false, true, false, false, // exports activate unless allow-inactive
     true, true, false, // inactivating with an export
     true, true, false, false, // with a parent
+    false, true, false, false, // an active overlay goes inactive with its base
+    false, false, false, // the chain the jobs are refused on
+    true, false, false, true, // mirror: the base activated
+    true, true, true, false, // the chain activated, the target not
+    false, false, false, true, // backup: the other way round
 ];
 
-/// inactive-node-nbd's exports of inactive nodes, activation with
-/// parents, resizing, and what an NBD client may do on an export whose
-/// node is inactive. Left out: making an active node over an inactive one
-/// (vsd's error says which `blockdev-add` first), snapshots and jobs over
-/// inactive nodes (vsd lets an active overlay stay over an inactive
-/// backing file, and lets jobs start on inactive nodes), and `cont`,
-/// which a storage daemon has not.
+/// The refusals of inactive-node-nbd.out's jobs, in order (generated node
+/// names filtered).
+const INACTIVE_JOB_REFUSALS: [&str; 8] = [
+    "Could not create node: Inactive 'snap-fmt' can't be a file child of active 'NODE_NAME'",
+    "Inactive 'snap-fmt' can't be a backing child of active 'NODE_NAME'",
+    "Inactive 'snap-fmt' can't be a backing child of active 'NODE_NAME'",
+    "Inactive 'snap-fmt' can't be a backing child of active 'NODE_NAME'",
+    "Inactive 'snap2-fmt' can't be a backing child of active 'NODE_NAME'",
+    "Permission 'write' unavailable on inactive node",
+    "Could not create node: Inactive 'target-fmt' can't be a target child of active 'NODE_NAME'",
+    "Could not create node: Inactive 'snap2-fmt' can't be a file child of active 'NODE_NAME'",
+];
+
+/// inactive-node-nbd, all of it a storage daemon can run: exports of
+/// inactive nodes, activation with parents, active nodes refused over
+/// inactive ones, resizing, snapshots of an inactive node, block jobs on
+/// inactive nodes, and what an NBD client may do on an export whose node
+/// is inactive. Left out: `cont`, which a storage daemon has not, and the
+/// read-only node of QEMU's later version of the test.
 #[test]
 fn inactive_node_nbd() {
     let log = on_both("inactive-nbd", inactive_node_setup, |s| {
@@ -399,13 +416,24 @@ fn inactive_node_nbd() {
             export_gone(s);
         }
         inactive_parents(s);
+        inactive_snapshot(s);
+        inactive_jobs(s);
         inactive_export_access(s);
     });
     assert_eq!(activity(&log), INACTIVE_NODE_STATES);
     let refused = |desc: &str| outcomes(&log).iter().filter(|o| o.as_str() == desc).count();
     assert_eq!(refused("Failed to inactivate node: Operation not permitted"), 2);
     assert_eq!(refused("Node has active parent node"), 1);
+    assert_eq!(refused("Inactive 'disk-fmt' can't be a file child of active 'disk-filter'"), 2);
     assert_eq!(refused("Permission 'resize' unavailable on inactive node"), 1);
+    let jobs: Vec<String> =
+        outcomes(&log).into_iter().filter(|o| INACTIVE_JOB_REFUSALS.contains(&o.as_str())).collect();
+    assert_eq!(jobs, INACTIVE_JOB_REFUSALS.map(String::from));
+    // Made, then dropped: the jobs QEMU refuses once made (the two
+    // intermediate commits, the mirror onto an inactive target).
+    let made = log.iter().filter(|v| v["events"] == json!([job_status("created"), job_status("null")])).count();
+    assert_eq!(made, 3);
+    assert_eq!(noted(&log, "jobs-left"), &json!([]));
     let io = noted(&log, "qemu-io").as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect::<Vec<_>>();
     let eperm = |what: &str| format!("{what}: Operation not permitted");
     assert_eq!(io[0], "read 65536/65536 bytes at offset 0");
@@ -424,9 +452,87 @@ fn inactive_parents(s: &mut Session) {
     set_active(s, "disk-file", false);
     s.active("disk-file");
     s.active("disk-fmt");
-    s.cmd("blockdev-add", json!({"driver": "raw", "file": "disk-fmt", "node-name": "disk-filter", "active": false}));
+    let filter = json!({"driver": "raw", "file": "disk-fmt", "node-name": "disk-filter"});
+    s.cmd("blockdev-add", filter.clone());
+    s.cmd("blockdev-add", with_active(filter.clone(), true));
+    s.cmd("blockdev-add", with_active(filter, false));
     s.cmd("blockdev-del", json!({"node-name": "disk-filter"}));
     s.cmd("block_resize", json!({"node-name": "disk-fmt", "size": 16 << 20}));
+}
+
+/// `options` with `active` set.
+fn with_active(mut options: Value, active: bool) -> Value {
+    options["active"] = json!(active);
+    options
+}
+
+/// The `JOB_STATUS_CHANGE` of job `job0` to `status`, as logged.
+fn job_status(status: &str) -> Value {
+    json!(["JOB_STATUS_CHANGE", {"id": "job0", "status": status}])
+}
+
+/// Logs whether each of `nodes` is active.
+fn states(s: &mut Session, nodes: &[&str]) {
+    nodes.iter().for_each(|node| s.active(node));
+}
+
+/// Runs a job command; logs it, its answer and the events it sent
+/// meanwhile (QEMU makes some jobs before it refuses them). Both daemons
+/// send a command's events before its answer.
+fn job_cmd(s: &mut Session, command: &str, args: Value) {
+    let before = s.qmp.event_log().len();
+    s.cmd(command, args);
+    let sent = s.qmp.event_log().split_off(before);
+    s.note(json!({ "events": sent }));
+}
+
+/// The overlay `snap-fmt` inactive-node-nbd snapshots `disk-fmt` with.
+fn snap_fmt() -> Value {
+    json!({"driver": "qcow2", "node-name": "snap-fmt", "file": "snap-file", "backing": null})
+}
+
+/// inactive-node-nbd's snapshots of the inactive `disk-fmt`: an active
+/// overlay is made inactive with it, an inactive one just taken.
+fn inactive_snapshot(s: &mut Session) {
+    let snapshot = json!({"node": "disk-fmt", "overlay": "snap-fmt"});
+    s.cmd("blockdev-add", snap_fmt());
+    states(s, &["disk-fmt", "snap-fmt"]);
+    s.cmd("blockdev-snapshot", snapshot.clone());
+    states(s, &["disk-fmt", "snap-fmt"]);
+    s.cmd("blockdev-del", json!({"node-name": "snap-fmt"}));
+    s.cmd("blockdev-add", with_active(snap_fmt(), false));
+    s.cmd("blockdev-snapshot", snapshot);
+}
+
+/// inactive-node-nbd's block jobs on inactive nodes, each refused: a
+/// stream and commits of the inactive chain, mirrors and backups with an
+/// inactive source or target.
+fn inactive_jobs(s: &mut Session) {
+    let [chain, all] =
+        [&["disk-fmt", "snap-fmt", "snap2-fmt"][..], &["disk-fmt", "snap-fmt", "snap2-fmt", "target-fmt"]];
+    job_cmd(s, "block-stream", json!({"device": "snap-fmt"}));
+    job_cmd(s, "block-commit", json!({"job-id": "job0", "device": "snap-fmt"}));
+    let snap2 = json!({"driver": "qcow2", "node-name": "snap2-fmt", "file": "snap2-file", "backing": "snap-fmt"});
+    s.cmd("blockdev-add", with_active(snap2, false));
+    states(s, chain);
+    let intermediate = json!({"job-id": "job0", "device": "snap2-fmt", "top-node": "snap-fmt"});
+    job_cmd(s, "block-commit", intermediate.clone());
+    set_active(s, "disk-fmt", true);
+    job_cmd(s, "block-commit", intermediate);
+    let copy = json!({"job-id": "job0", "device": "snap2-fmt", "target": "target-fmt", "sync": "full"});
+    job_cmd(s, "blockdev-mirror", copy.clone());
+    states(s, all);
+    set_active(s, "snap2-fmt", true);
+    set_active(s, "target-fmt", false);
+    states(s, all);
+    job_cmd(s, "blockdev-mirror", copy.clone());
+    job_cmd(s, "blockdev-backup", copy.clone());
+    set_active(s, "snap2-fmt", false);
+    set_active(s, "target-fmt", true);
+    states(s, all);
+    job_cmd(s, "blockdev-backup", copy);
+    let jobs = s.qmp.ok("query-jobs", json!({}));
+    s.note(json!({ "jobs-left": jobs }));
 }
 
 /// An export of an inactive node: reads and flushes go through, the rest
@@ -446,6 +552,107 @@ fn inactive_export_access(s: &mut Session) {
     set_active(s, "target-fmt", true);
     let said = ["write -P 7 0 64k", "read -P 7 0 64k"].map(|c| io.cmd(c));
     s.note(json!({ "after": said }));
+}
+
+/// inactive-node-nbd's images and nodes, `snap.qcow2` with an internal
+/// snapshot `old`.
+fn inactive_snapshotted_setup(dir: &Scratch) -> Vec<String> {
+    let args = inactive_node_setup(dir);
+    ok("qemu-img", &["snapshot", "-c", "old", &dir.path("snap.qcow2").display().to_string()]);
+    args
+}
+
+/// What `image` says of itself: its snapshots' names, whether it names a
+/// backing file, whether `qemu-img check` finds it clean.
+fn image_facts(image: &Path) -> Value {
+    let image = image.display().to_string();
+    let info: Value = serde_json::from_str(&ok("qemu-img", &["info", "-U", "--output=json", &image])).unwrap();
+    let snapshots: Vec<&Value> =
+        info["snapshots"].as_array().map(|s| s.iter().map(|s| &s["name"]).collect()).unwrap_or_default();
+    let clean = run("qemu-img", &["check", "-U", "-q", &image]).status.success();
+    json!({"snapshots": snapshots, "backing": info["backing-filename"].is_string(), "clean": clean})
+}
+
+/// The other commands on inactive nodes, as QSD answers them: dirty
+/// bitmaps (taken), internal snapshots (refused, and none found to
+/// delete), an external snapshot made by `blockdev-snapshot-sync`, a
+/// `blockdev-create` job (fails), `drive-mirror` and `drive-backup` of an
+/// inactive node (refused, their new images made first, as QEMU makes
+/// them); no image is changed but the new ones, and no job is left.
+#[test]
+fn inactive_node_commands() {
+    let log = on_both("inactive-commands", inactive_snapshotted_setup, |s| {
+        s.cmd("blockdev-add", with_active(snap_fmt(), false));
+        for (command, args) in [
+            ("block-dirty-bitmap-add", json!({"node": "snap-fmt", "name": "b0"})),
+            ("block-dirty-bitmap-add", json!({"node": "disk-fmt", "name": "b1"})),
+            ("block-dirty-bitmap-disable", json!({"node": "disk-fmt", "name": "b1"})),
+            ("block-dirty-bitmap-enable", json!({"node": "disk-fmt", "name": "b1"})),
+            ("block-dirty-bitmap-clear", json!({"node": "disk-fmt", "name": "b1"})),
+            ("block-dirty-bitmap-merge", json!({"node": "disk-fmt", "target": "b1", "bitmaps": ["b1"]})),
+            ("block-dirty-bitmap-remove", json!({"node": "disk-fmt", "name": "b1"})),
+            ("block_resize", json!({"node-name": "snap-fmt", "size": 16 << 20})),
+            ("blockdev-snapshot-internal-sync", json!({"device": "snap-fmt", "name": "new"})),
+        ] {
+            s.cmd(command, args);
+        }
+        let overlay = s.dir.path("overlay.qcow2");
+        let sync = json!({"node-name": "snap-fmt", "snapshot-file": overlay, "snapshot-node-name": "overlay"});
+        s.cmd("blockdev-snapshot-sync", sync);
+        s.note(json!({ "overlay": image_facts(&overlay) }));
+        s.active("snap-fmt");
+        // Inactive as its only parent is.
+        set_active(s, "disk-file", false);
+        let create = json!({"driver": "qcow2", "file": "disk-file", "size": 1 << 20});
+        s.cmd("blockdev-create", json!({"job-id": "job0", "options": create}));
+        s.qmp.await_event("JOB_STATUS_CHANGE", json!({"id": "job0", "status": "concluded"}));
+        let jobs = s.qmp.ok("query-jobs", json!({}));
+        s.note(json!({ "create": jobs[0]["error"] }));
+        s.cmd("job-dismiss", json!({"id": "job0"}));
+        let made = |name: &str| s.dir.path(name).display().to_string();
+        let mirror = json!({"job-id": "job0", "device": "snap-fmt", "target": made("m.qcow2"), "sync": "full"});
+        job_cmd(s, "drive-mirror", mirror);
+        let backup = json!({"job-id": "job0", "device": "snap-fmt", "target": made("b.qcow2"), "sync": "full"});
+        job_cmd(s, "drive-backup", backup);
+        let made = ["m.qcow2", "b.qcow2"].map(|name| s.dir.path(name).exists());
+        s.note(json!({ "made": made }));
+        let jobs = s.qmp.ok("query-jobs", json!({}));
+        s.note(json!({ "jobs-left": jobs }));
+        s.note(json!({ "snap": image_facts(&s.dir.path("snap.qcow2")) }));
+        s.note(json!({ "disk-size": std::fs::metadata(s.dir.path("disk.img")).unwrap().len() }));
+    });
+    let answers = outcomes(&log);
+    assert!(answers[..8].iter().all(|a| a == "ok"), "bitmaps are taken on inactive nodes: {answers:?}");
+    assert_eq!(answers[8], "Permission 'resize' unavailable on inactive node");
+    assert_eq!(answers[9], "Block format 'qcow2' used by device 'snap-fmt' does not support internal snapshots");
+    assert_eq!(answers[10], "ok", "blockdev-snapshot-sync");
+    assert_eq!(noted(&log, "overlay"), &json!({"snapshots": [], "backing": true, "clean": true}));
+    assert_eq!(noted(&log, "create"), "Permission 'write, resize' unavailable on inactive node");
+    let refused =
+        ["backing", "file"].map(|role| format!("Inactive 'snap-fmt' can't be a {role} child of active 'NODE_NAME'"));
+    assert_eq!(answers[answers.len() - 2..], [refused[0].clone(), format!("Could not create node: {}", refused[1])]);
+    assert_eq!(noted(&log, "made"), &json!([true, true]));
+    assert_eq!(noted(&log, "jobs-left"), &json!([]));
+    assert_eq!(noted(&log, "snap"), &json!({"snapshots": ["old"], "backing": true, "clean": true}));
+    assert_eq!(noted(&log, "disk-size"), &json!(10 << 20));
+}
+
+/// Deleting an internal snapshot of an inactive node: QSD 10 writes the
+/// image anyway and aborts on its own assertion; vsd refuses and writes
+/// nothing.
+#[test]
+fn inactive_node_snapshot_deletion() {
+    let dir = Scratch::new("inactive-snapshot-delete-vsd");
+    let socket = dir.path("qmp.sock");
+    let mut args = inactive_snapshotted_setup(&dir);
+    args.extend(monitor(&socket));
+    let _vsd = Daemon::vsd(&dir, &args);
+    let mut qmp = Qmp::connect(&socket);
+    qmp.ok("blockdev-add", with_active(snap_fmt(), false));
+    let refused = qmp.answer("blockdev-snapshot-delete-internal-sync", json!({"device": "snap-fmt", "name": "old"}));
+    let desc = refused["error"]["desc"].as_str().unwrap_or_default();
+    assert!(desc.starts_with("Failed to remove snapshot from snapshot list: "), "{refused}");
+    assert_eq!(image_facts(&dir.path("snap.qcow2"))["snapshots"], json!(["old"]));
 }
 
 /// nbd-multiconn's disk: qcow2, 4M, 1s then 2s.
