@@ -21,7 +21,9 @@ use vsd_engine::{Completion, IoOp, IoQueue};
 use vsd_trace::{Clock, OpKind, QueueSnapshot, QueueStats, Runs};
 
 use crate::BlockNode;
+use crate::common::DiscardsAnswered;
 use crate::dirty::{DirtyBitmaps, DirtyRecorder};
+use crate::drivers::FilteredQueue;
 
 /// The statistics of one node: one [`QueueStats`] per queue ever open at
 /// once, handed out again when a queue closes, so they keep counting.
@@ -86,6 +88,8 @@ pub(crate) struct AccountedNode {
     active: AtomicBool,
     /// The graph keeps dirty bitmaps for every driver too.
     bitmaps: Arc<DirtyBitmaps>,
+    /// A filter without `discard=unmap`: its queues answer discards.
+    answers_discards: bool,
 }
 
 impl AccountedNode {
@@ -96,7 +100,8 @@ impl AccountedNode {
         active: bool,
         bitmaps: Arc<DirtyBitmaps>,
     ) -> Self {
-        Self { inner, stats: Arc::default(), cache, common, active: AtomicBool::new(active), bitmaps }
+        let answers_discards = crate::FILTERS.contains(&inner.driver()) && !common.acts_on_discards;
+        Self { inner, stats: Arc::default(), cache, common, active: AtomicBool::new(active), bitmaps, answers_discards }
     }
 }
 
@@ -215,7 +220,11 @@ impl BlockNode for AccountedNode {
         Ok(Box::new(AccountedQueue::new(inner, self.stats.lease(), self.bitmaps.recorder(), depth)))
     }
     fn open_uncounted_queue(&self, depth: u16) -> io::Result<Box<dyn IoQueue>> {
-        Ok(self.common.detect_zeroes.wrap(self.inner.open_queue(depth)?, depth))
+        let mut queue = self.inner.open_queue(depth)?;
+        if self.answers_discards {
+            queue = Box::new(FilteredQueue::new(queue, DiscardsAnswered, depth));
+        }
+        Ok(self.common.detect_zeroes.wrap(queue, depth))
     }
     fn stats(&self) -> Option<QueueSnapshot> {
         Some(self.stats.snapshot())

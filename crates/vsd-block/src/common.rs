@@ -3,11 +3,15 @@
 //!
 //! The graph reads them for every driver. `discard` is acted on by the
 //! drivers that reach the host (file, host_device, rbd) and by the formats
-//! (raw, qcow2), which take it from the options themselves: without
-//! `discard=unmap` they answer discards at once, as QEMU's nodes; filters
-//! pass discards down. `auto-read-only` is acted on by the file driver.
-//! On the other nodes both are checked and dropped.
+//! (raw, qcow2), which take it from the options themselves, and for the
+//! filters by the graph ([`DiscardsAnswered`]): without `discard=unmap`
+//! each node answers discards at once, as QEMU's nodes. `auto-read-only`
+//! is acted on by the file driver. On the other nodes both are checked
+//! and dropped.
 
+use vsd_engine::IoOp;
+
+use crate::drivers::{Filter, Route};
 use crate::options::{OptionError, OptionMap};
 use crate::zeroes::DetectZeroes;
 
@@ -51,6 +55,28 @@ impl Common {
         for key in Self::LEFT_TO_DRIVERS {
             opts.remove(key);
         }
+    }
+}
+
+/// A request as a node without `discard=unmap` passes it on: a discard is
+/// answered at once (QEMU's `discard=ignore`), and a write-zeroes may no
+/// longer deallocate.
+pub(crate) fn without_unmap(op: IoOp) -> Route {
+    match op {
+        IoOp::Discard { .. } => Route::Answer(0),
+        IoOp::WriteZeroes { offset, len, may_unmap: true, fast } => {
+            Route::Forward(IoOp::WriteZeroes { offset, len, may_unmap: false, fast })
+        }
+        op => Route::Forward(op),
+    }
+}
+
+/// What the graph puts under a filter node without `discard=unmap`.
+pub(crate) struct DiscardsAnswered;
+
+impl Filter for DiscardsAnswered {
+    fn route(&self, op: IoOp) -> Route {
+        without_unmap(op)
     }
 }
 

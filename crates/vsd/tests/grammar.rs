@@ -214,7 +214,14 @@ fn written_with(program: &str, detect: &str) -> Vec<(u64, bool, bool)> {
 /// Runs qemu-io's `commands` on an NBD export of a fresh 4 MiB qcow2 image
 /// whose node has `options`, and returns the image's map.
 fn served_with(program: &str, options: &str, commands: &[&str]) -> Vec<(u64, bool, bool)> {
-    let dir = Scratch::new(&format!("grammar-zeroes-{}-{}-{}", program.len(), options.len(), commands.len()));
+    served_under(program, options, None, commands)
+}
+
+/// As [`served_with`], the export on `filter` (`DRIVER,OPTIONS`) over the
+/// qcow2 node when there is one.
+fn served_under(program: &str, options: &str, filter: Option<&str>, commands: &[&str]) -> Vec<(u64, bool, bool)> {
+    let tag = format!("{}-{}-{}", options.len(), filter.map_or(0, str::len), commands.len());
+    let dir = Scratch::new(&format!("grammar-zeroes-{}-{tag}", program.len()));
     let image = dir.path("z.qcow2");
     ok("qemu-img", &["create", "-q", "-f", "qcow2", &image.display().to_string(), "4M"]);
     let socket = dir.path("nbd.sock");
@@ -225,8 +232,14 @@ fn served_with(program: &str, options: &str, commands: &[&str]) -> Vec<(u64, boo
         &format!("qcow2,node-name=q,file=f{options}"),
         "--nbd-server",
         &format!("addr.type=unix,addr.path={}", socket.display()),
-        "--export",
-        "nbd,id=e,node-name=q,writable=on",
+    ]);
+    let mut args = args;
+    if let Some(filter) = filter {
+        args.extend(["--blockdev".to_string(), format!("{filter},node-name=top,file=q")]);
+    }
+    args.extend([
+        "--export".to_string(),
+        format!("nbd,id=e,node-name={},name=q,writable=on", ["q", "top"][usize::from(filter.is_some())]),
     ]);
     let daemon = start(program, &dir, &args);
     let uri = format!("nbd+unix:///q?socket={}", socket.display());
@@ -262,6 +275,14 @@ fn discards_reach_the_image_only_with_discard_unmap_as_qemu_does() {
         assert_eq!(unmapped[0].0, 1 << 20, "{program}: the first MiB is discarded: {unmapped:?}");
         assert!(!unmapped[0].1, "{program}: discarded, not data: {unmapped:?}");
         assert_eq!(unmapped[1], (1 << 20, true, false), "{program}: the rest is data: {unmapped:?}");
+        // A filter answers for itself too: without discard=unmap, it drops
+        // the discards before the qcow2 node, which would act on them.
+        let under = |filter: &str| served_under(program, ",discard=unmap", Some(filter), &commands);
+        let dropped = under("copy-on-read");
+        assert_eq!(dropped[0], (2 << 20, true, false), "{program}: the filter ignores it: {dropped:?}");
+        let passed = under("copy-on-read,discard=unmap");
+        assert_eq!(passed[0].0, 1 << 20, "{program}: the filter passes it on: {passed:?}");
+        assert!(!passed[0].1, "{program}: discarded, not data: {passed:?}");
     }
 }
 

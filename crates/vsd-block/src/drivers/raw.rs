@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use vsd_engine::{IoOp, IoQueue};
 
 use super::{Filter, FilteredQueue, Route, out_of_bounds, shifted};
-use crate::common::DISCARD;
+use crate::common::{DISCARD, without_unmap};
 use crate::options::OptionMap;
 use crate::{Allocation, BlockGraph, BlockNode, GraphError};
 
@@ -63,12 +63,10 @@ impl Filter for Window {
         if out_of_bounds(&op, self.size.load(Ordering::Relaxed)) {
             return Route::Answer(libc::EIO);
         }
-        match op {
-            IoOp::Discard { .. } if !self.acts_on_discards => Route::Answer(0),
-            IoOp::WriteZeroes { offset, len, may_unmap: true, fast } if !self.acts_on_discards => {
-                Route::Forward(shifted(IoOp::WriteZeroes { offset, len, may_unmap: false, fast }, self.offset))
-            }
-            op => Route::Forward(shifted(op, self.offset)),
+        let route = if self.acts_on_discards { Route::Forward(op) } else { without_unmap(op) };
+        match route {
+            Route::Forward(op) => Route::Forward(shifted(op, self.offset)),
+            answered => answered,
         }
     }
 }
