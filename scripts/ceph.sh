@@ -183,7 +183,11 @@ flock 9
 case "${1:-}" in
 start) shift; start "$@" ;;
 stop) stop ;;
-status) ceph_cmd -s ;;
+status)
+    # A stopped cluster answers at once rather than after ceph's 30 s timeout.
+    running || die "no test cluster runs in $dir (scripts/ceph.sh start)"
+    ceph_cmd -s
+    ;;
 running) running ;;
 *) die "usage: $0 start [--cephx] | stop | status | running" ;;
 esac

@@ -7,11 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/setup.sh
-cargo build --release --locked -p vsd -p vsd-bench
-# Where cargo put them, wherever that is.
-target=${CARGO_TARGET_DIR:-target}
-vsd=$target/release/vsd
-bench=$target/release/vsd-bench
+bin=$(scripts/build.sh)
+vsd=$bin/vsd
+bench=$bin/vsd-bench
 
 dir=$(mktemp -d)
 daemon=

@@ -3,9 +3,11 @@
 
 usage: qmp.py SOCKET COMMAND [ARGUMENTS-JSON] [--event NAME]
 
-Prints the reply as one JSON line: {"return": ...} or {"error": {...}}
-(exit status 0 either way; 2 if the client itself failed). With --event,
-then waits up to 10 s for the event NAME and prints it as a second line.
+Prints the reply as one JSON line: {"return": ...} (exit status 0) or
+{"error": {...}} (exit status 1, so that a script stops on it; the error's
+text also goes to standard error); 2 if the client itself failed. With
+--event, a command that succeeded then waits up to 10 s for the event NAME
+and prints it as a second line (exit status 3 if it did not come).
 Needs the `qemu.qmp` package (scripts/setup.sh installs it).
 """
 import argparse
@@ -28,11 +30,17 @@ def main() -> int:
         reply = qmp.cmd_raw(args.command, json.loads(args.arguments))
         reply.pop("id", None)
         print(json.dumps(reply), flush=True)
+        if "error" in reply:
+            print(f"qmp.py: {args.command}: {reply['error'].get('desc')}", file=sys.stderr)
+            return 1
         if args.event:
             event = qmp.pull_event(wait=10.0)
             while event is not None and event.get("event") != args.event:
                 event = qmp.pull_event(wait=10.0)
             print(json.dumps(event))
+            if event is None:
+                print(f"qmp.py: no {args.event} event within 10 s", file=sys.stderr)
+                return 3
     except Exception as e:  # pylint: disable=broad-except
         print(f"qmp.py: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -39,7 +39,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use vsd_block::options::OptionMap;
 use vsd_control::metrics::MetricsServer;
 
@@ -68,13 +68,13 @@ enum Command {
 
 #[derive(clap::Args, Debug)]
 struct DaemonArgs {
-    /// An object others refer to by id: [qom-type=]secret|iothread|tls-creds-x509|throttle-group,id=ID,... (`--object help` lists them)
+    /// An object others refer to by id (the types are listed by `cli()`)
     #[arg(long, value_name = "OPTIONS")]
     object: Vec<String>,
-    /// A block node: [driver=]DRIVER,node-name=NAME,... or a JSON object (`--blockdev help` lists the drivers)
+    /// A block node (the drivers are listed by `cli()`)
     #[arg(long, value_name = "OPTIONS")]
     blockdev: Vec<String>,
-    /// An export: [type=]vhost-user-blk,id=ID,node-name=NAME,addr.type=unix,addr.path=SOCKET,... or [type=]nbd,id=ID,node-name=NAME,... (with --nbd-server)
+    /// An export (the types are listed by `cli()`)
     #[arg(long, value_name = "OPTIONS")]
     export: Vec<String>,
     /// The NBD server: addr.type=unix,addr.path=SOCKET or addr.type=inet,addr.host=HOST,addr.port=PORT[,tls-creds=ID]
@@ -110,8 +110,33 @@ struct DaemonArgs {
     trace: Vec<String>,
 }
 
+/// The command line, its lists of object types, drivers and export types
+/// taken from the tables the daemon itself uses (and the manual's test).
+fn cli() -> clap::Command {
+    let list = |items: &[&str]| items.join("|");
+    Cli::command()
+        .mut_arg("object", |arg| {
+            arg.help(format!(
+                "An object others refer to by id: [qom-type=]{},id=ID,... (`--object TYPE,help` lists a type's properties)",
+                list(objects::TYPES)
+            ))
+        })
+        .mut_arg("blockdev", |arg| {
+            arg.help(format!(
+                "A block node: [driver=]{},node-name=NAME,... or a JSON object (`--blockdev DRIVER,help` lists a driver's options)",
+                list(vsd_block::DRIVERS)
+            ))
+        })
+        .mut_arg("export", |arg| {
+            arg.help(format!(
+                "An export: [type=]{},id=ID,node-name=NAME,... (`--export TYPE,help` lists a type's options)",
+                list(daemon::EXPORT_TYPES)
+            ))
+        })
+}
+
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli = match cli().try_get_matches().and_then(|matches| Cli::from_arg_matches(&matches)) {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => {
             // --help and --version
@@ -164,8 +189,26 @@ fn help(args: &DaemonArgs) -> Option<String> {
     if args.blockdev.iter().any(|b| b == "help") {
         return Some(format!("Block drivers:\n{}", lines(vsd_block::DRIVERS)));
     }
+    if let Some(driver) = args.blockdev.iter().find_map(|b| b.strip_suffix(",help")) {
+        let driver = driver.strip_prefix("driver=").unwrap_or(driver);
+        return Some(match schema::blockdev_help(driver) {
+            Some(options) => {
+                format!("{driver} options:\n{}", lines(&options.iter().map(String::as_str).collect::<Vec<_>>()))
+            }
+            None => format!("Block drivers:\n{}", lines(vsd_block::DRIVERS)),
+        });
+    }
     if args.export.iter().any(|e| e == "help") {
         return Some(format!("Export types:\n{}", lines(daemon::EXPORT_TYPES)));
+    }
+    if let Some(kind) = args.export.iter().find_map(|e| e.strip_suffix(",help")) {
+        let kind = kind.strip_prefix("type=").unwrap_or(kind);
+        return Some(match schema::export_help(kind) {
+            Some(options) => {
+                format!("{kind} options:\n{}", lines(&options.iter().map(String::as_str).collect::<Vec<_>>()))
+            }
+            None => format!("Export types:\n{}", lines(daemon::EXPORT_TYPES)),
+        });
     }
     args.trace.iter().any(|t| t == "help").then(trace::help)
 }

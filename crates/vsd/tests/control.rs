@@ -71,14 +71,18 @@ fn qmp_with(socket: &Path, command: &str, args: Value, event: Option<&str>) -> (
         cmd.args(["--event", event]);
     }
     let out = cmd.output().expect("run python3 scripts/qmp.py");
-    assert!(
-        out.status.success(),
-        "qmp.py {command} failed (is the qemu.qmp package installed? scripts/setup.sh installs it): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let text = String::from_utf8(out.stdout).unwrap();
     let mut lines = text.lines().map(|l| serde_json::from_str::<Value>(l).unwrap());
-    (lines.next().expect("a reply"), lines.next())
+    let reply = lines.next().unwrap_or_else(|| {
+        panic!(
+            "qmp.py {command} failed (is the qemu.qmp package installed? scripts/setup.sh installs it): {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    // A QMP error is the script's exit status 1, so that shell scripts stop on it.
+    let expected = if reply.get("error").is_some() { Some(1) } else { Some(0) };
+    assert_eq!(out.status.code(), expected, "qmp.py {command}: {reply}");
+    (reply, lines.next())
 }
 
 fn returned(reply: &Value) -> &Value {

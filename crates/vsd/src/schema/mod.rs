@@ -7,6 +7,8 @@
 //! their parsers use where such lists exist (drivers, object types).
 
 mod introspect;
+#[cfg(test)]
+mod manual;
 pub(crate) mod returns;
 mod validate;
 
@@ -157,6 +159,7 @@ fn blockdev_union() -> Value {
             ("auto-read-only?", boolean()),
             ("force-share?", boolean()),
             ("detect-zeroes?", one_of(&["off", "on", "unmap"])),
+            ("active?", boolean()),
         ];
         members.extend(own.iter().cloned());
         object(&members)
@@ -248,6 +251,67 @@ fn driver_options(driver: &str) -> Vec<(&'static str, Value)> {
     }
 }
 
+/// The members of an object schema, each member of an object-valued one
+/// as `member.inner` (a `$ref`, a list or a union stays one member).
+fn flattened(schema: &Value) -> Vec<(String, &Value)> {
+    let mut found = Vec::new();
+    for (name, value) in schema["properties"].as_object().into_iter().flatten() {
+        match value["properties"].as_object() {
+            Some(inner) => found.extend(inner.iter().map(|(k, v)| (format!("{name}.{k}"), v))),
+            None => found.push((name.clone(), value)),
+        }
+    }
+    found
+}
+
+/// The case `tag = value` of a flat union schema.
+fn case<'a>(union: &'a Value, tag: &str, value: &str) -> &'a Value {
+    union["oneOf"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|case| case["properties"][tag]["const"] == value)
+        .unwrap_or_else(|| panic!("no case {tag}={value}"))
+}
+
+/// `--blockdev DRIVER,help`: the driver's options, as `name=<type>`.
+pub(crate) fn blockdev_help(driver: &str) -> Option<Vec<String>> {
+    vsd_block::DRIVERS.contains(&driver).then(|| option_lines(case(&blockdev_union(), "driver", driver), "driver"))
+}
+
+/// `--export TYPE,help`: the export type's options, as `name=<type>`.
+pub(crate) fn export_help(kind: &str) -> Option<Vec<String>> {
+    let union = block_export_options(&mut Introspection::new());
+    crate::daemon::EXPORT_TYPES.contains(&kind).then(|| option_lines(case(&union, "type", kind), "type"))
+}
+
+fn option_lines(schema: &Value, tag: &str) -> Vec<String> {
+    let mut lines: Vec<String> = flattened(schema)
+        .into_iter()
+        .filter(|(name, _)| name != tag)
+        .map(|(name, value)| format!("{name}=<{}>", kind(value)))
+        .collect();
+    lines.sort();
+    lines
+}
+
+/// A member's type, in the words of QEMU's `help` lists.
+fn kind(schema: &Value) -> String {
+    if let Some(values) = schema["enum"].as_array() {
+        return values.iter().filter_map(Value::as_str).collect::<Vec<_>>().join("|");
+    }
+    if let Some(reference) = schema["$ref"].as_str() {
+        return reference.rsplit('/').next().unwrap_or(reference).to_string();
+    }
+    match schema["type"].as_str() {
+        Some("boolean") => "bool".into(),
+        Some("integer") => "int".into(),
+        Some("array") => format!("list of {}", kind(&schema["items"])),
+        Some(other) => other.into(),
+        None => "any".into(),
+    }
+}
+
 fn socket_address() -> Value {
     union(
         "type",
@@ -278,8 +342,13 @@ pub(crate) fn block_export_options(_: &mut Introspection) -> Value {
         ("num-queues?", int()),
         ("serial?", vsd_own(string())),
         ("trace?", vsd_own(boolean())),
+        ("poll-us?", vsd_own(int())),
+        ("call-batch-us?", vsd_own(int())),
+        ("num-threads?", vsd_own(int())),
         ("cpu-affinity?", vsd_own(string())),
         ("socket-mode?", vsd_own(string())),
+        ("socket-owner?", vsd_own(string())),
+        ("socket-group?", vsd_own(string())),
         ("iothread-vq-mapping?", vsd_own(list(object(&[("iothread", string()), ("vqs?", list(int()))])))),
     ];
     let nbd = vec![
@@ -453,12 +522,35 @@ mod tests {
         assert!(missing.is_empty(), "read and not in the schema: {missing:#?}");
     }
 
+    /// Every option an export type's source reads is in its case of
+    /// `block-export-add`'s schema.
+    #[test]
+    fn every_option_an_export_reads_is_described() {
+        let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let union = block_export_options(&mut Introspection::new());
+        let sources = [("vhost-user-blk", "vsd-export/src/config.rs"), ("nbd", "vsd-nbd/src/config.rs")];
+        // Read inside an option described as a whole, or the NBD server's.
+        let inside = ["vqs", "addr", "tls-creds", "tls-authz", "max-connections", "handshake-max-seconds"];
+        let mut missing = Vec::new();
+        for (kind, source) in sources {
+            let case = union["oneOf"].as_array().unwrap().iter().find(|c| c["properties"]["type"]["const"] == kind);
+            let described = &case.unwrap()["properties"];
+            for key in options_read(&std::fs::read_to_string(crates.join(source)).unwrap()) {
+                if described.get(&key).is_none() && !inside.contains(&key.as_str()) {
+                    missing.push(format!("{kind}: '{key}' ({source})"));
+                }
+            }
+        }
+        assert!(missing.is_empty(), "read and not in the schema: {missing:#?}");
+    }
+
     /// The option keys `source` reads by name (`take_bool("key")`, ...,
     /// `child(opts, "key")`), each up to its first dot.
     fn options_read(source: &str) -> Vec<String> {
         let key =
             |rest: &str| rest.split('"').next().unwrap_or_default().split('.').next().unwrap_or_default().to_string();
-        let mut keys: Vec<String> = source.split("child(opts, \"").skip(1).map(key).collect();
+        // `child(opts, "key")` and the helpers that take the map first.
+        let mut keys: Vec<String> = source.split("(opts, \"").skip(1).map(key).collect();
         for (at, _) in source.match_indices("(\"") {
             let call =
                 source[..at].rsplit(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).next().unwrap_or_default();
