@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use vsd_block::options::OptionMap;
@@ -318,23 +319,49 @@ impl Daemon {
 
     /// Cancels every job, deletes every export (their requests in flight
     /// complete first; BLOCK_EXPORT_DELETED for each, as QSD sends them),
-    /// then writes back what nodes cache (qcow2 metadata).
-    pub fn shutdown(&self) {
+    /// then writes back what nodes cache (qcow2 metadata). An export whose
+    /// requests do not complete within [`STOP_LIMIT`] (its back-end stopped
+    /// answering: a frozen Ceph cluster or NBD server) is left behind with
+    /// the nodes below it, so that it delays neither the others nor the
+    /// daemon's exit; it is named in the result, and its requests in flight
+    /// were never acknowledged.
+    pub fn shutdown(&self) -> Vec<String> {
+        let deadline = Instant::now() + STOP_LIMIT;
         // First: guest writes may be waiting for a backup to copy.
         self.jobs.shutdown();
         let mut state = self.state();
-        for (id, export) in std::mem::take(&mut state.exports) {
-            export.stop();
-            self.events.emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": id }));
+        // Each on a thread of its own: one that hangs holds up no other.
+        let stopping: Vec<_> = std::mem::take(&mut state.exports)
+            .into_iter()
+            .map(|(id, export)| {
+                let node = export.node();
+                let (done, stopped) = std::sync::mpsc::channel();
+                std::thread::spawn(move || {
+                    export.stop();
+                    let _ = done.send(());
+                });
+                (id, node, stopped)
+            })
+            .collect();
+        let mut hung = Vec::new();
+        for (id, node, stopped) in stopping {
+            match stopped.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(()) => self.events.emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": id })),
+                Err(_) => hung.push((id, node)),
+            }
         }
         if let Some(server) = state.nbd.take() {
             server.stop();
         }
         // An export being deleted meanwhile may still use its node.
-        while !state.stopping.is_empty() {
-            state = self.export_stopped.wait(state).unwrap_or_else(|poisoned| poisoned.into_inner());
+        while !state.stopping.is_empty() && Instant::now() < deadline {
+            let wait = deadline.saturating_duration_since(Instant::now());
+            state = self.export_stopped.wait_timeout(state, wait).unwrap_or_else(|poisoned| poisoned.into_inner()).0;
         }
-        for node in state.graph.nodes() {
+        let mut left: Vec<Arc<dyn BlockNode>> = hung.iter().map(|(_, node)| node.clone()).collect();
+        left.extend(state.stopping.values().filter_map(|(node, _)| state.graph.get(node)));
+        let left = below(left);
+        for node in state.graph.nodes().filter(|node| !left.iter().any(|l| Arc::ptr_eq(l, node))) {
             if let Err(e) = node.close() {
                 log::error!("node '{}': writing back cached state failed: {e}", node.name());
             }
@@ -344,7 +371,26 @@ impl Daemon {
         // starting the next program at once finds the images free.
         state.claims.clear();
         state.graph = BlockGraph::new();
+        // Dropping them would wait for their back-end: the process's exit
+        // takes them.
+        std::mem::forget(left);
+        hung.into_iter().map(|(id, _)| id).chain(state.stopping.keys().cloned()).collect()
     }
+}
+
+/// How long the daemon's stop waits for an export's requests in flight.
+pub const STOP_LIMIT: Duration = Duration::from_secs(5);
+
+/// `nodes` and every node below them.
+fn below(mut nodes: Vec<Arc<dyn BlockNode>>) -> Vec<Arc<dyn BlockNode>> {
+    let mut found: Vec<Arc<dyn BlockNode>> = Vec::new();
+    while let Some(node) = nodes.pop() {
+        if !found.iter().any(|f| Arc::ptr_eq(f, &node)) {
+            nodes.extend(node.children().into_iter().map(|(_, child)| child));
+            found.push(node);
+        }
+    }
+    found
 }
 
 /// An export's options, by type.

@@ -267,7 +267,21 @@ fn run(args: DaemonArgs) -> Result<()> {
     }
     let signal = vsd_sys::wait_for_termination().context("waiting for signals")?;
     log::info!("signal {signal}: shutting down");
-    daemon.shutdown();
+    let hung = daemon.shutdown();
+    if !hung.is_empty() {
+        // Their threads still wait on the back-end: the process's exit
+        // ends them, not a drop that would wait with them.
+        drop(_serving);
+        let names: Vec<String> = hung.iter().map(|id| format!("'{id}'")).collect();
+        let (what, whose) = if names.len() == 1 { ("export", "its") } else { ("exports", "their") };
+        eprintln!(
+            "vsd: {what} {} still had requests in flight after {} s ({whose} back-end does not answer); \
+             exiting without them",
+            names.join(", "),
+            daemon::STOP_LIMIT.as_secs()
+        );
+        std::process::exit(1);
+    }
     Ok(())
 }
 

@@ -411,6 +411,10 @@ fn flushed_writes_survive_a_killed_daemon() {
     assert!(back == block(7));
 }
 
+/// Held while a test has the shared cluster's OSD stopped: another's
+/// SIGCONT would end the stop early.
+static OSD_STOPPED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// The OSD stops answering for a few seconds under I/O (SIGSTOP), then
 /// answers again: requests wait rather than fail, every one completes
 /// with its data, and vsd keeps running.
@@ -439,6 +443,7 @@ fn requests_wait_while_the_cluster_stops_answering() {
         rounds
     });
     std::thread::sleep(std::time::Duration::from_secs(1));
+    let _stopped = OSD_STOPPED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     // SAFETY: signals to the test cluster's OSD, a process of this user.
     unsafe { libc::kill(osd, libc::SIGSTOP) };
     std::thread::sleep(std::time::Duration::from_secs(5));
@@ -447,6 +452,36 @@ fn requests_wait_while_the_cluster_stops_answering() {
     let rounds = io.join().expect("every request completed with its data");
     assert!(rounds > 0);
     assert!(daemon.is_running());
+}
+
+/// SIGTERM while the cluster does not answer (the OSD stopped under I/O):
+/// the daemon gives the requests in flight a bounded time, then exits
+/// without them (status 1), rather than waiting for the cluster forever.
+#[test]
+fn sigterm_ends_the_daemon_while_the_cluster_stops_answering() {
+    let dir = Scratch::new("rbd-stall-stop");
+    let image = ceph().image("stall-stop", 16 * MIB);
+    let daemon = serve(&dir, image.node("r0"), ",writable=on");
+    let mut client = daemon.connect(ClientOptions::default());
+    let mut queue = client.take_queue(0).unwrap();
+    // Its writes fail once the daemon is gone, or time out before: only
+    // the exit is judged.
+    queue.set_timeout(std::time::Duration::from_secs(3));
+    let osd = ceph().osd_pid();
+    let io = std::thread::spawn(move || while queue.write_at(0, &pattern(1, 64 * 1024)).is_ok() {});
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let _stopped = OSD_STOPPED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    // SAFETY: signals to the test cluster's OSD, a process of this user.
+    unsafe { libc::kill(osd, libc::SIGSTOP) };
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    let stopping = std::time::Instant::now();
+    let status = daemon.stop();
+    let took = stopping.elapsed();
+    // SAFETY: as above.
+    unsafe { libc::kill(osd, libc::SIGCONT) };
+    assert_eq!(status.code(), Some(1), "vsd was killed after waiting {took:?} for the cluster");
+    assert!(took < std::time::Duration::from_secs(10), "{took:?}");
+    io.join().unwrap();
 }
 
 /// The image is deleted while served (its client fenced first, as `rbd rm`
