@@ -350,6 +350,8 @@ fn destdir_stages_an_install_for_its_prefix_and_uninstall_empties_it() {
     std::fs::create_dir(&destdir).unwrap();
     let env = [("DESTDIR", destdir.as_path()), ("PREFIX", Path::new("/usr"))];
     install(&env, false);
+    // Again, over the first: one install to remove.
+    install(&env, false);
     assert_eq!(files_under(&destdir.join("usr")), INSTALLED.map(PathBuf::from));
     assert_eq!(files_under(&destdir).len(), INSTALLED.len(), "all under PREFIX");
     let unit = std::fs::read_to_string(destdir.join("usr/lib/systemd/system/vsd.service")).unwrap();
