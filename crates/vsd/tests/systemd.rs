@@ -91,6 +91,18 @@ fn await_file(path: &Path) {
     }
 }
 
+/// The pid in `dir`'s pidfile, once the daemon wrote it.
+fn await_pid(dir: &Scratch) -> u32 {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        if let Some(pid) = std::fs::read_to_string(dir.path("vsd.pid")).ok().and_then(|t| t.trim().parse().ok()) {
+            return pid;
+        }
+        assert!(Instant::now() < deadline, "no pidfile");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// What a daemon SIGTERM reached said on stderr (piped), once it exited 0.
 fn stopped(mut child: Child) -> String {
     let mut stderr = String::new();
@@ -140,7 +152,7 @@ fn a_daemon_names_its_pid_on_an_abstract_socket() {
     let status = spawn(&args, &[("NOTIFY_SOCKET", &format!("@{name}"))], Stdio::null()).wait().unwrap();
     assert!(status.success(), "--daemonize returns once it serves");
 
-    let pid: u32 = std::fs::read_to_string(dir.path("vsd.pid")).unwrap().trim().parse().unwrap();
+    let pid = await_pid(&dir);
     let ready = manager.next();
     assert_eq!(
         ready,
@@ -169,7 +181,7 @@ fn a_notify_socket_that_cannot_be_reached_is_one_warning_and_the_daemon_serves()
     ] {
         let _ = std::fs::remove_file(dir.path("vsd.pid"));
         let child = spawn(&export_args(&dir), &[("NOTIFY_SOCKET", &target)], Stdio::piped());
-        await_file(&dir.path("vsd.pid"));
+        await_pid(&dir);
         assert_eq!(connect(&dir).capacity().unwrap(), MIB, "{target}: it serves");
         terminate(child.id());
         let stderr = stopped(child);
@@ -194,7 +206,7 @@ fn logged(dir: &Scratch, named: bool) -> String {
     let (mut reader, writer) = std::io::pipe().unwrap();
     let stream = if named { device_and_inode(&writer) } else { "0:0".into() };
     let mut child = spawn(&export_args(dir), &[("JOURNAL_STREAM", &stream), ("RUST_LOG", "info")], writer);
-    await_file(&dir.path("vsd.pid"));
+    await_pid(dir);
     drop(connect(dir));
     terminate(child.id());
     let mut said = String::new();
@@ -239,9 +251,7 @@ fn on_a_terminal(dir: &Scratch, args: &[String]) -> String {
         .stdout(Stdio::piped())
         .spawn()
         .expect("script(1)");
-    let pidfile = dir.path("vsd.pid");
-    await_file(&pidfile);
-    terminate(std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap());
+    terminate(await_pid(dir));
     let out = script.wait_with_output().unwrap();
     assert!(out.status.success(), "{out:?}");
     String::from_utf8(out.stdout).unwrap().replace("\r\n", "\n")
@@ -362,4 +372,64 @@ fn destdir_stages_an_install_for_its_prefix_and_uninstall_empties_it() {
     std::fs::write(destdir.join("usr/bin/other"), "").unwrap();
     install(&env, true);
     assert_eq!(files_under(&destdir), [PathBuf::from("usr/bin/other")]);
+}
+
+/// The command `vsd@.service` runs for a disk configured as the example
+/// `disk.conf`'s line `line` says (its first or its commented second), in
+/// `dir` instead of /var/lib/vsd and /run/vsd, as `nobody` instead of the
+/// `vsd` user the manual has one make.
+fn example_command(dir: &Scratch, line: usize) -> Vec<String> {
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/systemd");
+    let unit = std::fs::read_to_string(examples.join("vsd@.service")).unwrap();
+    let exec = unit.lines().find_map(|l| l.strip_prefix("ExecStart=/usr/local/bin/vsd ")).unwrap();
+    let conf = std::fs::read_to_string(examples.join("disk.conf")).unwrap();
+    let options =
+        conf.lines().filter_map(|l| l.trim_start_matches('#').strip_prefix("VSD_OPTIONS=")).nth(line).unwrap();
+    let here = dir.0.display().to_string();
+    let command = exec.replace("$VSD_OPTIONS", options).replace("user=vsd", "user=nobody");
+    let command = command.replace("/var/lib/vsd", &here).replace("/run/vsd", &here);
+    let mut args: Vec<String> = command.split_whitespace().map(String::from).collect();
+    args.extend(["--pidfile".into(), dir.path("vsd.pid").display().to_string()]);
+    args
+}
+
+#[test]
+fn the_example_disk_serves_on_its_own_socket_or_on_the_one_systemd_holds() {
+    let dir = Scratch::new("systemd-example");
+    dir.image("disk0.img", MIB);
+    let socket = dir.path("disk0.sock");
+
+    // Bound by vsd, for group kvm.
+    let child = spawn(&example_command(&dir, 1), &[], Stdio::piped());
+    await_pid(&dir);
+    let meta = std::fs::metadata(&socket).unwrap();
+    let kvm = common::ok("getent", &["group", "kvm"]);
+    assert_eq!(meta.gid().to_string(), kvm.split(':').nth(2).unwrap(), "the socket is group kvm's");
+    assert_eq!(meta.mode() & 0o777, 0o660);
+    assert_eq!(Client::connect(&socket, ClientOptions::default()).unwrap().capacity().unwrap(), MIB);
+    terminate(child.id());
+    assert_eq!(stopped(child), "");
+
+    // Passed as `vhost-user`, as vsd@disk0.socket passes it. (User nobody
+    // could not remove the first daemon's files.)
+    for left in [&socket, &dir.path("vsd.pid")] {
+        let _ = std::fs::remove_file(left);
+    }
+    let child = Command::new("systemd-socket-activate")
+        .arg(format!("--listen={}", socket.display()))
+        .arg("--fdname=vhost-user")
+        .arg(VSD)
+        .args(example_command(&dir, 0))
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("systemd-socket-activate (Debian's systemd)");
+    await_file(&socket);
+    // The first client starts vsd, and waits in the backlog meanwhile.
+    assert_eq!(Client::connect(&socket, ClientOptions::default()).unwrap().capacity().unwrap(), MIB);
+    let pid = await_pid(&dir);
+    assert_eq!(pid, child.id(), "vsd runs in the activator's process");
+    terminate(pid);
+    let stderr = stopped(child);
+    assert!(stderr.lines().all(|l| !l.starts_with("vsd")), "{stderr}");
 }
