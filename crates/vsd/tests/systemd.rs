@@ -74,21 +74,27 @@ fn export_args(dir: &Scratch) -> Vec<String> {
     args
 }
 
-fn spawn(args: &[String], env: &[(&str, &str)], stderr: impl Into<Stdio>) -> Child {
-    Command::new(VSD).args(args).envs(env.iter().copied()).stdin(Stdio::null()).stderr(stderr).spawn().unwrap()
+/// A child process, killed if a failed test leaves it running.
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if self.0.try_wait().unwrap().is_none() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+fn spawn(args: &[String], env: &[(&str, &str)], stderr: impl Into<Stdio>) -> Running {
+    let mut command = Command::new(VSD);
+    command.args(args).envs(env.iter().copied()).stdin(Stdio::null()).stderr(stderr);
+    Running(command.spawn().unwrap())
 }
 
 fn terminate(pid: u32) {
     // SAFETY: kill() with the pid of a daemon this test started.
     assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGTERM) }, 0);
-}
-
-fn await_file(path: &Path) {
-    let deadline = Instant::now() + PATIENCE;
-    while !path.exists() {
-        assert!(Instant::now() < deadline, "no {}", path.display());
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 /// The pid in `dir`'s pidfile, once the daemon wrote it.
@@ -104,10 +110,10 @@ fn await_pid(dir: &Scratch) -> u32 {
 }
 
 /// What a daemon SIGTERM reached said on stderr (piped), once it exited 0.
-fn stopped(mut child: Child) -> String {
+fn stopped(mut child: Running) -> String {
     let mut stderr = String::new();
-    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
-    assert!(child.wait().unwrap().success(), "{stderr}");
+    child.0.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    assert!(child.0.wait().unwrap().success(), "{stderr}");
     stderr
 }
 
@@ -135,7 +141,7 @@ fn the_manager_hears_ready_once_serving_the_clients_coming_and_going_and_stoppin
     let (gone, _) = manager.until("STATUS=");
     assert_eq!(gone, "STATUS=1 export, 0 connected: exp0 (vhost-user-blk, no client)");
 
-    terminate(child.id());
+    terminate(child.0.id());
     let (stopping, before) = manager.until("STOPPING=1");
     assert_eq!(stopping, "STOPPING=1\nSTATUS=stopping");
     assert!(before.is_empty(), "nothing new meanwhile: {before:?}");
@@ -149,7 +155,7 @@ fn a_daemon_names_its_pid_on_an_abstract_socket() {
     let manager = Manager::bind_abstract(&name);
     let mut args = export_args(&dir);
     args.push("--daemonize".into());
-    let status = spawn(&args, &[("NOTIFY_SOCKET", &format!("@{name}"))], Stdio::null()).wait().unwrap();
+    let status = spawn(&args, &[("NOTIFY_SOCKET", &format!("@{name}"))], Stdio::null()).0.wait().unwrap();
     assert!(status.success(), "--daemonize returns once it serves");
 
     let pid = await_pid(&dir);
@@ -183,7 +189,7 @@ fn a_notify_socket_that_cannot_be_reached_is_one_warning_and_the_daemon_serves()
         let child = spawn(&export_args(&dir), &[("NOTIFY_SOCKET", &target)], Stdio::piped());
         await_pid(&dir);
         assert_eq!(connect(&dir).capacity().unwrap(), MIB, "{target}: it serves");
-        terminate(child.id());
+        terminate(child.0.id());
         let stderr = stopped(child);
         assert_eq!(stderr.lines().count(), 1, "{target}: {stderr}");
         let said = format!("vsd: warning: NOTIFY_SOCKET='{target}': {why}");
@@ -208,10 +214,10 @@ fn logged(dir: &Scratch, named: bool) -> String {
     let mut child = spawn(&export_args(dir), &[("JOURNAL_STREAM", &stream), ("RUST_LOG", "info")], writer);
     await_pid(dir);
     drop(connect(dir));
-    terminate(child.id());
+    terminate(child.0.id());
     let mut said = String::new();
     reader.read_to_string(&mut said).unwrap();
-    assert!(child.wait().unwrap().success(), "{said}");
+    assert!(child.0.wait().unwrap().success(), "{said}");
     said
 }
 
@@ -245,16 +251,17 @@ fn on_the_journal_stream_lines_carry_a_priority_and_no_timestamp() {
 /// the terminal showed.
 fn on_a_terminal(dir: &Scratch, args: &[String]) -> String {
     let command = std::iter::once(VSD.to_string()).chain(args.iter().cloned()).collect::<Vec<_>>().join(" ");
-    let script = Command::new("script")
+    let mut script = Command::new("script");
+    script
         .args(["--quiet", "--return", "--command", &command, "/dev/null"])
         .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("script(1)");
+        .stdout(Stdio::piped());
+    let mut script = Running(script.spawn().expect("script(1)"));
     terminate(await_pid(dir));
-    let out = script.wait_with_output().unwrap();
-    assert!(out.status.success(), "{out:?}");
-    String::from_utf8(out.stdout).unwrap().replace("\r\n", "\n")
+    let mut shown = String::new();
+    script.0.stdout.take().unwrap().read_to_string(&mut shown).unwrap();
+    assert!(script.0.wait().unwrap().success(), "{shown}");
+    shown.replace("\r\n", "\n")
 }
 
 #[test]
@@ -407,7 +414,7 @@ fn the_example_disk_serves_on_its_own_socket_or_on_the_one_systemd_holds() {
     assert_eq!(meta.gid().to_string(), kvm.split(':').nth(2).unwrap(), "the socket is group kvm's");
     assert_eq!(meta.mode() & 0o777, 0o660);
     assert_eq!(Client::connect(&socket, ClientOptions::default()).unwrap().capacity().unwrap(), MIB);
-    terminate(child.id());
+    terminate(child.0.id());
     assert_eq!(stopped(child), "");
 
     // Passed as `vhost-user`, as vsd@disk0.socket passes it. (User nobody
@@ -415,20 +422,23 @@ fn the_example_disk_serves_on_its_own_socket_or_on_the_one_systemd_holds() {
     for left in [&socket, &dir.path("vsd.pid")] {
         let _ = std::fs::remove_file(left);
     }
-    let child = Command::new("systemd-socket-activate")
-        .arg(format!("--listen={}", socket.display()))
-        .arg("--fdname=vhost-user")
-        .arg(VSD)
-        .args(example_command(&dir, 0))
-        .stdin(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("systemd-socket-activate (Debian's systemd)");
-    await_file(&socket);
-    // The first client starts vsd, and waits in the backlog meanwhile.
-    assert_eq!(Client::connect(&socket, ClientOptions::default()).unwrap().capacity().unwrap(), MIB);
+    let mut activator = Command::new("systemd-socket-activate");
+    activator.arg(format!("--listen={}", socket.display())).arg("--fdname=vhost-user").arg(VSD);
+    activator.args(example_command(&dir, 0)).stdin(Stdio::null()).stderr(Stdio::piped());
+    let child = Running(activator.spawn().expect("systemd-socket-activate (Debian's systemd)"));
+    // The first client starts vsd, and waits in the backlog meanwhile
+    // (refused only before the activator listens).
+    let deadline = Instant::now() + PATIENCE;
+    let client = loop {
+        match Client::connect(&socket, ClientOptions::default()) {
+            Ok(client) => break client,
+            Err(e) => assert!(Instant::now() < deadline, "the activator did not listen: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(client.capacity().unwrap(), MIB);
     let pid = await_pid(&dir);
-    assert_eq!(pid, child.id(), "vsd runs in the activator's process");
+    assert_eq!(pid, child.0.id(), "vsd runs in the activator's process");
     terminate(pid);
     let stderr = stopped(child);
     assert!(stderr.lines().all(|l| !l.starts_with("vsd")), "{stderr}");
