@@ -1,7 +1,7 @@
 //! Thin wrappers around the Linux system calls vsd makes directly, by
 //! subject: files, pipes and splice, event counters, unix sockets, users,
-//! CPUs, becoming a daemon, its termination signals, interrupting a
-//! blocked thread, and confinement (no new privileges, no capabilities,
+//! CPUs, becoming a daemon and telling the service manager how it does,
+//! its termination signals, interrupting a blocked thread, and confinement (no new privileges, no capabilities,
 //! the sandbox's SIGSYS).
 //!
 //! Every call returns `io::Result`, so callers never look at `errno`
@@ -18,6 +18,7 @@ pub mod daemon;
 pub mod file;
 pub mod interrupt;
 pub mod lock;
+pub mod notify;
 pub mod pipe;
 pub mod process;
 pub mod size;

@@ -26,6 +26,7 @@ mod reopen;
 mod run_as;
 mod sandbox;
 mod schema;
+mod service;
 mod snapshot;
 mod stat;
 mod stream;
@@ -48,7 +49,11 @@ use pidfile::Pidfile;
 use run_as::RunAs;
 
 #[derive(Parser, Debug)]
-#[command(name = "vsd", version, about = "A vhost-user-blk storage daemon for virtual machines")]
+#[command(
+    name = "vsd",
+    version,
+    about = "A storage daemon for virtual machines: vhost-user-blk and NBD exports, with qemu-storage-daemon's command line and QMP"
+)]
 #[command(args_conflicts_with_subcommands = true)]
 #[command(
     after_help = "Examples:\n  vsd --blockdev driver=file,node-name=f,filename=disk.img,cache.direct=on \\\n      --export type=vhost-user-blk,id=e0,node-name=f,addr.type=unix,addr.path=/run/vsd.sock,writable=on,num-queues=2 \\\n      --chardev socket,id=qmp,path=/run/vsd-qmp.sock,server=on,wait=off --monitor chardev=qmp\n  vsd stat --qmp /run/vsd-qmp.sock"
@@ -64,6 +69,10 @@ struct Cli {
 enum Command {
     /// Print a running daemon's per-stage latency and events per I/O.
     Stat(stat::Args),
+    /// Print the manual page (roff) made from this command line's
+    /// definition, as scripts/install.sh installs it.
+    #[command(hide = true)]
+    Man,
 }
 
 #[derive(clap::Args, Debug)]
@@ -152,6 +161,7 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Some(Command::Stat(args)) => start_logging(&trace::Trace::default()).and_then(|()| stat::run(args)),
+        Some(Command::Man) => man_page(),
         None => match help(&cli.daemon) {
             Some(text) => {
                 print!("{text}");
@@ -163,7 +173,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("vsd: {e:#}");
+            service::say(service::ERR, &format!("{e:#}"));
             ExitCode::FAILURE
         }
     }
@@ -213,19 +223,34 @@ fn help(args: &DaemonArgs) -> Option<String> {
     args.trace.iter().any(|t| t == "help").then(trace::help)
 }
 
+/// The man page, from the same definition as `--help`.
+fn man_page() -> Result<()> {
+    clap_mangen::Man::new(cli()).render(&mut std::io::stdout().lock()).context("writing the man page")
+}
+
 /// The log on standard error (or `-T file=`), at `warn` unless RUST_LOG
-/// says otherwise, and in full for the layers `-T` names.
+/// says otherwise, and in full for the layers `-T` names. Journald stamps
+/// the lines it reads itself and takes their level from a prefix.
 fn start_logging(trace: &trace::Trace) -> Result<()> {
+    use std::io::Write;
     let mut logger = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"));
     for target in &trace.targets {
         logger.filter_module(target, log::LevelFilter::Trace);
     }
-    if let Some(file) = trace.open_file()? {
-        logger.target(env_logger::Target::Pipe(Box::new(file)));
+    match trace.open_file()? {
+        Some(file) => {
+            logger.target(env_logger::Target::Pipe(Box::new(file)));
+        }
+        None if service::stderr_is_journal() => {
+            logger.format(|out, record| {
+                writeln!(out, "<{}>{}: {}", service::priority(record.level()), record.target(), record.args())
+            });
+        }
+        None => {}
     }
     logger.init();
     if let Some(warning) = trace.warning() {
-        eprintln!("vsd: {warning}");
+        service::say(service::WARNING, &warning);
     }
     Ok(())
 }
@@ -234,6 +259,7 @@ fn run(args: DaemonArgs) -> Result<()> {
     start_logging(&trace::Trace::parse(&args.trace)?)?;
     // While the process is systemd's child alone.
     vsd_sys::activation::read_environment();
+    let notify = service::Notify::from_env();
     // First of all: no thread may run yet when the daemon forks.
     let detached = args.daemonize.then(vsd_sys::daemon::daemonize).transpose().context("--daemonize")?;
     // Before any thread starts, so all of them inherit the mask and the
@@ -247,7 +273,7 @@ fn run(args: DaemonArgs) -> Result<()> {
     }
 
     let daemon = Arc::new(Daemon::new());
-    let _serving = start(&args, &daemon).map_err(|e| match sandbox && run_as.is_none() {
+    let serving = start(&args, &daemon).map_err(|e| match sandbox && run_as.is_none() {
         true => sandbox::started_without_capabilities(e),
         false => e,
     })?;
@@ -262,23 +288,30 @@ fn run(args: DaemonArgs) -> Result<()> {
     if sandbox {
         sandbox::enter()?;
     }
+    // Said while standard error is still the caller's.
+    service::say_serving(&daemon, &serving.monitors.addresses);
+    notify.ready(&daemon, detached.is_some());
     if let Some(detached) = detached {
         detached.ready().context("--daemonize")?;
     }
     let signal = vsd_sys::wait_for_termination().context("waiting for signals")?;
     log::info!("signal {signal}: shutting down");
+    notify.stopping();
     let hung = daemon.shutdown();
     if !hung.is_empty() {
         // Their threads still wait on the back-end: the process's exit
         // ends them, not a drop that would wait with them.
-        drop(_serving);
+        drop(serving);
         let names: Vec<String> = hung.iter().map(|id| format!("'{id}'")).collect();
         let (what, whose) = if names.len() == 1 { ("export", "its") } else { ("exports", "their") };
-        eprintln!(
-            "vsd: {what} {} still had requests in flight after {} s ({whose} back-end does not answer); \
-             exiting without them",
-            names.join(", "),
-            daemon::STOP_LIMIT.as_secs()
+        service::say(
+            service::WARNING,
+            &format!(
+                "{what} {} still had requests in flight after {} s ({whose} back-end does not answer); \
+                 exiting without them",
+                names.join(", "),
+                daemon::STOP_LIMIT.as_secs()
+            ),
         );
         std::process::exit(1);
     }
@@ -290,7 +323,7 @@ fn run(args: DaemonArgs) -> Result<()> {
 struct Serving {
     _pidfile: Option<Pidfile>,
     _metrics: Option<MetricsServer>,
-    _monitors: monitor::Monitors,
+    monitors: monitor::Monitors,
 }
 
 /// Opens every object and node, starts the NBD server, every export and
@@ -323,5 +356,5 @@ fn start(args: &DaemonArgs, daemon: &Arc<Daemon>) -> Result<Serving> {
     };
     // Last: it says every socket listens.
     let pidfile = args.pidfile.as_deref().map(Pidfile::write).transpose()?;
-    Ok(Serving { _pidfile: pidfile, _metrics: metrics, _monitors: monitors })
+    Ok(Serving { _pidfile: pidfile, _metrics: metrics, monitors })
 }

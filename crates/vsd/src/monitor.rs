@@ -193,6 +193,8 @@ fn address(opts: &mut OptionMap) -> Result<Address> {
 pub struct Monitors {
     _servers: Vec<QmpServer>,
     stdio: Option<Served>,
+    /// Where each monitor serves, as QEMU shows it (`unix:PATH`, `stdio`).
+    pub addresses: Vec<String>,
 }
 
 impl Drop for Monitors {
@@ -215,7 +217,7 @@ pub fn start(plan: Plan, daemon: &Arc<Daemon>) -> Result<Monitors> {
     if plan.daemonized {
         chardevs.set_daemonized();
     }
-    let (mut servers, mut stdio) = (Vec::new(), None);
+    let (mut servers, mut stdio, mut addresses) = (Vec::new(), None, Vec::new());
     for Planned { chardev, pretty } in plan.monitors {
         let monitor = Monitor::new(daemon.clone(), daemon.events.clone()).pretty(pretty);
         let context = || format!("--chardev {}", chardev.text);
@@ -226,10 +228,12 @@ pub fn start(plan: Plan, daemon: &Arc<Daemon>) -> Result<Monitors> {
                     eprintln!("vsd: {}: info: waiting for connection on: disconnected:{shown},server=on", context());
                 }
                 servers.push(QmpServer::start(listener, monitor, wait).with_context(context)?);
+                addresses.push(shown.clone());
                 chardevs.add_monitor(&chardev.id, Some(shown));
             }
             _ => {
                 stdio = Some(monitor.serve(Stdio, "vsd-qmp-stdio".to_owned()).with_context(context)?);
+                addresses.push("stdio".into());
                 chardevs.add_monitor(&chardev.id, None);
             }
         }
@@ -239,7 +243,7 @@ pub fn start(plan: Plan, daemon: &Arc<Daemon>) -> Result<Monitors> {
             .open(&chardev.id, chardev.definition)
             .map_err(|e| anyhow::anyhow!("--chardev {}: {e}", chardev.text))?;
     }
-    Ok(Monitors { _servers: servers, stdio })
+    Ok(Monitors { _servers: servers, stdio, addresses })
 }
 
 #[cfg(test)]
