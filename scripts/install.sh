@@ -69,8 +69,7 @@ esac
 
 binary=${VSD_BIN:-}
 if [ -z "$binary" ]; then
-    cargo build --release -p vsd --manifest-path "$root/Cargo.toml"
-    binary=${CARGO_TARGET_DIR:-$root/target}/release/vsd
+    binary=$("$root/scripts/build.sh")/vsd
 fi
 [ -x "$binary" ] || die "no vsd at '$binary'"
 
