@@ -1,0 +1,284 @@
+//! The status page at `--metrics`' `/`, rendered by headless Chromium while
+//! a libblkio client reads, compared with `query-blockstats`; the server's
+//! bounds against bad clients; and the Grafana dashboard checked against a
+//! real scrape.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use common::{Daemon, Scratch};
+use serde_json::{Value, json};
+use vsd_bench::ClientOptions;
+use vsd_control::QmpClient;
+
+/// A daemon serving null-co through a throttle group, with its metrics
+/// endpoint and a QMP socket.
+struct Served {
+    daemon: Daemon,
+    dir: Scratch,
+    metrics: String,
+}
+
+fn serve(name: &str) -> Served {
+    let dir = Scratch::new(name);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let args: Vec<String> = [
+        "--object".into(),
+        "throttle-group,id=tg0,limits.iops-total=1000000".into(),
+        "--blockdev".into(),
+        "driver=null-co,node-name=null0,size=1073741824".into(),
+        "--blockdev".into(),
+        "driver=throttle,node-name=disk0,throttle-group=tg0,file=null0".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=exp0,node-name=disk0,addr.type=unix,addr.path={}",
+            dir.path("vhost.sock").display()
+        ),
+        "--chardev".into(),
+        format!("socket,id=qmp,path={},server=on,wait=off", dir.path("qmp.sock").display()),
+        "--monitor".into(),
+        "qmp".into(),
+        "--metrics".into(),
+        format!("127.0.0.1:{port}"),
+    ]
+    .into();
+    let daemon = Daemon::vsd(&dir, &args);
+    Served { daemon, dir, metrics: format!("127.0.0.1:{port}") }
+}
+
+/// A client reading 4 KiB blocks back to back until dropped.
+struct Load {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(daemon: &Daemon) -> Self {
+        let mut client = daemon.connect(ClientOptions { read_only: true, ..Default::default() });
+        let mut queue = client.take_queues().pop().expect("a queue");
+        let stop = Arc::new(AtomicBool::new(false));
+        let running = stop.clone();
+        let thread = thread::spawn(move || {
+            let _client = client;
+            let mut block = vec![0; 4096];
+            for i in 0u64.. {
+                if running.load(Ordering::Relaxed) {
+                    break;
+                }
+                queue.read_at(i % 1024 * 4096, &mut block).expect("a read");
+            }
+        });
+        Self { stop, thread: Some(thread) }
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        let _ = self.thread.take().map(JoinHandle::join);
+    }
+}
+
+/// `CLOCK_MONOTONIC`, the clock `/status.json` stamps its samples with.
+fn monotonic_ns() -> u64 {
+    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the timespec it is given, which lives here.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
+
+/// `query-blockstats`' reads of export `exp0`, sampled with the time each
+/// answer came in, every few milliseconds until stopped.
+struct Sampler {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<Vec<(u64, u64)>>,
+}
+
+impl Sampler {
+    fn start(qmp: &Path) -> Self {
+        let mut client = QmpClient::connect(qmp).expect("QMP");
+        let stop = Arc::new(AtomicBool::new(false));
+        let running = stop.clone();
+        let thread = thread::spawn(move || {
+            let mut samples = Vec::new();
+            while !running.load(Ordering::Relaxed) {
+                let asked = monotonic_ns();
+                let stats = client.execute("query-blockstats", json!({})).expect("query-blockstats");
+                let reads = stats[0]["stats"]["rd_operations"].as_u64().expect("rd_operations");
+                // The counters were read between the question and the answer.
+                samples.push((asked.midpoint(monotonic_ns()), reads));
+                thread::sleep(Duration::from_millis(5));
+            }
+            samples
+        });
+        Self { stop, thread }
+    }
+
+    fn finish(self) -> Vec<(u64, u64)> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().unwrap()
+    }
+}
+
+/// The reads counted at `at`, interpolated between the samples around it.
+fn reads_at(samples: &[(u64, u64)], at: u64) -> f64 {
+    let after = samples.iter().position(|&(t, _)| t >= at).expect("a sample after the page's window");
+    assert!(after > 0, "no sample before the page's window");
+    let ((t0, n0), (t1, n1)) = (samples[after - 1], samples[after]);
+    n0 as f64 + (n1 - n0) as f64 * (at - t0) as f64 / (t1 - t0).max(1) as f64
+}
+
+/// Runs headless Chromium on `url` with `args`; its standard output.
+fn chromium(scratch: &Scratch, args: &[&str], url: &str) -> String {
+    let profile = scratch.path("chromium-profile");
+    let output = Command::new("chromium")
+        .args(["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .args(args)
+        .arg(url)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run chromium ({e}): install it with scripts/setup.sh"));
+    assert!(output.status.success(), "chromium failed: {}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8(output.stdout).expect("chromium prints UTF-8")
+}
+
+/// The value of attribute `name` in the tag that begins `tag`.
+fn attribute<'a>(dom: &'a str, tag: &str, name: &str) -> &'a str {
+    let start = dom.find(tag).unwrap_or_else(|| panic!("no {tag} in the page: {dom}"));
+    let element = &dom[start..start + dom[start..].find('>').unwrap()];
+    let value = element.split(&format!(" {name}=\"")).nth(1).unwrap_or_else(|| panic!("no {name} in {element}"));
+    &value[..value.find('"').unwrap()]
+}
+
+#[test]
+fn page_shows_the_export_and_the_iops_query_blockstats_counts() {
+    let served = serve("status-page");
+    let _load = Load::start(&served.daemon);
+    let sampler = Sampler::start(&served.dir.path("qmp.sock"));
+    // Virtual time runs ahead while no fetch is pending: the page's 100
+    // polls take the real time their fetches take, a few seconds, and it
+    // measures over its last 5 s of the daemon's time.
+    let dom =
+        chromium(&served.dir, &["--virtual-time-budget=100000", "--dump-dom"], &format!("http://{}/", served.metrics));
+    let samples = sampler.finish();
+
+    let row = "<tr data-export=\"exp0\"";
+    let number = |name| attribute(&dom, row, name).parse::<f64>().unwrap_or_else(|e| panic!("{name}: {e}"));
+    let (start, end) = (number("data-window-start-ns") as u64, number("data-window-end-ns") as u64);
+    assert!(end - start >= 1_000_000_000, "the page measured over {} ms only", (end - start) / 1_000_000);
+    let counted = (reads_at(&samples, end) - reads_at(&samples, start)) * 1e9 / (end - start) as f64;
+    let shown = number("data-read-iops");
+    assert!(counted > 100.0, "the load reads at {counted:.0} IOPS");
+    assert!(
+        (shown - counted).abs() <= 0.1 * counted,
+        "the page shows {shown:.0} read IOPS, query-blockstats {counted:.0}"
+    );
+    assert_eq!(number("data-write-iops"), 0.0);
+    for text in ["vhost-user-blk", "disk0", "connected", "kick -&gt; pop", "submit -&gt; complete", "tg0"] {
+        assert!(dom.contains(&format!(">{text}<")), "no {text} in the page: {dom}");
+    }
+}
+
+/// Sends `request` to `addr` and returns the whole response.
+fn exchange(addr: &str, request: &str) -> String {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    response
+}
+
+fn get(addr: &str, path: &str) -> String {
+    exchange(addr, &format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n"))
+}
+
+fn body(response: &str) -> &str {
+    response.split_once("\r\n\r\n").unwrap_or_else(|| panic!("{response:?}")).1
+}
+
+#[test]
+fn status_json_describes_the_export_and_unknown_paths_get_404() {
+    let served = serve("status-json");
+    let status: Value = serde_json::from_str(body(&get(&served.metrics, "/status.json"))).unwrap();
+    let export = &status["exports"][0];
+    assert_eq!(
+        (&export["id"], &export["type"], &export["node"]),
+        (&json!("exp0"), &json!("vhost-user-blk"), &json!("disk0"))
+    );
+    assert_eq!(export["client"], false);
+    assert_eq!(status["throttle_groups"][0]["group"], "tg0");
+    assert!(status["monotonic_ns"].as_u64().is_some_and(|t| t > 0), "{status}");
+    for path in ["/status", "/index.html", "/status.json/x", "/../metrics"] {
+        let response = get(&served.metrics, path);
+        assert!(response.starts_with("HTTP/1.1 404 Not Found\r\n"), "{path}: {response}");
+    }
+}
+
+#[test]
+fn a_stalled_client_holds_scrapes_up_for_one_deadline_at_most() {
+    let served = serve("status-stalled");
+    // Half a request, then nothing: the server waits for the rest until
+    // its deadline (2 s), then hangs up.
+    let mut stalled = TcpStream::connect(&served.metrics).unwrap();
+    stalled.write_all(b"GET /status.json HTTP/1.1\r\nHost: x\r\n").unwrap();
+    let start = Instant::now();
+    let response = get(&served.metrics, "/metrics");
+    let waited = start.elapsed();
+    assert!(response.starts_with("HTTP/1.1 200 OK\r\n") && response.contains("vsd_export_ops_total"), "{response}");
+    assert!(waited < Duration::from_secs(10), "a scrape waited {waited:?} behind a stalled client");
+    stalled.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut rest = Vec::new();
+    stalled.read_to_end(&mut rest).expect("the server hangs up on the stalled client");
+    assert!(rest.is_empty(), "a stalled request was answered: {}", String::from_utf8_lossy(&rest));
+    assert!(get(&served.metrics, "/").contains("<title>vsd status</title>"));
+}
+
+/// Every metric name in the dashboard's queries is one vsd exports.
+#[test]
+fn grafana_dashboard_names_only_metrics_vsd_exports() {
+    let served = serve("status-grafana");
+    let scrape = get(&served.metrics, "/metrics");
+    let exported: BTreeSet<&str> =
+        body(&scrape).lines().filter(|l| !l.starts_with('#')).map(|l| &l[..l.find(['{', ' ']).unwrap()]).collect();
+
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/grafana/vsd-dashboard.json");
+    let dashboard: Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).expect("the dashboard is JSON");
+    assert_eq!(dashboard["__inputs"][0]["name"], "DS_PROMETHEUS", "an importable datasource input");
+    let mut exprs = Vec::new();
+    collect_exprs(&dashboard, &mut exprs);
+    assert!(exprs.len() >= 8, "{exprs:?}");
+    let named: BTreeSet<&str> = exprs.iter().flat_map(|e| metric_names(e)).collect();
+    let unknown: Vec<_> = named.iter().filter(|n| !exported.contains(*n)).collect();
+    assert!(unknown.is_empty(), "the dashboard names metrics vsd does not export: {unknown:?}");
+    for family in ["vsd_export_ops_total", "vsd_export_bytes_total", "vsd_export_latency_seconds_bucket"] {
+        assert!(named.contains(family), "the dashboard does not show {family}");
+    }
+    assert!(named.iter().any(|n| n.starts_with("vsd_stage_")) && named.iter().any(|n| n.starts_with("vsd_throttle_")));
+}
+
+fn collect_exprs<'a>(value: &'a Value, exprs: &mut Vec<&'a str>) {
+    match value {
+        Value::Object(map) => {
+            exprs.extend(map.get("expr").and_then(Value::as_str));
+            map.values().for_each(|v| collect_exprs(v, exprs));
+        }
+        Value::Array(values) => values.iter().for_each(|v| collect_exprs(v, exprs)),
+        _ => {}
+    }
+}
+
+/// The `vsd_…` identifiers in a PromQL expression.
+fn metric_names(expr: &str) -> impl Iterator<Item = &str> {
+    expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).filter(|word| word.starts_with("vsd_"))
+}
