@@ -2,7 +2,8 @@
 # Installs what vsd's demo, tests and benchmarks need on a fresh Debian bookworm
 # machine: QEMU 10 and qemu-storage-daemon from bookworm-backports, fio,
 # busybox-static and a Debian kernel for the test guest; chromium, which
-# renders the lab report headless in its test; libnbd's tools and nbdkit (a
+# renders the lab report and the status page headless in their tests;
+# libnbd's tools and nbdkit (a
 # peer server for the NBD client driver); strace, which shows the NBD
 # tests the server's splice calls; openssl, which
 # makes the NBD TLS tests' certificates; nginx, the web server of the http
