@@ -1,7 +1,7 @@
 //! The status page at `--metrics`' `/`, rendered by headless Chromium while
 //! a libblkio client reads, compared with `query-blockstats`; the server's
 //! bounds against bad clients; and the Grafana dashboard checked against a
-//! real scrape.
+//! real scrape and run by a real Prometheus.
 
 mod common;
 
@@ -243,6 +243,18 @@ fn a_stalled_client_holds_scrapes_up_for_one_deadline_at_most() {
     assert!(get(&served.metrics, "/").contains("<title>vsd status</title>"));
 }
 
+/// The dashboard as JSON, and every query in it: its panels' `expr`s
+/// (PromQL) and its variables' `definition`s (`label_values(...)`).
+fn dashboard() -> (Value, Vec<String>, Vec<String>) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/grafana/vsd-dashboard.json");
+    let dashboard: Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).expect("the dashboard is JSON");
+    let (mut exprs, mut definitions) = (Vec::new(), Vec::new());
+    collect(&dashboard, "expr", &mut exprs);
+    collect(&dashboard, "definition", &mut definitions);
+    (dashboard, exprs, definitions)
+}
+
 /// Every metric name in the dashboard's queries is one vsd exports.
 #[test]
 fn grafana_dashboard_names_only_metrics_vsd_exports() {
@@ -251,14 +263,10 @@ fn grafana_dashboard_names_only_metrics_vsd_exports() {
     let exported: BTreeSet<&str> =
         body(&scrape).lines().filter(|l| !l.starts_with('#')).map(|l| &l[..l.find(['{', ' ']).unwrap()]).collect();
 
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/grafana/vsd-dashboard.json");
-    let dashboard: Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).expect("the dashboard is JSON");
+    let (dashboard, exprs, definitions) = dashboard();
     assert_eq!(dashboard["__inputs"][0]["name"], "DS_PROMETHEUS", "an importable datasource input");
-    let mut exprs = Vec::new();
-    collect_exprs(&dashboard, &mut exprs);
-    assert!(exprs.len() >= 8, "{exprs:?}");
-    let named: BTreeSet<&str> = exprs.iter().flat_map(|e| metric_names(e)).collect();
+    assert!(exprs.len() >= 8 && definitions.len() == 2, "{exprs:?} {definitions:?}");
+    let named: BTreeSet<&str> = exprs.iter().chain(&definitions).flat_map(|e| metric_names(e)).collect();
     let unknown: Vec<_> = named.iter().filter(|n| !exported.contains(*n)).collect();
     assert!(unknown.is_empty(), "the dashboard names metrics vsd does not export: {unknown:?}");
     for family in ["vsd_export_ops_total", "vsd_export_bytes_total", "vsd_export_latency_seconds_bucket"] {
@@ -267,18 +275,99 @@ fn grafana_dashboard_names_only_metrics_vsd_exports() {
     assert!(named.iter().any(|n| n.starts_with("vsd_stage_")) && named.iter().any(|n| n.starts_with("vsd_throttle_")));
 }
 
-fn collect_exprs<'a>(value: &'a Value, exprs: &mut Vec<&'a str>) {
+/// Prometheus scrapes vsd under load; every panel's query, with Grafana's
+/// variables filled in as "All" does, parses and answers series.
+#[test]
+fn grafana_dashboard_queries_answer_from_prometheus() {
+    let served = serve("status-prometheus");
+    let _load = Load::start(&served.daemon);
+    let prometheus = Prometheus::start(&served.dir, &served.metrics);
+    let (_, exprs, _) = dashboard();
+    let queries: Vec<String> = exprs
+        .iter()
+        .map(|e| e.replace("$export", ".*").replace("$group", ".*").replace("$__rate_interval", "10s"))
+        .collect();
+    // Rates need two scrapes in their range; give Prometheus some.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let empty: Vec<&String> =
+            queries.iter().filter(|q| prometheus.query(q).as_array().unwrap().is_empty()).collect();
+        if empty.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "queries Prometheus answers nothing to: {empty:#?}");
+        thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// A Prometheus server scraping one target every second, stopped on drop.
+struct Prometheus {
+    child: std::process::Child,
+    addr: String,
+}
+
+impl Prometheus {
+    fn start(dir: &Scratch, target: &str) -> Self {
+        let config = dir.path("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!("global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: vsd\n    static_configs:\n      - targets: ['{target}']\n"),
+        )
+        .unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let addr = format!("127.0.0.1:{port}");
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!("--storage.tsdb.path={}", dir.path("tsdb").display()))
+            .arg(format!("--web.listen-address={addr}"))
+            .stderr(std::fs::File::create(dir.path("prometheus.log")).unwrap())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run prometheus ({e}): install it with scripts/setup.sh"));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while TcpStream::connect(&addr).is_err() {
+            assert!(Instant::now() < deadline, "prometheus did not listen on {addr}");
+            thread::sleep(Duration::from_millis(100));
+        }
+        Self { child, addr }
+    }
+
+    /// The result of an instant query; a query Prometheus refuses fails.
+    fn query(&self, query: &str) -> Value {
+        let encoded: String = query
+            .bytes()
+            .map(|b| match b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+                true => (b as char).to_string(),
+                false => format!("%{b:02X}"),
+            })
+            .collect();
+        // HTTP/1.0: the body ends with the connection, never chunked.
+        let response = exchange(&self.addr, &format!("GET /api/v1/query?query={encoded} HTTP/1.0\r\n\r\n"));
+        let answer: Value = serde_json::from_str(body(&response)).unwrap_or_else(|e| panic!("{e}: {response}"));
+        assert_eq!(answer["status"], "success", "{query}: {answer}");
+        answer["data"]["result"].clone()
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Every string under the key `key`, anywhere in `value`.
+fn collect(value: &Value, key: &str, found: &mut Vec<String>) {
     match value {
         Value::Object(map) => {
-            exprs.extend(map.get("expr").and_then(Value::as_str));
-            map.values().for_each(|v| collect_exprs(v, exprs));
+            found.extend(map.get(key).and_then(Value::as_str).map(str::to_owned));
+            map.values().for_each(|v| collect(v, key, found));
         }
-        Value::Array(values) => values.iter().for_each(|v| collect_exprs(v, exprs)),
+        Value::Array(values) => values.iter().for_each(|v| collect(v, key, found)),
         _ => {}
     }
 }
 
-/// The `vsd_…` identifiers in a PromQL expression.
+/// The `vsd_…` identifiers in a query.
 fn metric_names(expr: &str) -> impl Iterator<Item = &str> {
     expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).filter(|word| word.starts_with("vsd_"))
 }
