@@ -2,7 +2,9 @@
 # Installs what vsd's demo, tests and benchmarks need on a fresh Debian bookworm
 # machine: QEMU 10 and qemu-storage-daemon from bookworm-backports, fio,
 # busybox-static and a Debian kernel for the test guest; chromium, which
-# renders the lab report headless in its test; libnbd's tools and nbdkit (a
+# renders the lab report and the status page headless in their tests;
+# Prometheus, which runs the Grafana dashboard's queries on a scrape of vsd;
+# libnbd's tools and nbdkit (a
 # peer server for the NBD client driver); strace, which shows the NBD
 # tests the server's splice calls; openssl, which
 # makes the NBD TLS tests' certificates; nginx, the web server of the http
@@ -27,6 +29,7 @@ have_all() {
         command -v nbdinfo >/dev/null && command -v nbdcopy >/dev/null && command -v nbdkit >/dev/null &&
         command -v openssl >/dev/null && command -v strace >/dev/null && command -v nginx >/dev/null &&
         command -v systemd-socket-activate >/dev/null && command -v chattr >/dev/null && command -v man >/dev/null &&
+        command -v prometheus >/dev/null &&
         command -v ceph-mon >/dev/null && command -v ceph-osd >/dev/null && command -v rbd >/dev/null &&
         ls /usr/lib/x86_64-linux-gnu/qemu/block-rbd.so >/dev/null 2>&1 &&
         ls /boot/vmlinuz-* >/dev/null 2>&1 &&
@@ -65,5 +68,7 @@ apt-get update -qq
 apt-get install -y -qq -t bookworm-backports qemu-system-x86 qemu-utils qemu-block-extra >/dev/null
 apt-get install -y -qq fio busybox-static linux-image-amd64 xz-utils cpio socat chromium libnbd-bin nbdkit openssl \
     strace ceph-mon ceph-osd ceph-common nginx-light systemd man-db e2fsprogs >/dev/null
+# Without its recommends: the server alone, no node exporter service.
+apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 have_all || { echo "setup: packages installed but a tool is still missing" >&2; exit 1; }
 install_python_modules

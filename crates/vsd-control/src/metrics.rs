@@ -1,4 +1,5 @@
-//! A minimal HTTP/1.1 endpoint for Prometheus to scrape.
+//! A minimal HTTP/1.1 endpoint for Prometheus to scrape, with a status
+//! page for people at `/` that polls `/status.json`.
 //!
 //! Requests are served one at a time on a single thread. A request has a
 //! deadline to arrive and another to be answered, and its size is capped, so
@@ -25,8 +26,22 @@ const MAX_DRAINED: u64 = 64 * 1024;
 /// The Prometheus text exposition format.
 const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
-/// Renders the metrics, in the Prometheus text format.
+/// The status page: one file, its style and script inline, so that it
+/// needs nothing but this server.
+const STATUS_PAGE: &str = include_str!("status_page.html");
+
+/// Renders a response body.
 pub type Render = Arc<dyn Fn() -> String + Send + Sync>;
+
+/// What the server serves.
+#[derive(Clone)]
+pub struct Sources {
+    /// The metrics, in the Prometheus text format (`/metrics`).
+    pub metrics: Render,
+    /// The daemon's state as JSON, which the status page polls
+    /// (`/status.json`).
+    pub status: Render,
+}
 
 /// A running metrics endpoint. Dropping it stops the server.
 pub struct MetricsServer {
@@ -36,13 +51,14 @@ pub struct MetricsServer {
 
 impl MetricsServer {
     /// Listens on the TCP address `addr` (port 0 picks a free port) and
-    /// serves `GET /metrics` with what `render` returns.
-    pub fn start(addr: &str, render: Render) -> io::Result<Self> {
+    /// serves `GET /metrics` and `GET /status.json` from `sources`, and the
+    /// status page at `GET /`.
+    pub fn start(addr: &str, sources: Sources) -> io::Result<Self> {
         let listener =
             TcpListener::bind(addr).map_err(|e| io::Error::new(e.kind(), format!("cannot listen on '{addr}': {e}")))?;
         let local_addr = listener.local_addr()?;
         let accept = AcceptLoop::spawn("vsd-metrics", listener, move |stream| {
-            if let Err(e) = serve(stream, &*render) {
+            if let Err(e) = serve(stream, &sources) {
                 log::debug!("metrics: request dropped: {e}");
             }
         })?;
@@ -55,9 +71,9 @@ impl MetricsServer {
     }
 }
 
-fn serve(mut stream: TcpStream, render: &dyn Fn() -> String) -> io::Result<()> {
+fn serve(mut stream: TcpStream, sources: &Sources) -> io::Result<()> {
     let response = match read_head(&mut stream, Instant::now() + REQUEST_TIMEOUT)? {
-        Some(head) => respond(&head, render),
+        Some(head) => respond(&head, sources),
         None => failure("431 Request Header Fields Too Large", ""),
     };
     time_out_at(&stream, Instant::now() + REQUEST_TIMEOUT)?;
@@ -108,11 +124,15 @@ fn ends_head(input: &[u8]) -> bool {
 }
 
 /// Answers the request `head`.
-fn respond(head: &[u8], render: &dyn Fn() -> String) -> String {
+fn respond(head: &[u8], sources: &Sources) -> String {
     let request_line = head.split(|&b| b == b'\n').next().unwrap_or_default();
     let mut words = request_line.trim_ascii().split(|&b| b == b' ');
     match (words.next(), words.next().map(without_query)) {
-        (Some(b"GET"), Some(b"/metrics")) => response("200 OK", "", METRICS_CONTENT_TYPE, &render()),
+        (Some(b"GET"), Some(b"/metrics")) => response("200 OK", "", METRICS_CONTENT_TYPE, &(sources.metrics)()),
+        (Some(b"GET"), Some(b"/status.json")) => {
+            response("200 OK", "Cache-Control: no-store\r\n", "application/json", &(sources.status)())
+        }
+        (Some(b"GET"), Some(b"/")) => response("200 OK", "", "text/html; charset=utf-8", STATUS_PAGE),
         (Some(b"GET"), Some(_)) => failure("404 Not Found", ""),
         (Some(_), Some(_)) => failure("405 Method Not Allowed", "Allow: GET\r\n"),
         _ => failure("400 Bad Request", ""),

@@ -5,12 +5,14 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vsd_control::metrics::MetricsServer;
+use vsd_control::metrics::{MetricsServer, Sources};
 
 const METRICS: &str = "# TYPE vsd_requests_total counter\nvsd_requests_total{export=\"disk0\"} 42\n";
+const STATUS: &str = r#"{"exports":[]}"#;
 
 fn server() -> MetricsServer {
-    MetricsServer::start("127.0.0.1:0", Arc::new(|| METRICS.to_owned())).expect("start")
+    let sources = Sources { metrics: Arc::new(|| METRICS.to_owned()), status: Arc::new(|| STATUS.to_owned()) };
+    MetricsServer::start("127.0.0.1:0", sources).expect("start")
 }
 
 /// Sends `request` and returns the whole response, split into head and body.
@@ -35,6 +37,17 @@ fn metrics_are_served() {
     assert!(headers.contains(&format!("Content-Length: {}", METRICS.len()).as_str()), "{head}");
     assert!(headers.contains(&"Connection: close"), "{head}");
     assert_eq!(body, METRICS);
+}
+
+#[test]
+fn status_page_and_its_data_are_served() {
+    let server = server();
+    let (head, body) = exchange(&server, "GET /status.json HTTP/1.1\r\n\r\n");
+    assert!(head.contains("\r\nContent-Type: application/json"), "{head}");
+    assert_eq!(body, STATUS);
+    let (head, body) = exchange(&server, "GET /?refresh HTTP/1.1\r\n\r\n");
+    assert!(head.contains("\r\nContent-Type: text/html; charset=utf-8"), "{head}");
+    assert!(body.contains("status.json"), "{body}");
 }
 
 #[test]

@@ -13,7 +13,7 @@ use vsd_block::throttle::{GroupStats, ThrottleGroup};
 use vsd_control::qmp::{Dispatch, ErrorClass, QmpError};
 use vsd_export::ExportSnapshot;
 use vsd_job::Verb;
-use vsd_trace::{ExportLabel, OpKind, QueueSnapshot};
+use vsd_trace::{ExportLabel, OpKind, QueueSnapshot, Stage};
 
 use crate::daemon::{Bins, Daemon, LatencyBins};
 use crate::jobs::{BlockJobArgs, JobId};
@@ -584,6 +584,36 @@ pub(crate) fn metrics(daemon: &Daemon) -> String {
     let mut text = vsd_trace::prometheus(&labelled);
     text.push_str(&throttle_metrics(&daemon.objects.throttle_groups()));
     text
+}
+
+/// The status page's data: every export with its statistics (queues
+/// summed), the stages they are timed in, and the throttle groups, stamped
+/// with `CLOCK_MONOTONIC` so that the page can turn counters into rates.
+pub(crate) fn status(daemon: &Daemon) -> String {
+    let state = daemon.state();
+    let exports: Vec<Value> = state
+        .exports
+        .values()
+        .map(|e| {
+            json!({
+                "id": e.id(), "type": e.kind(), "node": e.node().name(),
+                "client": e.has_client(), "stats": e.stats().merged(),
+            })
+        })
+        .collect();
+    let stages: Vec<Value> = Stage::ALL.iter().map(|s| json!({ "name": s.name(), "label": s.label() })).collect();
+    let groups: Vec<Value> = daemon.objects.throttle_groups().iter().map(|g| group_stats(g)).collect();
+    json!({ "monotonic_ns": monotonic_ns(), "exports": exports, "stages": stages, "throttle_groups": groups })
+        .to_string()
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds: the clock other programs on the host
+/// (a test, a collector) can read too, unlike `Instant`'s.
+fn monotonic_ns() -> u64 {
+    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the timespec it is given, which lives here.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }
 
 /// A throttle group's statistics, per direction, for `query-blockstats`.

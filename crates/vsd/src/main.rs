@@ -42,7 +42,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use vsd_block::options::OptionMap;
-use vsd_control::metrics::MetricsServer;
+use vsd_control::metrics::{MetricsServer, Sources};
 
 use daemon::Daemon;
 use pidfile::Pidfile;
@@ -95,7 +95,7 @@ struct DaemonArgs {
     /// A QMP monitor on a --chardev: [chardev=]ID[,pretty=on]
     #[arg(long, value_name = "OPTIONS")]
     monitor: Vec<String>,
-    /// Serve Prometheus metrics at http://ADDR:PORT/metrics
+    /// Serve Prometheus metrics at http://ADDR:PORT/metrics, and a live status page at http://ADDR:PORT/
     #[arg(long, value_name = "ADDR:PORT")]
     metrics: Option<String>,
     /// Write the daemon's PID here once every export accepts connections.
@@ -348,9 +348,12 @@ fn start(args: &DaemonArgs, daemon: &Arc<Daemon>) -> Result<Serving> {
     let monitors = monitor::start(monitors, daemon)?;
     let metrics = match &args.metrics {
         Some(addr) => {
-            let source = daemon.clone();
-            let render = Arc::new(move || commands::metrics(&source));
-            Some(MetricsServer::start(addr, render).with_context(|| format!("cannot serve metrics on '{addr}'"))?)
+            let (metrics, status) = (daemon.clone(), daemon.clone());
+            let sources = Sources {
+                metrics: Arc::new(move || commands::metrics(&metrics)),
+                status: Arc::new(move || commands::status(&status)),
+            };
+            Some(MetricsServer::start(addr, sources).with_context(|| format!("cannot serve metrics on '{addr}'"))?)
         }
         None => None,
     };
