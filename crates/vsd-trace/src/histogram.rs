@@ -36,21 +36,32 @@ fn bucket_upper_bound(index: usize) -> u64 {
     ((i - ((shift as u64) << SUB_BITS) + 1) << shift) - 1
 }
 
+/// Buckets per group: the values of one power of two.
+const GROUP: usize = 1 << SUB_BITS;
+const GROUPS: usize = BUCKETS / GROUP;
+
+/// A group's buckets, allocated by the first value it counts.
+type Group = OnceLock<Box<[Counter; GROUP]>>;
+
 /// A latency histogram in nanoseconds, written by one thread and read by any.
 ///
 /// As with [`Counter`], only one thread may record; [`snapshot`](Self::snapshot)
 /// may be taken from any thread at any time.
 pub struct Histogram {
-    /// Allocated by the first record (9 KiB): an export's queues hold a
-    /// dozen histograms each, and an idle export needs none of them.
-    buckets: OnceLock<Box<[Counter]>>,
+    /// Allocated by the first record: an export's queues hold a dozen
+    /// histograms each, and an idle export needs none of them. Each group
+    /// comes with its first value: latencies cluster in a few powers of
+    /// two, so a histogram that has served holds a few of its 36 groups
+    /// (256 bytes each), and an export that has served costs a few KiB a
+    /// queue instead of 9 KiB a histogram.
+    groups: OnceLock<Box<[Group; GROUPS]>>,
     sum: Counter,
 }
 
 impl Histogram {
     /// An empty histogram.
     pub fn new() -> Self {
-        Self { buckets: OnceLock::new(), sum: Counter::new() }
+        Self { groups: OnceLock::new(), sum: Counter::new() }
     }
 
     /// Records one value. Single writer only.
@@ -62,8 +73,10 @@ impl Histogram {
     /// Records `n` occurrences of the same value. Single writer only.
     #[inline]
     pub fn record_n(&self, ns: u64, n: u64) {
-        let buckets = self.buckets.get_or_init(|| (0..BUCKETS).map(|_| Counter::new()).collect());
-        buckets[bucket_index(ns)].add(n);
+        let index = bucket_index(ns);
+        let groups = self.groups.get_or_init(|| Box::new(std::array::from_fn(|_| OnceLock::new())));
+        let group = groups[index / GROUP].get_or_init(|| Box::new(std::array::from_fn(|_| Counter::new())));
+        group[index % GROUP].add(n);
         self.sum.add(ns.wrapping_mul(n));
     }
 
@@ -79,14 +92,12 @@ impl Histogram {
     /// ticks: bucket bounds and sum are turned into nanoseconds here, once,
     /// rather than every value when it is recorded.
     pub fn snapshot_in(&self, clock: Clock) -> HistogramSnapshot {
-        let Some(buckets) = self.buckets.get() else { return HistogramSnapshot::default() };
-        let buckets = buckets
-            .iter()
-            .enumerate()
-            .filter_map(|(i, c)| match c.get() {
-                0 => None,
-                n => Some((clock.ns(bucket_upper_bound(i)), n)),
-            })
+        let Some(groups) = self.groups.get() else { return HistogramSnapshot::default() };
+        let counted = groups.iter().enumerate().filter_map(|(g, group)| Some((g * GROUP, group.get()?)));
+        let buckets = counted
+            .flat_map(|(first, group)| group.iter().enumerate().map(move |(i, c)| (first + i, c.get())))
+            .filter(|&(_, n)| n != 0)
+            .map(|(i, n)| (clock.ns(bucket_upper_bound(i)), n))
             .collect::<Vec<_>>();
         // A clock faster than 1 GHz maps neighbouring buckets of small
         // values to the same bound in nanoseconds: one bucket each.
@@ -250,10 +261,14 @@ mod tests {
     fn buckets_are_allocated_by_the_first_record() {
         let h = Histogram::new();
         assert_eq!(h.snapshot(), HistogramSnapshot::default());
-        assert!(h.buckets.get().is_none(), "an idle histogram holds no buckets");
+        assert!(h.groups.get().is_none(), "an idle histogram holds no buckets");
         h.record(1000);
-        assert!(h.buckets.get().is_some());
-        assert_eq!(h.snapshot().count, 1);
+        h.record(1010);
+        h.record(3_000_000);
+        let groups = h.groups.get().expect("the first record allocates the groups' table");
+        let held: Vec<usize> = (0..GROUPS).filter(|&g| groups[g].get().is_some()).collect();
+        assert_eq!(held, [bucket_index(1000) / GROUP, bucket_index(3_000_000) / GROUP], "only the groups counted in");
+        assert_eq!(h.snapshot().count, 3);
     }
 
     #[test]
