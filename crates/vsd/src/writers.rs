@@ -48,6 +48,9 @@ fn stopped(exports: &[&Export], to: Option<&Arc<dyn BlockNode>>, work: Work<'_>)
         (Export::VhostUserBlk(e), None) => e.with_queues_stopped(inner),
         (Export::Nbd(e), Some(to)) => e.replace_node_after(to.clone(), inner),
         (Export::Nbd(e), None) => e.with_connections_stopped(inner),
+        (Export::Fuse(e), _) => {
+            Err(format!("FUSE export '{}' cannot be stopped or moved to another node", e.config().id))
+        }
     }
 }
 
