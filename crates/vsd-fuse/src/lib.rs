@@ -28,7 +28,7 @@ mod worker;
 
 use std::collections::BTreeSet;
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
@@ -68,7 +68,7 @@ pub(crate) struct Shared {
     resizing: Mutex<()>,
     /// Signalled when the export stops (an eventfd).
     pub(crate) stop: OwnedFd,
-    /// False once the file was unmounted under the daemon.
+    /// False once a reader found the file unmounted under the daemon.
     pub(crate) connected: AtomicBool,
 }
 
@@ -87,6 +87,10 @@ impl FuseExport {
         let path = config.mountpoint.clone();
         if mountpoints.contains(&path) {
             return Err(format!("There already is a FUSE export on '{path}'"));
+        }
+        // SAFETY: PR_GET_SECCOMP takes no arguments.
+        if unsafe { libc::prctl(libc::PR_GET_SECCOMP) } == libc::SECCOMP_MODE_FILTER as i32 {
+            return Err("FUSE exports need mount(2), which --sandbox on forbids".into());
         }
         mount::check_mountpoint(&path)?;
         let (mount, allow_other) = mount_allowing(&path, config.allow_other)
@@ -138,12 +142,6 @@ impl FuseExport {
     /// The node it serves.
     pub fn node(&self) -> Arc<dyn BlockNode> {
         self.shared.node.clone()
-    }
-
-    /// Whether the file is still mounted by this export (not unmounted
-    /// under the daemon).
-    pub fn mounted(&self) -> bool {
-        self.shared.connected.load(Ordering::Relaxed)
     }
 
     /// Every reader's statistics.

@@ -10,7 +10,7 @@ use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 /// A mounted connection: the descriptor of `/dev/fuse` that serves it.
 pub(crate) struct Mount {
@@ -107,13 +107,13 @@ fn fusermount(path: &str, options: &str) -> io::Result<OwnedFd> {
             Ok(())
         })
     };
-    let status = command.status()?;
+    let output = command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).output()?;
     drop(theirs);
-    let fd = receive_fd(&ours);
-    if !status.success() {
-        return Err(io::Error::other(format!("fusermount3 failed ({status})")));
+    if !output.status.success() {
+        let said = String::from_utf8_lossy(&output.stderr);
+        return Err(io::Error::other(said.trim().strip_prefix("fusermount3: ").unwrap_or(said.trim()).to_string()));
     }
-    fd
+    receive_fd(&ours)
 }
 
 /// Receives one descriptor sent with SCM_RIGHTS.

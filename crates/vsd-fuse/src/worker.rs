@@ -110,9 +110,11 @@ impl Worker {
                     Some(libc::EAGAIN) => break,
                     // Interrupted before it was read: gone.
                     Some(libc::EINTR | libc::ENOENT) => continue,
+                    // Every reader sees it; one says it.
                     Some(libc::ENODEV) => {
-                        log::warn!("FUSE export '{}': the file was unmounted", self.shared.config.id);
-                        self.shared.connected.store(false, Ordering::Relaxed);
+                        if self.shared.connected.swap(false, Ordering::Relaxed) {
+                            log::warn!("FUSE export '{}': the file was unmounted", self.shared.config.id);
+                        }
                     }
                     _ => log::error!("FUSE export '{}': {}", self.shared.config.id, io::Error::last_os_error()),
                 }
