@@ -48,6 +48,10 @@ const MAX_READERS: usize = 8;
 /// same file named another way is not caught).
 static MOUNTPOINTS: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
 
+fn mountpoints() -> std::sync::MutexGuard<'static, BTreeSet<String>> {
+    MOUNTPOINTS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 /// A running FUSE export.
 pub struct FuseExport {
     shared: Arc<Shared>,
@@ -83,23 +87,36 @@ impl FuseExport {
     /// Mounts `node` over the file `config.mountpoint` and starts serving
     /// it; errors in QEMU's words.
     pub fn start(config: ExportConfig, node: Arc<dyn BlockNode>) -> Result<Self, String> {
-        let mut mountpoints = MOUNTPOINTS.lock().unwrap_or_else(PoisonError::into_inner);
         let path = config.mountpoint.clone();
-        if mountpoints.contains(&path) {
+        if !mountpoints().insert(path.clone()) {
             return Err(format!("There already is a FUSE export on '{path}'"));
         }
+        let started = Self::mount_and_serve(config, node);
+        if started.is_err() {
+            mountpoints().remove(&path);
+        }
+        started
+    }
+
+    fn mount_and_serve(config: ExportConfig, node: Arc<dyn BlockNode>) -> Result<Self, String> {
         // SAFETY: PR_GET_SECCOMP takes no arguments.
         if unsafe { libc::prctl(libc::PR_GET_SECCOMP) } == libc::SECCOMP_MODE_FILTER as i32 {
             return Err("FUSE exports need mount(2), which --sandbox on forbids".into());
         }
+        let path = config.mountpoint.clone();
         mount::check_mountpoint(&path)?;
         let (mount, allow_other) = mount_allowing(&path, config.allow_other)
             .map_err(|e| format!("Failed to mount FUSE session to export: {}", mount::strerror(&e)))?;
-        let shared = Arc::new(Shared::new(config, node, allow_other).map_err(|e| e.to_string())?);
+        let shared = match Shared::new(config, node, allow_other) {
+            Ok(shared) => Arc::new(shared),
+            Err(e) => {
+                mount.unmount();
+                return Err(e.to_string());
+            }
+        };
         let mut export = Self { shared, mount, readers: Vec::new(), stats: Vec::new() };
         // A failure from here on unmounts, as dropping `export` stops it.
         export.start_readers().map_err(|e| format!("FUSE export '{}': {e}", export.shared.config.id))?;
-        mountpoints.insert(path);
         Ok(export)
     }
 
@@ -164,7 +181,7 @@ impl Drop for FuseExport {
             let _ = reader.join();
         }
         self.mount.unmount();
-        MOUNTPOINTS.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.shared.config.mountpoint);
+        mountpoints().remove(&self.shared.config.mountpoint);
     }
 }
 
