@@ -6,14 +6,15 @@
 //!                                              └─ reader thread N (FUSE_DEV_IOC_CLONE)    ── IoQueue ──▶ node
 //! ```
 //!
-//! The protocol is spoken here, not through a crate: one regular file
-//! needs a dozen messages ([`proto`]), and neither `fuser` nor
-//! `fuse-backend-rs` lets a reader keep many requests on an engine while
-//! it reads the next (both answer a request before reading another, so
-//! each thread would serve one at a time), nor reads through descriptors
-//! cloned per thread (`fuser`). Here each reader reads without blocking
-//! while its earlier requests are on its own queue, as vsd's NBD
-//! connections do.
+//! The protocol is spoken here, not through a crate, by argument rather
+//! than measurement: one regular file needs a dozen messages (proto.rs);
+//! `fuser`'s session reads one descriptor on one thread and hands every
+//! request to a callback with a boxed reply, and `fuse-backend-rs` answers
+//! each request from its `FileSystem` call, built for virtiofs' inode
+//! trees. What vsd needs is neither: one reader per cloned descriptor,
+//! reading without blocking while its earlier requests wait on its own
+//! queue on the node, with replies written from the slot that holds the
+//! data, as vsd's NBD connections do.
 //!
 //! Every open file gets `FOPEN_DIRECT_IO` and attributes are never cached:
 //! what another export writes is read at once, and a resize shows in

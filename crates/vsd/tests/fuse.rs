@@ -164,6 +164,12 @@ fn exercise(dir: &Scratch, mnt: &Path, image: &Path, format: &str, daemon: &str)
     assert_eq!(file.metadata().unwrap().len(), SIZE);
     map("at the end", &mut seen);
 
+    // chmod as QEMU allows it; times cannot be set.
+    ok("chmod", &["640", path]);
+    seen.push(format!("after chmod 640: {:o}", std::fs::metadata(mnt).unwrap().mode()));
+    ok("chmod", &["600", path]);
+    seen.push(format!("touch: {:?}", outcome("touch", &[path]).0));
+
     // What went through the file is in the image.
     ok("qemu-img", &["compare", "-U", "-f", format, "-F", "raw", image.to_str().unwrap(), path]);
     if format == "raw" {
