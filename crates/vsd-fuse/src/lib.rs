@@ -29,8 +29,8 @@ mod worker;
 
 use std::collections::BTreeSet;
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
-use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 
 pub use config::{AllowOther, ExportConfig};
@@ -64,7 +64,15 @@ pub struct FuseExport {
 /// What every reader shares.
 pub(crate) struct Shared {
     pub(crate) config: ExportConfig,
-    pub(crate) node: Arc<dyn BlockNode>,
+    /// The node served, and the readers' stops to change it.
+    control: Mutex<Control>,
+    /// Signalled when a reader parks or leaves, and when the readers may
+    /// go on.
+    changed: Condvar,
+    /// Set while readers are asked to stop (see [`FuseExport::with_readers_stopped`]).
+    pub(crate) pausing: AtomicBool,
+    /// Readable while readers are asked to stop (an eventfd), to wake them.
+    pub(crate) pause: OwnedFd,
     /// Whether the mount lets other users in (`allow-other`, as it came out).
     allow_other: bool,
     /// Mode, owner and group, which `chmod` and `chown` change.
@@ -75,6 +83,16 @@ pub(crate) struct Shared {
     pub(crate) stop: OwnedFd,
     /// False once a reader found the file unmounted under the daemon.
     pub(crate) connected: AtomicBool,
+}
+
+/// What the readers and the daemon agree on under [`Shared::control`].
+struct Control {
+    node: Arc<dyn BlockNode>,
+    /// Counts node changes: a reader whose queue is older opens another.
+    generation: u64,
+    /// Readers stopped at a request boundary, and readers running.
+    parked: usize,
+    live: usize,
 }
 
 #[derive(Clone, Copy)]
@@ -159,7 +177,38 @@ impl FuseExport {
 
     /// The node it serves.
     pub fn node(&self) -> Arc<dyn BlockNode> {
-        self.shared.node.clone()
+        self.shared.control().node.clone()
+    }
+
+    /// Runs `work` with every reader stopped at a request boundary (their
+    /// requests in flight completed, new ones waiting in the kernel); if it
+    /// succeeds and `to` is given, the readers serve `to` from then on.
+    pub fn with_readers_stopped<E>(
+        &self,
+        to: Option<Arc<dyn BlockNode>>,
+        work: impl FnOnce() -> Result<(), E>,
+    ) -> Result<(), E> {
+        let shared = &*self.shared;
+        let mut control = shared.control();
+        shared.pausing.store(true, Ordering::Release);
+        if let Err(e) = vsd_sys::signal_counter(shared.pause.as_fd()) {
+            log::error!("FUSE export '{}': cannot stop its readers: {e}", shared.config.id);
+        }
+        while control.parked < control.live {
+            control = shared.changed.wait(control).unwrap_or_else(PoisonError::into_inner);
+        }
+        // Not held meanwhile: `work` may ask the export for its node.
+        drop(control);
+        let result = work();
+        let mut control = shared.control();
+        if let (Ok(()), Some(to)) = (&result, to) {
+            control.node = to;
+            control.generation += 1;
+        }
+        let _ = vsd_sys::read_counter(shared.pause.as_fd());
+        shared.pausing.store(false, Ordering::Release);
+        shared.changed.notify_all();
+        result
     }
 
     /// Every reader's statistics.
@@ -201,26 +250,56 @@ fn mount_allowing(path: &str, allow: AllowOther) -> std::io::Result<(mount::Moun
 
 impl Shared {
     fn new(config: ExportConfig, node: Arc<dyn BlockNode>, allow_other: bool) -> std::io::Result<Self> {
-        // SAFETY: eventfd has no preconditions; a descriptor it returns is ours.
-        let stop = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if stop < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: stop is a fresh descriptor nothing else owns.
-        let stop = unsafe { OwnedFd::from_raw_fd(stop) };
         // As QEMU: read (and write) for the daemon's user.
         let mode = libc::S_IFREG | libc::S_IRUSR | if config.writable { libc::S_IWUSR } else { 0 };
         // SAFETY: getuid and getgid have no preconditions.
         let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
         Ok(Self {
             config,
-            node,
+            control: Mutex::new(Control { node, generation: 0, parked: 0, live: 0 }),
+            changed: Condvar::new(),
+            pausing: AtomicBool::new(false),
+            pause: eventfd()?,
             allow_other,
             owner: Mutex::new(Owner { mode, uid, gid }),
             resizing: Mutex::new(()),
-            stop,
+            stop: eventfd()?,
             connected: AtomicBool::new(true),
         })
+    }
+
+    fn control(&self) -> MutexGuard<'_, Control> {
+        self.control.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The node and its generation, for a reader starting or going on.
+    pub(crate) fn current_node(&self) -> (Arc<dyn BlockNode>, u64) {
+        let control = self.control();
+        (control.node.clone(), control.generation)
+    }
+
+    /// A reader starts serving.
+    pub(crate) fn reader_started(&self) {
+        self.control().live += 1;
+    }
+
+    /// A reader has ended (the export stops, or the file was unmounted).
+    pub(crate) fn reader_ended(&self) {
+        self.control().live -= 1;
+        self.changed.notify_all();
+    }
+
+    /// Parks a reader with nothing in flight until the readers may go on;
+    /// returns the node to serve and its generation.
+    pub(crate) fn park(&self) -> (Arc<dyn BlockNode>, u64) {
+        let mut control = self.control();
+        control.parked += 1;
+        self.changed.notify_all();
+        while self.pausing.load(Ordering::Acquire) {
+            control = self.changed.wait(control).unwrap_or_else(PoisonError::into_inner);
+        }
+        control.parked -= 1;
+        (control.node.clone(), control.generation)
     }
 
     fn owner(&self) -> std::sync::MutexGuard<'_, Owner> {
@@ -228,8 +307,8 @@ impl Shared {
     }
 
     /// The file's attributes, never cached by the kernel.
-    pub(crate) fn attr_out(&self) -> proto::AttrOut {
-        let size = self.node.size();
+    pub(crate) fn attr_out(&self, node: &dyn BlockNode) -> proto::AttrOut {
+        let size = node.size();
         let owner = *self.owner();
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let attr = proto::Attr {
@@ -243,7 +322,7 @@ impl Shared {
             nlink: 1,
             uid: owner.uid,
             gid: owner.gid,
-            blksize: self.node.request_alignment().max(512),
+            blksize: node.request_alignment().max(512),
             ..Default::default()
         };
         proto::AttrOut { attr, ..Default::default() }
@@ -252,7 +331,7 @@ impl Shared {
     /// `truncate`, `chmod` and `chown` as QEMU allows them: a size only on
     /// a writable export; no write permission on a read-only one; no
     /// access for others, nor another owner, without `allow-other`.
-    pub(crate) fn setattr(&self, set: &proto::SetattrIn) -> Result<(), i32> {
+    pub(crate) fn setattr(&self, node: &dyn BlockNode, set: &proto::SetattrIn) -> Result<(), i32> {
         let mut supported = fattr::SIZE | fattr::MODE | fattr::FH | fattr::LOCKOWNER;
         if self.allow_other {
             supported |= fattr::UID | fattr::GID;
@@ -272,7 +351,7 @@ impl Shared {
             if !self.config.writable {
                 return Err(libc::EACCES);
             }
-            self.resize(set.size)?;
+            self.resize(node, set.size)?;
         }
         let mut owner = self.owner();
         if set.valid & fattr::MODE != 0 {
@@ -288,31 +367,31 @@ impl Shared {
     }
 
     /// Resizes the node to `size`.
-    pub(crate) fn resize(&self, size: u64) -> Result<(), i32> {
+    pub(crate) fn resize(&self, node: &dyn BlockNode, size: u64) -> Result<(), i32> {
         let _resizing = self.resizing.lock().unwrap_or_else(PoisonError::into_inner);
-        self.node.resize(size).map_err(|e| errno(&e))
+        node.resize(size).map_err(|e| errno(&e))
     }
 
     /// Grows the node to `end` if it is smaller.
-    pub(crate) fn grow_to(&self, end: u64) -> Result<(), i32> {
+    pub(crate) fn grow_to(&self, node: &dyn BlockNode, end: u64) -> Result<(), i32> {
         let _resizing = self.resizing.lock().unwrap_or_else(PoisonError::into_inner);
-        if self.node.size() >= end {
+        if node.size() >= end {
             return Ok(());
         }
-        self.node.resize(end).map_err(|e| errno(&e))
+        node.resize(end).map_err(|e| errno(&e))
     }
 
     /// `lseek` with SEEK_DATA or SEEK_HOLE, from the node's block status;
     /// the end of the node is a hole, as in QEMU.
-    pub(crate) fn seek(&self, mut offset: u64, whence: u32) -> Result<u64, i32> {
+    pub(crate) fn seek(&self, node: &dyn BlockNode, mut offset: u64, whence: u32) -> Result<u64, i32> {
         let hole = match whence as i32 {
             libc::SEEK_DATA => false,
             libc::SEEK_HOLE => true,
             _ => return Err(libc::EINVAL),
         };
-        let size = self.node.size();
+        let size = node.size();
         while offset < size {
-            let (allocation, len) = self.node.block_status(offset, size - offset).map_err(|e| errno(&e))?;
+            let (allocation, len) = node.block_status(offset, size - offset).map_err(|e| errno(&e))?;
             if (allocation == Allocation::Hole) == hole {
                 return Ok(offset);
             }
@@ -320,6 +399,16 @@ impl Shared {
         }
         if offset > size || !hole { Err(libc::ENXIO) } else { Ok(offset) }
     }
+}
+
+fn eventfd() -> std::io::Result<OwnedFd> {
+    // SAFETY: eventfd has no preconditions.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// The errno of an I/O error (EIO if it has none).

@@ -8,7 +8,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use vsd_block::{IoOp, IoQueue, IoVecs};
+use vsd_block::{BlockNode, IoOp, IoQueue, IoVecs};
 use vsd_trace::{Clock, OpKind, QueueStats};
 
 use crate::proto::{self, Pod, fopen, init, op};
@@ -48,6 +48,9 @@ enum Reply {
 pub(crate) struct Worker {
     fd: OwnedFd,
     shared: Arc<Shared>,
+    /// The node served, of the generation `generation`, and a queue on it.
+    node: Arc<dyn BlockNode>,
+    generation: u64,
     queue: Box<dyn IoQueue>,
     slots: Vec<Slot>,
     free: Vec<usize>,
@@ -64,7 +67,8 @@ impl Worker {
     /// A reader on `fd`, with a queue on the node opened on the calling
     /// thread (engines may bind to their creator).
     pub(crate) fn new(fd: OwnedFd, shared: Arc<Shared>, stats: Arc<QueueStats>) -> io::Result<Self> {
-        let queue = shared.node.open_uncounted_queue(SLOTS as u16)?;
+        let (node, generation) = shared.current_node();
+        let queue = node.open_uncounted_queue(SLOTS as u16)?;
         let slots = (0..SLOTS)
             .map(|_| Slot {
                 // Zeroed allocations this large are mapped lazily: pages
@@ -80,20 +84,46 @@ impl Worker {
             .collect();
         let free = (0..SLOTS).rev().collect();
         let clock = Clock::get();
-        Ok(Self { fd, shared, queue, slots, free, in_flight: 0, pushed: 0, closing: false, stats, clock })
+        shared.reader_started();
+        let (in_flight, pushed, closing) = (0, 0, false);
+        Ok(Self { fd, shared, node, generation, queue, slots, free, in_flight, pushed, closing, stats, clock })
     }
 
     /// Serves until the export stops or the file is unmounted; requests
-    /// in flight complete first.
+    /// in flight complete first. Asked to stop for a while, it reads no
+    /// more, completes what is in flight, and parks.
     pub(crate) fn run(mut self) {
         loop {
-            let received = if self.closing { false } else { self.receive() };
+            let pausing = self.shared.pausing.load(Ordering::Acquire);
+            let received = if self.closing || pausing { false } else { self.receive() };
             let reaped = self.submit_and_reap();
             if self.closing && self.in_flight == 0 {
-                return;
+                return self.shared.reader_ended();
             }
-            if !received && !reaped {
-                self.wait();
+            if pausing && self.in_flight == 0 {
+                self.park();
+            } else if !received && !reaped {
+                self.wait(pausing);
+            }
+        }
+    }
+
+    /// Waits until the readers may go on, with a queue on the node changed
+    /// meanwhile, if it was.
+    fn park(&mut self) {
+        let (node, generation) = self.shared.park();
+        if generation == self.generation {
+            return;
+        }
+        match node.open_uncounted_queue(SLOTS as u16) {
+            Ok(queue) => (self.node, self.generation, self.queue) = (node, generation, queue),
+            Err(e) => {
+                log::error!(
+                    "FUSE export '{}': cannot open a queue on node '{}': {e}",
+                    self.shared.config.id,
+                    node.name()
+                );
+                self.closing = true;
             }
         }
     }
@@ -139,15 +169,15 @@ impl Worker {
         let body_end = len.min(header.len as usize);
         let at = size_of::<proto::InHeader>().min(body_end);
         let body = &slot.buf[at..body_end];
-        let shared = &*self.shared;
+        let (shared, node) = (&*self.shared, &*self.node);
         match header.opcode {
             op::INIT => match proto::InitIn::read(body) {
                 Some(init) => self.reply_with(index, init_reply(&init)),
                 None => self.reply_error(index, libc::EINVAL),
             },
-            op::GETATTR => self.reply_with(index, shared.attr_out()),
-            op::SETATTR => match proto::SetattrIn::read(body).map(|set| shared.setattr(&set)) {
-                Some(Ok(())) => self.reply_with(index, shared.attr_out()),
+            op::GETATTR => self.reply_with(index, shared.attr_out(node)),
+            op::SETATTR => match proto::SetattrIn::read(body).map(|set| shared.setattr(node, &set)) {
+                Some(Ok(())) => self.reply_with(index, shared.attr_out(node)),
                 Some(Err(errno)) => self.reply_error(index, errno),
                 None => self.reply_error(index, libc::EINVAL),
             },
@@ -178,7 +208,7 @@ impl Worker {
                 Some(f) => self.fallocate(index, f.offset, f.length, f.mode),
                 None => self.reply_error(index, libc::EINVAL),
             },
-            op::LSEEK => match proto::LseekIn::read(body).map(|s| shared.seek(s.offset, s.whence)) {
+            op::LSEEK => match proto::LseekIn::read(body).map(|s| shared.seek(node, s.offset, s.whence)) {
                 Some(Ok(offset)) => self.reply_with(index, proto::LseekOut { offset }),
                 Some(Err(errno)) => self.reply_error(index, errno),
                 None => self.reply_error(index, libc::EINVAL),
@@ -193,7 +223,7 @@ impl Worker {
     /// A read, ending at the end of the node.
     fn read(&mut self, index: usize, offset: u64, size: u32) {
         self.slots[index].kind = Some(OpKind::Read);
-        let len = self.shared.node.size().saturating_sub(offset).min(u64::from(size).min(MAX_IO as u64)) as usize;
+        let len = self.node.size().saturating_sub(offset).min(u64::from(size).min(MAX_IO as u64)) as usize;
         if len == 0 {
             return self.reply_data(index, 0);
         }
@@ -214,11 +244,11 @@ impl Worker {
         }
         let end = offset.saturating_add(u64::from(size));
         if self.shared.config.growable
-            && let Err(errno) = self.shared.grow_to(end)
+            && let Err(errno) = self.shared.grow_to(&*self.node, end)
         {
             return self.reply_error(index, errno);
         }
-        let len = self.shared.node.size().saturating_sub(offset).min(u64::from(size)) as u32;
+        let len = self.node.size().saturating_sub(offset).min(u64::from(size)) as u32;
         if len == 0 || data + len as usize > self.slots[index].buf.len() {
             return self.reply_error(index, libc::EIO);
         }
@@ -247,10 +277,10 @@ impl Worker {
             return self.reply_error(index, libc::EACCES);
         }
         let mut end = offset.saturating_add(length);
-        let size = self.shared.node.size();
+        let size = self.node.size();
         let (may_unmap, fast) = match mode {
             0 if offset < size => return self.reply_error(index, libc::EOPNOTSUPP),
-            0 => return self.reply_result(index, self.shared.resize(end)),
+            0 => return self.reply_result(index, self.shared.resize(&*self.node, end)),
             m if m & PUNCH_HOLE != 0 && m & KEEP_SIZE == 0 => return self.reply_error(index, libc::EINVAL),
             m if m & PUNCH_HOLE != 0 => (true, true),
             m if m & ZERO_RANGE != 0 => (false, false),
@@ -258,7 +288,7 @@ impl Worker {
         };
         if mode & KEEP_SIZE != 0 {
             end = end.min(size);
-        } else if let Err(errno) = self.shared.grow_to(end) {
+        } else if let Err(errno) = self.shared.grow_to(&*self.node, end) {
             return self.reply_error(index, errno);
         }
         let len = end.saturating_sub(offset);
@@ -377,15 +407,20 @@ impl Worker {
         self.free.push(index);
     }
 
-    /// Sleeps until the connection, the engine or the export's stop has
-    /// something.
-    fn wait(&mut self) {
-        let listen = if self.free.is_empty() || self.closing { 0 } else { libc::POLLIN };
+    /// Sleeps until the connection, the engine, the export's stop or a
+    /// request to pause (unless `pausing` already) has something.
+    fn wait(&mut self, pausing: bool) {
+        let listen = if self.free.is_empty() || self.closing || pausing { 0 } else { libc::POLLIN };
         let engine = self.queue.notify_fd().map_or(-1, |fd| fd.as_raw_fd());
         let mut fds = [
             libc::pollfd { fd: self.fd.as_raw_fd(), events: listen, revents: 0 },
             libc::pollfd { fd: engine, events: libc::POLLIN, revents: 0 },
             libc::pollfd { fd: self.shared.stop.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd {
+                fd: self.shared.pause.as_raw_fd(),
+                events: if pausing { 0 } else { libc::POLLIN },
+                revents: 0,
+            },
         ];
         // An engine without a descriptor completes within submit or reap:
         // look again soon rather than sleep while requests are in flight.

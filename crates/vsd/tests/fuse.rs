@@ -339,3 +339,41 @@ fn a_daemon_killed_on_its_mount_leaves_nothing_that_blocks_the_next() {
     File::open(&mnt).unwrap().read_exact_at(&mut page, 0).unwrap();
     assert!(page.iter().all(|&b| b == 0x77), "the next daemon serves the file");
 }
+
+#[test]
+fn a_live_snapshot_under_io_moves_the_file_onto_the_overlay() {
+    let dir = Scratch::new("fuse-snapshot");
+    let base = image(&dir, "base.qcow2", "qcow2");
+    let (overlay, mnt, qmp_sock) = (dir.path("overlay.qcow2"), mountpoint(&dir, "disk.mnt"), dir.path("qmp.sock"));
+    let mut args = fuse_args(&base, "qcow2", &mnt, ",writable=on");
+    args.extend(monitor(&qmp_sock));
+    let _vsd = Daemon::vsd(&dir, &unsandboxed(args));
+    let mut qmp = Qmp::connect(&qmp_sock);
+    let path = mnt.to_str().unwrap();
+    let fio = std::process::Command::new("fio")
+        .args(["--name=busy", &format!("--filename={path}"), "--ioengine=io_uring", "--direct=1", "--iodepth=16"])
+        .args(["--rw=randread", "--bs=4k", "--time_based", "--runtime=2", "--output-format=terse"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+
+    let (b, o) = (base.to_str().unwrap(), overlay.to_str().unwrap());
+    ok("qemu-img", &["create", "-q", "-f", "qcow2", "-b", b, "-F", "qcow2", o, &SIZE.to_string()]);
+    let file = json!({"driver": "file", "filename": overlay});
+    qmp.ok("blockdev-add", json!({"driver": "qcow2", "node-name": "s1", "file": file, "backing": null}));
+    qmp.ok("blockdev-snapshot", json!({"node": "disk", "overlay": "s1"}));
+    let listed = qmp.ok("query-block-exports", json!({}));
+    assert_eq!(listed[0]["node-name"], "s1", "{listed}");
+    let fio = fio.wait_with_output().unwrap();
+    assert!(fio.status.success(), "fio read on through the snapshot: {}", String::from_utf8_lossy(&fio.stderr));
+
+    let file = File::options().read(true).write(true).open(&mnt).unwrap();
+    file.write_all_at(&[0x99; 4096], 8 * MIB).unwrap();
+    let mut page = vec![0; 4096];
+    file.read_exact_at(&mut page, 4 * MIB).unwrap();
+    assert!(page.iter().all(|&b| b == 0x22), "the base's data, read through the overlay");
+    ok("qemu-io", &["-r", "-U", "-f", "qcow2", "-c", "read -P 0x99 8M 4k", o]);
+    ok("qemu-io", &["-r", "-U", "-f", "qcow2", "-c", "read -P 0 8M 4k", b]);
+}
