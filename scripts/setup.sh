@@ -14,7 +14,8 @@
 # chattr, which makes a file refuse writers; Ceph's monitor, OSD and
 # client tools with librbd, for the RBD driver and its test
 # cluster (scripts/ceph.sh), and QEMU's rbd module, the peer measured on it;
-# the Python packages qemu.qmp and prometheus_client for the control tests.
+# the Python packages qemu.qmp and prometheus_client for the control tests;
+# fuse3, whose fusermount3 mounts FUSE exports for a daemon not run as root.
 #
 # bookworm-backports is added by reusing the URIs of the machine's existing
 # Debian source, so no mirror is hard-coded here.
@@ -29,7 +30,7 @@ have_all() {
         command -v nbdinfo >/dev/null && command -v nbdcopy >/dev/null && command -v nbdkit >/dev/null &&
         command -v openssl >/dev/null && command -v strace >/dev/null && command -v nginx >/dev/null &&
         command -v systemd-socket-activate >/dev/null && command -v chattr >/dev/null && command -v man >/dev/null &&
-        command -v prometheus >/dev/null &&
+        command -v prometheus >/dev/null && command -v fusermount3 >/dev/null &&
         command -v ceph-mon >/dev/null && command -v ceph-osd >/dev/null && command -v rbd >/dev/null &&
         ls /usr/lib/x86_64-linux-gnu/qemu/block-rbd.so >/dev/null 2>&1 &&
         ls /boot/vmlinuz-* >/dev/null 2>&1 &&
@@ -67,7 +68,7 @@ fi
 apt-get update -qq
 apt-get install -y -qq -t bookworm-backports qemu-system-x86 qemu-utils qemu-block-extra >/dev/null
 apt-get install -y -qq fio busybox-static linux-image-amd64 xz-utils cpio socat chromium libnbd-bin nbdkit openssl \
-    strace ceph-mon ceph-osd ceph-common nginx-light systemd man-db e2fsprogs >/dev/null
+    strace ceph-mon ceph-osd ceph-common nginx-light systemd man-db e2fsprogs fuse3 >/dev/null
 # Without its recommends: the server alone, no node exporter service.
 apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 have_all || { echo "setup: packages installed but a tool is still missing" >&2; exit 1; }

@@ -10,13 +10,14 @@ use vsd_block::options::OptionMap;
 use vsd_block::{ActivationError, BlockGraph, BlockNode, ClaimGuard, LockError, Perms, User, UserGuard, Users};
 use vsd_control::qmp::Events;
 use vsd_export::{ExportConfig, ExportSnapshot, VhostUserBlkExport};
+use vsd_fuse::FuseExport;
 use vsd_nbd::{NbdExport, NbdServer, ServerConfig};
 use vsd_trace::HistogramSnapshot;
 
 use crate::objects::Objects;
 
 /// The export types `--export` and `block-export-add` take.
-pub const EXPORT_TYPES: &[&str] = &["vhost-user-blk", "nbd"];
+pub const EXPORT_TYPES: &[&str] = &["vhost-user-blk", "nbd", "fuse"];
 
 /// Everything the daemon serves.
 pub struct Daemon {
@@ -192,6 +193,7 @@ impl Daemon {
         opts.insert("type", kind);
         let config = match kind {
             "nbd" => ExportOptions::Nbd(vsd_nbd::ExportConfig::from_options(&mut opts)?),
+            "fuse" => ExportOptions::Fuse(vsd_fuse::ExportConfig::from_options(&mut opts)?),
             _ => ExportOptions::VhostUserBlk(ExportConfig::from_options(&mut opts)?),
         };
         opts.finish()?;
@@ -225,6 +227,14 @@ impl Daemon {
                 log::info!("export '{id}' offered over NBD as '{}'", export.config().name);
                 Export::Nbd(export)
             }
+            ExportOptions::Fuse(config) => {
+                if let Some(thread) = &config.iothread {
+                    self.objects.iothread(thread).map_err(anyhow::Error::msg)?;
+                }
+                let export = FuseExport::start(config, node).map_err(anyhow::Error::msg)?;
+                log::info!("export '{id}' mounted on '{}'", export.config().mountpoint);
+                Export::Fuse(export)
+            }
         };
         state.claims.insert(id.clone(), claims);
         state.exports.insert(id, export);
@@ -246,7 +256,7 @@ impl Daemon {
             .values()
             .filter_map(|e| match e {
                 Export::VhostUserBlk(e) => Some(e),
-                Export::Nbd(_) => None,
+                _ => None,
             })
             .collect();
         let connections: Vec<&NbdExport> = state
@@ -397,6 +407,7 @@ fn below(mut nodes: Vec<Arc<dyn BlockNode>>) -> Vec<Arc<dyn BlockNode>> {
 enum ExportOptions {
     VhostUserBlk(ExportConfig),
     Nbd(vsd_nbd::ExportConfig),
+    Fuse(vsd_fuse::ExportConfig),
 }
 
 impl ExportOptions {
@@ -405,6 +416,7 @@ impl ExportOptions {
         match self {
             ExportOptions::VhostUserBlk(c) => c.allow_inactive,
             ExportOptions::Nbd(c) => c.allow_inactive,
+            ExportOptions::Fuse(c) => c.allow_inactive,
         }
     }
 
@@ -413,6 +425,7 @@ impl ExportOptions {
         match self {
             ExportOptions::VhostUserBlk(c) => c.writable,
             ExportOptions::Nbd(c) => c.writable,
+            ExportOptions::Fuse(c) => c.writable,
         }
     }
 
@@ -421,6 +434,7 @@ impl ExportOptions {
         match self {
             ExportOptions::VhostUserBlk(c) => (&c.id, &c.node_name),
             ExportOptions::Nbd(c) => (&c.id, &c.node_name),
+            ExportOptions::Fuse(c) => (&c.id, &c.node_name),
         }
     }
 }
@@ -429,6 +443,7 @@ impl ExportOptions {
 pub(crate) enum Export {
     VhostUserBlk(VhostUserBlkExport),
     Nbd(NbdExport),
+    Fuse(FuseExport),
 }
 
 impl Export {
@@ -437,6 +452,7 @@ impl Export {
         match self {
             Export::VhostUserBlk(_) => "vhost-user-blk",
             Export::Nbd(_) => "nbd",
+            Export::Fuse(_) => "fuse",
         }
     }
 
@@ -444,6 +460,7 @@ impl Export {
         match self {
             Export::VhostUserBlk(e) => &e.config().id,
             Export::Nbd(e) => &e.config().id,
+            Export::Fuse(e) => &e.config().id,
         }
     }
 
@@ -451,6 +468,7 @@ impl Export {
         match self {
             Export::VhostUserBlk(e) => e.node(),
             Export::Nbd(e) => e.node(),
+            Export::Fuse(e) => e.node(),
         }
     }
 
@@ -459,6 +477,7 @@ impl Export {
         match self {
             Export::VhostUserBlk(e) => e.config().writable,
             Export::Nbd(e) => e.config().writable,
+            Export::Fuse(e) => e.config().writable,
         }
     }
 
@@ -467,6 +486,7 @@ impl Export {
         match self {
             Export::VhostUserBlk(e) => e.config().allow_inactive,
             Export::Nbd(e) => e.config().allow_inactive,
+            Export::Fuse(e) => e.config().allow_inactive,
         }
     }
 
@@ -474,24 +494,28 @@ impl Export {
         match self {
             Export::VhostUserBlk(e) => e.has_client(),
             Export::Nbd(e) => e.has_client(),
+            // Open files hold no state a deletion could lose.
+            Export::Fuse(_) => false,
         }
     }
 
     /// Statistics: per queue for vhost-user-blk, per connection for NBD
-    /// (those that ended summed as the first).
+    /// (those that ended summed as the first), per reader thread for FUSE.
     pub(crate) fn stats(&self) -> ExportSnapshot {
         match self {
             Export::VhostUserBlk(e) => e.stats(),
             Export::Nbd(e) => e.stats(),
+            Export::Fuse(e) => e.stats(),
         }
     }
 
     /// Tells the front-end about a new size. NBD clients learn the size
-    /// when they connect: the protocol has no message for it.
+    /// when they connect: the protocol has no message for it; a FUSE
+    /// file's size is asked for at every stat.
     pub(crate) fn capacity_changed(&self) -> std::io::Result<()> {
         match self {
             Export::VhostUserBlk(e) => e.capacity_changed().map(drop),
-            Export::Nbd(_) => Ok(()),
+            Export::Nbd(_) | Export::Fuse(_) => Ok(()),
         }
     }
 
@@ -500,6 +524,7 @@ impl Export {
         match self {
             Export::VhostUserBlk(e) => e.stop(),
             Export::Nbd(e) => e.stop(),
+            Export::Fuse(e) => e.stop(),
         }
     }
 }

@@ -155,6 +155,9 @@ fn serving(daemon: &Daemon, monitors: &[String]) -> Vec<String> {
             Export::Nbd(e) => {
                 format!("serving export {id} ({kind}, node {}) over NBD as '{}'", node.name(), e.config().name)
             }
+            Export::Fuse(e) => {
+                format!("serving export {id} ({kind}, node {}) as the file '{}'", node.name(), e.config().mountpoint)
+            }
         }
     });
     let monitors = monitors.iter().map(|at| format!("serving QMP on {at}"));

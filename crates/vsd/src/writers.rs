@@ -11,7 +11,8 @@ use crate::daemon::{Export, State, export_user, hold, lock_state};
 type Work<'a> = &'a mut dyn FnMut() -> Result<(), String>;
 
 /// Runs `work` (if any) with every export of node `from` stopped (the
-/// vhost-user-blk queues and the NBD connections, at a request boundary);
+/// vhost-user-blk queues, the NBD connections and the FUSE readers, at a
+/// request boundary);
 /// if it succeeds, moves them onto `to` (if any), each holding what it
 /// needs of `to`'s images.
 pub(crate) fn switch_exports(
@@ -48,6 +49,7 @@ fn stopped(exports: &[&Export], to: Option<&Arc<dyn BlockNode>>, work: Work<'_>)
         (Export::VhostUserBlk(e), None) => e.with_queues_stopped(inner),
         (Export::Nbd(e), Some(to)) => e.replace_node_after(to.clone(), inner),
         (Export::Nbd(e), None) => e.with_connections_stopped(inner),
+        (Export::Fuse(e), to) => e.with_readers_stopped(to.cloned(), inner),
     }
 }
 

@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 
 /// What QSD declares that vsd does not: the number the last count found.
 /// A change either way must be looked at (and the number moved with it).
-const GAPS: usize = 205;
+const GAPS: usize = 204;
 
 struct Schema(HashMap<String, Value>);
 

@@ -357,7 +357,9 @@ pub(crate) fn block_export_options(_: &mut Introspection) -> Value {
         ("bitmaps?", list(string())),
         ("allocation-depth?", boolean()),
     ];
-    union("type", vec![("vhost-user-blk", base(vhost_user_blk)), ("nbd", base(nbd))])
+    let fuse =
+        vec![("mountpoint", string()), ("growable?", boolean()), ("allow-other?", one_of(&["off", "on", "auto"]))];
+    union("type", vec![("vhost-user-blk", base(vhost_user_blk)), ("nbd", base(nbd)), ("fuse", base(fuse))])
 }
 
 pub(crate) fn nbd_server_options(_: &mut Introspection) -> Value {
