@@ -3,12 +3,13 @@
 gets through it: vsd (and qemu-storage-daemon, for scale) serves a 64 MiB
 file on a unix socket with max-connections at its default (100); 1,000
 clients connect and stop after the greeting, then keep reconnecting as the
-server drops them, for --seconds. Reported per daemon: RSS before, at its
-peak and after; threads at their peak; CPU seconds spent during the flood;
-and how long `qemu-img info` took, run once a second during it (the worst
-and the median).
+server drops them, for --seconds (--no-reconnect: they connect once).
+Reported per daemon: RSS before, at its peak and after; threads at their
+peak; the connections the flood made, and the daemon's CPU seconds during
+it (and per connection); how long `qemu-img info` took, run once a second
+during it (the worst and the median).
 
-usage: scripts/bench-nbd-flood.py [--seconds 10] [--clients 1000] [--target-dir T] [--work /dev/shm/vsd-bench-nbd-flood]
+usage: scripts/bench-nbd-flood.py [--seconds 10] [--clients 1000] [--no-reconnect] [--target-dir T] [--work /dev/shm/vsd-bench-nbd-flood]
 """
 import argparse
 import os
@@ -28,11 +29,11 @@ def status(pid, key):
     return int(line.split()[1])
 
 
-def flood(sock, clients, until):
+def flood(sock, clients, until, reconnect, made):
     """Keeps `clients` idle connections open until `until`, reopening those
-    the server closes."""
+    the server closes if `reconnect`; counts them in `made`."""
     conns = []
-    while time.time() < until:
+    while time.time() < until and (reconnect or not conns):
         for i in range(clients):
             if i < len(conns) and not closed(conns[i]):
                 continue
@@ -41,12 +42,15 @@ def flood(sock, clients, until):
                 s.connect(sock)
             except OSError:
                 continue
+            made[0] += 1
             s.setblocking(False)
             if i < len(conns):
                 conns[i].close()
                 conns[i] = s
             else:
                 conns.append(s)
+        time.sleep(0.05)
+    while time.time() < until:
         time.sleep(0.05)
     for s in conns:
         s.close()
@@ -63,7 +67,7 @@ def closed(s):
         return True
 
 
-def measure(name, program, args, work, seconds, clients):
+def measure(name, program, args, work, seconds, clients, reconnect):
     sock = os.path.join(work, f"{name}.sock")
     daemon = subprocess.Popen([program, *args(sock)], stderr=subprocess.DEVNULL)
     while not os.path.exists(sock):
@@ -72,7 +76,8 @@ def measure(name, program, args, work, seconds, clients):
     pid = daemon.pid
     rss_before, ticks_before = status(pid, "VmRSS"), cpu_ticks(pid)
     until = time.time() + seconds
-    flooder = threading.Thread(target=flood, args=(sock, clients, until))
+    made = [0]
+    flooder = threading.Thread(target=flood, args=(sock, clients, until, reconnect, made))
     flooder.start()
     rss_peak = threads_peak = 0
     waits = []
@@ -89,14 +94,15 @@ def measure(name, program, args, work, seconds, clients):
     rss_after = status(pid, "VmRSS")
     daemon.terminate()
     daemon.wait()
-    return [name, rss_before // 1024, rss_peak // 1024, rss_after // 1024, threads_peak, f"{cpu:.2f}",
-            f"{max(waits):.2f}", f"{statistics.median(waits):.2f}"]
+    return [name, rss_before // 1024, rss_peak // 1024, rss_after // 1024, threads_peak, made[0], f"{cpu:.2f}",
+            f"{cpu * 1e6 / max(made[0], 1):.0f}", f"{max(waits):.2f}", f"{statistics.median(waits):.2f}"]
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--clients", type=int, default=1000)
+    parser.add_argument("--no-reconnect", action="store_true")
     parser.add_argument("--target-dir")
     parser.add_argument("--work", default="/dev/shm/vsd-bench-nbd-flood")
     opts = parser.parse_args()
@@ -111,11 +117,12 @@ def main():
                 "--nbd-server", f"addr.type=unix,addr.path={sock}",
                 "--export", "type=nbd,id=e0,node-name=f0,name=disk"]
 
-    rows = [measure(name, program, args, opts.work, opts.seconds, opts.clients)
+    rows = [measure(name, program, args, opts.work, opts.seconds, opts.clients, not opts.no_reconnect)
             for name, program in (("vsd", benchlib.VSD), ("qsd", QSD))]
-    head = ["server", "RSS before MiB", "RSS peak MiB", "RSS after MiB", "threads peak", "CPU s",
-            "qemu-img worst s", "qemu-img median s"]
-    print(f"{opts.clients} idle clients for {opts.seconds:g} s")
+    head = ["server", "RSS before MiB", "RSS peak MiB", "RSS after MiB", "threads peak", "connections", "CPU s",
+            "CPU µs/conn", "qemu-img worst s", "qemu-img median s"]
+    how = "connecting once" if opts.no_reconnect else "reconnecting when dropped"
+    print(f"{opts.clients} idle clients, {how}, for {opts.seconds:g} s")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for row in rows:
