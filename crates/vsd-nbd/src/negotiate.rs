@@ -4,9 +4,17 @@
 //! [`Negotiation::feed`] takes whatever the client sent, in any chunks,
 //! and queues what the server answers ([`Negotiation::take_output`]). It
 //! stops consuming at the end of the option that ends the handshake, so
-//! the bytes after it belong to the transmission phase. Memory is bounded
-//! whatever the client sends: option data over [`MAX_OPTION_DATA`] is
-//! skipped, not kept.
+//! the bytes after it belong to the transmission phase.
+//!
+//! Each option type has a bound on its data, from the spec's limits
+//! ([`max_len`]: names and queries of at most 4096 bytes, each
+//! information request once). An option announced longer cannot be valid:
+//! it is answered at once (NBD_REP_ERR_INVALID for an option that takes
+//! no data, NBD_REP_ERR_TOO_BIG otherwise, nothing for EXPORT_NAME) and
+//! the connection closed, rather than waiting for data a flooding client
+//! never sends (the spec allows a hard disconnect when a client breaks a
+//! MUST). So memory is bounded whatever the client sends, and no client
+//! holds a connection by announcing a long option.
 //!
 //! A server that requires TLS answers every option but STARTTLS and ABORT
 //! with NBD_REP_ERR_TLS_REQD until the client has sent STARTTLS, and
@@ -19,10 +27,20 @@
 use crate::proto::handshake::{FLAG_FIXED_NEWSTYLE, FLAG_NO_ZEROES, IHAVEOPT, NBDMAGIC, REPLY_MAGIC, info, opt, rep};
 use crate::proto::{Mode, tx_flag};
 
-/// The most option data kept: more than any option vsd knows needs.
-pub const MAX_OPTION_DATA: u32 = 64 << 10;
+/// The most option data kept: NBD_OPT_INFO's and NBD_OPT_GO's bound, the
+/// longest.
+pub const MAX_OPTION_DATA: u32 = max_len(opt::GO);
 /// The longest export name or query (the spec's limit for strings).
-const MAX_STRING: usize = 4096;
+const MAX_STRING: u32 = 4096;
+/// A length-prefixed string at its longest.
+const MAX_PREFIXED: u32 = 4 + MAX_STRING;
+/// Metadata context queries of the longest length one option has room
+/// for: the spec leaves the number to the server (NBD_REP_ERR_TOO_BIG);
+/// an export offers two contexts and one per bitmap.
+const MAX_QUERIES: u32 = 16;
+/// The data an option vsd does not know may carry, to be refused with
+/// NBD_REP_ERR_UNSUP: the spec sets no bound.
+const MAX_UNKNOWN: u32 = 64 << 10;
 const BASE_ALLOCATION: &str = "base:allocation";
 const ALLOCATION_DEPTH: &str = "qemu:allocation-depth";
 const DIRTY_BITMAP: &str = "qemu:dirty-bitmap:";
@@ -118,17 +136,24 @@ pub enum Closed {
     /// An option header without IHAVEOPT.
     #[error("bad option magic")]
     OptionMagic,
-    /// NBD_OPT_EXPORT_NAME for a missing export, or too long: that option
-    /// has no error reply.
+    /// NBD_OPT_EXPORT_NAME for a missing export: that option has no error
+    /// reply.
     #[error("NBD_OPT_EXPORT_NAME for an export that cannot be served")]
     ExportName,
     /// An option a TLS server cannot refuse with a reply: EXPORT_NAME
     /// before TLS, or any option from a client without fixed newstyle.
     #[error("Option {0:#x} not permitted before TLS")]
     TlsRequired(u32),
-    /// NBD_OPT_STARTTLS with data: the client cannot be talking TLS right.
-    #[error("NBD_OPT_STARTTLS with data")]
-    StartTlsData,
+    /// An option announced longer than its type allows (QEMU's words).
+    #[error("option {option:#x}: len ({len}) is larger than max len ({max})")]
+    TooLong {
+        /// The option.
+        option: u32,
+        /// Its length.
+        len: u32,
+        /// The most its type may have.
+        max: u32,
+    },
 }
 
 /// Where the connection stands with TLS.
@@ -148,7 +173,6 @@ enum Phase {
     ClientFlags,
     OptionHeader,
     OptionData { option: u32, len: usize },
-    Skip { option: u32, left: u64 },
     Finished,
 }
 
@@ -229,18 +253,9 @@ impl<C: Catalog> Negotiation<C> {
                 Phase::ClientFlags => 4,
                 Phase::OptionHeader => 16,
                 Phase::OptionData { len, .. } => len,
-                Phase::Skip { option, left } => {
-                    let n = left.min(bytes.len() as u64);
-                    bytes = &bytes[n as usize..];
-                    if n < left {
-                        self.phase = Phase::Skip { option, left: left - n };
-                        break;
-                    }
-                    self.error(option, rep::ERR_TOO_BIG, "option data too long");
-                    self.phase = Phase::OptionHeader;
-                    continue;
-                }
             };
+            // No more than the option's data: not the doubling of growth.
+            self.input.reserve_exact(need - self.input.len());
             let n = (need - self.input.len()).min(bytes.len());
             self.input.extend_from_slice(&bytes[..n]);
             bytes = &bytes[n..];
@@ -272,21 +287,32 @@ impl<C: Catalog> Negotiation<C> {
                 if magic != IHAVEOPT {
                     return self.close(Closed::OptionMagic);
                 }
-                self.phase = match len {
-                    0 => {
-                        self.option(option, &[]);
-                        return;
-                    }
-                    len if len > MAX_OPTION_DATA => match option {
-                        opt::EXPORT_NAME => return self.close(Closed::ExportName),
-                        _ => Phase::Skip { option, left: u64::from(len) },
-                    },
-                    len => Phase::OptionData { option, len: len as usize },
-                };
+                let max = max_len(option);
+                // ABORT's data, which the spec says to ignore, is not waited for.
+                if len == 0 || option == opt::ABORT {
+                    self.option(option, &[]);
+                } else if len > max {
+                    self.too_long(option, len, max);
+                } else {
+                    self.phase = Phase::OptionData { option, len: len as usize };
+                }
             }
             Phase::OptionData { option, .. } => self.option(option, input),
-            Phase::Skip { .. } | Phase::Finished => unreachable!("no input is gathered in these phases"),
+            Phase::Finished => unreachable!("no input is gathered once finished"),
         }
+    }
+
+    /// An option longer than its type allows: told at once where the
+    /// client can be told (fixed newstyle, an option with error replies),
+    /// then the end.
+    fn too_long(&mut self, option: u32, len: u32, max: u32) {
+        let why = Closed::TooLong { option, len, max };
+        if self.fixed && option != opt::EXPORT_NAME {
+            // The spec's answer to data where none belongs.
+            let kind = if max == 0 { rep::ERR_INVALID } else { rep::ERR_TOO_BIG };
+            self.error(option, kind, &why.to_string());
+        }
+        self.close(why);
     }
 
     fn close(&mut self, why: Closed) {
@@ -299,7 +325,7 @@ impl<C: Catalog> Negotiation<C> {
     fn option(&mut self, option: u32, data: &[u8]) {
         self.phase = Phase::OptionHeader;
         if self.tls == Tls::Required {
-            return self.before_tls(option, data);
+            return self.before_tls(option);
         }
         match option {
             opt::EXPORT_NAME => self.export_name(data),
@@ -307,7 +333,6 @@ impl<C: Catalog> Negotiation<C> {
                 self.reply(option, rep::ACK, &[]);
                 self.close(Closed::Aborted);
             }
-            opt::LIST if !data.is_empty() => self.error(option, rep::ERR_INVALID, "NBD_OPT_LIST takes no data"),
             opt::LIST => {
                 for (name, description) in self.catalog.list() {
                     let mut entry = Vec::with_capacity(4 + name.len() + description.len());
@@ -321,20 +346,19 @@ impl<C: Catalog> Negotiation<C> {
             opt::STARTTLS if self.tls == Tls::Off => self.error(option, rep::ERR_POLICY, "TLS not configured"),
             opt::STARTTLS => self.error(option, rep::ERR_INVALID, "TLS already enabled"),
             opt::INFO | opt::GO => self.info_or_go(option, data),
-            opt::STRUCTURED_REPLY | opt::EXTENDED_HEADERS => self.reply_format(option, data),
+            opt::STRUCTURED_REPLY | opt::EXTENDED_HEADERS => self.reply_format(option),
             opt::LIST_META_CONTEXT | opt::SET_META_CONTEXT => self.meta_context(option, data),
             _ => self.error(option, rep::ERR_UNSUP, "option not supported"),
         }
     }
 
     /// An option on a connection that must start TLS first.
-    fn before_tls(&mut self, option: u32, data: &[u8]) {
+    fn before_tls(&mut self, option: u32) {
         // Without fixed newstyle the client cannot be told why.
         if !self.fixed {
             return self.close(Closed::TlsRequired(option));
         }
         match option {
-            opt::STARTTLS if !data.is_empty() => self.close(Closed::StartTlsData),
             opt::STARTTLS => {
                 self.reply(option, rep::ACK, &[]);
                 // Nothing agreed in the clear may outlive it.
@@ -411,11 +435,9 @@ impl<C: Catalog> Negotiation<C> {
         }
     }
 
-    fn reply_format(&mut self, option: u32, data: &[u8]) {
+    fn reply_format(&mut self, option: u32) {
         let want = if option == opt::EXTENDED_HEADERS { Mode::Extended } else { Mode::Structured };
-        if !data.is_empty() {
-            self.error(option, rep::ERR_INVALID, "the option takes no data");
-        } else if self.mode == Mode::Extended && want == Mode::Structured {
+        if self.mode == Mode::Extended && want == Mode::Structured {
             self.error(option, rep::ERR_EXT_HEADER_REQD, "extended headers already negotiated");
         } else if self.mode == want {
             self.error(option, rep::ERR_INVALID, "already negotiated");
@@ -473,6 +495,19 @@ impl<C: Catalog> Negotiation<C> {
     }
 }
 
+/// The longest data an option of this type can validly carry.
+pub const fn max_len(option: u32) -> u32 {
+    match option {
+        opt::EXPORT_NAME => MAX_STRING,
+        opt::ABORT | opt::LIST | opt::STARTTLS | opt::STRUCTURED_REPLY | opt::EXTENDED_HEADERS => 0,
+        // A name, a count, and each information request at most once.
+        opt::INFO | opt::GO => MAX_PREFIXED + 2 + 2 * u16::MAX as u32,
+        // A name, a count, and the queries.
+        opt::LIST_META_CONTEXT | opt::SET_META_CONTEXT => MAX_PREFIXED + 4 + MAX_QUERIES * MAX_PREFIXED,
+        _ => MAX_UNKNOWN,
+    }
+}
+
 fn be32(b: &[u8]) -> u32 {
     u32::from_be_bytes([b[0], b[1], b[2], b[3]])
 }
@@ -497,11 +532,11 @@ impl Reader<'_> {
     }
     /// A 32-bit length, then that many bytes of UTF-8, at most [`MAX_STRING`].
     fn string(&mut self) -> Option<String> {
-        let len = self.u32()? as usize;
+        let len = self.u32()?;
         if len > MAX_STRING {
             return None;
         }
-        std::str::from_utf8(self.take(len)?).ok().map(str::to_string)
+        std::str::from_utf8(self.take(len as usize)?).ok().map(str::to_string)
     }
 }
 
@@ -643,7 +678,6 @@ mod tests {
     #[test]
     fn structured_and_extended_replies_follow_the_spec_s_order() {
         let mut n = started();
-        assert_eq!(exchange(&mut n, opt::STRUCTURED_REPLY, &[1])[0].1, rep::ERR_INVALID, "data");
         assert_eq!(exchange(&mut n, opt::STRUCTURED_REPLY, &[])[0].1, rep::ACK);
         assert_eq!(exchange(&mut n, opt::STRUCTURED_REPLY, &[])[0].1, rep::ERR_INVALID, "twice");
         assert_eq!(exchange(&mut n, opt::EXTENDED_HEADERS, &[])[0].1, rep::ACK);
@@ -707,36 +741,63 @@ mod tests {
         let listed = exchange(&mut n, opt::LIST, &[]);
         assert_eq!(listed.len(), 3);
         assert_eq!((listed[0].1, &listed[0].2[4..]), (rep::SERVER, &b"diska disk"[..]));
-        assert_eq!(exchange(&mut n, opt::LIST, &[0])[0].1, rep::ERR_INVALID);
         assert_eq!(exchange(&mut n, opt::STARTTLS, &[])[0].1, rep::ERR_POLICY);
         assert_eq!(exchange(&mut n, 4, &[1, 2, 3])[0].1, rep::ERR_UNSUP, "PEEK_EXPORT was withdrawn");
         assert_eq!(exchange(&mut n, 0xdead_beef, &[])[0].1, rep::ERR_UNSUP);
         assert_eq!(exchange(&mut n, opt::ABORT, &[])[0].1, rep::ACK);
         assert_eq!(n.outcome().unwrap().unwrap_err(), Closed::Aborted);
         assert_eq!(n.feed(&option(opt::LIST, &[])), 0, "nothing is read after the end");
+
+        // ABORT's data is not waited for.
+        let mut n = started();
+        assert_eq!(n.feed(&announced(opt::ABORT, 1 << 31)), 16);
+        assert_eq!(replies(&n.take_output())[0].1, rep::ACK);
+        assert_eq!(n.outcome().unwrap().unwrap_err(), Closed::Aborted);
+    }
+
+    /// An option header announcing `len` bytes of data.
+    fn announced(code: u32, len: u32) -> Vec<u8> {
+        let mut header = option(code, &[]);
+        header[12..16].copy_from_slice(&len.to_be_bytes());
+        header
     }
 
     #[test]
-    fn oversized_options_are_skipped_without_being_kept() {
-        let mut n = started();
-        let mut header = option(0x1234, &[]);
-        header[12..16].copy_from_slice(&(1u32 << 31).to_be_bytes());
-        assert_eq!(n.feed(&header), 16);
-        let junk = vec![0xab; 1 << 20];
-        for _ in 0..(1 << 11) {
-            assert!(n.take_output().is_empty(), "no reply before the data is skipped");
-            assert_eq!(n.feed(&junk), junk.len());
-            assert!(n.input.capacity() <= MAX_OPTION_DATA as usize);
+    fn options_longer_than_their_type_allows_are_answered_at_once_and_close() {
+        for (code, len, reply) in [
+            (0x1234, 1 << 31, Some(rep::ERR_TOO_BIG)),
+            (0x1234, MAX_UNKNOWN + 1, Some(rep::ERR_TOO_BIG)),
+            (opt::GO, max_len(opt::GO) + 1, Some(rep::ERR_TOO_BIG)),
+            (opt::SET_META_CONTEXT, u32::MAX, Some(rep::ERR_TOO_BIG)),
+            (opt::LIST, 1, Some(rep::ERR_INVALID)),
+            (opt::STRUCTURED_REPLY, 1, Some(rep::ERR_INVALID)),
+            (opt::EXPORT_NAME, MAX_STRING + 1, None),
+        ] {
+            let mut n = started();
+            let mut bytes = announced(code, len);
+            bytes.extend([0xab; 3]); // the first bytes of its data
+            assert_eq!(n.feed(&bytes), 16, "option {code:#x}: only its header is read");
+            let answer: Vec<_> = replies(&n.take_output()).iter().map(|r| (r.0, r.1)).collect();
+            assert_eq!(answer, Vec::from_iter(reply.map(|kind| (code, kind))), "option {code:#x} of {len}");
+            let why = n.outcome().unwrap().unwrap_err();
+            assert_eq!(why, Closed::TooLong { option: code, len, max: max_len(code) });
         }
-        let skipped = replies(&n.take_output());
-        assert_eq!((skipped[0].0, skipped[0].1), (0x1234, rep::ERR_TOO_BIG));
-        assert!(!n.finished());
-        let mut header = option(opt::LIST, &[]);
-        header[12..16].copy_from_slice(&(MAX_OPTION_DATA + 1).to_be_bytes());
-        n.feed(&header);
-        n.feed(&vec![0; MAX_OPTION_DATA as usize + 1]);
-        assert_eq!(replies(&n.take_output())[0].1, rep::ERR_TOO_BIG);
-        assert_eq!(exchange(&mut n, opt::LIST, &[]).len(), 3, "still negotiating");
+    }
+
+    #[test]
+    fn options_at_their_bound_are_read_whole() {
+        let mut n = started();
+        let unknown = exchange(&mut n, 0x1234, &vec![0; MAX_UNKNOWN as usize]);
+        assert_eq!(unknown[0].1, rep::ERR_UNSUP);
+        let query = "qemu:".to_string() + &"x".repeat(MAX_STRING as usize - 5);
+        let listed = exchange(&mut n, opt::LIST_META_CONTEXT, &meta("disk", &[query.as_str(); MAX_QUERIES as usize]));
+        assert_eq!(listed.last().unwrap().1, rep::ACK, "the most queries, each as long as a string may be");
+        // Every information request there can be, once.
+        let requests: Vec<u16> = (0..u16::MAX).collect();
+        let all = exchange(&mut n, opt::GO, &go("disk", &requests));
+        assert_eq!(all.last().unwrap().1, rep::ACK);
+        assert!(n.outcome().unwrap().is_ok());
+        assert!(n.input.capacity() <= MAX_OPTION_DATA as usize);
     }
 
     #[test]
@@ -781,7 +842,8 @@ mod tests {
 
         let mut n = started_tls();
         n.feed(&option(opt::STARTTLS, &[0]));
-        assert_eq!(n.outcome().unwrap().unwrap_err(), Closed::StartTlsData);
+        assert_eq!(replies(&n.take_output())[0].1, rep::ERR_INVALID, "STARTTLS takes no data");
+        assert_eq!(n.outcome().unwrap().unwrap_err(), Closed::TooLong { option: opt::STARTTLS, len: 1, max: 0 });
 
         // Fixed newstyle only: an old client could not be told why.
         let mut n = Negotiation::new(Two, true);

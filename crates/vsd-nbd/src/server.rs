@@ -1,20 +1,29 @@
 //! The listener, its connections and the exports they may choose.
 //!
 //! One thread accepts clients while fewer than `max-connections` are
-//! connected (handshaking ones count: CVE-2024-7409 was idle half-open
-//! connections locking real clients out); the rest wait in the listen
-//! backlog. Each client gets a thread of its own: the handshake, bounded
-//! by `handshake-max-seconds` (a TLS handshake included: a client that
-//! stalls inside it is cut like one that stalls between options), then the
-//! transmission phase ([`crate::conn`]). Every connection is tracked, so that removing an
+//! connected, or some of them are still negotiating; the rest wait in the
+//! listen backlog. Unfinished handshakes (a TLS handshake included) have a
+//! smaller budget within `max-connections` ([`handshake_budget`]): a
+//! newcomer that would pass it, or `max-connections`, drops one of them,
+//! never a connection that finished its handshake. The one dropped is the
+//! oldest of the source with the most ([`victim`]: a process on a unix
+//! socket, a host over TCP), so a flood drops its own connections, and a
+//! real client, the newest, gets through at once (CVE-2024-7409 was idle
+//! half-open connections locking real clients out; OpenSSH's `MaxStartups`
+//! drops unauthenticated connections early in the same way). Each client
+//! gets a thread of its own: the handshake, bounded by
+//! `handshake-max-seconds` (a client that stalls inside TLS is cut like one
+//! that stalls between options), then the transmission phase
+//! ([`crate::conn`]). Every connection is tracked, so that removing an
 //! export, or stopping the server, cuts each one it concerns and waits for
 //! its requests in flight. An export's connections can be held stopped at
 //! a request boundary and moved onto another node (a block job's switch,
 //! a live snapshot): [`NbdExport::replace_node_after`].
 
-use std::collections::BTreeMap;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, HashMap};
 use std::io::{self, Read, Write};
-use std::net::TcpListener;
+use std::net::{IpAddr, TcpListener};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
@@ -97,13 +106,42 @@ struct Conns {
 struct Conn {
     /// A second handle on the socket, to cut it.
     stream: Stream,
-    /// The export chosen, once the handshake is over.
-    export: Option<Arc<Export>>,
+    stage: Stage,
     /// Set once the client is gone (it disconnected, or the connection
     /// failed), while the thread may still be finishing its requests: it
     /// no longer keeps a safe `block-export-del` from going ahead.
     client_gone: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+}
+
+/// How far a connection has gone.
+enum Stage {
+    /// Negotiating: it may be dropped to admit a newcomer.
+    Negotiating(Source),
+    /// Dropped for a newcomer; its thread is ending.
+    Dropped,
+    /// The handshake is over: it serves this export.
+    Serving(Arc<Export>),
+}
+
+/// Where a connection comes from, as the handshake budget counts them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Source {
+    /// A process on the unix socket (its pid, from `SO_PEERCRED`; 0 if
+    /// unknown): per user would put a flooding process with the clients of
+    /// the same user (often root), per socket would count them all as one.
+    Process(i32),
+    /// A TCP peer: an IPv4 address, or an IPv6 /64 (one host's share).
+    Host(IpAddr),
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::Process(pid) => write!(f, "process {pid}"),
+            Source::Host(host) => write!(f, "{host}"),
+        }
+    }
 }
 
 /// What connections to one export share.
@@ -382,7 +420,7 @@ impl NbdExport {
     }
 
     fn serves(&self, conn: &Conn) -> bool {
-        conn.export.as_ref().is_some_and(|e| Arc::ptr_eq(e, &self.export))
+        matches!(&conn.stage, Stage::Serving(e) if Arc::ptr_eq(e, &self.export))
     }
 
     /// Every connection's statistics, ended ones summed as one.
@@ -440,15 +478,53 @@ impl Shared {
     }
 
     /// Ties connection `id` to the export it chose, unless the export is
-    /// being removed.
-    fn join(&self, id: u64, export: &Arc<Export>) -> bool {
+    /// being removed or the connection was dropped; from then on it is
+    /// never dropped for a newcomer.
+    fn join(&self, id: u64, export: &Arc<Export>) -> io::Result<()> {
         let mut conns = lock(&self.conns);
-        let Some(conn) = conns.live.get_mut(&id) else { return false };
-        conn.export = Some(export.clone());
+        let Some(conn) = conns.live.get_mut(&id) else { return Err(io::ErrorKind::NotConnected.into()) };
+        if matches!(conn.stage, Stage::Dropped) {
+            return Err(dropped());
+        }
+        conn.stage = Stage::Serving(export.clone());
         // Checked under the lock a removal takes after setting the flag:
         // either it sees this connection or this sees the flag.
-        !export.closed.load(Ordering::SeqCst)
+        if export.closed.load(Ordering::SeqCst) {
+            return Err(io::Error::other(format!("export '{}' is being removed", export.config.id)));
+        }
+        Ok(())
     }
+
+    fn was_dropped(&self, id: u64) -> bool {
+        lock(&self.conns).live.get(&id).is_some_and(|c| matches!(c.stage, Stage::Dropped))
+    }
+}
+
+fn dropped() -> io::Error {
+    io::Error::new(io::ErrorKind::ConnectionAborted, "dropped to admit a newer client")
+}
+
+/// How many clients may be negotiating at once: half of `max-connections`
+/// (the rest is left to connections past their handshake), or 64 without
+/// a limit; at least 16, so that a client opening several connections at
+/// once (nbdcopy's four, say) is not dropped under a small limit.
+fn handshake_budget(max_connections: u32) -> usize {
+    match max_connections {
+        0 => 64,
+        max => (max as usize / 2).max(16),
+    }
+}
+
+/// Which unfinished handshake (of `negotiating`, by id: the oldest first)
+/// to drop for a newcomer from `newcomer`: the oldest of the source with
+/// the most, the newcomer counted. A flooding source loses its own; a
+/// newcomer loses none of its own unless its source is the largest.
+fn victim(negotiating: &[(u64, Source)], newcomer: Source) -> Option<u64> {
+    let mut counts: HashMap<Source, usize> = HashMap::new();
+    for &(_, source) in negotiating.iter().chain([&(u64::MAX, newcomer)]) {
+        *counts.entry(source).or_default() += 1;
+    }
+    negotiating.iter().max_by_key(|(id, source)| (counts[source], Reverse(*id))).map(|&(id, _)| id)
 }
 
 /// What a client is told about an export.
@@ -535,17 +611,20 @@ impl Listener {
         Ok(listener)
     }
 
-    fn accept(&self) -> io::Result<Stream> {
-        let stream = match self {
-            Listener::Unix(l, _) => Stream::Unix(l.accept()?.0),
-            Listener::Tcp(l) => {
+    fn accept(&self) -> io::Result<(Stream, Source)> {
+        Ok(match self {
+            Listener::Unix(l, _) => {
                 let (s, _) = l.accept()?;
+                let pid = peer_pid(&s).unwrap_or(0);
+                (Stream::Unix(s), Source::Process(pid))
+            }
+            Listener::Tcp(l) => {
+                let (s, peer) = l.accept()?;
                 // Replies go out as soon as they are written.
                 s.set_nodelay(true)?;
-                Stream::Tcp(s)
+                (Stream::Tcp(s), Source::Host(host_of(peer.ip())))
             }
-        };
-        Ok(stream)
+        })
     }
 
     fn as_raw_fd(&self) -> i32 {
@@ -553,6 +632,29 @@ impl Listener {
             Listener::Unix(l, _) => l.as_raw_fd(),
             Listener::Tcp(l) => l.as_raw_fd(),
         }
+    }
+}
+
+/// The pid of the process at the other end of a unix socket.
+fn peer_pid(socket: &std::os::unix::net::UnixStream) -> Option<i32> {
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for writes of the size given.
+    let rc = unsafe {
+        libc::getsockopt(socket.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&raw mut cred).cast(), &raw mut len)
+    };
+    (rc == 0).then_some(cred.pid)
+}
+
+/// What a TCP peer's address counts as: IPv4 as is, IPv6 by its /64, which
+/// one host may fill with addresses.
+fn host_of(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6((u128::from(v6) & !u128::from(u64::MAX)).into()),
+        },
+        v4 => v4,
     }
 }
 
@@ -581,9 +683,8 @@ fn accept_clients(listener: &Listener, shared: &Arc<Shared>) -> io::Result<()> {
     let mut listening = false;
     let mut events = [EpollEvent::default(); 3];
     loop {
-        let max = shared.config.max_connections as usize;
-        let room = max == 0 || lock(&shared.conns).live.len() < max;
-        // At the limit the listener leaves epoll: clients wait in the backlog.
+        let room = shared.admission(&lock(&shared.conns)).is_some();
+        // Without room the listener leaves epoll: clients wait in the backlog.
         if room != listening {
             let op = if room { ControlOperation::Add } else { ControlOperation::Delete };
             epoll.ctl(op, listener.as_raw_fd(), EpollEvent::new(EventSet::IN, TOKEN_LISTEN))?;
@@ -600,22 +701,81 @@ fn accept_clients(listener: &Listener, shared: &Arc<Shared>) -> io::Result<()> {
                 TOKEN_ENDED => {
                     let _ = shared.ended.read();
                 }
-                _ => match listener.accept() {
-                    Ok(stream) => start_connection(shared, stream),
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                    Err(e) => log::warn!("NBD server: accept failed: {e}"),
-                },
+                _ => admit(listener, shared),
             }
         }
     }
 }
 
-fn start_connection(shared: &Arc<Shared>, stream: Stream) {
+/// Whether a newcomer may be admitted, as `conns` stand.
+enum Admission {
+    /// There is room.
+    Free,
+    /// Only by dropping an unfinished handshake.
+    Dropping,
+}
+
+impl Shared {
+    fn admission(&self, conns: &Conns) -> Option<Admission> {
+        let max = self.config.max_connections as usize;
+        let (mut active, mut negotiating) = (0, 0);
+        for conn in conns.live.values() {
+            match conn.stage {
+                Stage::Negotiating(_) => (active, negotiating) = (active + 1, negotiating + 1),
+                Stage::Serving(_) => active += 1,
+                // Its thread is ending.
+                Stage::Dropped => {}
+            }
+        }
+        let full = max != 0 && active >= max;
+        match (full || negotiating >= handshake_budget(self.config.max_connections), negotiating > 0) {
+            (false, _) => Some(Admission::Free),
+            (true, true) => Some(Admission::Dropping),
+            (true, false) => None,
+        }
+    }
+
+    /// Drops the unfinished handshake [`victim`] chooses for a newcomer.
+    fn drop_one(&self, conns: &mut Conns, newcomer: Source) {
+        let negotiating: Vec<(u64, Source)> = conns
+            .live
+            .iter()
+            .filter_map(|(&id, c)| match c.stage {
+                Stage::Negotiating(source) => Some((id, source)),
+                _ => None,
+            })
+            .collect();
+        let Some(id) = victim(&negotiating, newcomer) else { return };
+        let Some(conn) = conns.live.get_mut(&id) else { return };
+        if let Stage::Negotiating(source) = conn.stage {
+            log::info!("NBD server: too many unfinished handshakes; dropping the oldest from {source}");
+        }
+        conn.stage = Stage::Dropped;
+        conn.stream.shutdown();
+    }
+}
+
+/// Accepts a client if there is room, dropping an unfinished handshake if
+/// it takes that. Under the lock, so that no handshake ends in between.
+fn admit(listener: &Listener, shared: &Arc<Shared>) {
+    let mut conns = lock(&shared.conns);
+    let Some(admission) = shared.admission(&conns) else { return };
+    let (stream, source) = match listener.accept() {
+        Ok(accepted) => accepted,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+        Err(e) => return log::warn!("NBD server: accept failed: {e}"),
+    };
+    if let Admission::Dropping = admission {
+        shared.drop_one(&mut conns, source);
+    }
+    start_connection(shared, &mut conns, stream, source);
+}
+
+fn start_connection(shared: &Arc<Shared>, conns: &mut Conns, stream: Stream, source: Source) {
     let control = match stream.try_clone() {
         Ok(control) => control,
         Err(e) => return log::warn!("NBD server: refusing a client: {e}"),
     };
-    let mut conns = lock(&shared.conns);
     let id = conns.next_id;
     conns.next_id += 1;
     let serving = shared.clone();
@@ -625,7 +785,8 @@ fn start_connection(shared: &Arc<Shared>, stream: Stream) {
         std::thread::Builder::new().name(format!("vsd-nbd-{id}")).spawn(move || serve(&serving, id, stream, &gone));
     match thread {
         Ok(thread) => {
-            conns.live.insert(id, Conn { stream: control, export: None, client_gone, thread: Some(thread) });
+            let stage = Stage::Negotiating(source);
+            conns.live.insert(id, Conn { stream: control, stage, client_gone, thread: Some(thread) });
         }
         Err(e) => log::warn!("NBD server: cannot start a thread for a client: {e}"),
     }
@@ -633,15 +794,15 @@ fn start_connection(shared: &Arc<Shared>, stream: Stream) {
 
 /// A connection's whole life, on its own thread.
 fn serve(shared: &Arc<Shared>, id: u64, stream: Stream, client_gone: &AtomicBool) {
-    match handshake(shared, &stream) {
+    match handshake(shared, id, &stream) {
         Ok(Handshake { agreement, early, tls }) => {
-            if shared.join(id, &agreement.export) {
-                let name = agreement.export.config.id.clone();
-                if let Err(e) = conn::serve(stream, tls, agreement, &early, client_gone) {
-                    log::info!("NBD export '{name}': connection closed: {e}");
-                }
+            let name = agreement.export.config.id.clone();
+            if let Err(e) = conn::serve(stream, tls, agreement, &early, client_gone) {
+                log::info!("NBD export '{name}': connection closed: {e}");
             }
         }
+        // Its drop was logged.
+        Err(_) if shared.was_dropped(id) => {}
         Err(e) => log::info!("NBD server: handshake failed: {e}"),
     }
     // The entry is registered by the acceptor before it lets go of the lock.
@@ -774,8 +935,9 @@ fn process_records(tls: &mut ServerConnection, stream: &Stream, deadline: &Deadl
     Ok(())
 }
 
-/// Runs the handshake with blocking I/O under the deadline.
-fn handshake(shared: &Shared, stream: &Stream) -> io::Result<Handshake> {
+/// Runs the handshake of connection `id` with blocking I/O under the
+/// deadline.
+fn handshake(shared: &Shared, id: u64, stream: &Stream) -> io::Result<Handshake> {
     let deadline = Deadline(shared.config.handshake_max.map(|max| Instant::now() + max));
     let mut negotiation = Negotiation::new(Offered(shared), shared.tls.is_some());
     let mut wire = HandshakeWire { stream, deadline, tls: None };
@@ -783,8 +945,15 @@ fn handshake(shared: &Shared, stream: &Stream) -> io::Result<Handshake> {
     // Bytes read and not consumed by the negotiation.
     let mut rest = Vec::new();
     loop {
-        wire.write_all(&negotiation.take_output())?;
-        if let Some(outcome) = negotiation.outcome() {
+        let output = negotiation.take_output();
+        let outcome = negotiation.outcome();
+        if let Some(Ok(agreement)) = &outcome {
+            // Serving before the client hears it is, so that it cannot be
+            // dropped once it has.
+            shared.join(id, &agreement.export)?;
+        }
+        wire.write_all(&output)?;
+        if let Some(outcome) = outcome {
             stream.set_timeouts(None)?;
             let agreement = outcome.map_err(io::Error::other)?;
             return Ok(Handshake { agreement, early: rest, tls: wire.tls });
@@ -802,5 +971,31 @@ fn handshake(shared: &Shared, stream: &Stream) -> io::Result<Handshake> {
         let used = negotiation.feed(&buf[..n]);
         // Not empty only once the handshake has ended, or STARTTLS came.
         rest = buf[used..n].to_vec();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flood_loses_its_own_oldest_handshake() {
+        let (flood, client, other) = (Source::Process(7), Source::Process(8), Source::Process(9));
+        let negotiating = [(1, client), (2, flood), (3, flood), (4, other)];
+        assert_eq!(victim(&negotiating, other), Some(2), "the largest source's oldest");
+        assert_eq!(victim(&negotiating, flood), Some(2));
+        // Ties go to the oldest; the newcomer counts for its source.
+        assert_eq!(victim(&[(5, client), (6, flood)], flood), Some(6));
+        assert_eq!(victim(&[(5, client), (6, flood)], other), Some(5));
+        assert_eq!(victim(&[], flood), None);
+    }
+
+    #[test]
+    fn an_ipv6_host_counts_by_its_64() {
+        let host = |s: &str| host_of(s.parse().unwrap());
+        assert_eq!(host("2001:db8:1:2:aaaa::1"), host("2001:db8:1:2:bbbb::2"));
+        assert_ne!(host("2001:db8:1:2::1"), host("2001:db8:1:3::1"));
+        assert_eq!(host("::ffff:192.0.2.1"), host("192.0.2.1"));
+        assert_eq!(host("192.0.2.1").to_string(), "192.0.2.1");
     }
 }

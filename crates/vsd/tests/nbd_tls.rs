@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Scratch, ok, pattern, run};
+use common::{Daemon, Scratch, nbd, ok, pattern, run};
 use serde_json::{Value, json};
 use vsd_control::client::QmpClient;
 
@@ -376,7 +376,8 @@ fn clients_without_tls_or_a_trusted_certificate_are_refused_and_others_served() 
 
 /// Starts TLS as a rustls client with `client`'s certificate, trusting
 /// `ca`'s CA, sends LIST and returns its first reply's header.
-fn rustls_client_listing(socket: &Path, ca: &Path, client: &Path) -> std::io::Result<Vec<u8>> {
+/// A rustls client session trusting `ca`'s CA, with `client`'s certificate.
+fn rustls_client(ca: &Path, client: &Path) -> rustls::ClientConnection {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
     let mut roots = rustls::RootCertStore::empty();
@@ -391,7 +392,11 @@ fn rustls_client_listing(socket: &Path, ca: &Path, client: &Path) -> std::io::Re
         .with_client_auth_cert(chain, key)
         .unwrap();
     let name = "localhost".try_into().unwrap();
-    let mut tls = rustls::ClientConnection::new(std::sync::Arc::new(config), name).unwrap();
+    rustls::ClientConnection::new(std::sync::Arc::new(config), name).unwrap()
+}
+
+fn rustls_client_listing(socket: &Path, ca: &Path, client: &Path) -> std::io::Result<Vec<u8>> {
+    let mut tls = rustls_client(ca, client);
     let mut raw = RawClient::greeted(socket);
     raw.send_option(OPT_STARTTLS, &[]);
     assert_eq!(raw.reply().0, REP_ACK);
@@ -457,6 +462,35 @@ fn a_client_stalling_in_the_tls_handshake_is_cut_by_the_handshake_timeout() {
     for client in &mut stalled {
         assert!(client.closed_within(Duration::from_secs(10)), "the stalled client was cut");
     }
+}
+
+/// A client that starts TLS and stops half-way through its ClientHello.
+fn stalled_in_tls(socket: &Path) -> RawClient {
+    let mut client = RawClient::greeted(socket);
+    client.send_option(OPT_STARTTLS, &[]);
+    assert_eq!(client.reply().0, REP_ACK);
+    client.s.write_all(&[0x16, 0x03, 0x01, 0x02, 0x00, 0x01]).unwrap();
+    client
+}
+
+#[test]
+fn stalled_tls_handshakes_neither_keep_a_real_client_out_nor_drop_an_established_one() {
+    let dir = Scratch::new("nbd-tls-flood");
+    let pki = make_pki(&dir);
+    let image = dir.image("disk.img", 16 * MIB);
+    let socket = dir.path("nbd.sock");
+    let _daemon = tls_daemon(&dir, &image, &socket, &pki.server, "", "");
+    let mut raw = RawClient::greeted(&socket);
+    raw.send_option(OPT_STARTTLS, &[]);
+    assert_eq!(raw.reply().0, REP_ACK);
+    let mut served = rustls::StreamOwned::new(rustls_client(&pki.client, &pki.client), raw.s);
+    nbd::go(&mut served, "disk");
+    assert!(nbd::reads(&mut served, 1), "served over TLS before the flood");
+    // More than max-connections (100), each inside its TLS handshake.
+    let (creds, opts) = (qemu_creds(&pki.client, ""), qemu_opts(&socket));
+    let client = ["qemu-img", "info", "--object", &creds, "--image-opts", &opts];
+    let _stalled = nbd::flood_then_connect(300, || stalled_in_tls(&socket), &client, 3);
+    assert!(nbd::reads(&mut served, 2), "the established TLS connection is still served");
 }
 
 #[test]

@@ -13,6 +13,7 @@ use vsd_bench::{Client, ClientOptions};
 
 pub mod frontend;
 pub mod images;
+pub mod nbd;
 pub mod qmp;
 pub mod script;
 
