@@ -11,13 +11,13 @@ by almost every write).
 
 usage: scripts/bench-bitmap.py [--seconds 3] [--reps 5] [--iodepths 1,32] [--callgrind]
 """
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import tempfile
 
+import benchlib
 from benchlib import BENCH, QSD, VSD, callgrind_worker, serve_and_bench
 
 BACKENDS = {
@@ -35,12 +35,10 @@ def bitmap(granularity=None):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=3)
-    parser.add_argument("--reps", type=int, default=5)
+    parser = benchlib.parser(__doc__, reps=5, seconds=3.0, baseline=False, out=False)
     parser.add_argument("--iodepths", default="1,32")
     parser.add_argument("--callgrind", action="store_true")
-    args = parser.parse_args()
+    args = benchlib.parse(parser)
     depths = [int(d) for d in args.iodepths.split(",")]
     rows = []
     image = f"/dev/shm/vsd-bench-bitmap-{os.getpid()}.img"

@@ -13,11 +13,11 @@ callgrind_annotate.
 usage: scripts/bench-qcow2-instr.py [--seconds 10] [--warmup 5] [--rw randread,randwrite]
                                     [--target-dir target] [--work /dev/shm/qi]
 """
-import argparse
 import os
 import subprocess
 
-from benchlib import ROOT, callgrind_worker
+import benchlib
+from benchlib import callgrind_worker
 
 IMAGE_MIB = 1024
 
@@ -34,30 +34,26 @@ def images(work):
     return {"raw": raw, "qcow2": qcow2}
 
 
-def worker_instructions(binaries, work, fmt, path, rw, seconds, warmup):
+def worker_instructions(work, fmt, path, rw, seconds, warmup):
     """Instructions per request of the queue worker, the requests counted,
     and its callgrind file."""
-    vsd, bench = (os.path.join(binaries, name) for name in ("vsd", "vsd-bench"))
     blockdevs = [f"driver=file,node-name=f0,filename={path},aio=io_uring", f"driver={fmt},node-name=disk0,file=f0"]
     bench_args = ["--rw", rw, "--bs", "4k", "--iodepth", "32"]
-    return callgrind_worker(vsd, bench, work, f"{fmt}.{rw}", blockdevs, bench_args, seconds, warmup=warmup)
+    return callgrind_worker(benchlib.VSD, benchlib.BENCH, work, f"{fmt}.{rw}", blockdevs, bench_args, seconds, warmup=warmup)
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=10)
+    parser = benchlib.parser(__doc__, seconds=10.0, baseline=False, out=False)
     parser.add_argument("--warmup", type=float, default=5)
     parser.add_argument("--rw", default="randread,randwrite")
-    parser.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")))
     parser.add_argument("--work", default="/dev/shm/qi")
-    args = parser.parse_args()
-    binaries = os.path.join(args.target_dir, "release")
+    args = benchlib.parse(parser)
     paths = images(args.work)
     print("| rw | raw instr/request | qcow2 instr/request | qcow2 - raw | requests raw, qcow2 |")
     print("|---|---|---|---|---|")
     for rw in args.rw.split(","):
-        raw, n_raw, _ = worker_instructions(binaries, args.work, "raw", paths["raw"], rw, args.seconds, args.warmup)
-        qcow2, n_qcow2, busiest = worker_instructions(binaries, args.work, "qcow2", paths["qcow2"], rw, args.seconds,
+        raw, n_raw, _ = worker_instructions(args.work, "raw", paths["raw"], rw, args.seconds, args.warmup)
+        qcow2, n_qcow2, busiest = worker_instructions(args.work, "qcow2", paths["qcow2"], rw, args.seconds,
                                                     args.warmup)
         print(f"| {rw} | {raw:.0f} | {qcow2:.0f} | {qcow2 - raw:+.0f} | {n_raw}, {n_qcow2} |", flush=True)
         print(f"  (qcow2 worker: {busiest})", flush=True)

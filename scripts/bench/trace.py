@@ -8,9 +8,9 @@ The same in IOPS: scripts/bench-ab.py --a trace=on --b trace=off.
 
 usage: scripts/bench-trace.py [--seconds 10]
 """
-import argparse
 import tempfile
 
+import benchlib
 from benchlib import BENCH, VSD, callgrind_worker
 
 
@@ -34,9 +34,8 @@ def callgrind(seconds):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=10)
-    args = parser.parse_args()
+    parser = benchlib.parser(__doc__, seconds=10.0, baseline=False, out=False)
+    args = benchlib.parse(parser)
     callgrind(args.seconds)
 
 

@@ -16,7 +16,6 @@ Usage: scripts/bench-qcow2-cold.py [--seconds 5] [--reps 3] [--iodepth 32]
 Prints a Markdown table for BENCHMARKS.md.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -24,9 +23,9 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import benchlib  # noqa: E402
-from benchlib import serve_and_bench  # noqa: E402
+import benchlib
+import benchlib
+from benchlib import serve_and_bench
 
 
 def blockdevs(image, cache):
@@ -37,16 +36,10 @@ def blockdevs(image, cache):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=3)
+    parser = benchlib.parser(__doc__, reps=3, seconds=5)
     parser.add_argument("--iodepth", type=int, default=32)
-    parser.add_argument("--baseline", metavar="VSD", help="an earlier vsd binary, measured as 'base'")
     parser.add_argument("--warm", action="store_true", help="also run with the default (whole-disk) L2 cache")
-    parser.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR"))
-    parser.add_argument("--out", default=None)
-    opts = parser.parse_args()
-    benchlib.use_build(opts.target_dir)
+    opts = benchlib.parse(parser)
     programs = benchlib.daemons(opts.baseline)
     caches = {"cold (l2-cache-size=1M)": str(1 << 20)}
     if opts.warm:
