@@ -58,7 +58,7 @@ def render(standings):
             peer, ratio = f"— ({row['missing']})", "—"
         else:
             peer, ratio = f"{row['peer']}: {row['peer_figure']}", row["ratio"]
-        source = f"[{row['date']}]({row['source']})"
+        source = f"[{row['date']}]({row['source']})" if row["source"] else row["date"]
         lines.append(f"| {row['workload']} | {row['vsd']} | {peer} | {ratio} | {source} | {row['commit']} "
                      f"| `{row['command']}` |")
     lines += ["", standings["note"], "", END]

@@ -7,7 +7,7 @@ export with option string A and with B (e.g. `trace=on` vs `trace=off`,
 daemon pinned to CPU 0 and vsd-bench to CPU 1; medians of --reps runs and
 the median of the paired A/B ratios.
 
-usage: scripts/bench-ab.py [--a OPTS] [--b OPTS] [--a-args ARGS] [--b-args ARGS]
+usage: scripts/bench.py run ab [--a OPTS] [--b OPTS] [--a-args ARGS] [--b-args ARGS]
                            [--a-filter throttle] [--b-filter throttle]
                            [--seconds 3] [--reps 10] [--iodepths 1,32]
                            [--target-dir DIR] [--out ROWS.jsonl]

@@ -7,7 +7,7 @@ on /dev/shm. The source holds, by quarters: text-like data, noise, 64 KiB
 clusters of 8 KiB noise then zeroes, and a hole with zero clusters in it.
 Each target is checked equal to the source (`qemu-img compare`).
 
-usage: scripts/bench-backup-compress.py [--reps 3] [--size-mib 256] [--target-dir DIR]
+usage: scripts/bench.py run backup-compress [--reps 3] [--size-mib 256] [--target-dir DIR]
 """
 import os
 import random

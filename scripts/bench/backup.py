@@ -11,7 +11,7 @@ vsd and qemu-storage-daemon in the same run, interleaved.
 2. Throughput: a full backup of the image at full speed with no guest
    I/O, from `blockdev-backup` to BLOCK_JOB_COMPLETED.
 
-usage: scripts/bench-backup.py [--seconds 5] [--reps 3] [--size-mib 1024]
+usage: scripts/bench.py run backup [--seconds 5] [--reps 3] [--size-mib 1024]
 """
 import json
 import os

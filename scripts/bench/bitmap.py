@@ -9,7 +9,7 @@ With --callgrind, also vsd's instructions per request on null-co at
 iodepth 1 (repeatable): off, on at 64 KiB, on at 512 bytes (a new bit set
 by almost every write).
 
-usage: scripts/bench-bitmap.py [--seconds 3] [--reps 5] [--iodepths 1,32] [--callgrind]
+usage: scripts/bench.py run bitmap [--seconds 3] [--reps 5] [--iodepths 1,32] [--callgrind]
 """
 import json
 import os

@@ -8,7 +8,7 @@ vsd with `poll-us=0`, vsd with every export on one `--object iothread`,
 qemu-storage-daemon) are interleaved within each
 repetition; reported are medians.
 
-usage: scripts/bench-density.py [--exports 1,8] [--backends null-co,tmpfs] [--reps 3] [--seconds 5]
+usage: scripts/bench.py run density [--exports 1,8] [--backends null-co,tmpfs] [--reps 3] [--seconds 5]
                                 [--baseline PATH]   # another vsd build, default configuration, as peer "baseline"
 """
 import json

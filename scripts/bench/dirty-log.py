@@ -9,7 +9,7 @@ Runs alternate off/on. Reported per run: the guest's IOPS (bounded by TCG,
 which also tracks the guest's own writes while migrating) and vsd's CPU
 time per request (its ticks over its requests, boot included).
 
-usage: scripts/bench-dirty-log.py [--runs 3] [--runtime 10] [--work /dev/shm/vsd-dirty-log]
+usage: scripts/bench.py run dirty-log [--runs 3] [--runtime 10] [--work /dev/shm/vsd-dirty-log]
 """
 import json
 import os

@@ -24,11 +24,11 @@ wrapper script that sets an environment variable and execs vsd). With
 --aio io_uring,native each daemon runs with each `aio=` mode (libvirt's
 io='native' is aio=native), the others named DAEMON-MODE.
 
-Usage: scripts/bench-disk.py [--seconds 5] [--reps 5] [--cases randread:32,...]
+Usage: scripts/bench.py run disk [--seconds 5] [--reps 5] [--cases randread:32,...]
        [--poll] [--placements 0/1,1/0] [--baseline VSD] [--variant NAME=VSD ...] [--aio io_uring,native]
        [--disk-dir /var/tmp]
        [--out FILE.jsonl]
-       scripts/bench-disk.py --report ROWS.jsonl
+       scripts/bench.py run disk --report ROWS.jsonl
 Prints a Markdown table for BENCHMARKS.md.
 """
 

@@ -16,7 +16,7 @@ The jobs (--job):
 - commit: `block-commit` of a qcow2 overlay holding the data into its
   empty qcow2 base (an active commit).
 
-usage: scripts/bench-mirror.py [--job mirror|commit] [--copy-mode background|write-blocking]
+usage: scripts/bench.py run mirror [--job mirror|commit] [--copy-mode background|write-blocking]
                                [--seconds 5] [--reps 3] [--size-mib 1024] [--target-dir DIR]
 """
 import json

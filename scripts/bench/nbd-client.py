@@ -10,7 +10,7 @@ repetition; reported are medians, and the daemon's CPU per I/O. With
 thread (the client's connection thread; and the baseline's), 4k random
 reads and writes at iodepth 8: repeatable where IOPS here are not.
 
-usage: scripts/bench-nbd-client.py [--reps 3] [--seconds 5] [--target-dir DIR] [--baseline VSD] [--callgrind]
+usage: scripts/bench.py run nbd-client [--reps 3] [--seconds 5] [--target-dir DIR] [--baseline VSD] [--callgrind]
 """
 import json
 import os

@@ -13,7 +13,7 @@ engine may not name local files in its URI, so the client's certificates
 go where libnbd looks by default for a user other than root
 ($HOME/.pki/libnbd): servers and fio run as nobody, HOME set for fio.
 
-usage: scripts/bench-nbd-tls.py [--reps 5] [--seconds 5] [--base PATH] [--work /dev/shm/vsd-bench-nbd-tls]
+usage: scripts/bench.py run nbd-tls [--reps 5] [--seconds 5] [--base PATH] [--work /dev/shm/vsd-bench-nbd-tls]
 """
 import json
 import os

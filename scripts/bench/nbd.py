@@ -13,7 +13,7 @@ and 256k at iodepth 8 (`--workloads "64k read qd8,256k read qd8"`);
 (`vsd-base`), interleaved with the rest; `--target-dir T` takes vsd from a
 cargo target directory's release build.
 
-usage: scripts/bench-nbd.py [--reps 3] [--seconds 5] [--work /dev/shm/vsd-bench-nbd]
+usage: scripts/bench.py run nbd [--reps 3] [--seconds 5] [--work /dev/shm/vsd-bench-nbd]
        [--workloads NAME,...] [--servers NAME,...] [--baseline PATH] [--target-dir T]
 """
 import json

@@ -10,12 +10,12 @@ the client completed, after --warmup seconds not counted.
 With --qmp NAME='COMMAND {ARGS}', variant NAME runs that QMP command
 first (repeat it for several).
 
-usage: scripts/bench-node-instr.py [--variant NAME=OPTIONS ...] [--qmp NAME='COMMAND {ARGS}' ...]
+usage: scripts/bench.py run node-instr [--variant NAME=OPTIONS ...] [--qmp NAME='COMMAND {ARGS}' ...]
                                    [--seconds 10] [--warmup 2] [--rw randwrite] [--target-dir target]
                                    [--work /dev/shm/ni]
-e.g.   scripts/bench-node-instr.py --variant off= --variant on=,detect-zeroes=on \\
+e.g.   scripts/bench.py run node-instr --variant off= --variant on=,detect-zeroes=on \\
            --variant unmap=,detect-zeroes=unmap,discard=unmap
-       scripts/bench-node-instr.py --variant off= --variant armed= \\
+       scripts/bench.py run node-instr --variant off= --variant armed= \\
            --qmp 'armed=block-set-write-threshold {"node-name": "f0", "write-threshold": 1099511627776}'
 """
 import json

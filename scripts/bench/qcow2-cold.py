@@ -11,7 +11,7 @@ reads with the default cache (all tables fit), the case the cold path must
 not slow down. 4k randread at --iodepth (32), 1 queue, daemon on CPU 0,
 vsd-bench on CPU 1.
 
-Usage: scripts/bench-qcow2-cold.py [--seconds 5] [--reps 3] [--iodepth 32]
+Usage: scripts/bench.py run qcow2-cold [--seconds 5] [--reps 3] [--iodepth 32]
        [--baseline VSD] [--warm] [--target-dir DIR] [--out ROWS.jsonl]
 Prints a Markdown table for BENCHMARKS.md.
 """
@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 
-import benchlib
 import benchlib
 from benchlib import serve_and_bench
 
@@ -66,7 +65,7 @@ def main():
     finally:
         subprocess.run(["rm", "-rf", workdir])
 
-    print(f"| L2 cache | daemon | IOPS | p50 µs | p99 µs | CPU µs/IO | vs QSD |")
+    print("| L2 cache | daemon | IOPS | p50 µs | p99 µs | CPU µs/IO | vs QSD |")
     print("|---|---|---|---|---|---|---|")
     for case in caches:
         qsd = statistics.median(r["iops"] for r in rows[(case, "qsd")])

@@ -16,7 +16,7 @@ qemu-storage-daemon (same export options) and an earlier vsd build
 costs nearly nothing) and on the machine's disk (`--disk-dir`, where it
 costs an fsync). Daemon on CPU 0, vsd-bench on CPU 1, 1 queue.
 
-Usage: scripts/bench-qcow2-flush.py [--seconds 5] [--reps 3] [--iodepths 1,16]
+Usage: scripts/bench.py run qcow2-flush [--seconds 5] [--reps 3] [--iodepths 1,16]
        [--size 64G] [--overlay] [--cache writethrough|writeback] [--direct]
        [--places tmpfs,disk] [--backing-delay-ms MS]
        [--baseline VSD] [--disk-dir /var/tmp] [--target-dir DIR]
@@ -31,7 +31,6 @@ import sys
 import tempfile
 import time
 
-import benchlib
 import benchlib
 from benchlib import serve_and_bench
 

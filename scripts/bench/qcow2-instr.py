@@ -10,7 +10,7 @@ the figures are the warm cache's: every table loaded and every entry
 checked (once per cluster, ~16k here) before counting starts. The callgrind files stay in --work for
 callgrind_annotate.
 
-usage: scripts/bench-qcow2-instr.py [--seconds 10] [--warmup 5] [--rw randread,randwrite]
+usage: scripts/bench.py run qcow2-instr [--seconds 10] [--warmup 5] [--rw randread,randwrite]
                                     [--target-dir target] [--work /dev/shm/qi]
 """
 import os

@@ -10,11 +10,11 @@ clusters): sequential 64k writes, each allocating a whole cluster, and
 random 4k writes, each allocating a cluster around 4 KiB of data. Daemon on
 CPU 0, vsd-bench on CPU 1.
 
-Usage: scripts/bench-qcow2.py [--seconds 5] [--reps 3] [--out FILE.jsonl]
+Usage: scripts/bench.py run qcow2 [--seconds 5] [--reps 3] [--out FILE.jsonl]
        [--disk-dir /var/tmp] [--places tmpfs,disk] [--cases randwrite:32,...]
        [--first-writes write:64k,randwrite:4k] [--no-first-write]
        [--baseline VSD] [--target-dir DIR]
-       scripts/bench-qcow2.py --report ROWS.jsonl
+       scripts/bench.py run qcow2 --report ROWS.jsonl
 --cases '' runs the first writes alone; --baseline runs another vsd binary
 (an earlier build) in the first-write interleave, as "base".
 
@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 
-import benchlib
 import benchlib
 from benchlib import QSD, serve_and_bench
 

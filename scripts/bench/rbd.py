@@ -11,7 +11,7 @@ interleaved within each repetition; reported are medians.
 `--workloads` and `--peers` pick by name; `--baseline PATH` adds another
 vsd binary (another build), as "vsd-base".
 
-usage: scripts/bench-rbd.py [--reps 3] [--seconds 5] [--workloads NAME,...]
+usage: scripts/bench.py run rbd [--reps 3] [--seconds 5] [--workloads NAME,...]
                             [--peers vsd,vsd poll-us=0,qsd,fio-rbd] [--baseline PATH]
 """
 import json

@@ -8,7 +8,7 @@ drive A alone, then A and B at once (4k random reads, iodepth 16 each).
 Reported per daemon: A's IOPS alone and beside B, their ratio, and what B
 got (its limit). vsd and qemu-storage-daemon interleaved; medians.
 
-usage: scripts/bench-throttle-neighbour.py [--reps 3] [--seconds 5] [--iops 2000]
+usage: scripts/bench.py run throttle-neighbour [--reps 3] [--seconds 5] [--iops 2000]
 """
 import json
 import os

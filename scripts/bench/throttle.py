@@ -11,7 +11,7 @@ what a throttle node costs when its group has no limit.
    reads on null-co at iodepth 1 and 32, straight and through a throttle
    node whose group has no limit.
 
-usage: scripts/bench-throttle.py [--seconds 5] [--reps 3] [--iops 5000] [--mib 50]
+usage: scripts/bench.py run throttle [--seconds 5] [--reps 3] [--iops 5000] [--mib 50]
 """
 import json
 import statistics
