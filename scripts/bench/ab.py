@@ -16,7 +16,6 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import tempfile
 
 import benchlib
@@ -52,10 +51,7 @@ def main():
             image = None
             if image_dir:
                 image = os.path.join(image_dir, f"vsd-bench-ab-{os.getpid()}.img")
-                # Real data, not a hole: reads of a sparse tmpfs file skip
-                # the page cache.
-                subprocess.run(["dd", "if=/dev/urandom", f"of={image}", "bs=1M", "count=1024", "status=none"],
-                               check=True)
+                benchlib.random_file(image, 1024)
             try:
                 devs = [b.format(image=image) for b in blockdevs]
                 for depth in depths:

@@ -33,8 +33,7 @@ def main():
     args = benchlib.parse(parser)
     size = args.size_mib << 20
     source, target = (f"/dev/shm/vsd-bench-backup-{name}-{os.getpid()}.img" for name in ("src", "tgt"))
-    subprocess.run(["dd", "if=/dev/urandom", f"of={source}", "bs=1M", f"count={args.size_mib}", "status=none"],
-                   check=True)
+    benchlib.random_file(source, args.size_mib)
     subprocess.run(["truncate", "-s", str(size), target], check=True)
     # Slow enough to last the run and its ramp second.
     backup = {"job-id": "b", "device": "disk0", "target": "tgt", "sync": "full",

@@ -106,10 +106,11 @@ class Rows:
         return row
 
 
-def fio(args, cpu=None, env=None):
+def fio(args, cpu=None, env=None, wrapper=()):
     """fio's JSON report of a run with `args` pinned to `cpu` (the
-    client's); some engines print a line before the JSON."""
-    out = subprocess.run([*pin(cpu or CLIENT_CPU), "fio", *args, "--output-format=json"], check=True,
+    client's), under `wrapper` (e.g. setpriv); some engines print a line
+    before the JSON."""
+    out = subprocess.run([*pin(cpu or CLIENT_CPU), *wrapper, "fio", *args, "--output-format=json"], check=True,
                          capture_output=True, text=True, env=env).stdout
     return json.loads(out[out.index("{"):])
 

@@ -14,7 +14,6 @@ usage: scripts/bench.py run bitmap [--seconds 3] [--reps 5] [--iodepths 1,32] [-
 import json
 import os
 import statistics
-import subprocess
 import tempfile
 
 import benchlib
@@ -42,7 +41,7 @@ def main():
     depths = [int(d) for d in args.iodepths.split(",")]
     rows = []
     image = f"/dev/shm/vsd-bench-bitmap-{os.getpid()}.img"
-    subprocess.run(["dd", "if=/dev/urandom", f"of={image}", "bs=1M", "count=1024", "status=none"], check=True)
+    benchlib.random_file(image, 1024)
     try:
         with tempfile.TemporaryDirectory() as work:
             for backend, blockdevs in BACKENDS.items():

@@ -84,8 +84,7 @@ def main():
     args = benchlib.parse(parser)
     size = args.size_mib << 20
     data = f"/dev/shm/vsd-bench-jobs-data-{os.getpid()}.img"
-    subprocess.run(["dd", "if=/dev/urandom", f"of={data}", "bs=1M", f"count={args.size_mib}", "status=none"],
-                   check=True)
+    benchlib.random_file(data, args.size_mib)
     job = Mirror(data, size, args.copy_mode) if args.job == "mirror" else Commit(data, size)
     daemons = [("vsd", benchlib.VSD), ("qsd", QSD)]
     rows, times = [], {name: [] for name, _ in daemons}

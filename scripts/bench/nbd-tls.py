@@ -94,16 +94,13 @@ def run(command, tls, sock, client_pki, seconds):
             time.sleep(0.02)
         time.sleep(0.2)
         before = cpu_ticks(server.pid)
-        out = subprocess.run(
-            [*benchlib.pin(benchlib.CLIENT_CPU), *AS_NOBODY, "fio", "--name=nbd", "--ioengine=nbd", f"--uri={uri}", *FIO, "--time_based",
-             f"--runtime={seconds}", "--output-format=json"], check=True, capture_output=True, text=True,
-            env={**os.environ, "HOME": home}).stdout
+        report = benchlib.fio(["--name=nbd", "--ioengine=nbd", f"--uri={uri}", *FIO, "--time_based",
+                               f"--runtime={seconds}"], env={**os.environ, "HOME": home}, wrapper=AS_NOBODY)
         ticks = cpu_ticks(server.pid) - before
     finally:
         server.terminate()
         server.wait()
-    # fio's nbd engine says it connected before the JSON.
-    job = json.loads(out[out.index("{"):])["jobs"][0]["read"]
+    job = report["jobs"][0]["read"]
     return {"iops": job["iops"], "cpu_us_per_io": ticks * TICK_US / max(job["total_ios"], 1)}
 
 
@@ -115,8 +112,7 @@ def main():
     os.makedirs(args.work, exist_ok=True)
     image, sock = os.path.join(args.work, "disk.img"), os.path.join(args.work, "nbd.sock")
     if not os.path.exists(image):
-        subprocess.run(["dd", "if=/dev/urandom", f"of={image}", "bs=1M", f"count={IMAGE_BYTES >> 20}",
-                        "status=none"], check=True)
+        benchlib.random_file(image, IMAGE_BYTES >> 20)
     server_pki, client_pki = make_pki(args.work)
     # Everything the servers and fio (as nobody) read, write or create.
     subprocess.run(["chown", "-R", "nobody:nogroup", args.work], check=True)

@@ -70,16 +70,13 @@ def run(command, sock, workload, seconds):
             time.sleep(0.02)
         time.sleep(0.2)
         before = cpu_ticks(server.pid)
-        out = subprocess.run(
-            [*benchlib.pin(benchlib.CLIENT_CPU), "fio", "--name=nbd", "--ioengine=nbd", f"--uri=nbd+unix:///disk?socket={sock}",
-             *ALL_WORKLOADS[workload], "--time_based", f"--runtime={seconds}", "--group_reporting",
-             "--output-format=json"], check=True, capture_output=True, text=True).stdout
+        report = benchlib.fio(["--name=nbd", "--ioengine=nbd", f"--uri=nbd+unix:///disk?socket={sock}",
+                               *ALL_WORKLOADS[workload], "--time_based", f"--runtime={seconds}", "--group_reporting"])
         ticks = cpu_ticks(server.pid) - before
     finally:
         server.terminate()
         server.wait()
-    # fio's nbd engine says it connected before the JSON.
-    job = json.loads(out[out.index("{"):])["jobs"][0]["read"]
+    job = report["jobs"][0]["read"]
     ios = job["total_ios"]
     return {"iops": job["iops"], "cpu_us_per_io": ticks * TICK_US / max(ios, 1)}
 
@@ -97,8 +94,7 @@ def main():
     os.makedirs(args.work, exist_ok=True)
     image, sock = os.path.join(args.work, "disk.img"), os.path.join(args.work, "nbd.sock")
     if not os.path.exists(image):
-        subprocess.run(["dd", "if=/dev/urandom", f"of={image}", "bs=1M", f"count={IMAGE_BYTES >> 20}",
-                        "status=none"], check=True)
+        benchlib.random_file(image, IMAGE_BYTES >> 20)
     commands = servers(image, sock, args.baseline)
     if args.servers:
         commands = {name: commands[name] for name in args.servers.split(",")}

@@ -27,8 +27,7 @@ def images(work):
     raw, qcow2 = os.path.join(work, "raw.img"), os.path.join(work, "full.qcow2")
     os.makedirs(work, exist_ok=True)
     if not os.path.exists(raw):
-        subprocess.run(["dd", "if=/dev/urandom", f"of={raw}", "bs=1M", f"count={IMAGE_MIB}", "status=none"],
-                       check=True)
+        benchlib.random_file(raw, IMAGE_MIB)
     if not os.path.exists(qcow2):
         subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, qcow2], check=True)
     return {"raw": raw, "qcow2": qcow2}
