@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Lab script of 2026-11-27 (session 24, issue 23): RBD peers side by side
+"""Lab script of 2026-11-27 (the 2026-11-27 entry (adfaea2), issue 23): RBD peers side by side
 with each daemon thread's CPU and timeslices per I/O, sampled mid-run from
 /proc/PID/task/*/schedstat (so the vhost-user queue's worker, which ends
 with the client's connection, is counted). Rows in
@@ -11,7 +11,7 @@ SPEC: PROGRAM[+VAR=VALUE...][:CONF LINES, ';'-separated][@EXPORT OPTIONS]
 PROGRAM: vsd, qsd or a path. Examples:
   'qsd=qsd|vsd=vsd|thr1=vsd:librados_thread_count = 1|nopoll=vsd@,poll-us=0'
   'vsd=vsd|tcmalloc=vsd+LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4'
-Daemon on CPU 0, client on CPU 1 (DCPU, CCPU override), as scripts/bench-rbd.py.
+Daemon on CPU 0, client on CPU 1 (DCPU, CCPU override), as scripts/bench.py run rbd.
 """
 import importlib.util
 import json
@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from benchlib import BENCH, QSD, VSD, wait_started  # noqa: E402
 
-spec = importlib.util.spec_from_file_location("bench_rbd", os.path.join(ROOT, "scripts/bench-rbd.py"))
+spec = importlib.util.spec_from_file_location("bench_rbd", os.path.join(ROOT, "scripts/bench.py run rbd"))
 br = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(br)
 

@@ -16,10 +16,9 @@ The jobs (--job):
 - commit: `block-commit` of a qcow2 overlay holding the data into its
   empty qcow2 base (an active commit).
 
-usage: scripts/bench-mirror.py [--job mirror|commit] [--copy-mode background|write-blocking]
+usage: scripts/bench.py run mirror [--job mirror|commit] [--copy-mode background|write-blocking]
                                [--seconds 5] [--reps 3] [--size-mib 1024] [--target-dir DIR]
 """
-import argparse
 import json
 import os
 import shutil
@@ -27,7 +26,7 @@ import subprocess
 import tempfile
 
 import benchlib
-from benchlib import QSD, job_seconds, print_on_off, print_seconds, serve_and_bench, use_build
+from benchlib import QSD, job_seconds, print_on_off, print_seconds, serve_and_bench
 
 
 def empty(path, size):
@@ -78,19 +77,14 @@ class Commit:
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = benchlib.parser(__doc__, reps=3, seconds=5.0, baseline=False, out=False)
     parser.add_argument("--job", choices=("mirror", "commit"), default="mirror")
     parser.add_argument("--copy-mode", choices=("background", "write-blocking"), default="background")
-    parser.add_argument("--seconds", type=float, default=5)
-    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--size-mib", type=int, default=1024)
-    parser.add_argument("--target-dir", default=None)
-    args = parser.parse_args()
-    use_build(args.target_dir)
+    args = benchlib.parse(parser)
     size = args.size_mib << 20
     data = f"/dev/shm/vsd-bench-jobs-data-{os.getpid()}.img"
-    subprocess.run(["dd", "if=/dev/urandom", f"of={data}", "bs=1M", f"count={args.size_mib}", "status=none"],
-                   check=True)
+    benchlib.random_file(data, args.size_mib)
     job = Mirror(data, size, args.copy_mode) if args.job == "mirror" else Commit(data, size)
     daemons = [("vsd", benchlib.VSD), ("qsd", QSD)]
     rows, times = [], {name: [] for name, _ in daemons}

@@ -10,9 +10,8 @@ repetition; reported are medians, and the daemon's CPU per I/O. With
 thread (the client's connection thread; and the baseline's), 4k random
 reads and writes at iodepth 8: repeatable where IOPS here are not.
 
-usage: scripts/bench-nbd-client.py [--reps 3] [--seconds 5] [--target-dir DIR] [--baseline VSD] [--callgrind]
+usage: scripts/bench.py run nbd-client [--reps 3] [--seconds 5] [--target-dir DIR] [--baseline VSD] [--callgrind]
 """
-import argparse
 import json
 import os
 import shutil
@@ -29,7 +28,7 @@ WORKLOADS = {"4k randread qd1": ("randread", 1), "4k randread qd32": ("randread"
 
 def start_nbdkit(work):
     sock = os.path.join(work, "kit.sock")
-    kit = subprocess.Popen(["taskset", "-c", "1", "nbdkit", "-f", "-U", sock, "memory", "1G"])
+    kit = subprocess.Popen([*benchlib.pin(benchlib.CLIENT_CPU), "nbdkit", "-f", "-U", sock, "memory", "1G"])
     deadline = time.time() + 10
     while not os.path.exists(sock):
         if kit.poll() is not None or time.time() > deadline:
@@ -39,14 +38,9 @@ def start_nbdkit(work):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--seconds", type=int, default=5)
-    parser.add_argument("--target-dir", help="a cargo target directory with a release build (default: the repo's)")
-    parser.add_argument("--baseline", help="an earlier vsd binary, run as a third peer")
+    parser = benchlib.parser(__doc__, reps=3, seconds=5, out=False)
     parser.add_argument("--callgrind", action="store_true", help="instructions per request instead of IOPS")
-    args = parser.parse_args()
-    benchlib.use_build(args.target_dir)
+    args = benchlib.parse(parser)
     work = tempfile.mkdtemp(prefix="vsd-bench-nbdc-")
     kit, sock = start_nbdkit(work)
     node = f"driver=nbd,node-name=n0,server.type=unix,server.path={sock}"

@@ -13,10 +13,9 @@ and 256k at iodepth 8 (`--workloads "64k read qd8,256k read qd8"`);
 (`vsd-base`), interleaved with the rest; `--target-dir T` takes vsd from a
 cargo target directory's release build.
 
-usage: scripts/bench-nbd.py [--reps 3] [--seconds 5] [--work /dev/shm/vsd-bench-nbd]
+usage: scripts/bench.py run nbd [--reps 3] [--seconds 5] [--work /dev/shm/vsd-bench-nbd]
        [--workloads NAME,...] [--servers NAME,...] [--baseline PATH] [--target-dir T]
 """
-import argparse
 import json
 import os
 import statistics
@@ -62,7 +61,7 @@ def servers(image, sock, baseline=None):
 def run(command, sock, workload, seconds):
     if os.path.exists(sock):
         os.unlink(sock)
-    server = subprocess.Popen(["taskset", "-c", "0", *command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen([*benchlib.pin(benchlib.DAEMON_CPU), *command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 20
         while not os.path.exists(sock):
@@ -71,31 +70,23 @@ def run(command, sock, workload, seconds):
             time.sleep(0.02)
         time.sleep(0.2)
         before = cpu_ticks(server.pid)
-        out = subprocess.run(
-            ["taskset", "-c", "1", "fio", "--name=nbd", "--ioengine=nbd", f"--uri=nbd+unix:///disk?socket={sock}",
-             *ALL_WORKLOADS[workload], "--time_based", f"--runtime={seconds}", "--group_reporting",
-             "--output-format=json"], check=True, capture_output=True, text=True).stdout
+        report = benchlib.fio(["--name=nbd", "--ioengine=nbd", f"--uri=nbd+unix:///disk?socket={sock}",
+                               *ALL_WORKLOADS[workload], "--time_based", f"--runtime={seconds}", "--group_reporting"])
         ticks = cpu_ticks(server.pid) - before
     finally:
         server.terminate()
         server.wait()
-    # fio's nbd engine says it connected before the JSON.
-    job = json.loads(out[out.index("{"):])["jobs"][0]["read"]
+    job = report["jobs"][0]["read"]
     ios = job["total_ios"]
     return {"iops": job["iops"], "cpu_us_per_io": ticks * TICK_US / max(ios, 1)}
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--seconds", type=int, default=5)
+    parser = benchlib.parser(__doc__, reps=3, seconds=5, out=False)
     parser.add_argument("--work", default="/dev/shm/vsd-bench-nbd")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--servers", help="comma-separated names (default: all)")
-    parser.add_argument("--baseline", help="another vsd binary, run as vsd-base")
-    parser.add_argument("--target-dir", help="take vsd from this cargo target directory's release build")
-    args = parser.parse_args()
-    benchlib.use_build(args.target_dir)
+    args = benchlib.parse(parser)
     workloads = args.workloads.split(",")
     for workload in workloads:
         if workload not in ALL_WORKLOADS:
@@ -103,8 +94,7 @@ def main():
     os.makedirs(args.work, exist_ok=True)
     image, sock = os.path.join(args.work, "disk.img"), os.path.join(args.work, "nbd.sock")
     if not os.path.exists(image):
-        subprocess.run(["dd", "if=/dev/urandom", f"of={image}", "bs=1M", f"count={IMAGE_BYTES >> 20}",
-                        "status=none"], check=True)
+        benchlib.random_file(image, IMAGE_BYTES >> 20)
     commands = servers(image, sock, args.baseline)
     if args.servers:
         commands = {name: commands[name] for name in args.servers.split(",")}

@@ -7,9 +7,8 @@ on /dev/shm. The source holds, by quarters: text-like data, noise, 64 KiB
 clusters of 8 KiB noise then zeroes, and a hole with zero clusters in it.
 Each target is checked equal to the source (`qemu-img compare`).
 
-usage: scripts/bench-backup-compress.py [--reps 3] [--size-mib 256] [--target-dir DIR]
+usage: scripts/bench.py run backup-compress [--reps 3] [--size-mib 256] [--target-dir DIR]
 """
-import argparse
 import os
 import random
 import statistics
@@ -47,12 +46,9 @@ def make_source(path, size):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=3)
+    parser = benchlib.parser(__doc__, reps=3, baseline=False, out=False)
     parser.add_argument("--size-mib", type=int, default=256)
-    parser.add_argument("--target-dir", help="cargo target directory holding release/vsd")
-    args = parser.parse_args()
-    benchlib.use_build(args.target_dir)
+    args = benchlib.parse(parser)
     size = args.size_mib << 20
     source = f"/dev/shm/vsd-bench-compress-src-{os.getpid()}.qcow2"
     target = f"/dev/shm/vsd-bench-compress-tgt-{os.getpid()}.qcow2"

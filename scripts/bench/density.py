@@ -8,16 +8,16 @@ vsd with `poll-us=0`, vsd with every export on one `--object iothread`,
 qemu-storage-daemon) are interleaved within each
 repetition; reported are medians.
 
-usage: scripts/bench-density.py [--exports 1,8] [--backends null-co,tmpfs] [--reps 3] [--seconds 5]
+usage: scripts/bench.py run density [--exports 1,8] [--backends null-co,tmpfs] [--reps 3] [--seconds 5]
                                 [--baseline PATH]   # another vsd build, default configuration, as peer "baseline"
 """
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import tempfile
 
+import benchlib
 from benchlib import BENCH, QSD, TICK_US, VSD, cpu_ticks, wait_started
 
 # Program, options of every export, arguments before them.
@@ -46,7 +46,7 @@ def run(peer, backend, n, seconds, work):
     pidfile = os.path.join(work, "daemon.pid")
     if os.path.exists(pidfile):
         os.unlink(pidfile)
-    args = ["taskset", "-c", "0", program, *extra]
+    args = [*benchlib.pin(benchlib.DAEMON_CPU), program, *extra]
     for dev in blockdevs(backend, n, work):
         args += ["--blockdev", dev]
     socks = [os.path.join(work, f"e{i}.sock") for i in range(n)]
@@ -61,7 +61,7 @@ def run(peer, backend, n, seconds, work):
         wait_started(daemon, pidfile, peer)
         before = cpu_ticks(daemon.pid)
         clients = [subprocess.Popen(
-            ["taskset", "-c", "1", BENCH, "--socket", sock, "--rw", "randread", "--bs", "4k", "--iodepth", "8",
+            [*benchlib.pin(benchlib.CLIENT_CPU), BENCH, "--socket", sock, "--rw", "randread", "--bs", "4k", "--iodepth", "8",
              "--seconds", str(seconds), "--ramp-seconds", "1", "--json"], stdout=subprocess.PIPE, text=True)
             for sock in socks]
         outs = [c.communicate(timeout=seconds + 120)[0] for c in clients]
@@ -78,14 +78,11 @@ def run(peer, backend, n, seconds, work):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchlib.parser(__doc__, reps=3, seconds=5, out=False)
     parser.add_argument("--exports", default="1,8")
     parser.add_argument("--backends", default="null-co,tmpfs")
     parser.add_argument("--peers", default=",".join(PEERS))
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--seconds", type=int, default=5)
-    parser.add_argument("--baseline")
-    args = parser.parse_args()
+    args = benchlib.parse(parser)
     peers = args.peers.split(",")
     if args.baseline:
         PEERS["baseline"] = (args.baseline, "", [])

@@ -11,10 +11,9 @@ interleaved within each repetition; reported are medians.
 `--workloads` and `--peers` pick by name; `--baseline PATH` adds another
 vsd binary (another build), as "vsd-base".
 
-usage: scripts/bench-rbd.py [--reps 3] [--seconds 5] [--workloads NAME,...]
+usage: scripts/bench.py run rbd [--reps 3] [--seconds 5] [--workloads NAME,...]
                             [--peers vsd,vsd poll-us=0,qsd,fio-rbd] [--baseline PATH]
 """
-import argparse
 import json
 import os
 import resource
@@ -23,6 +22,7 @@ import statistics
 import subprocess
 import tempfile
 
+import benchlib
 from benchlib import QSD, ROOT, TICK_US, VSD, cpu_ticks, serve_and_bench
 
 IMAGE = "vsd-bench"
@@ -60,7 +60,7 @@ def fio_run(conf, rw, qd, seconds):
     env = dict(os.environ, CEPH_CONF=conf)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     fio = subprocess.Popen(
-        ["taskset", "-c", "1", "fio", "--name=rbd", "--ioengine=rbd", "--clientname=admin", "--pool=rbd",
+        [*benchlib.pin(benchlib.CLIENT_CPU), "fio", "--name=rbd", "--ioengine=rbd", "--clientname=admin", "--pool=rbd",
          f"--rbdname={IMAGE}", f"--rw={rw}", "--bs=4k", f"--iodepth={qd}", "--time_based", "--ramp_time=1",
          f"--runtime={seconds}", "--output-format=json"], env=env, stdout=subprocess.PIPE, text=True)
     out, _ = fio.communicate(timeout=seconds + 60)
@@ -88,13 +88,10 @@ def ratio(value, reference):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--seconds", type=int, default=5)
+    parser = benchlib.parser(__doc__, reps=3, seconds=5, out=False)
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated names")
     parser.add_argument("--peers", help="comma-separated names (default: all)")
-    parser.add_argument("--baseline", help="another vsd binary, run as vsd-base")
-    args = parser.parse_args()
+    args = benchlib.parse(parser)
     workloads = {name: WORKLOADS[name] for name in args.workloads.split(",")}
     conf = subprocess.run([os.path.join(ROOT, "scripts/ceph.sh"), "start"], check=True, capture_output=True,
                           text=True).stdout.strip()

@@ -10,11 +10,11 @@ clusters): sequential 64k writes, each allocating a whole cluster, and
 random 4k writes, each allocating a cluster around 4 KiB of data. Daemon on
 CPU 0, vsd-bench on CPU 1.
 
-Usage: scripts/bench-qcow2.py [--seconds 5] [--reps 3] [--out FILE.jsonl]
+Usage: scripts/bench.py run qcow2 [--seconds 5] [--reps 3] [--out FILE.jsonl]
        [--disk-dir /var/tmp] [--places tmpfs,disk] [--cases randwrite:32,...]
        [--first-writes write:64k,randwrite:4k] [--no-first-write]
        [--baseline VSD] [--target-dir DIR]
-       scripts/bench-qcow2.py --report ROWS.jsonl
+       scripts/bench.py run qcow2 --report ROWS.jsonl
 --cases '' runs the first writes alone; --baseline runs another vsd binary
 (an earlier build) in the first-write interleave, as "base".
 
@@ -26,7 +26,6 @@ made once tilts every repetition the same way.
 Prints Markdown tables for BENCHMARKS.md.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -34,9 +33,8 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import benchlib  # noqa: E402
-from benchlib import QSD, serve_and_bench  # noqa: E402
+import benchlib
+from benchlib import QSD, serve_and_bench
 
 SIZE = "1G"
 FIRST_WRITE_SIZE = "8G"
@@ -56,26 +54,18 @@ def make_image(path, fmt, size, prealloc):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default=None)
+    parser = benchlib.parser(__doc__, reps=3, seconds=5)
     parser.add_argument("--disk-dir", default="/var/tmp")
     parser.add_argument("--places", default="tmpfs,disk", help="comma-separated subset of tmpfs,disk")
     parser.add_argument("--cases", default=None,
                         help="comma-separated subset of RW:IODEPTH, e.g. randwrite:32,randread:32 (default: all four)")
     parser.add_argument("--no-first-write", action="store_true", help="skip the first-write runs")
     parser.add_argument("--first-writes", default="write:64k,randwrite:4k", help="comma-separated RW:BS")
-    parser.add_argument("--baseline", metavar="VSD", help="another vsd binary for the first writes, as 'base'")
     parser.add_argument("--fresh-images", action="store_true", help="new raw and qcow2 images for every repetition")
-    parser.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR"),
-                        help="cargo target directory holding release/vsd and release/vsd-bench "
-                             "(default: $CARGO_TARGET_DIR, else the repository's target/)")
     parser.add_argument("--report", metavar="ROWS.jsonl", help="only print the tables of an earlier run")
-    opts = parser.parse_args()
+    opts = benchlib.parse(parser)
     if opts.report:
         return report_file(opts.report)
-    benchlib.use_build(opts.target_dir)
     programs = {"vsd": benchlib.VSD, "qsd": QSD, "base": opts.baseline}
     cases = ALL_CASES
     if opts.cases is not None:

@@ -4,13 +4,13 @@ machine repeats exactly where its IOPS do not: vsd runs under valgrind
 --tool=callgrind with one output file per thread, with trace=on and
 trace=off, and the queue worker's instructions are divided by the requests
 the client completed (null-co, 4k randread, iodepth 1 and 32, no ramp).
-The same in IOPS: scripts/bench-ab.py --a trace=on --b trace=off.
+The same in IOPS: scripts/bench.py run ab --a trace=on --b trace=off.
 
-usage: scripts/bench-trace.py [--seconds 10]
+usage: scripts/bench.py run trace [--seconds 10]
 """
-import argparse
 import tempfile
 
+import benchlib
 from benchlib import BENCH, VSD, callgrind_worker
 
 
@@ -34,9 +34,8 @@ def callgrind(seconds):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=10)
-    args = parser.parse_args()
+    parser = benchlib.parser(__doc__, seconds=10.0, baseline=False, out=False)
+    args = benchlib.parse(parser)
     callgrind(args.seconds)
 
 

@@ -9,15 +9,14 @@ With --callgrind, also vsd's instructions per request on null-co at
 iodepth 1 (repeatable): off, on at 64 KiB, on at 512 bytes (a new bit set
 by almost every write).
 
-usage: scripts/bench-bitmap.py [--seconds 3] [--reps 5] [--iodepths 1,32] [--callgrind]
+usage: scripts/bench.py run bitmap [--seconds 3] [--reps 5] [--iodepths 1,32] [--callgrind]
 """
-import argparse
 import json
 import os
 import statistics
-import subprocess
 import tempfile
 
+import benchlib
 from benchlib import BENCH, QSD, VSD, callgrind_worker, serve_and_bench
 
 BACKENDS = {
@@ -35,16 +34,14 @@ def bitmap(granularity=None):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=3)
-    parser.add_argument("--reps", type=int, default=5)
+    parser = benchlib.parser(__doc__, reps=5, seconds=3.0, baseline=False, out=False)
     parser.add_argument("--iodepths", default="1,32")
     parser.add_argument("--callgrind", action="store_true")
-    args = parser.parse_args()
+    args = benchlib.parse(parser)
     depths = [int(d) for d in args.iodepths.split(",")]
     rows = []
     image = f"/dev/shm/vsd-bench-bitmap-{os.getpid()}.img"
-    subprocess.run(["dd", "if=/dev/urandom", f"of={image}", "bs=1M", "count=1024", "status=none"], check=True)
+    benchlib.random_file(image, 1024)
     try:
         with tempfile.TemporaryDirectory() as work:
             for backend, blockdevs in BACKENDS.items():

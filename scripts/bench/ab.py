@@ -7,17 +7,15 @@ export with option string A and with B (e.g. `trace=on` vs `trace=off`,
 daemon pinned to CPU 0 and vsd-bench to CPU 1; medians of --reps runs and
 the median of the paired A/B ratios.
 
-usage: scripts/bench-ab.py [--a OPTS] [--b OPTS] [--a-args ARGS] [--b-args ARGS]
+usage: scripts/bench.py run ab [--a OPTS] [--b OPTS] [--a-args ARGS] [--b-args ARGS]
                            [--a-filter throttle] [--b-filter throttle]
                            [--seconds 3] [--reps 10] [--iodepths 1,32]
                            [--target-dir DIR] [--out ROWS.jsonl]
 """
-import argparse
 import json
 import os
 import shlex
 import statistics
-import subprocess
 import tempfile
 
 import benchlib
@@ -37,20 +35,15 @@ FILTERS = {
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = benchlib.parser(__doc__, reps=10, seconds=3.0, baseline=False)
     parser.add_argument("--a", default="", help="export options of A, e.g. trace=on")
     parser.add_argument("--b", default="", help="export options of B, e.g. trace=off")
     parser.add_argument("--a-args", default="", help='daemon arguments of A, e.g. "--sandbox on"')
     parser.add_argument("--b-args", default="", help="daemon arguments of B")
     parser.add_argument("--a-filter", choices=FILTERS, default="none", help="a filter node A exports")
     parser.add_argument("--b-filter", choices=FILTERS, default="none", help="a filter node B exports")
-    parser.add_argument("--seconds", type=float, default=3)
-    parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--iodepths", default="1,32")
-    parser.add_argument("--target-dir", help="a cargo target directory with a release build (default: the repo's)")
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    benchlib.use_build(args.target_dir)
+    args = benchlib.parse(parser)
     depths = [int(d) for d in args.iodepths.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as work:
@@ -58,10 +51,7 @@ def main():
             image = None
             if image_dir:
                 image = os.path.join(image_dir, f"vsd-bench-ab-{os.getpid()}.img")
-                # Real data, not a hole: reads of a sparse tmpfs file skip
-                # the page cache.
-                subprocess.run(["dd", "if=/dev/urandom", f"of={image}", "bs=1M", "count=1024", "status=none"],
-                               check=True)
+                benchlib.random_file(image, 1024)
             try:
                 devs = [b.format(image=image) for b in blockdevs]
                 for depth in depths:

@@ -8,15 +8,15 @@ drive A alone, then A and B at once (4k random reads, iodepth 16 each).
 Reported per daemon: A's IOPS alone and beside B, their ratio, and what B
 got (its limit). vsd and qemu-storage-daemon interleaved; medians.
 
-usage: scripts/bench-throttle-neighbour.py [--reps 3] [--seconds 5] [--iops 2000]
+usage: scripts/bench.py run throttle-neighbour [--reps 3] [--seconds 5] [--iops 2000]
 """
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import tempfile
 
+import benchlib
 from benchlib import BENCH, QSD, VSD, wait_started
 
 # Program, and options of the I/O thread.
@@ -30,7 +30,7 @@ def run(peer, both, limit, seconds, work):
     for path in [pidfile, *socks.values()]:
         if os.path.exists(path):
             os.unlink(path)
-    args = ["taskset", "-c", "0", program, "--object", f"iothread,id=io0{iothread}",
+    args = [*benchlib.pin(benchlib.DAEMON_CPU), program, "--object", f"iothread,id=io0{iothread}",
             "--object", f"throttle-group,id=tg0,limits.iops-total={limit}",
             "--blockdev", "driver=null-co,node-name=na,size=1073741824",
             "--blockdev", "driver=null-co,node-name=nb,size=1073741824",
@@ -43,7 +43,7 @@ def run(peer, both, limit, seconds, work):
         wait_started(daemon, pidfile, program)
         names = ["a", "b"] if both else ["a"]
         clients = {name: subprocess.Popen(
-            ["taskset", "-c", "1", BENCH, "--socket", socks[name], "--rw", "randread", "--bs", "4k",
+            [*benchlib.pin(benchlib.CLIENT_CPU), BENCH, "--socket", socks[name], "--rw", "randread", "--bs", "4k",
              "--iodepth", "16", "--seconds", str(seconds), "--ramp-seconds", "1", "--json"],
             stdout=subprocess.PIPE, text=True) for name in names}
         outs = {name: c.communicate(timeout=seconds + 120)[0] for name, c in clients.items()}
@@ -54,11 +54,9 @@ def run(peer, both, limit, seconds, work):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--seconds", type=int, default=5)
+    parser = benchlib.parser(__doc__, reps=3, seconds=5, baseline=False, out=False)
     parser.add_argument("--iops", type=int, default=2000)
-    args = parser.parse_args()
+    args = benchlib.parse(parser)
     work = tempfile.mkdtemp(prefix="vsd-bench-neighbour-")
     results = {(peer, both): [] for peer in PEERS for both in (False, True)}
     for rep in range(args.reps):

@@ -11,13 +11,13 @@ what a throttle node costs when its group has no limit.
    reads on null-co at iodepth 1 and 32, straight and through a throttle
    node whose group has no limit.
 
-usage: scripts/bench-throttle.py [--seconds 5] [--reps 3] [--iops 5000] [--mib 50]
+usage: scripts/bench.py run throttle [--seconds 5] [--reps 3] [--iops 5000] [--mib 50]
 """
-import argparse
 import json
 import statistics
 import tempfile
 
+import benchlib
 from benchlib import BENCH, QSD, VSD, callgrind_worker, serve_and_bench
 
 NULL = "driver=null-co,node-name=n0,size=1073741824"
@@ -29,12 +29,10 @@ def group(limits):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=5)
-    parser.add_argument("--reps", type=int, default=3)
+    parser = benchlib.parser(__doc__, reps=3, seconds=5.0, baseline=False, out=False)
     parser.add_argument("--iops", type=int, default=5000)
     parser.add_argument("--mib", type=int, default=50)
-    args = parser.parse_args()
+    args = benchlib.parse(parser)
     cases = [("iops-total", args.iops, "4k", "iops"), ("bps-total", args.mib << 20, "64k", "bw_mib_s")]
     rows = []
     with tempfile.TemporaryDirectory() as work:

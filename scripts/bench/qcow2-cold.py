@@ -11,12 +11,11 @@ reads with the default cache (all tables fit), the case the cold path must
 not slow down. 4k randread at --iodepth (32), 1 queue, daemon on CPU 0,
 vsd-bench on CPU 1.
 
-Usage: scripts/bench-qcow2-cold.py [--seconds 5] [--reps 3] [--iodepth 32]
+Usage: scripts/bench.py run qcow2-cold [--seconds 5] [--reps 3] [--iodepth 32]
        [--baseline VSD] [--warm] [--target-dir DIR] [--out ROWS.jsonl]
 Prints a Markdown table for BENCHMARKS.md.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -24,9 +23,8 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import benchlib  # noqa: E402
-from benchlib import serve_and_bench  # noqa: E402
+import benchlib
+from benchlib import serve_and_bench
 
 
 def blockdevs(image, cache):
@@ -37,16 +35,10 @@ def blockdevs(image, cache):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=3)
+    parser = benchlib.parser(__doc__, reps=3, seconds=5)
     parser.add_argument("--iodepth", type=int, default=32)
-    parser.add_argument("--baseline", metavar="VSD", help="an earlier vsd binary, measured as 'base'")
     parser.add_argument("--warm", action="store_true", help="also run with the default (whole-disk) L2 cache")
-    parser.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR"))
-    parser.add_argument("--out", default=None)
-    opts = parser.parse_args()
-    benchlib.use_build(opts.target_dir)
+    opts = benchlib.parse(parser)
     programs = benchlib.daemons(opts.baseline)
     caches = {"cold (l2-cache-size=1M)": str(1 << 20)}
     if opts.warm:
@@ -73,7 +65,7 @@ def main():
     finally:
         subprocess.run(["rm", "-rf", workdir])
 
-    print(f"| L2 cache | daemon | IOPS | p50 µs | p99 µs | CPU µs/IO | vs QSD |")
+    print("| L2 cache | daemon | IOPS | p50 µs | p99 µs | CPU µs/IO | vs QSD |")
     print("|---|---|---|---|---|---|---|")
     for case in caches:
         qsd = statistics.median(r["iops"] for r in rows[(case, "qsd")])

@@ -10,14 +10,14 @@ the figures are the warm cache's: every table loaded and every entry
 checked (once per cluster, ~16k here) before counting starts. The callgrind files stay in --work for
 callgrind_annotate.
 
-usage: scripts/bench-qcow2-instr.py [--seconds 10] [--warmup 5] [--rw randread,randwrite]
+usage: scripts/bench.py run qcow2-instr [--seconds 10] [--warmup 5] [--rw randread,randwrite]
                                     [--target-dir target] [--work /dev/shm/qi]
 """
-import argparse
 import os
 import subprocess
 
-from benchlib import ROOT, callgrind_worker
+import benchlib
+from benchlib import callgrind_worker
 
 IMAGE_MIB = 1024
 
@@ -27,37 +27,32 @@ def images(work):
     raw, qcow2 = os.path.join(work, "raw.img"), os.path.join(work, "full.qcow2")
     os.makedirs(work, exist_ok=True)
     if not os.path.exists(raw):
-        subprocess.run(["dd", "if=/dev/urandom", f"of={raw}", "bs=1M", f"count={IMAGE_MIB}", "status=none"],
-                       check=True)
+        benchlib.random_file(raw, IMAGE_MIB)
     if not os.path.exists(qcow2):
         subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, qcow2], check=True)
     return {"raw": raw, "qcow2": qcow2}
 
 
-def worker_instructions(binaries, work, fmt, path, rw, seconds, warmup):
+def worker_instructions(work, fmt, path, rw, seconds, warmup):
     """Instructions per request of the queue worker, the requests counted,
     and its callgrind file."""
-    vsd, bench = (os.path.join(binaries, name) for name in ("vsd", "vsd-bench"))
     blockdevs = [f"driver=file,node-name=f0,filename={path},aio=io_uring", f"driver={fmt},node-name=disk0,file=f0"]
     bench_args = ["--rw", rw, "--bs", "4k", "--iodepth", "32"]
-    return callgrind_worker(vsd, bench, work, f"{fmt}.{rw}", blockdevs, bench_args, seconds, warmup=warmup)
+    return callgrind_worker(benchlib.VSD, benchlib.BENCH, work, f"{fmt}.{rw}", blockdevs, bench_args, seconds, warmup=warmup)
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=10)
+    parser = benchlib.parser(__doc__, seconds=10.0, baseline=False, out=False)
     parser.add_argument("--warmup", type=float, default=5)
     parser.add_argument("--rw", default="randread,randwrite")
-    parser.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")))
     parser.add_argument("--work", default="/dev/shm/qi")
-    args = parser.parse_args()
-    binaries = os.path.join(args.target_dir, "release")
+    args = benchlib.parse(parser)
     paths = images(args.work)
     print("| rw | raw instr/request | qcow2 instr/request | qcow2 - raw | requests raw, qcow2 |")
     print("|---|---|---|---|---|")
     for rw in args.rw.split(","):
-        raw, n_raw, _ = worker_instructions(binaries, args.work, "raw", paths["raw"], rw, args.seconds, args.warmup)
-        qcow2, n_qcow2, busiest = worker_instructions(binaries, args.work, "qcow2", paths["qcow2"], rw, args.seconds,
+        raw, n_raw, _ = worker_instructions(args.work, "raw", paths["raw"], rw, args.seconds, args.warmup)
+        qcow2, n_qcow2, busiest = worker_instructions(args.work, "qcow2", paths["qcow2"], rw, args.seconds,
                                                     args.warmup)
         print(f"| {rw} | {raw:.0f} | {qcow2:.0f} | {qcow2 - raw:+.0f} | {n_raw}, {n_qcow2} |", flush=True)
         print(f"  (qcow2 worker: {busiest})", flush=True)

@@ -10,44 +10,41 @@ the client completed, after --warmup seconds not counted.
 With --qmp NAME='COMMAND {ARGS}', variant NAME runs that QMP command
 first (repeat it for several).
 
-usage: scripts/bench-node-instr.py [--variant NAME=OPTIONS ...] [--qmp NAME='COMMAND {ARGS}' ...]
+usage: scripts/bench.py run node-instr [--variant NAME=OPTIONS ...] [--qmp NAME='COMMAND {ARGS}' ...]
                                    [--seconds 10] [--warmup 2] [--rw randwrite] [--target-dir target]
                                    [--work /dev/shm/ni]
-e.g.   scripts/bench-node-instr.py --variant off= --variant on=,detect-zeroes=on \\
+e.g.   scripts/bench.py run node-instr --variant off= --variant on=,detect-zeroes=on \\
            --variant unmap=,detect-zeroes=unmap,discard=unmap
-       scripts/bench-node-instr.py --variant off= --variant armed= \\
+       scripts/bench.py run node-instr --variant off= --variant armed= \\
            --qmp 'armed=block-set-write-threshold {"node-name": "f0", "write-threshold": 1099511627776}'
 """
-import argparse
 import json
 import os
 import subprocess
 
-from benchlib import ROOT, callgrind_worker
+import benchlib
+from benchlib import callgrind_worker
 
 IMAGE_MIB = 256
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = benchlib.parser(__doc__, seconds=10.0, baseline=False, out=False)
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME=OPTIONS appended to the file node (default: off= and detect-zeroes=on)")
     parser.add_argument("--qmp", action="append", default=[],
                         help="NAME='COMMAND {ARGS}': a QMP command variant NAME runs first")
-    parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--warmup", type=float, default=2)
     parser.add_argument("--rw", default="randwrite")
-    parser.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")))
     parser.add_argument("--work", default="/dev/shm/ni")
-    args = parser.parse_args()
+    args = benchlib.parse(parser)
     variants = [v.split("=", 1) for v in args.variant or ["off=", "on=,detect-zeroes=on"]]
     qmp = {}
     for entry in args.qmp:
         name, command = entry.split("=", 1)
         command, _, arguments = command.partition(" ")
         qmp.setdefault(name, []).append((command, json.loads(arguments or "{}")))
-    binaries = os.path.join(args.target_dir, "release")
-    vsd, bench = (os.path.join(binaries, name) for name in ("vsd", "vsd-bench"))
+    vsd, bench = benchlib.VSD, benchlib.BENCH
     os.makedirs(args.work, exist_ok=True)
     image = os.path.join(args.work, "raw.img")
     subprocess.run(["truncate", "-s", f"{IMAGE_MIB}M", image], check=True)

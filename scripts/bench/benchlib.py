@@ -1,40 +1,138 @@
-"""Shared by the benchmark scripts: serve a block graph with vsd or
-qemu-storage-daemon pinned to one CPU (0 by default), drive it with
-vsd-bench pinned to the other (1), and report IOPS, latency and daemon CPU
-per I/O."""
+"""Shared by the benchmark studies (scripts/bench.py runs them): their
+common flags, serving a block graph with vsd or qemu-storage-daemon pinned
+to one CPU (0 by default), driving it with vsd-bench or fio pinned to the
+other (1), medians, and the rows a run writes."""
 
+import argparse
 import glob
 import json
 import statistics
 import os
+import sys
 import re
 import subprocess
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VSD = os.path.join(ROOT, "target/release/vsd")
-BENCH = os.path.join(ROOT, "target/release/vsd-bench")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def target_dir(argv):
+    """The cargo target directory the binaries come from: --target-dir's,
+    else $CARGO_TARGET_DIR, else the repository's. Read at import, before
+    parsing, because studies import VSD and BENCH by name."""
+    for i, arg in enumerate(argv):
+        if arg == "--target-dir" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--target-dir="):
+            return arg.split("=", 1)[1]
+    return os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target")
+
+
+VSD = os.path.join(target_dir(sys.argv), "release", "vsd")
+BENCH = os.path.join(target_dir(sys.argv), "release", "vsd-bench")
 QSD = "qemu-storage-daemon"
 TICK_US = 1e6 / os.sysconf("SC_CLK_TCK")
+# The daemon's CPU and the client's (--cpus).
+DAEMON_CPU, CLIENT_CPU = "0", "1"
 
 
-def use_build(target_dir):
-    """Takes vsd and vsd-bench from `target_dir`/release (a cargo target
-    directory), if one is given."""
-    global VSD, BENCH
-    if target_dir:
-        VSD = os.path.join(target_dir, "release", "vsd")
-        BENCH = os.path.join(target_dir, "release", "vsd-bench")
+def parser(doc, reps=3, seconds=5, peers=None, baseline=True, out=True):
+    """The study's argument parser with the shared flags: --reps, --seconds
+    (their defaults the study's), --peers (if the study has `peers`, a
+    list of names), --baseline (if it can run an older vsd), --cpus,
+    --target-dir and --out (if it writes rows)."""
+    study = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    p = argparse.ArgumentParser(prog=f"scripts/bench.py run {study}", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    shared = p.add_argument_group("shared flags")
+    shared.add_argument("--reps", type=int, default=reps, help=f"repetitions, peers interleaved (default {reps})")
+    shared.add_argument("--seconds", type=type(seconds), default=seconds, help=f"seconds per run (default {seconds})")
+    if peers:
+        shared.add_argument("--peers", type=lambda s: s.split(","), default=list(peers),
+                            help=f"comma-separated, of: {', '.join(peers)} (default: all)")
+    if baseline:
+        shared.add_argument("--baseline", metavar="VSD", help="an older vsd binary, measured beside this one")
+    shared.add_argument("--cpus", default="0/1", metavar="DAEMON/CLIENT", help="the CPUs to pin to (default 0/1)")
+    shared.add_argument("--target-dir",
+                        help="take vsd and vsd-bench from this cargo target directory's release build")
+    if out:
+        shared.add_argument("--out", metavar="ROWS.jsonl", help="append every run's row to this file")
+    return p
 
 
-def daemons(baseline=None):
+def parse(p, argv=None):
+    """Parses the command line and applies the shared flags."""
+    global DAEMON_CPU, CLIENT_CPU
+    args = p.parse_args(argv)
+    if "/" not in args.cpus:
+        p.error(f"--cpus {args.cpus}: expected DAEMON/CLIENT, e.g. 0/1")
+    DAEMON_CPU, CLIENT_CPU = args.cpus.split("/", 1)
+    for name in getattr(args, "peers", None) or ():
+        if name not in p.get_default("peers") + (["base"] if getattr(args, "baseline", None) else []):
+            p.error(f"no peer '{name}' (there are: {', '.join(p.get_default('peers'))})")
+    return args
+
+
+def pin(cpu):
+    """The prefix that runs a program on `cpu`."""
+    return ["taskset", "-c", cpu]
+
+
+def median(rows, key):
+    """The median of `key` over `rows`, None where no row has it."""
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def paired(num, den, key="iops"):
+    """The median of the ratios of paired runs (rep by rep)."""
+    return statistics.median(a[key] / b[key] for a, b in zip(num, den))
+
+
+class Rows:
+    """The rows of a run: each printed as JSON on stderr as it comes, and
+    appended to `path` (--out) if one is given."""
+
+    def __init__(self, path=None):
+        self.all, self.file = [], open(path, "a") if path else None
+
+    def add(self, **row):
+        self.all.append(row)
+        line = json.dumps(row)
+        print(line, file=sys.stderr, flush=True)
+        if self.file:
+            print(line, file=self.file, flush=True)
+        return row
+
+
+def fio(args, cpu=None, env=None, wrapper=()):
+    """fio's JSON report of a run with `args` pinned to `cpu` (the
+    client's), under `wrapper` (e.g. setpriv); some engines print a line
+    before the JSON."""
+    out = subprocess.run([*pin(cpu or CLIENT_CPU), *wrapper, "fio", *args, "--output-format=json"], check=True,
+                         capture_output=True, text=True, env=env).stdout
+    return json.loads(out[out.index("{"):])
+
+
+def clat_us(side, percentile):
+    """A completion-latency percentile ("50", "99") of a fio job's side, in µs."""
+    return side["clat_ns"]["percentile"][f"{percentile}.000000"] / 1000
+
+
+def random_file(path, mib):
+    """A file of `mib` MiB of random data: real data, not a hole (reads of a
+    sparse tmpfs file skip the page cache)."""
+    subprocess.run(["dd", "if=/dev/urandom", f"of={path}", "bs=1M", f"count={mib}", "status=none"], check=True)
+
+
+def daemons(baseline=None, peers=None):
     """The daemons a comparison runs, by name: vsd, qemu-storage-daemon, and
-    an earlier vsd binary as "base" if one is given."""
+    an earlier vsd binary as "base" if one is given; only `peers` if named."""
     programs = {"vsd": VSD, "qsd": QSD}
     if baseline:
         programs["base"] = baseline
-    return programs
+    return {n: p for n, p in programs.items() if peers is None or n in peers or n == "base"}
 
 
 def wait_started(daemon, pidfile, name, timeout=30):
@@ -96,7 +194,7 @@ def run_qmp(sock, qmp):
         monitor.close()
 
 
-def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk0", export_opts="", cpus=("0", "1"),
+def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk0", export_opts="", cpus=None,
                     qmp=(), extra_args=()):
     """Runs `program` with `blockdevs` (a list of --blockdev values), the
     `extra_args` (e.g. --object ...) and an export of `node` (plus
@@ -108,8 +206,8 @@ def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk
     for path in (sock, pidfile):
         if os.path.exists(path):
             os.unlink(path)
-    daemon_cpu, client_cpu = cpus
-    args = ["taskset", "-c", daemon_cpu, program, *extra_args]
+    daemon_cpu, client_cpu = cpus or (DAEMON_CPU, CLIENT_CPU)
+    args = [*pin(daemon_cpu), program, *extra_args]
     for blockdev in blockdevs:
         args += ["--blockdev", blockdev]
     monitor, qmp_sock = monitor_args(workdir, qmp)
@@ -124,7 +222,7 @@ def serve_and_bench(program, blockdevs, bench_args, seconds, workdir, node="disk
         sampler = threading.Thread(target=sample_threads, args=(daemon.pid, seconds, threads))
         sampler.start()
         out = subprocess.run(
-            ["taskset", "-c", client_cpu, BENCH, "--socket", sock, *bench_args,
+            [*pin(client_cpu), BENCH, "--socket", sock, *bench_args,
              "--seconds", str(seconds), "--ramp-seconds", "1", "--json"],
             check=True, capture_output=True, text=True, timeout=seconds + 60).stdout
         after = cpu_ticks(daemon.pid)
@@ -234,7 +332,7 @@ def print_seconds(times, what, size_mib):
 
 def job_seconds(program, blockdevs, work, command, arguments, until):
     """Seconds from QMP `command` to the event `until` on `program` serving
-    `blockdevs` (pinned to CPU 0, no guest I/O); a job that ends otherwise
+    `blockdevs` (pinned to the daemon's CPU, no guest I/O); a job that ends otherwise
     fails the run."""
     from qemu.qmp.legacy import QEMUMonitorProtocol
 
@@ -242,7 +340,7 @@ def job_seconds(program, blockdevs, work, command, arguments, until):
     for path in (qmp_sock, pidfile):
         if os.path.exists(path):
             os.unlink(path)
-    args = ["taskset", "-c", "0", program]
+    args = [*pin(DAEMON_CPU), program]
     for blockdev in blockdevs:
         args += ["--blockdev", blockdev]
     args += ["--chardev", f"socket,id=m,path={qmp_sock},server=on,wait=off", "--monitor", "chardev=m",

@@ -11,14 +11,14 @@ vsd and qemu-storage-daemon in the same run, interleaved.
 2. Throughput: a full backup of the image at full speed with no guest
    I/O, from `blockdev-backup` to BLOCK_JOB_COMPLETED.
 
-usage: scripts/bench-backup.py [--seconds 5] [--reps 3] [--size-mib 1024]
+usage: scripts/bench.py run backup [--seconds 5] [--reps 3] [--size-mib 1024]
 """
-import argparse
 import json
 import os
 import subprocess
 import tempfile
 
+import benchlib
 from benchlib import QSD, VSD, job_seconds, print_on_off, print_seconds, serve_and_bench
 
 
@@ -28,15 +28,12 @@ def nodes(source, target):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=5)
-    parser.add_argument("--reps", type=int, default=3)
+    parser = benchlib.parser(__doc__, reps=3, seconds=5.0, baseline=False, out=False)
     parser.add_argument("--size-mib", type=int, default=1024)
-    args = parser.parse_args()
+    args = benchlib.parse(parser)
     size = args.size_mib << 20
     source, target = (f"/dev/shm/vsd-bench-backup-{name}-{os.getpid()}.img" for name in ("src", "tgt"))
-    subprocess.run(["dd", "if=/dev/urandom", f"of={source}", "bs=1M", f"count={args.size_mib}", "status=none"],
-                   check=True)
+    benchlib.random_file(source, args.size_mib)
     subprocess.run(["truncate", "-s", str(size), target], check=True)
     # Slow enough to last the run and its ramp second.
     backup = {"job-id": "b", "device": "disk0", "target": "tgt", "sync": "full",

@@ -13,15 +13,15 @@ engine may not name local files in its URI, so the client's certificates
 go where libnbd looks by default for a user other than root
 ($HOME/.pki/libnbd): servers and fio run as nobody, HOME set for fio.
 
-usage: scripts/bench-nbd-tls.py [--reps 5] [--seconds 5] [--base PATH] [--work /dev/shm/vsd-bench-nbd-tls]
+usage: scripts/bench.py run nbd-tls [--reps 5] [--seconds 5] [--base PATH] [--work /dev/shm/vsd-bench-nbd-tls]
 """
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import time
 
+import benchlib
 from benchlib import QSD, TICK_US, VSD, cpu_ticks
 
 IMAGE_BYTES = 1 << 30
@@ -82,7 +82,7 @@ def servers(image, sock, server_pki, base):
 def run(command, tls, sock, client_pki, seconds):
     if os.path.exists(sock):
         os.unlink(sock)
-    server = subprocess.Popen(["taskset", "-c", "0", *AS_NOBODY, *command], stdout=subprocess.DEVNULL,
+    server = subprocess.Popen([*benchlib.pin(benchlib.DAEMON_CPU), *AS_NOBODY, *command], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     uri = f"nbd{'s' if tls else ''}+unix:///disk?socket={sock}"
     home = os.path.dirname(os.path.dirname(client_pki))
@@ -94,31 +94,25 @@ def run(command, tls, sock, client_pki, seconds):
             time.sleep(0.02)
         time.sleep(0.2)
         before = cpu_ticks(server.pid)
-        out = subprocess.run(
-            ["taskset", "-c", "1", *AS_NOBODY, "fio", "--name=nbd", "--ioengine=nbd", f"--uri={uri}", *FIO, "--time_based",
-             f"--runtime={seconds}", "--output-format=json"], check=True, capture_output=True, text=True,
-            env={**os.environ, "HOME": home}).stdout
+        report = benchlib.fio(["--name=nbd", "--ioengine=nbd", f"--uri={uri}", *FIO, "--time_based",
+                               f"--runtime={seconds}"], env={**os.environ, "HOME": home}, wrapper=AS_NOBODY)
         ticks = cpu_ticks(server.pid) - before
     finally:
         server.terminate()
         server.wait()
-    # fio's nbd engine says it connected before the JSON.
-    job = json.loads(out[out.index("{"):])["jobs"][0]["read"]
+    job = report["jobs"][0]["read"]
     return {"iops": job["iops"], "cpu_us_per_io": ticks * TICK_US / max(job["total_ios"], 1)}
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--seconds", type=int, default=5)
+    parser = benchlib.parser(__doc__, reps=5, seconds=5, baseline=False, out=False)
     parser.add_argument("--base", help="another vsd binary, measured in the clear")
     parser.add_argument("--work", default="/dev/shm/vsd-bench-nbd-tls")
-    args = parser.parse_args()
+    args = benchlib.parse(parser)
     os.makedirs(args.work, exist_ok=True)
     image, sock = os.path.join(args.work, "disk.img"), os.path.join(args.work, "nbd.sock")
     if not os.path.exists(image):
-        subprocess.run(["dd", "if=/dev/urandom", f"of={image}", "bs=1M", f"count={IMAGE_BYTES >> 20}",
-                        "status=none"], check=True)
+        benchlib.random_file(image, IMAGE_BYTES >> 20)
     server_pki, client_pki = make_pki(args.work)
     # Everything the servers and fio (as nobody) read, write or create.
     subprocess.run(["chown", "-R", "nobody:nogroup", args.work], check=True)

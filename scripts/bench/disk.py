@@ -24,15 +24,14 @@ wrapper script that sets an environment variable and execs vsd). With
 --aio io_uring,native each daemon runs with each `aio=` mode (libvirt's
 io='native' is aio=native), the others named DAEMON-MODE.
 
-Usage: scripts/bench-disk.py [--seconds 5] [--reps 5] [--cases randread:32,...]
+Usage: scripts/bench.py run disk [--seconds 5] [--reps 5] [--cases randread:32,...]
        [--poll] [--placements 0/1,1/0] [--baseline VSD] [--variant NAME=VSD ...] [--aio io_uring,native]
        [--disk-dir /var/tmp]
        [--out FILE.jsonl]
-       scripts/bench-disk.py --report ROWS.jsonl
+       scripts/bench.py run disk --report ROWS.jsonl
 Prints a Markdown table for BENCHMARKS.md.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -40,8 +39,8 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import QSD, VSD, serve_and_bench  # noqa: E402
+import benchlib
+from benchlib import QSD, VSD, serve_and_bench
 
 IMAGE_SIZE = "1G"
 def block_device(path):
@@ -93,15 +92,12 @@ def irq_counts(irqs):
 
 
 def run_fio(image, rw, depth, seconds, cpu):
-    out = subprocess.run(
-        ["taskset", "-c", cpu, "fio", "--name=floor", f"--filename={image}", f"--rw={rw}", "--bs=4k",
-         f"--iodepth={depth}", "--ioengine=io_uring", "--direct=1", f"--runtime={seconds}", "--time_based",
-         "--ramp_time=1", "--output-format=json"],
-        check=True, capture_output=True, text=True).stdout
-    job = json.loads(out[out.index("{"):])["jobs"][0]
+    job = benchlib.fio(["--name=floor", f"--filename={image}", f"--rw={rw}", "--bs=4k", f"--iodepth={depth}",
+                        "--ioengine=io_uring", "--direct=1", f"--runtime={seconds}", "--time_based",
+                        "--ramp_time=1"], cpu)["jobs"][0]
     iops = job["read"]["iops"] + job["write"]["iops"]
     side = job["read"] if job["read"]["iops"] else job["write"]
-    return {"iops": iops, "p50_us": side["clat_ns"]["percentile"]["50.000000"] / 1000, "cpu_us_per_io": None}
+    return {"iops": iops, "p50_us": benchlib.clat_us(side, 50), "cpu_us_per_io": None}
 
 
 def run_daemon(program, aio, image, rw, depth, seconds, workdir, placement, poll):
@@ -112,21 +108,17 @@ def run_daemon(program, aio, image, rw, depth, seconds, workdir, placement, poll
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=5)
+    parser = benchlib.parser(__doc__, reps=5, seconds=5)
     parser.add_argument("--cases", default="randread:32", help="comma-separated RW:IODEPTH")
     parser.add_argument("--poll", action="store_true", help="libblkio poll mode in the client")
     parser.add_argument("--placements", default="0/1,1/0",
                         help="comma-separated DAEMON_CPU/CLIENT_CPU pairs (default: both ways)")
-    parser.add_argument("--baseline", metavar="VSD", help="another vsd binary to run as target 'base'")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=VSD",
                         help="one more vsd program to run as target NAME (repeatable)")
     parser.add_argument("--aio", default="io_uring", help="comma-separated aio= modes every daemon runs with")
     parser.add_argument("--disk-dir", default="/var/tmp")
-    parser.add_argument("--out", default=None)
     parser.add_argument("--report", metavar="ROWS.jsonl", help="only print the table of an earlier run")
-    opts = parser.parse_args()
+    opts = benchlib.parse(parser)
     if opts.report:
         with open(opts.report) as f:
             return report([json.loads(line) for line in f])

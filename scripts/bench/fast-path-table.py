@@ -9,7 +9,7 @@ host's fio (1 job / 2 jobs) and vsd against it, CPU per I/O vsd/QSD at
 1x1, vsd's events per I/O at 1x1; with --before, vsd at 1x1 against vsd
 in an earlier run's rows. Ratios are of the medians.
 
-Usage: scripts/fast-path-table.py RESULTS.jsonl [--before OLD.jsonl]
+Usage: scripts/bench.py run fast-path-table RESULTS.jsonl [--before OLD.jsonl]
 """
 
 import argparse

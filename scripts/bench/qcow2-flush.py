@@ -16,14 +16,13 @@ qemu-storage-daemon (same export options) and an earlier vsd build
 costs nearly nothing) and on the machine's disk (`--disk-dir`, where it
 costs an fsync). Daemon on CPU 0, vsd-bench on CPU 1, 1 queue.
 
-Usage: scripts/bench-qcow2-flush.py [--seconds 5] [--reps 3] [--iodepths 1,16]
+Usage: scripts/bench.py run qcow2-flush [--seconds 5] [--reps 3] [--iodepths 1,16]
        [--size 64G] [--overlay] [--cache writethrough|writeback] [--direct]
        [--places tmpfs,disk] [--backing-delay-ms MS]
        [--baseline VSD] [--disk-dir /var/tmp] [--target-dir DIR]
 Prints a Markdown table for BENCHMARKS.md.
 """
 
-import argparse
 import os
 import shutil
 import statistics
@@ -32,9 +31,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import benchlib  # noqa: E402
-from benchlib import serve_and_bench  # noqa: E402
+import benchlib
+from benchlib import serve_and_bench
 
 
 def fill(path, size):
@@ -64,9 +62,7 @@ def backing_node(base, workdir, opts, file_opts, servers):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=3)
+    parser = benchlib.parser(__doc__, reps=3, seconds=5, out=False)
     parser.add_argument("--iodepths", default="1,16")
     parser.add_argument("--size", default="64G", help="the disk's size (qemu-img's spelling)")
     parser.add_argument("--overlay", action="store_true", help="over a raw backing file: every write copies up")
@@ -74,11 +70,8 @@ def main():
     parser.add_argument("--direct", action="store_true", help="cache.direct=on")
     parser.add_argument("--places", default="tmpfs,disk")
     parser.add_argument("--backing-delay-ms", type=int, help="the backing file on nbdkit, reads this slow")
-    parser.add_argument("--baseline", metavar="VSD", help="an earlier vsd binary, measured as 'base'")
     parser.add_argument("--disk-dir", default="/var/tmp", help="a directory on a real disk")
-    parser.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR"))
-    opts = parser.parse_args()
-    benchlib.use_build(opts.target_dir)
+    opts = benchlib.parse(parser)
     programs = benchlib.daemons(opts.baseline)
     depths = [int(d) for d in opts.iodepths.split(",")]
     places = {p: {"tmpfs": "/dev/shm", "disk": opts.disk_dir}[p] for p in opts.places.split(",")}

@@ -9,15 +9,15 @@ Runs alternate off/on. Reported per run: the guest's IOPS (bounded by TCG,
 which also tracks the guest's own writes while migrating) and vsd's CPU
 time per request (its ticks over its requests, boot included).
 
-usage: scripts/bench-dirty-log.py [--runs 3] [--runtime 10] [--work /dev/shm/vsd-dirty-log]
+usage: scripts/bench.py run dirty-log [--runs 3] [--runtime 10] [--work /dev/shm/vsd-dirty-log]
 """
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import time
 
+import benchlib
 from benchlib import ROOT, TICK_US, VSD, cpu_ticks, wait_started
 from qemu.qmp import ConnectError
 from qemu.qmp.legacy import QEMUMonitorProtocol
@@ -50,7 +50,7 @@ def one_run(work, logging, runtime):
         if os.path.exists(path):
             os.unlink(path)
     daemon = subprocess.Popen([
-        "taskset", "-c", "0", VSD,
+        *benchlib.pin(benchlib.DAEMON_CPU), VSD,
         "--blockdev", f"driver=file,node-name=f0,filename={work}/disk.img,aio=io_uring",
         "--blockdev", "driver=raw,node-name=disk0,file=f0",
         "--export", f"type=vhost-user-blk,id=e0,node-name=disk0,addr.type=unix,addr.path={sock},writable=on",
@@ -61,7 +61,7 @@ def one_run(work, logging, runtime):
         control = connect(vsd_qmp)
         ticks, done = cpu_ticks(daemon.pid), requests(control)
         guest = subprocess.Popen(
-            ["taskset", "-c", "1", os.path.join(ROOT, "scripts/guest/run-guest.sh"), "--socket", sock,
+            [*benchlib.pin(benchlib.CLIENT_CPU), os.path.join(ROOT, "scripts/guest/run-guest.sh"), "--socket", sock,
              "--queues", "1", "--job", "bench", "--rw", "randread", "--bs", "4k", "--iodepth", "32",
              "--runtime", str(runtime), "--size", "512M", "--qmp", qemu_qmp, "--timeout", "600"],
             stdout=subprocess.PIPE, text=True)
@@ -84,11 +84,11 @@ def one_run(work, logging, runtime):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = benchlib.parser(__doc__, baseline=False, out=False)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--runtime", type=int, default=10)
     parser.add_argument("--work", default="/dev/shm/vsd-dirty-log")
-    args = parser.parse_args()
+    args = benchlib.parse(parser)
     os.makedirs(args.work, exist_ok=True)
     with open(os.path.join(args.work, "disk.img"), "wb") as f:
         f.truncate(IMAGE_BYTES)
