@@ -9,7 +9,7 @@ peak; the connections the flood made, and the daemon's CPU seconds during
 it (and per connection); how long `qemu-img info` took, run once a second
 during it (the worst and the median).
 
-usage: scripts/bench-nbd-flood.py [--seconds 10] [--clients 1000] [--no-reconnect] [--target-dir T] [--work /dev/shm/vsd-bench-nbd-flood]
+usage: scripts/bench.py run nbd-flood [--seconds 10] [--clients 1000] [--no-reconnect] [--target-dir T] [--work /dev/shm/vsd-bench-nbd-flood]
 """
 import argparse
 import os

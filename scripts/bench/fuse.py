@@ -7,7 +7,7 @@ iodepth 1 and 16, 1 MiB sequential reads and writes at iodepth 4. Targets
 are interleaved within each repetition (order reversed every other one);
 reported are the medians of IOPS and of the daemon's CPU time per I/O.
 
-usage: scripts/bench-fuse.py [--reps 3] [--seconds 5] [--work /dev/shm/vsd-bench-fuse]
+usage: scripts/bench.py run fuse [--reps 3] [--seconds 5] [--work /dev/shm/vsd-bench-fuse]
        [--workloads NAME,...] [--targets vsd,qsd,file] [--target-dir T]
 """
 import argparse
