@@ -56,6 +56,15 @@ fn qemu_img_images_open_and_decrypt() {
         let written = &data[4096..4096 + 8192];
         assert!(written.iter().all(|&b| b == 0xa5), "{alg}-{mode}-{ivgen}-{hash}: qemu-io's pattern");
 
+        // And what is encrypted here, qemu-io reads back.
+        let mut ours = vec![0x3cu8; 4096];
+        volume.cipher.encrypt(64, &mut ours);
+        let rw = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+        rw.write_all_at(&ours, volume.payload_offset() + 64 * 512).unwrap();
+        run(Command::new("qemu-io")
+            .args(["--object", "secret,id=sec0,data=s3cret", "--image-opts", &spec])
+            .args(["-c", "read -P 0x3c 32768 4096"]));
+
         let wrong = open(&img, b"nope").err().unwrap();
         assert_eq!(wrong.0, "Invalid password, cannot unlock any keyslot");
     }
