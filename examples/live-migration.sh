@@ -8,10 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 t=$(mktemp -d /tmp/vsd-migration.XXXXXX)
 cleanup() {
-    for pid in "$t"/*.pid; do [ -e "$pid" ] && kill "$(cat "$pid")" 2>/dev/null; done
-    kill $(jobs -p) 2>/dev/null
+    for pid in "$t"/*.pid; do
+        if [ -e "$pid" ]; then kill "$(cat "$pid")" 2>/dev/null || true; fi
+    done
+    kill $(jobs -p) 2>/dev/null || true
     rm -rf "$t"
-    return 0
 }
 trap cleanup EXIT
 qmp() { scripts/qmp.py "$@" >/dev/null; }
@@ -35,23 +36,30 @@ vsd --blockdev file,node-name=f0,filename="$t/disk.qcow2",active=off \
 
 # One QEMU per daemon, with the same devices; B waits for the migration.
 guest() { # SOCKET QMP-SOCKET CONSOLE [QEMU-ARGS...]
-    qemu-system-x86_64 -accel tcg -m 512M -nodefaults -display none -no-reboot \
+    exec qemu-system-x86_64 -accel tcg -m 512M -nodefaults -display none -no-reboot \
         -object memory-backend-memfd,id=mem,size=512M,share=on -machine q35,memory-backend=mem \
         -chardev socket,id=disk,path="$1" -device vhost-user-blk-pci,chardev=disk,num-queues=1 \
         -kernel build/guest/vmlinuz -initrd build/guest/initramfs.cpio \
-        -append "console=ttyS0 quiet panic=-1 vsd.job=paced vsd.runtime=20 vsd.size=16M" \
+        -append "console=ttyS0 quiet panic=-1 vsd.job=paced vsd.runtime=10 vsd.size=16M" \
         -qmp unix:"$2",server=on,wait=off -serial file:"$3" "${@:4}"
 }
 guest "$t/a.sock" "$t/qemu-a.sock" "$t/console-a" &
 guest "$t/b.sock" "$t/qemu-b.sock" "$t/console-b" -incoming unix:"$t/migrate.sock" -S &
-wait_for() { for _ in $(seq 600); do eval "$1" && return; sleep 0.2; done; echo "timed out: $1" >&2; exit 1; }
-wait_for "grep -qa 'VSD-GUEST capacity_bytes' '$t/console-a' 2>/dev/null"
+# wait_for SECONDS CONDITION; a guest under TCG on a busy machine is slow.
+wait_for() {
+    local deadline=$((SECONDS + $1))
+    until eval "$2"; do
+        [ "$SECONDS" -lt "$deadline" ] || { echo "timed out after $1 s: $2" >&2; exit 1; }
+        sleep 0.2
+    done
+}
+wait_for 300 "grep -qa 'VSD-GUEST capacity_bytes' '$t/console-a' 2>/dev/null"
 echo "guest writing on vsd A; migrating"
 
 # 1. The source QEMU migrates; once completed it has stopped the rings
 #    (vsd A finished every request in flight and logged its writes).
 qmp "$t/qemu-a.sock" migrate "{\"uri\": \"unix:$t/migrate.sock\"}"
-wait_for "scripts/qmp.py '$t/qemu-a.sock' query-migrate | grep -q '\"completed\"'"
+wait_for 300 "[[ \$(scripts/qmp.py '$t/qemu-a.sock' query-migrate) == *'\"completed\"'* ]]"
 # 2. vsd A lets the image go (metadata written back, nothing cached).
 qmp "$t/a-qmp.sock" blockdev-set-active '{"node-name": "q0", "active": false}'
 # 3. vsd B takes it (read afresh).
@@ -61,11 +69,11 @@ qmp "$t/qemu-b.sock" cont
 qmp "$t/qemu-a.sock" quit
 echo "guest running on vsd B"
 
-wait_for "grep -qa 'VSD-GUEST done' '$t/console-b' 2>/dev/null"
+wait_for 600 "grep -qa 'VSD-GUEST done' '$t/console-b' 2>/dev/null"
 grep -qa 'VSD-GUEST fio_write_status=0' "$t/console-b" && grep -qa 'VSD-GUEST fio_verify_status=0' "$t/console-b" ||
     { echo "fio's verify failed after the migration:" >&2; tr -d '\r' <"$t/console-b" | tail -20 >&2; exit 1; }
 # vsd B stops cleanly (SIGTERM) and removes its pidfile.
 kill "$(cat "$t/b.pid")"
-wait_for "[ ! -e '$t/b.pid' ]"
+wait_for 30 "[ ! -e '$t/b.pid' ]"
 qemu-img check -q "$t/disk.qcow2"
 echo "migrated: fio verified every block on vsd B, qemu-img check clean"

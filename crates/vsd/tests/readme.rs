@@ -3,8 +3,11 @@
 //! binaries cargo built for the tests, put on PATH as the README's
 //! "Build" step puts the release ones.
 
+use std::fs::File;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap()
@@ -48,26 +51,56 @@ fn every_tour_block_runs_as_written() {
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
     let mut failures = Vec::new();
     for block in blocks {
-        let out = Command::new("bash")
-            .args(["-euo", "pipefail", "-c", block])
-            .current_dir(repo())
-            .env("PATH", &path)
-            .output()
-            .unwrap();
-        if !out.status.success() {
-            let tail = |bytes: &[u8]| {
-                let text = String::from_utf8_lossy(bytes).to_string();
+        let (status, stdout, stderr) = run_block(block, &path);
+        if status.is_none_or(|s| !s.success()) {
+            let tail = |text: String| {
                 text.lines().rev().take(15).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
             };
-            failures.push(format!(
-                "{block}\n=> {}\nstdout:\n{}\nstderr:\n{}",
-                out.status,
-                tail(&out.stdout),
-                tail(&out.stderr)
-            ));
+            let status = status.map_or("timed out".to_string(), |s| s.to_string());
+            failures.push(format!("{block}\n=> {status}\nstdout:\n{}\nstderr:\n{}", tail(stdout), tail(stderr)));
         }
     }
     assert!(failures.is_empty(), "tour blocks failed:\n{}", failures.join("\n\n"));
+}
+
+/// The longest a tour block may take (a guest booted under TCG on a busy
+/// machine is the slowest).
+const BLOCK_LIMIT: Duration = Duration::from_secs(900);
+
+/// Runs `block` in bash, in a process group of its own, its output in
+/// files: a process it leaves behind (a QEMU) holds no pipe of the test's
+/// open, and is killed with the group when the block ends or overruns.
+fn run_block(block: &str, path: &str) -> (Option<ExitStatus>, String, String) {
+    let dir = std::env::temp_dir().join(format!("vsd-readme-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (out, err) = (dir.join("stdout"), dir.join("stderr"));
+    let mut child = Command::new("bash")
+        .args(["-euo", "pipefail", "-c", block])
+        .current_dir(repo())
+        .env("PATH", path)
+        .stdin(Stdio::null())
+        .stdout(File::create(&out).unwrap())
+        .stderr(File::create(&err).unwrap())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if started.elapsed() > BLOCK_LIMIT {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    // SAFETY: kill() of the process group of a child we spawned as its leader.
+    unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+    let _ = child.wait();
+    let read = |file: &Path| std::fs::read_to_string(file).unwrap_or_default();
+    let said = (status, read(&out), read(&err));
+    let _ = std::fs::remove_dir_all(&dir);
+    said
 }
 
 /// Relative links of the README and the manual name files that exist.
