@@ -182,45 +182,32 @@ fn main() -> ExitCode {
 /// The lists QEMU's `help` values ask for (`--object help`, `-T help`),
 /// and vsd's drivers and export types, which QSD does not list.
 fn help(args: &DaemonArgs) -> Option<String> {
+    kind_help(&args.object, "qom-type=", "List of user creatable objects", objects::TYPES, objects::properties)
+        .or_else(|| kind_help(&args.blockdev, "driver=", "Block drivers", vsd_block::DRIVERS, schema::blockdev_help))
+        .or_else(|| kind_help(&args.export, "type=", "Export types", daemon::EXPORT_TYPES, schema::export_help))
+        .or_else(|| args.trace.iter().any(|t| t == "help").then(trace::help))
+}
+
+/// `OPTION help` lists the kinds (`title`); `OPTION KIND,help` the options
+/// of that kind, and an unknown kind the kinds, as QEMU does.
+fn kind_help(
+    values: &[String],
+    key: &str,
+    title: &str,
+    kinds: &[&str],
+    options: fn(&str) -> Option<Vec<String>>,
+) -> Option<String> {
     let lines = |items: &[&str]| items.iter().map(|item| format!("  {item}\n")).collect::<String>();
-    if args.object.iter().any(|o| o == "help") {
-        return Some(format!("List of user creatable objects:\n{}", lines(objects::TYPES)));
+    let listing = || format!("{title}:\n{}", lines(kinds));
+    if values.iter().any(|v| v == "help") {
+        return Some(listing());
     }
-    // `--object TYPE,help`: an unknown type lists the types, as QEMU does.
-    if let Some(kind) = args.object.iter().find_map(|o| o.strip_suffix(",help")) {
-        let kind = kind.strip_prefix("qom-type=").unwrap_or(kind);
-        return Some(match objects::properties(kind) {
-            Some(properties) => {
-                format!("{kind} options:\n{}", lines(&properties.iter().map(String::as_str).collect::<Vec<_>>()))
-            }
-            None => format!("List of user creatable objects:\n{}", lines(objects::TYPES)),
-        });
-    }
-    if args.blockdev.iter().any(|b| b == "help") {
-        return Some(format!("Block drivers:\n{}", lines(vsd_block::DRIVERS)));
-    }
-    if let Some(driver) = args.blockdev.iter().find_map(|b| b.strip_suffix(",help")) {
-        let driver = driver.strip_prefix("driver=").unwrap_or(driver);
-        return Some(match schema::blockdev_help(driver) {
-            Some(options) => {
-                format!("{driver} options:\n{}", lines(&options.iter().map(String::as_str).collect::<Vec<_>>()))
-            }
-            None => format!("Block drivers:\n{}", lines(vsd_block::DRIVERS)),
-        });
-    }
-    if args.export.iter().any(|e| e == "help") {
-        return Some(format!("Export types:\n{}", lines(daemon::EXPORT_TYPES)));
-    }
-    if let Some(kind) = args.export.iter().find_map(|e| e.strip_suffix(",help")) {
-        let kind = kind.strip_prefix("type=").unwrap_or(kind);
-        return Some(match schema::export_help(kind) {
-            Some(options) => {
-                format!("{kind} options:\n{}", lines(&options.iter().map(String::as_str).collect::<Vec<_>>()))
-            }
-            None => format!("Export types:\n{}", lines(daemon::EXPORT_TYPES)),
-        });
-    }
-    args.trace.iter().any(|t| t == "help").then(trace::help)
+    let kind = values.iter().find_map(|v| v.strip_suffix(",help"))?;
+    let kind = kind.strip_prefix(key).unwrap_or(kind);
+    Some(match options(kind) {
+        Some(options) => format!("{kind} options:\n{}", lines(&options.iter().map(String::as_str).collect::<Vec<_>>())),
+        None => listing(),
+    })
 }
 
 /// The man page, from the same definition as `--help`.
